@@ -1,0 +1,262 @@
+"""The one registry of settings, and the read-only :class:`Config` built from it.
+
+Every key that bk reads is defined once in :data:`SETTINGS` with its type,
+default and documentation; ``conf/bk_server.conf`` and ``conf/client.conf``
+document the same keys. Values come, lowest precedence first, from the
+registry defaults, a ``key=value`` conf file, environment variables
+``BK_<key>`` and explicit overrides (command-line flags). An unknown key or a
+value that does not parse raises :class:`bk.errors.ConfigError` naming the key:
+a typo in a directory key must never fall back silently to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from bk.errors import ConfigError
+
+SERVER, CLIENT, BOTH = "server", "client", "both"
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("true", "1", "yes", "on"):
+        return True
+    if t in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _parse_list(text: str) -> list[str]:
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    if not items:
+        raise ValueError("expected a comma-separated list with at least one item")
+    return items
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip(), 0)
+
+
+def _parse_float(text: str) -> float:
+    return float(text.strip())
+
+
+def _parse_str(text: str) -> str:
+    return text.strip()
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {
+    bool: _parse_bool, int: _parse_int, float: _parse_float, str: _parse_str, list: _parse_list,
+}
+_TYPE_WORDS = {bool: "a boolean (true/false)", int: "an integer", float: "a number",
+               str: "a string", list: "a comma-separated list"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type
+    default: Any
+    doc: str
+    scope: str = SERVER
+    minimum: float | None = None
+    maximum: float | None = None
+
+    def parse(self, value: Any) -> Any:
+        """Convert ``value`` (text or an already-typed value) or raise ConfigError."""
+        try:
+            if isinstance(value, str):
+                v = _PARSERS[self.type](value)
+            elif self.type is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+                v = float(value)
+            elif self.type is list and isinstance(value, (list, tuple)):
+                v = [str(x) for x in value]
+                if not v:
+                    raise ValueError("expected at least one item")
+            elif isinstance(value, self.type) and not (self.type is int and isinstance(value, bool)):
+                v = value
+            else:
+                raise ValueError(f"expected {_TYPE_WORDS[self.type]}")
+        except ValueError as e:
+            raise ConfigError(f"bad value {value!r} for {self.name}: "
+                              f"{_TYPE_WORDS[self.type]} is required ({e})") from None
+        if self.minimum is not None and v < self.minimum:
+            raise ConfigError(f"bad value {value!r} for {self.name}: must be >= {self.minimum}")
+        if self.maximum is not None and v > self.maximum:
+            raise ConfigError(f"bad value {value!r} for {self.name}: must be <= {self.maximum}")
+        return v
+
+
+_S = Setting
+SETTINGS: dict[str, Setting] = {s.name: s for s in [
+    # --- identity and network -------------------------------------------------
+    _S("bookieId", str, "", "Bookie id registered in the metadata store. Empty: "
+       "<advertisedAddress>:<bookiePort>."),
+    _S("bookiePort", int, 3181, "TCP port the bookie listens on.", minimum=0, maximum=65535),
+    _S("advertisedAddress", str, "127.0.0.1", "Address clients use to reach this bookie."),
+    _S("bindAddress", str, "", "Address to bind. Empty: the advertisedAddress."),
+    _S("metadataServiceUri", str, "", "etcd://host:port[,host:port...]/prefix of the "
+       "metadata store.", scope=BOTH),
+    _S("authToken", str, "", "Shared secret a client must present in HELLO. Empty: no "
+       "authentication.", scope=BOTH),
+    # --- storage ---------------------------------------------------------------
+    _S("journalDirectories", list, ["/tmp/bk-txn"], "Directories of the journal segments "
+       "(where entries live). Shards are spread over them round-robin."),
+    _S("ledgerDirectories", list, ["/tmp/bk-data"], "Directories of the index checkpoints, "
+       "ledger state and cookie. Shards are spread over them round-robin."),
+    _S("numShards", int, 0, "Shard worker processes. 0: one per CPU. Fixed when the bookie "
+       "is formatted (recorded in its cookie).", minimum=0, maximum=256),
+    _S("journalMaxGroupWaitMSec", int, 2, "Longest time (ms) an add waits for others to "
+       "share its journal sync. 0: sync once per event-loop pass.", minimum=0),
+    _S("journalBufferedWritesThreshold", int, 512 * 1024, "Bytes of unsynced journal "
+       "writes that force a sync without waiting further.", minimum=0),
+    _S("journalPreAllocSizeMB", int, 64, "Size (MiB) of each preallocated journal segment.",
+       minimum=1, maximum=2048),
+    _S("journalSyncData", bool, True, "msync journal writes before acknowledging them. "
+       "false: acknowledged adds survive a process crash but not a power loss."),
+    _S("flushInterval", int, 60000, "Interval (ms) between index checkpoints; a restart "
+       "replays the journal only from the last checkpoint.", minimum=100),
+    _S("nettyMaxFrameSizeBytes", int, 5 * 1024 * 1024, "Largest frame accepted or sent.",
+       scope=BOTH, minimum=1024),
+    # --- disk space, GC ----------------------------------------------------------
+    _S("diskUsageThreshold", float, 0.95, "Disk usage fraction at which the bookie turns "
+       "read-only.", minimum=0.0, maximum=1.0),
+    _S("diskUsageLwmThreshold", float, 0.90, "Disk usage fraction under which a read-only "
+       "bookie turns writable again.", minimum=0.0, maximum=1.0),
+    _S("diskCheckInterval", int, 10000, "Interval (ms) between disk usage checks.", minimum=10),
+    _S("readOnlyModeEnabled", bool, True, "Turn read-only when the disk fills. false: "
+       "the bookie shuts down instead."),
+    _S("gcWaitTime", int, 60000, "Interval (ms) between garbage collections of deleted "
+       "ledgers and journal compaction.", minimum=10),
+    _S("compactionThreshold", float, 0.5, "A full journal segment whose live fraction is "
+       "under this is compacted (its live entries copied forward, the file removed). "
+       "0 disables compaction.", minimum=0.0, maximum=1.0),
+    # --- process ---------------------------------------------------------------
+    _S("registrationTtlSeconds", int, 10, "TTL of the bookie's registration lease in etcd; "
+       "a dead bookie disappears within it.", minimum=2),
+    _S("workerTimeoutMSec", int, 30000, "A shard worker whose heartbeat is older than this "
+       "is killed and restarted.", minimum=1000),
+    _S("pidFile", str, "", "Pid file of the bookie. Empty: bookie.pid in the first ledger "
+       "directory."),
+    _S("logFile", str, "", "Log file. Empty: stderr in the foreground, bookie.log in the "
+       "first ledger directory with --daemon."),
+    _S("logLevel", str, "INFO", "Log level: DEBUG, INFO, WARNING, ERROR.", scope=BOTH),
+    # --- client ----------------------------------------------------------------
+    _S("addEntryTimeoutSec", float, 10.0, "Seconds before a bookie that has not "
+       "acknowledged an add is replaced.", scope=CLIENT, minimum=0.1),
+    _S("readEntryTimeoutSec", float, 10.0, "Seconds before a read from one bookie is "
+       "abandoned for the next replica.", scope=CLIENT, minimum=0.1),
+    _S("clientConnectTimeoutMillis", int, 5000, "Timeout (ms) to connect to a bookie.",
+       scope=CLIENT, minimum=1),
+    _S("metadataTimeoutMillis", int, 5000, "Timeout (ms) of one metadata store request, "
+       "and of connecting to it.", scope=BOTH, minimum=100),
+    _S("throttle", int, 5000, "Most adds a ledger handle keeps outstanding; add_entries "
+       "blocks beyond it.", scope=CLIENT, minimum=1),
+    _S("explicitLacInterval", int, 0, "Interval (ms) at which an idle writer sends its LAC "
+       "explicitly. 0: the LAC only travels piggybacked on the next entry.",
+       scope=CLIENT, minimum=0),
+]}
+
+
+class Config(Mapping):
+    """Read-only settings: ``conf.bookiePort`` or ``conf["bookiePort"]``."""
+
+    def __init__(self, values: Mapping[str, Any], source: str | None = None):
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "source", source)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Config is read-only; use Config.load(overrides=...)")
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self):
+        return len(self._values)
+
+    def __repr__(self):
+        return f"Config({self._values!r})"
+
+    def with_overrides(self, **overrides) -> "Config":
+        """A copy with some settings replaced (values are validated)."""
+        values = dict(self._values)
+        for key, value in overrides.items():
+            values[key] = _setting(key).parse(value)
+        return Config(values, self.source)
+
+    # --- derived values, defined once -------------------------------------
+    @property
+    def bookie_id(self) -> str:
+        return self._values["bookieId"] or f"{self.advertisedAddress}:{self.bookiePort}"
+
+    @property
+    def bind_address(self) -> str:
+        return self._values["bindAddress"] or self._values["advertisedAddress"]
+
+    @property
+    def pid_file(self) -> str:
+        return self._values["pidFile"] or os.path.join(self.ledgerDirectories[0], "bookie.pid")
+
+    @property
+    def num_shards(self) -> int:
+        return self._values["numShards"] or (os.cpu_count() or 1)
+
+    @classmethod
+    def load(cls, path: str | None = None, overrides: Mapping[str, Any] | None = None,
+             env: Mapping[str, str] | None = None) -> "Config":
+        """Defaults < conf file < ``BK_<key>`` environment < overrides."""
+        values = {name: s.default for name, s in SETTINGS.items()}
+        if path:
+            values.update(read_conf_file(path))
+        env = os.environ if env is None else env
+        for key, text in env.items():
+            if key.startswith("BK_") and key[3:] in SETTINGS:
+                values[key[3:]] = SETTINGS[key[3:]].parse(text)
+        for key, value in (overrides or {}).items():
+            if value is not None:
+                values[key] = _setting(key).parse(value)
+        return cls(values, path)
+
+
+def _setting(key: str) -> Setting:
+    try:
+        return SETTINGS[key]
+    except KeyError:
+        raise ConfigError(f"unknown configuration key {key!r}") from None
+
+
+def read_conf_file(path: str) -> dict[str, Any]:
+    """Parse ``key=value`` lines (``#`` comments); unknown keys are errors."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read configuration file {path}: {e.strerror}") from None
+    values: dict[str, Any] = {}
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "=" not in line:
+            raise ConfigError(f"{path}:{lineno}: expected key=value, got {line!r}")
+        key, _, text = line.partition("=")
+        key = key.strip()
+        if key not in SETTINGS:
+            raise ConfigError(f"{path}:{lineno}: unknown configuration key {key!r}")
+        try:
+            values[key] = SETTINGS[key].parse(text)
+        except ConfigError as e:
+            raise ConfigError(f"{path}:{lineno}: {e}") from None
+    return values

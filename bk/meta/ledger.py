@@ -1,0 +1,127 @@
+"""Ledger metadata: what a ledger is, as stored (JSON) under ``ledgers/<id>`` in etcd.
+
+The stored form is human-readable so that ``etcdctl get`` is useful. Binary
+fields (password digest, custom metadata values) are base64. ``FORMAT_VERSION``
+is bumped whenever the layout changes; a reader refuses a newer version.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import enum
+import json
+import time
+from dataclasses import dataclass, field, replace
+
+FORMAT_VERSION = 1
+DIGEST_TYPES = ("crc32", "crc32c", "mac", "dummy")
+
+
+class LedgerState(str, enum.Enum):
+    OPEN = "OPEN"
+    IN_RECOVERY = "IN_RECOVERY"
+    CLOSED = "CLOSED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class LedgerMetadata:
+    """Immutable snapshot of one ledger's metadata; change it with :meth:`replace`.
+
+    ``ensembles`` is a list of ``(first_entry_id, [bookie ids])`` sorted by first
+    entry id; the ensemble of entry ``e`` is the last one whose first entry id
+    is <= e. ``last_entry_id`` and ``length`` are meaningful when CLOSED
+    (-1 and 0 otherwise).
+    """
+
+    ledger_id: int
+    ensemble_size: int
+    write_quorum_size: int
+    ack_quorum_size: int
+    ensembles: list
+    digest_type: str = "crc32c"
+    password_digest: bytes = b""
+    state: LedgerState = LedgerState.OPEN
+    last_entry_id: int = -1
+    length: int = 0
+    ctime: float = field(default_factory=time.time)
+    custom_metadata: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    # --- quorum arithmetic -------------------------------------------------
+    def ensemble_index(self, entry_id: int) -> int:
+        """Index in ``ensembles`` of the fragment that holds ``entry_id``."""
+        firsts = [first for first, _ in self.ensembles]
+        return max(0, bisect.bisect_right(firsts, entry_id) - 1)
+
+    def ensemble_for(self, entry_id: int) -> list[str]:
+        return self.ensembles[self.ensemble_index(entry_id)][1]
+
+    def write_set(self, entry_id: int) -> list[str]:
+        """The Qw bookies that store ``entry_id``: round-robin from ``entry_id % E``."""
+        ens = self.ensemble_for(entry_id)
+        e = len(ens)
+        return [ens[(entry_id + i) % e] for i in range(self.write_quorum_size)]
+
+    @property
+    def last_ensemble(self) -> list[str]:
+        return self.ensembles[-1][1]
+
+    @property
+    def is_closed(self) -> bool:
+        return self.state == LedgerState.CLOSED
+
+    def replace(self, **changes) -> "LedgerMetadata":
+        return replace(self, **changes)
+
+    # --- (de)serialisation -------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "formatVersion": self.format_version,
+            "ledgerId": self.ledger_id,
+            "ensembleSize": self.ensemble_size,
+            "writeQuorumSize": self.write_quorum_size,
+            "ackQuorumSize": self.ack_quorum_size,
+            "state": self.state.value,
+            "lastEntryId": self.last_entry_id,
+            "length": self.length,
+            "ensembles": [[first, list(bookies)] for first, bookies in self.ensembles],
+            "digestType": self.digest_type,
+            "passwordDigest": base64.b64encode(self.password_digest).decode("ascii"),
+            "ctime": self.ctime,
+            "customMetadata": {k: base64.b64encode(v).decode("ascii")
+                               for k, v in self.custom_metadata.items()},
+        }
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LedgerMetadata":
+        version = d.get("formatVersion", 1)
+        if version > FORMAT_VERSION:
+            raise ValueError(f"ledger metadata format {version} is newer than this bk "
+                             f"understands ({FORMAT_VERSION})")
+        return cls(
+            ledger_id=int(d["ledgerId"]),
+            ensemble_size=int(d["ensembleSize"]),
+            write_quorum_size=int(d["writeQuorumSize"]),
+            ack_quorum_size=int(d["ackQuorumSize"]),
+            ensembles=[(int(first), list(bookies)) for first, bookies in d["ensembles"]],
+            digest_type=d.get("digestType", "crc32c"),
+            password_digest=base64.b64decode(d.get("passwordDigest", "")),
+            state=LedgerState(d.get("state", "OPEN")),
+            last_entry_id=int(d.get("lastEntryId", -1)),
+            length=int(d.get("length", 0)),
+            ctime=float(d.get("ctime", 0.0)),
+            custom_metadata={k: base64.b64decode(v)
+                             for k, v in d.get("customMetadata", {}).items()},
+            format_version=version,
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "LedgerMetadata":
+        return cls.from_dict(json.loads(data))
