@@ -30,6 +30,10 @@ The layouts, one per op (``->`` separates request from response)::
   bookie's LAC passes ``previous_lac`` or ``timeout_ms`` elapses, then answer
   with ``bookie_lac`` and the entry if the bookie has it, else entry fields
   ``None`` with status EOK).
+* ``digest`` is opaque to the bookie: it stores it with the entry and returns
+  it on READ. The client puts the ledger's cumulative length after this entry
+  (8 bytes, big-endian) followed by the checksum of (ledger, entry, lac,
+  length, payload) under the ledger's digest type.
 * ``master_key`` is the digest of the ledger password (never the password);
   ``None`` where no key is needed (plain reads).
 * ``ranges`` is a flat list ``[first, last, first, last, ...]`` of inclusive
