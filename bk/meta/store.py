@@ -1,0 +1,1050 @@
+"""MetadataStore: the only code in bk that talks to etcd.
+
+URI: ``etcd://host:port[,host:port...]/prefix`` (BookKeeper's metadataServiceUri).
+Every key lives under ``<prefix>/`` (prefix ``/ledgers`` -> ``/ledgers/...``):
+
+====================================  ==================================================
+``ledgers/<id as 20 digits>``         ledger metadata (JSON, see :mod:`bk.meta.ledger`);
+                                      zero padding makes key order = numeric order, so
+                                      listings page with plain range requests
+``idgen``                             touched by every :meth:`new_ledger_id`; the id is
+                                      the etcd revision of that write
+``bookies/available/<bookie id>``     JSON info of a writable bookie, bound to its lease
+``bookies/readonly/<bookie id>``      same for a read-only bookie
+``cookies/<bookie id>``               JSON cookie of a bookie's directories
+``layout``                            JSON layout record; present once formatted
+(later) ``underreplication/...``, ``auditor``, ``logs/<name>``
+====================================  ==================================================
+
+The "version" of a key is its etcd ``mod_revision``; every change of ledger
+metadata is a transaction that compares it (compare-and-swap). A lost CAS
+raises :class:`MetadataVersionError` and never overwrites.
+
+Every pyetcd/gRPC exception is translated at this boundary into
+:class:`MetadataError` (or a more specific subclass) whose message says what
+was asked and names the URI.
+
+Threads and fork: one store may be shared by threads (gRPC channels are
+thread-safe; our own state is under a lock). A store used in a child after
+``fork()`` notices the changed pid and builds a new gRPC client; the parent's
+channel is left alone (never used nor closed in the child).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
+
+import grpc
+from pyetcd import exceptions as etcd_exc
+from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+from pyetcd.utils import prefix_range_end
+
+from bk.errors import (BKError, CookieMismatchError, LedgerExistsError, MetadataError,
+                       MetadataVersionError, NoSuchLedgerError)
+from bk.meta.ledger import LedgerMetadata
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "/ledgers"
+LAYOUT_VERSION = 1
+LEDGER_ID_DIGITS = 20
+MAX_LEDGER_ID = 2 ** 63 - 1
+
+# gRPC channel options: reconnect quickly after etcd restarts (the default backoff
+# grows to 2 minutes, during which every call fails fast), detect dead peers of
+# long-lived watch streams.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class CookieVersionError(CookieMismatchError, MetadataVersionError):
+    """A cookie CAS lost: the cookie changed (or vanished) since it was read."""
+
+
+# --- URI --------------------------------------------------------------------------
+
+def parse_metadata_uri(uri: str) -> tuple[list[tuple[str, int]], str]:
+    """``etcd://h1:p1,h2:p2/prefix`` -> ``([(h1, p1), (h2, p2)], "/prefix")``.
+
+    A missing or ``/`` path means ``/ledgers`` (BookKeeper's default root).
+    Anything else than ``etcd://`` with at least one ``host:port`` raises
+    ValueError naming the URI.
+    """
+    if not isinstance(uri, str):
+        raise ValueError(f"metadata service URI must be a string, not {uri!r}")
+    text = uri.strip()
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        raise ValueError(f"bad metadata service URI {uri!r}: expected "
+                         f"etcd://host:port[,host:port...]/prefix")
+    if scheme.lower() != "etcd":
+        raise ValueError(f"unsupported metadata service URI {uri!r}: scheme {scheme!r} "
+                         f"is not etcd (expected etcd://host:port[,host:port...]/prefix)")
+    netloc, slash, path = rest.partition("/")
+    if "?" in rest or "#" in rest or "@" in netloc:
+        raise ValueError(f"bad metadata service URI {uri!r}: query strings, fragments "
+                         f"and credentials are not supported")
+    if not netloc:
+        raise ValueError(f"bad metadata service URI {uri!r}: no host:port")
+    endpoints: list[tuple[str, int]] = []
+    for part in netloc.split(","):
+        part = part.strip()
+        host, colon, port_text = part.rpartition(":")
+        if not colon or not host or host in ("[]",):
+            raise ValueError(f"bad metadata service URI {uri!r}: {part!r} is not host:port")
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ValueError(f"bad metadata service URI {uri!r}: bad port in {part!r}")
+        if host.startswith("[") != host.endswith("]"):
+            raise ValueError(f"bad metadata service URI {uri!r}: bad host in {part!r}")
+        endpoints.append((host.strip("[]") if ":" in host else host, int(port_text)))
+    # also reject things urlsplit considers odd (spaces, control characters)
+    if any(ch.isspace() for ch in text) or urlsplit(text).scheme.lower() != "etcd":
+        raise ValueError(f"bad metadata service URI {uri!r}")
+    segments = [s for s in path.split("/")] if path else []
+    while segments and segments[-1] == "":
+        segments.pop()
+    if any(s in ("", ".", "..") for s in segments):
+        raise ValueError(f"bad metadata service URI {uri!r}: bad prefix /{path}")
+    prefix = "/" + "/".join(segments) if segments else DEFAULT_PREFIX
+    return endpoints, prefix
+
+
+def ledger_key_name(ledger_id: int) -> str:
+    """Relative key of a ledger: ``ledgers/00000000000000000042``."""
+    return f"ledgers/{ledger_id:0{LEDGER_ID_DIGITS}d}"
+
+
+def _check_ledger_id(ledger_id: int) -> int:
+    if isinstance(ledger_id, bool) or not isinstance(ledger_id, int) \
+            or not 0 <= ledger_id <= MAX_LEDGER_ID:
+        raise ValueError(f"ledger id must be an integer in [0, 2**63), not {ledger_id!r}")
+    return ledger_id
+
+
+def _check_bookie_id(bookie_id: str) -> str:
+    if not isinstance(bookie_id, str) or not bookie_id or "/" in bookie_id \
+            or any(ch.isspace() for ch in bookie_id):
+        raise ValueError(f"bad bookie id {bookie_id!r}: must be non-empty, without '/' "
+                         f"or whitespace")
+    return bookie_id
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+# --- the store ----------------------------------------------------------------------
+
+class MetadataStore:
+    """Ledger metadata, ledger ids, bookie registrations and cookies in etcd.
+
+    Connects lazily: the first call creates the gRPC client. An unreachable
+    etcd raises MetadataError naming the URI within about ``timeout`` seconds
+    (the deadline of every single request).
+    """
+
+    def __init__(self, uri: str, timeout: float = 5.0):
+        self.endpoints, self.prefix = parse_metadata_uri(uri)
+        self.uri = uri
+        if not timeout or timeout <= 0:
+            raise ValueError(f"timeout must be > 0, not {timeout!r}")
+        self.timeout = float(timeout)
+        self._root = self.prefix.rstrip("/") + "/"          # "/ledgers/"
+        self._lock = threading.RLock()
+        self._client_obj: MultiEndpointEtcd3Client | None = None
+        self._pid = os.getpid()
+        self._abandoned: list = []     # clients inherited across fork: never touched again
+        self._closed = False
+        self._registrations: "weakref.WeakSet[BookieRegistration]" = weakref.WeakSet()
+        self._watches: "weakref.WeakSet[_BookieWatch]" = weakref.WeakSet()
+        self.rpc_counts: collections.Counter = collections.Counter()  # kind -> requests sent
+
+    # --- connection -----------------------------------------------------------
+    def _new_client(self) -> MultiEndpointEtcd3Client:
+        # time_retry: how long pyetcd shuns an endpoint after a failure. With one
+        # endpoint it must never be shunned (etcd may be back at the next call).
+        retry = 0.0 if len(self.endpoints) == 1 else min(1.0, self.timeout)
+        eps = [Endpoint(h, p, secure=False, time_retry=retry, opts=_GRPC_OPTIONS)
+               for h, p in self.endpoints]
+        return MultiEndpointEtcd3Client(endpoints=eps, timeout=self.timeout,
+                                        failover=len(eps) > 1)
+
+    def _client(self) -> MultiEndpointEtcd3Client:
+        with self._lock:
+            if self._closed:
+                raise MetadataError(f"metadata store {self.uri} is closed")
+            pid = os.getpid()
+            if pid != self._pid:
+                # Forked: the parent's channel and its threads are not ours to use or close.
+                if self._client_obj is not None:
+                    self._abandoned.append(self._client_obj)
+                self._client_obj = None
+                self._registrations = weakref.WeakSet()
+                self._watches = weakref.WeakSet()
+                self._pid = pid
+            if self._client_obj is None:
+                self._client_obj = self._new_client()
+            return self._client_obj
+
+    def _reset_client(self) -> None:
+        """Drop the client after a failure that may have left pyetcd's watcher broken."""
+        with self._lock:
+            if self._client_obj is not None and self._pid == os.getpid():
+                old, self._client_obj = self._client_obj, None
+                try:
+                    old.close()
+                except Exception:  # pragma: no cover
+                    pass
+
+    def _error(self, what: str, exc: BaseException) -> MetadataError:
+        if isinstance(exc, etcd_exc.ConnectionFailedError):
+            why = "etcd is unreachable"
+        elif isinstance(exc, etcd_exc.ConnectionTimeoutError):
+            why = f"etcd did not answer within {self.timeout:g}s"
+        elif isinstance(exc, etcd_exc.NoServerAvailableError):
+            why = "no etcd endpoint is available"
+        elif isinstance(exc, etcd_exc.InternalServerError):
+            why = "etcd internal error"
+        elif isinstance(exc, etcd_exc.PreconditionFailedError):
+            why = "etcd refused the request (failed precondition)"
+        elif isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+            why = f"etcd error {exc.code().name}: {exc.details()}"
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        return MetadataError(f"{what}: {why} ({self.uri})")
+
+    def _call(self, what: str, kind: str, fn: Callable, *args, idempotent: bool = False,
+              **kwargs):
+        """Run ``fn(client, ...)``; translate failures. Reads are retried on the next
+        endpoint when there are several (a write's outcome may be unknown, so no retry)."""
+        attempts = len(self.endpoints) if idempotent else 1
+        for attempt in range(attempts):
+            client = self._client()
+            self.rpc_counts[kind] += 1
+            try:
+                return fn(client, *args, **kwargs)
+            except BKError:
+                raise
+            except (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError) as exc:
+                retryable = isinstance(exc, (etcd_exc.ConnectionFailedError,
+                                             etcd_exc.ConnectionTimeoutError))
+                if retryable and attempt + 1 < attempts:
+                    continue
+                raise self._error(what, exc) from None
+
+    def _key(self, rel: str) -> bytes:
+        return (self._root + rel).encode("utf-8")
+
+    def close(self) -> None:
+        """Close registrations (revoking their leases), watches and the connection."""
+        with self._lock:
+            if self._closed:
+                return
+            regs, watches = list(self._registrations), list(self._watches)
+        for w in watches:
+            w.cancel()
+        for r in regs:
+            r.close()
+        with self._lock:
+            self._closed = True
+            if self._client_obj is not None and self._pid == os.getpid():
+                try:
+                    self._client_obj.close()
+                except Exception:  # pragma: no cover
+                    pass
+            self._client_obj = None
+
+    def __enter__(self) -> "MetadataStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MetadataStore({self.uri!r})"
+
+    # --- small primitives -----------------------------------------------------
+    def _txn_full(self, what: str, compare, success, failure=()):
+        """One etcd transaction: (succeeded, header revision, raw ResponseOps).
+
+        pyetcd's ``transaction()`` drops the response header, whose revision is the
+        new version of whatever the transaction wrote, so the request is sent here."""
+        from pyetcd import etcdrpc
+
+        def run(c):
+            req = etcdrpc.TxnRequest(compare=[x.build_message() for x in compare],
+                                     success=c._ops_to_requests(list(success)),
+                                     failure=c._ops_to_requests(list(failure)))
+            try:
+                resp = c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials,
+                                    metadata=c.metadata)
+            except grpc.RpcError as exc:
+                c._manage_grpc_errors(exc)
+            return resp.succeeded, resp.header.revision, resp.responses
+        return self._call(what, "txn", run)
+
+    def _get(self, what: str, rel: str) -> tuple[bytes | None, int | None]:
+        def run(c):
+            resp = c.get_response(self._key(rel))
+            if not resp.kvs:
+                return None, None
+            return resp.kvs[0].value, resp.kvs[0].mod_revision
+        return self._call(what, "get", run, idempotent=True)
+
+    def _range_page(self, what: str, start: bytes, end: bytes, limit: int,
+                    keys_only: bool = False):
+        def run(c):
+            return c.get_range_response(start, end, sort_order="ascend", sort_target="key",
+                                        limit=limit, keys_only=keys_only)
+        return self._call(what, "range", run, idempotent=True)
+
+    def _iter_range(self, what: str, rel_prefix: str, page_size: int, keys_only: bool):
+        """Yield kvs under ``rel_prefix`` in key order, ``page_size`` per range request."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, not {page_size}")
+        start = self._key(rel_prefix)
+        end = prefix_range_end(start)
+        while True:
+            resp = self._range_page(what, start, end, page_size, keys_only)
+            for kv in resp.kvs:
+                yield kv
+            if not resp.more or not resp.kvs:
+                return
+            start = resp.kvs[-1].key + b"\0"
+
+    # --- generic JSON helpers (relative keys) ---------------------------------
+    @staticmethod
+    def _check_rel(rel: str) -> str:
+        if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in rel.split("/")):
+            raise ValueError(f"bad relative metadata key {rel!r}")
+        return rel
+
+    def get_json(self, rel: str) -> tuple[Any, int | None]:
+        """(value, version) of ``<prefix>/<rel>``, or (None, None) if absent."""
+        self._check_rel(rel)
+        raw, ver = self._get(f"read {rel}", rel)
+        if raw is None:
+            return None, None
+        try:
+            return json.loads(raw), ver
+        except ValueError as e:
+            raise MetadataError(f"read {rel}: stored value is not JSON ({e}) ({self.uri})")
+
+    def put_json(self, rel: str, value: Any, lease_id: int | None = None) -> int:
+        """Unconditional write; returns the new version."""
+        self._check_rel(rel)
+        c = self._client()
+        ok, rev, _ = self._txn_full(f"write {rel}", [],
+                                    [c.transactions.put(self._key(rel), _json_bytes(value),
+                                                        lease=lease_id)])
+        return rev
+
+    def cas_json(self, rel: str, value: Any, version: int | None) -> int:
+        """Write if the version matches (``None``: only if absent); returns the new
+        version or raises MetadataVersionError naming the current version."""
+        self._check_rel(rel)
+        key = self._key(rel)
+        c = self._client()
+        cmp = (c.transactions.create(key) == 0 if version is None
+               else c.transactions.mod(key) == int(version))
+        ok, rev, responses = self._txn_full(f"write {rel}", [cmp],
+                                            [c.transactions.put(key, _json_bytes(value))],
+                                            [c.transactions.get(key)])
+        if not ok:
+            kvs = responses[0].response_range.kvs
+            now = kvs[0].mod_revision if kvs else None
+            raise MetadataVersionError(
+                f"write {rel} at version {version}: the version is now {now} ({self.uri})")
+        return rev
+
+    def delete_json(self, rel: str, version: int | None = None) -> bool:
+        """Delete ``<prefix>/<rel>`` (if at ``version`` when given); True if it existed.
+        A version mismatch raises MetadataVersionError."""
+        self._check_rel(rel)
+        return self._delete(f"delete {rel}", rel, version)
+
+    def list_json(self, rel_prefix: str, page_size: int = 1000) -> Iterator[tuple[str, Any, int]]:
+        """(relative key, value, version) of every key under ``rel_prefix``, paged."""
+        for kv in self._iter_range(f"list {rel_prefix}", rel_prefix, page_size, False):
+            rel = kv.key.decode("utf-8")[len(self._root):]
+            yield rel, json.loads(kv.value), kv.mod_revision
+
+    def _delete(self, what: str, rel: str, version: int | None) -> bool:
+        key = self._key(rel)
+        c = self._client()
+        if version is None:
+            ok, _, responses = self._txn_full(what, [], [c.transactions.delete(key)])
+            return responses[0].response_delete_range.deleted > 0
+        ok, _, responses = self._txn_full(what, [c.transactions.mod(key) == int(version)],
+                                          [c.transactions.delete(key)],
+                                          [c.transactions.get(key)])
+        if ok:
+            return True
+        kvs = responses[0].response_range.kvs
+        if not kvs:
+            return False
+        raise MetadataVersionError(f"{what} at version {version}: the version is now "
+                                   f"{kvs[0].mod_revision} ({self.uri})")
+
+    # --- layout ---------------------------------------------------------------
+    def init_layout(self) -> bool:
+        """Create ``layout`` if absent (idempotent); True if this call created it."""
+        key = self._key("layout")
+        c = self._client()
+        record = {"layoutVersion": LAYOUT_VERSION, "ledgerKeyDigits": LEDGER_ID_DIGITS,
+                  "ledgerIdGenerator": "etcd-revision", "ctime": time.time()}
+        ok, _, _ = self._txn_full(f"initialise the layout under {self.prefix}",
+                                  [c.transactions.create(key) == 0],
+                                  [c.transactions.put(key, _json_bytes(record))])
+        return ok
+
+    def is_formatted(self) -> bool:
+        raw, _ = self._get("read the layout", "layout")
+        return raw is not None
+
+    def layout(self) -> dict | None:
+        value, _ = self.get_json("layout")
+        return value
+
+    def format(self, force: bool = False) -> None:
+        """Initialise an empty prefix. Without ``force`` refuse if any key exists under
+        it; with ``force`` delete everything under the prefix first."""
+        start = self._root.encode()
+        end = prefix_range_end(start)
+        if not force:
+            resp = self._call(f"format {self.prefix}", "range",
+                              lambda c: c.get_range_response(start, end, count_only=True),
+                              idempotent=True)
+            if resp.count:
+                raise MetadataError(
+                    f"format {self.prefix}: {resp.count} keys already exist under "
+                    f"{self.prefix} ({self.uri}); use force to delete them")
+        else:
+            self._call(f"format {self.prefix} (delete everything under it)", "delete",
+                       lambda c: c.delete_prefix(start))
+        self.init_layout()
+
+    # --- ledger ids -----------------------------------------------------------
+    def new_ledger_id(self) -> int:
+        """A ledger id unique across all clients and processes, never reused.
+
+        Every write to etcd increments its cluster-wide revision by exactly one,
+        so the revision of our write to ``idgen`` belongs to no one else: one
+        round trip, no CAS contention. Ids grow monotonically but are sparse.
+        """
+        c = self._client()
+        _, rev, _ = self._txn_full("allocate a ledger id", [],
+                                   [c.transactions.put(self._key("idgen"), b"")])
+        if not 0 < rev <= MAX_LEDGER_ID:  # pragma: no cover - 2**63 writes away
+            raise MetadataError(f"allocate a ledger id: revision {rev} out of range")
+        return rev
+
+    # --- ledgers --------------------------------------------------------------
+    def create_ledger(self, md: LedgerMetadata) -> int:
+        """Store new ledger metadata if no ledger has this id; returns its version."""
+        lid = _check_ledger_id(md.ledger_id)
+        key = self._key(ledger_key_name(lid))
+        c = self._client()
+        ok, rev, _ = self._txn_full(f"create ledger {lid}", [c.transactions.create(key) == 0],
+                                    [c.transactions.put(key, md.to_json())])
+        if not ok:
+            raise LedgerExistsError(f"create ledger {lid}: ledger {lid} already exists "
+                                    f"({self.uri})")
+        return rev
+
+    def _parse_ledger(self, lid: int, raw: bytes) -> LedgerMetadata:
+        try:
+            return LedgerMetadata.from_json(raw)
+        except (ValueError, KeyError, TypeError) as e:
+            raise MetadataError(f"read ledger {lid}: unreadable metadata ({e}) ({self.uri})")
+
+    def read_ledger(self, ledger_id: int) -> tuple[LedgerMetadata, int]:
+        lid = _check_ledger_id(ledger_id)
+        raw, ver = self._get(f"read ledger {lid}", ledger_key_name(lid))
+        if raw is None:
+            raise NoSuchLedgerError(f"read ledger {lid}: no such ledger ({self.uri})")
+        return self._parse_ledger(lid, raw), ver
+
+    def write_ledger(self, md: LedgerMetadata, version: int) -> int:
+        """CAS on the version (mod_revision); returns the new version.
+
+        MetadataVersionError if someone else wrote since ``version`` (nothing is
+        overwritten), NoSuchLedgerError if the ledger was deleted.
+        """
+        lid = _check_ledger_id(md.ledger_id)
+        key = self._key(ledger_key_name(lid))
+        c = self._client()
+        what = f"write ledger {lid} at version {version}"
+        ok, rev, responses = self._txn_full(what, [c.transactions.mod(key) == int(version)],
+                                            [c.transactions.put(key, md.to_json())],
+                                            [c.transactions.get(key)])
+        if ok:
+            return rev
+        kvs = responses[0].response_range.kvs
+        if not kvs:
+            raise NoSuchLedgerError(f"{what}: no such ledger ({self.uri})")
+        raise MetadataVersionError(f"{what}: lost to another writer, the version is now "
+                                   f"{kvs[0].mod_revision}")
+
+    def delete_ledger(self, ledger_id: int, version: int | None = None) -> None:
+        """Delete (if at ``version`` when given); NoSuchLedgerError if absent."""
+        lid = _check_ledger_id(ledger_id)
+        if not self._delete(f"delete ledger {lid}", ledger_key_name(lid), version):
+            raise NoSuchLedgerError(f"delete ledger {lid}: no such ledger ({self.uri})")
+
+    def ledger_exists(self, ledger_id: int) -> bool:
+        lid = _check_ledger_id(ledger_id)
+        resp = self._call(f"check ledger {lid}", "get",
+                          lambda c: c.get_response(self._key(ledger_key_name(lid)),
+                                                   count_only=True), idempotent=True)
+        return resp.count > 0
+
+    def _ledger_id_of(self, key: bytes) -> int | None:
+        name = key.decode("utf-8", "replace")[len(self._root) + len("ledgers/"):]
+        if len(name) == LEDGER_ID_DIGITS and name.isdigit():
+            return int(name)
+        log.warning("ignoring unexpected key %r under %sledgers/", name, self._root)
+        return None
+
+    def list_ledgers(self, page_size: int = 1000) -> Iterator[int]:
+        """All ledger ids, ascending, ``page_size`` keys per range request.
+
+        Not a snapshot: ledgers created or deleted while iterating may or may
+        not appear (like BookKeeper's listing)."""
+        for kv in self._iter_range("list ledgers", "ledgers/", page_size, keys_only=True):
+            lid = self._ledger_id_of(kv.key)
+            if lid is not None:
+                yield lid
+
+    def list_ledger_metadata(self, page_size: int = 1000) -> Iterator[tuple[LedgerMetadata, int]]:
+        """(metadata, version) of every ledger, ascending by id, paged."""
+        for kv in self._iter_range("list ledger metadata", "ledgers/", page_size,
+                                   keys_only=False):
+            lid = self._ledger_id_of(kv.key)
+            if lid is not None:
+                yield self._parse_ledger(lid, kv.value), kv.mod_revision
+
+    # --- bookies --------------------------------------------------------------
+    @staticmethod
+    def _bookie_rel(bookie_id: str, readonly: bool) -> str:
+        return f"bookies/{'readonly' if readonly else 'available'}/{bookie_id}"
+
+    def register_bookie(self, bookie_id: str, info: dict, readonly: bool = False,
+                        ttl: int = 10) -> "BookieRegistration":
+        """Register a bookie under a lease kept alive by a daemon thread.
+
+        If the id is registered already, wait while the holder's lease runs out
+        (a bookie restarted right after a crash finds its old key still there,
+        as with ZooKeeper's ephemeral nodes); if the holder keeps its lease
+        alive, raise BKError "bookie <id> is already registered".
+        """
+        _check_bookie_id(bookie_id)
+        if int(ttl) < 1:
+            raise ValueError(f"registration ttl must be >= 1 second, not {ttl}")
+        reg = BookieRegistration(self, bookie_id, dict(info), readonly, int(ttl))
+        reg._register_first()
+        with self._lock:
+            self._registrations.add(reg)
+        reg._start()
+        return reg
+
+    def _bookie_map(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for kv in self._iter_range("list bookies", "bookies/", 1000, keys_only=False):
+            rel = kv.key.decode("utf-8")[len(self._root) + len("bookies/"):]
+            kind, _, bid = rel.partition("/")
+            if kind not in ("available", "readonly") or not bid:
+                continue
+            try:
+                info = json.loads(kv.value) if kv.value else {}
+            except ValueError:
+                info = {}
+            if not isinstance(info, dict):
+                info = {"info": info}
+            info["readonly"] = kind == "readonly"
+            # a bookie caught between available/ and readonly/ cannot be both: the
+            # move is one transaction; if it somehow is, read-only wins
+            if bid not in out or info["readonly"]:
+                out[bid] = info
+        return out
+
+    def list_bookies(self, readonly: bool = False) -> list[str]:
+        kind = "readonly" if readonly else "available"
+        ids = []
+        for kv in self._iter_range(f"list {kind} bookies", f"bookies/{kind}/", 1000,
+                                   keys_only=True):
+            ids.append(kv.key.decode("utf-8")[len(self._root) + len(f"bookies/{kind}/"):])
+        return sorted(ids)
+
+    def all_bookies(self) -> dict[str, dict]:
+        """id -> info (with ``readonly``) of every registered bookie."""
+        return dict(sorted(self._bookie_map().items()))
+
+    def bookie_info(self, bookie_id: str) -> dict | None:
+        _check_bookie_id(bookie_id)
+        c = self._client()
+        rw, ro = self._key(self._bookie_rel(bookie_id, False)), \
+            self._key(self._bookie_rel(bookie_id, True))
+        _, _, responses = self._txn_full(f"read bookie {bookie_id}", [],
+                                         [c.transactions.get(rw), c.transactions.get(ro)])
+        for resp, readonly in ((responses[1], True), (responses[0], False)):
+            kvs = resp.response_range.kvs
+            if kvs:
+                try:
+                    info = json.loads(kvs[0].value) if kvs[0].value else {}
+                except ValueError:
+                    info = {}
+                if not isinstance(info, dict):
+                    info = {"info": info}
+                info["readonly"] = readonly
+                return info
+        return None
+
+    def _bookie_sets(self) -> tuple[tuple[set, set], int]:
+        """(writable ids, readonly ids) and the revision they were read at."""
+        start = self._key("bookies/")
+        end = prefix_range_end(start)
+        writable, readonly = set(), set()
+        revision = None
+        key_start = start
+        while True:
+            resp = self._call("list bookies", "range",
+                              lambda c: c.get_range_response(
+                                  key_start, end, sort_order="ascend", limit=1000,
+                                  keys_only=True, revision=revision),
+                              idempotent=True)
+            if revision is None:
+                revision = resp.header.revision
+            for kv in resp.kvs:
+                rel = kv.key.decode("utf-8")[len(self._root) + len("bookies/"):]
+                kind, _, bid = rel.partition("/")
+                if kind == "available" and bid:
+                    writable.add(bid)
+                elif kind == "readonly" and bid:
+                    readonly.add(bid)
+            if not resp.more or not resp.kvs:
+                break
+            key_start = resp.kvs[-1].key + b"\0"
+        return (writable - readonly, readonly), revision
+
+    def watch_bookies(self, callback: Callable[[set, set], None]) -> Callable[[], None]:
+        """Call ``callback(writable, readonly)`` now (in this thread) and from a daemon
+        thread after every change; survives etcd restarts. Returns ``cancel()``."""
+        w = _BookieWatch(self, callback)
+        w.start()
+        with self._lock:
+            self._watches.add(w)
+        return w.cancel
+
+    # --- cookies --------------------------------------------------------------
+    def read_cookie(self, bookie_id: str) -> tuple[dict | None, int | None]:
+        _check_bookie_id(bookie_id)
+        raw, ver = self._get(f"read the cookie of bookie {bookie_id}", f"cookies/{bookie_id}")
+        if raw is None:
+            return None, None
+        try:
+            return json.loads(raw), ver
+        except ValueError as e:
+            raise MetadataError(f"read the cookie of bookie {bookie_id}: not JSON ({e}) "
+                                f"({self.uri})")
+
+    def write_cookie(self, bookie_id: str, cookie: dict, version: int | None = None) -> int:
+        """``version=None``: create, CookieMismatchError if a cookie exists. Otherwise a
+        CAS on ``version``: CookieVersionError (a CookieMismatchError and a
+        MetadataVersionError) if it changed or vanished. Returns the new version."""
+        _check_bookie_id(bookie_id)
+        key = self._key(f"cookies/{bookie_id}")
+        c = self._client()
+        what = f"write the cookie of bookie {bookie_id}"
+        cmp = (c.transactions.create(key) == 0 if version is None
+               else c.transactions.mod(key) == int(version))
+        ok, rev, responses = self._txn_full(what, [cmp],
+                                            [c.transactions.put(key, _json_bytes(cookie))],
+                                            [c.transactions.get(key)])
+        if ok:
+            return rev
+        kvs = responses[0].response_range.kvs
+        if version is None:
+            raise CookieMismatchError(f"{what}: bookie {bookie_id} already has a cookie "
+                                      f"(version {kvs[0].mod_revision if kvs else '?'})")
+        now = kvs[0].mod_revision if kvs else None
+        raise CookieVersionError(f"{what} at version {version}: the cookie changed "
+                                 f"(version now {now})")
+
+    def delete_cookie(self, bookie_id: str, version: int | None = None) -> bool:
+        """Delete the cookie (if at ``version`` when given); True if one existed."""
+        _check_bookie_id(bookie_id)
+        try:
+            return self._delete(f"delete the cookie of bookie {bookie_id}",
+                                f"cookies/{bookie_id}", version)
+        except MetadataVersionError as e:
+            raise CookieVersionError(str(e)) from None
+
+
+# --- bookie registration ------------------------------------------------------------
+
+class BookieRegistration:
+    """A bookie's key under ``bookies/available`` or ``bookies/readonly``, bound to a
+    lease that a daemon thread refreshes about every ttl/3.
+
+    If the lease is lost (etcd restarted from old data, or unreachable for longer
+    than the TTL) or the key vanished (a forced format), the thread registers
+    again as soon as etcd answers. ``alive`` is True while the key is believed
+    to be in place (last confirmation younger than the TTL).
+    """
+
+    def __init__(self, store: MetadataStore, bookie_id: str, info: dict, readonly: bool,
+                 ttl: int):
+        self.store = store
+        self.bookie_id = bookie_id
+        self.info = info
+        self.ttl = ttl
+        self._readonly = readonly
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lease_id: int | None = None
+        self._create_rev: int | None = None   # create_revision of our key
+        self._confirmed = 0.0                 # monotonic time of the last confirmation
+        self._closed = False
+        self._pid = os.getpid()
+
+    @property
+    def readonly(self) -> bool:
+        return self._readonly
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease_id
+
+    @property
+    def alive(self) -> bool:
+        return (not self._closed and self._lease_id is not None and self._pid == os.getpid()
+                and time.monotonic() - self._confirmed < self.ttl)
+
+    def _key(self, readonly: bool | None = None) -> bytes:
+        ro = self._readonly if readonly is None else readonly
+        return self.store._key(MetadataStore._bookie_rel(self.bookie_id, ro))
+
+    # --- registration -----------------------------------------------------------
+    def _grant(self) -> int:
+        lease = self.store._call(f"grant a {self.ttl}s lease for bookie {self.bookie_id}",
+                                 "lease", lambda c: c.lease(self.ttl))
+        return lease.id
+
+    def _revoke(self, lease_id: int) -> None:
+        self.store._call(f"revoke the lease of bookie {self.bookie_id}", "lease",
+                         lambda c: c.revoke_lease(lease_id))
+
+    def _try_create(self, lease_id: int) -> tuple[bool, int | None]:
+        """Create our key bound to ``lease_id`` unless the id is registered in either
+        mode. Returns (created, lease id of the existing registration)."""
+        s = self.store
+        c = s._client()
+        rw, ro = self._key(False), self._key(True)
+        value = _json_bytes(self.info)
+        ok, rev, responses = s._txn_full(
+            f"register bookie {self.bookie_id}",
+            [c.transactions.create(rw) == 0, c.transactions.create(ro) == 0],
+            [c.transactions.put(self._key(), value, lease=lease_id)],
+            [c.transactions.get(rw), c.transactions.get(ro)])
+        if ok:
+            self._lease_id, self._create_rev = lease_id, rev
+            self._confirmed = time.monotonic()
+            return True, None
+        for r in responses:
+            kvs = r.response_range.kvs
+            if kvs:
+                return False, kvs[0].lease
+        return False, None  # vanished meanwhile: caller retries
+
+    def _holder_ttl(self, lease_id: int) -> int:
+        """Remaining TTL of another registration's lease (-1 if gone)."""
+        if not lease_id:
+            return -1
+        info = self.store._call(f"check the lease of bookie {self.bookie_id}", "lease",
+                                lambda c: c.get_lease_info(lease_id))
+        return info.TTL
+
+    def _register_first(self) -> None:
+        lease_id = self._grant()
+        try:
+            last_ttl = None
+            deadline = None
+            while True:
+                created, holder = self._try_create(lease_id)
+                if created:
+                    return
+                remaining = self._holder_ttl(holder) if holder else -1
+                if holder == 0:
+                    # a key without a lease was put there by hand: never expires
+                    raise BKError(f"bookie {self.bookie_id} is already registered "
+                                  f"(without a lease) at {self.store.uri}")
+                if remaining >= 0:
+                    if last_ttl is not None and remaining > last_ttl:
+                        raise BKError(f"bookie {self.bookie_id} is already registered "
+                                      f"by a live process at {self.store.uri}")
+                    if deadline is None:
+                        deadline = time.monotonic() + remaining + 2.0
+                    elif time.monotonic() > deadline:
+                        raise BKError(f"bookie {self.bookie_id} is already registered "
+                                      f"at {self.store.uri}")
+                    last_ttl = remaining
+                    log.info("bookie %s is still registered (lease %x, %ss left); waiting "
+                             "for the old registration to expire", self.bookie_id, holder,
+                             remaining)
+                time.sleep(0.25)
+        except BaseException:
+            try:
+                self._revoke(lease_id)
+            except MetadataError:
+                pass
+            raise
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"bk-registration-{self.bookie_id}")
+        self._thread.start()
+
+    # --- keepalive thread ---------------------------------------------------------
+    def _keepalive_once(self) -> None:
+        """Refresh the lease and check our key; re-register if either is gone."""
+        s = self.store
+        with self._lock:
+            if self._closed:
+                return
+            lease_id = self._lease_id
+            if lease_id is not None:
+                answers = s._call(f"refresh the lease of bookie {self.bookie_id}", "lease",
+                                  lambda c: list(c.refresh_lease(lease_id)))
+                resp = answers[0] if answers else None
+                if resp is not None and resp.TTL > 0:
+                    key = self._key()
+                    kv = s._call(f"check the registration of bookie {self.bookie_id}",
+                                 "get", lambda c: c.get_response(key), idempotent=True).kvs
+                    if kv and kv[0].lease == lease_id:
+                        self._create_rev = kv[0].create_revision
+                        self._confirmed = time.monotonic()
+                        return
+                    if kv:   # someone else holds our id now
+                        self._log_conflict(kv[0].lease)
+                        return
+                    # lease alive, key gone (forced format): put it back below
+                    created, holder = self._try_create(lease_id)
+                    if not created and holder:
+                        self._log_conflict(holder)
+                    return
+                log.warning("bookie %s: registration lease %x was lost; registering again",
+                            self.bookie_id, lease_id)
+                self._lease_id = None
+            new_lease = self._grant()
+            created, holder = self._try_create(new_lease)
+            if created:
+                log.info("bookie %s registered again (lease %x)", self.bookie_id, new_lease)
+            else:
+                try:
+                    self._revoke(new_lease)
+                finally:
+                    if holder:
+                        self._log_conflict(holder)
+
+    def _log_conflict(self, holder) -> None:
+        log.error("bookie %s: the id is registered by another process (lease %x); "
+                  "retrying", self.bookie_id, holder or 0)
+
+    def _run(self) -> None:
+        interval = max(0.2, self.ttl / 3.0)
+        wait = interval
+        while not self._stop.wait(wait):
+            try:
+                self._keepalive_once()
+                wait = interval
+            except MetadataError as e:
+                log.warning("bookie %s: %s", self.bookie_id, e)
+                wait = min(0.5, interval)
+            except Exception:  # pragma: no cover - never let the thread die silently
+                log.exception("bookie %s: registration keepalive failed", self.bookie_id)
+                wait = min(0.5, interval)
+
+    # --- public -------------------------------------------------------------------
+    def set_readonly(self, readonly: bool) -> None:
+        """Move the key between available/ and readonly/ in one transaction."""
+        readonly = bool(readonly)
+        s = self.store
+        with self._lock:
+            if self._closed:
+                raise BKError(f"registration of bookie {self.bookie_id} is closed")
+            if readonly == self._readonly:
+                return
+            old, new = self._key(self._readonly), self._key(readonly)
+            c = s._client()
+            if self._lease_id is not None and self._create_rev is not None:
+                ok, rev, _ = s._txn_full(
+                    f"mark bookie {self.bookie_id} {'read-only' if readonly else 'writable'}",
+                    [c.transactions.create(old) == self._create_rev,
+                     c.transactions.create(new) == 0],
+                    [c.transactions.delete(old),
+                     c.transactions.put(new, _json_bytes(self.info), lease=self._lease_id)])
+                self._readonly = readonly
+                if ok:
+                    self._create_rev = rev
+                    self._confirmed = time.monotonic()
+                    return
+            else:
+                self._readonly = readonly
+            # our key was gone (lease lost): register afresh in the new mode now
+            self._lease_id = None
+            self._keepalive_once()
+
+    def close(self) -> None:
+        """Revoke the lease (the key disappears at once) and stop the thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            lease_id, self._lease_id = self._lease_id, None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.store.timeout + 1)
+        if lease_id is not None and self._pid == os.getpid():
+            try:
+                self._revoke(lease_id)
+            except MetadataError as e:
+                log.warning("bookie %s: could not revoke the registration lease, it "
+                            "expires within %ss: %s", self.bookie_id, self.ttl, e)
+
+    def __enter__(self) -> "BookieRegistration":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self._readonly else "available"
+        return f"BookieRegistration({self.bookie_id}, {mode}, alive={self.alive})"
+
+
+# --- bookie watch -----------------------------------------------------------------
+
+class _BookieWatch:
+    """Calls back with (writable, readonly) on each change of ``bookies/``.
+
+    An etcd watch only wakes the thread; the thread then re-reads the sets, so
+    coalesced or missed events (etcd restart, compaction) can never leave the
+    caller with a wrong view. If the watch breaks it is re-created and the sets
+    re-read.
+    """
+
+    def __init__(self, store: MetadataStore, callback):
+        self.store = store
+        self.callback = callback
+        self._cancelled = threading.Event()
+        self._events: "queue.Queue" = None  # type: ignore[assignment]
+        self._last: tuple[frozenset, frozenset] | None = None
+        self._thread: threading.Thread | None = None
+        self._watch: tuple[Any, int] | None = None
+
+    def _deliver(self, sets) -> None:
+        snapshot = (frozenset(sets[0]), frozenset(sets[1]))
+        if snapshot == self._last:
+            return
+        self._last = snapshot
+        try:
+            self.callback(set(snapshot[0]), set(snapshot[1]))
+        except Exception:
+            log.exception("bookie watch callback failed")
+
+    def start(self) -> None:
+        import queue
+        self._events = queue.Queue()
+        sets, rev = self.store._bookie_sets()   # raises MetadataError if etcd is down
+        self._deliver(sets)
+        self._thread = threading.Thread(target=self._run, args=(rev,), daemon=True,
+                                        name="bk-bookie-watch")
+        self._thread.start()
+
+    def _add_watch(self, start_revision: int) -> None:
+        q = self._events
+        key = self.store._key("bookies/")
+
+        def add(c):
+            wid = c.add_watch_prefix_callback(key, q.put, start_revision=start_revision)
+            return c, wid
+        self._watch = self.store._call("watch bookies", "watch", add)
+
+    def _drop_watch(self) -> None:
+        w, self._watch = self._watch, None
+        if w is not None:
+            try:
+                w[0].cancel_watch(w[1])
+            except Exception:
+                pass
+
+    def _run(self, rev: int) -> None:
+        import queue
+        backoff = 0.1
+        need_resync = False
+        while not self._cancelled.is_set():
+            try:
+                if need_resync:
+                    sets, rev = self.store._bookie_sets()
+                    self._deliver(sets)
+                    need_resync = False
+                self._add_watch(rev + 1)
+                backoff = 0.1
+                while not self._cancelled.is_set():
+                    try:
+                        item = self._events.get(timeout=0.5)
+                    except queue.Empty:
+                        continue
+                    if item is None or isinstance(item, Exception):
+                        raise MetadataError(f"bookie watch broke: {item!r}")
+                    # coalesce whatever else is queued, then read the current sets
+                    broken = False
+                    while True:
+                        try:
+                            more = self._events.get_nowait()
+                        except queue.Empty:
+                            break
+                        if more is None or isinstance(more, Exception):
+                            broken = True
+                    sets, rev = self.store._bookie_sets()
+                    self._deliver(sets)
+                    if broken:
+                        raise MetadataError("bookie watch broke")
+            except MetadataError as e:
+                if self._cancelled.is_set():
+                    break
+                log.debug("bookie watch: %s; re-creating it", e)
+                self._drop_watch()
+                need_resync = True
+                self._cancelled.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception:  # pragma: no cover
+                log.exception("bookie watch failed; re-creating it")
+                self._drop_watch()
+                need_resync = True
+                self._cancelled.wait(1.0)
+        self._drop_watch()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        if self._events is not None:
+            self._events.put(None)
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=self.store.timeout + 2)
