@@ -380,6 +380,8 @@ class ShardWorker:
             self._send(conn, _frame([op, rid, EBADREQ]))
 
     def _read_response(self, rid: int, lid: int, eid: int) -> bytes:
+        if eid < 0:
+            return _frame([P.READ, rid, ENOENTRY, lid, eid, -1, None, None, self.storage.lac(lid)])
         status, entry_lac, digest, payload = self.storage.read_entry(lid, eid)
         if status != EOK:
             return _frame([P.READ, rid, status, lid, eid, -1, None, None, self.storage.lac(lid)])
@@ -388,8 +390,13 @@ class ShardWorker:
 
     def _long_poll_response(self, msg: list) -> bytes:
         rid, lid, eid = msg[1], msg[2], msg[3]
-        status, entry_lac, digest, payload = self.storage.read_entry(lid, eid)
         lac = self.storage.lac(lid)
+        # The entry rides along only once the LAC covers it: a tailer must never be
+        # handed an entry that is not yet confirmed.
+        if 0 <= eid <= lac:
+            status, entry_lac, digest, payload = self.storage.read_entry(lid, eid)
+        else:
+            status = ENOENTRY
         if status == EOK:
             return _frame([P.READ, rid, EOK, lid, eid, entry_lac, digest, payload, lac])
         return _frame([P.READ, rid, EOK if status == ENOENTRY else status, lid, -1, -1,
