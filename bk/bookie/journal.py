@@ -1,0 +1,860 @@
+"""The journal of one shard: preallocated mmap'd segments of checksummed records.
+
+Theory of operation
+-------------------
+The journal is the only place a shard writes data: every ADD (with its
+payload), every FENCE, every MASTER_KEY and every explicit LAC goes into it
+once, and entries are later read back from it by position. ``bk.bookie.storage``
+keeps the index (entry -> position) and the ledger state in memory and
+checkpoints them; the journal knows nothing about ledgers.
+
+Segments. A journal directory holds segment files named by a monotonically
+increasing sequence number, ``0000000000000001.seg``, ``...0002.seg``. Each is
+preallocated to its full size with ``posix_fallocate`` (so an append never
+hits ENOSPC and never changes file metadata) and starts with a 64-byte header
+(magic, format version, header size, sequence number, segment size, CRC32C of
+the header). A ``*.seg`` file whose header does not verify, or whose name does
+not match its sequence number or whose size does not match its header, is
+refused with :class:`ForeignSegmentError`: we never append to or delete a
+file we did not write. Other names in the directory are ignored (the index
+and lock files may share it). A new segment is written as ``*.seg.tmp``,
+fallocated, its header fsync'd, then renamed into place, so a crash never
+leaves a half-initialised ``.seg``.
+
+Records. Records follow the header back to back, little-endian::
+
+    crc32c:u32  length:u32  type:u8  body[length-1]
+
+``length`` counts the bytes after the 8-byte (crc, length) prefix, i.e. type
+plus body; the CRC covers ``length``, ``type`` and ``body`` (everything but
+itself), so a corrupted length is caught too. Bodies (``q`` = i64, ``H`` = u16)::
+
+    ADD        ledger:q entry:q lac:q dlen:H digest[dlen] payload[rest]
+    FENCE      ledger:q
+    MASTER_KEY ledger:q key[rest]
+    WRITE_LAC  ledger:q lac:q
+    STATE      ledger:q fenced:u8 lac:q key_len:i32 key[key_len]   (key_len -1: no key)
+    DELETE     ledger:q
+
+STATE carries a ledger's whole non-entry state (written by compaction before
+it removes a segment holding that ledger's FENCE / MASTER_KEY / WRITE_LAC
+records); DELETE records a dropped ledger. Segments are zero-filled, so a
+zero ``length`` means "no record written here yet": the end of the data.
+
+Positions. A record is addressed by ``seq << 32 | offset`` (segments are at
+most 2 GiB, so the offset fits in 32 bits); a *mark* is the pair ``(seq,
+offset)`` where replay starts, serialised as ``"seq:offset"``.
+
+Appending is a ``struct.pack_into`` of the fixed header straight into the
+mmap, slice assignments of the variable fields, one CRC32C over a memoryview
+of the mmap (no copy) and a second ``pack_into`` of the CRC. Only after the CRC
+is stored is the record valid, so a process killed mid-append leaves a record
+that fails its CRC. When a record does not fit, the journal *rolls*: with
+``sync_data`` the written-but-unsynced tail of the old segment is msync'd
+first (so an older segment is always durable before anything is written to a
+newer one), then the next segment is created; the directory is fsync'd by the
+next :meth:`Journal.sync`.
+
+Sync (group commit). :meth:`Journal.sync` makes everything appended since
+the last sync durable: with ``sync_data`` one ``mmap.flush`` (msync) of the
+range ``[synced, end)`` (start rounded down to the page size), plus an fsync
+of the directory if a segment was created. Without ``sync_data`` it only moves
+the synced mark: the data is in the page cache and survives a process crash
+but not a power loss. A failed msync poisons the journal (every later append
+or sync raises :class:`JournalError`): after an msync error the kernel may
+have dropped the dirty pages, so nothing may be acknowledged any more; the
+worker restarts and replays.
+
+Replay. :meth:`Journal.replay` iterates the records from a mark, segment
+after segment, verifying each CRC. It stops at the first record that is not
+valid:
+
+* a zero length with nothing but zeros after it: the clean end of the data of
+  that segment; replay continues with the next segment, if any;
+* anything else (CRC mismatch, length running past the segment, zero length
+  followed by non-zero bytes, unknown type): a torn or corrupt tail. The rest
+  of that segment is zeroed (and msync'd) so appends continue right there, and
+  one warning names the segment and the offset. Nothing before the bad record
+  is touched.
+
+Later segments after a torn record. Because a roll msyncs the old segment
+before writing the new one, a normal crash (even a power loss with
+``sync_data``) only ever tears the *last* segment. A bad record in an earlier
+segment therefore means either a power loss without ``sync_data`` or media
+corruption; the records after it cannot be trusted as a continuation of the
+journal (and under ``sync_data`` were never acknowledged if the tear is a
+crash). Later segments that hold no valid record are deleted; later
+segments that do hold records are moved to ``quarantine/`` (never deleted),
+with an error log, so that an operator can inspect them. The storage's index
+never points into them: the checkpoint mark is before the bad record.
+
+Reading. Every segment stays mapped (the active one read-write, the others
+read-only) so :meth:`Journal.read` serves any record of any segment; it
+verifies the CRC and raises :class:`CorruptRecordError` on a mismatch.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import struct
+from typing import Iterator, NamedTuple
+
+from crc32c import crc32c
+
+from bk.errors import BKError
+
+log = logging.getLogger("bk.journal")
+
+# --- format ---------------------------------------------------------------
+
+SEGMENT_MAGIC = b"BKJSEG\r\n"     # CR LF: catches text-mode mangling too
+FORMAT_VERSION = 1
+HEADER_SIZE = 64                  # records start here
+_SEG_HDR = struct.Struct("<8sHHIQQ")   # magic, version, header_size, reserved, seq, size
+_SEG_CRC = struct.Struct("<I")           # CRC32C of _SEG_HDR, right after it
+
+ADD = 1
+FENCE = 2
+MASTER_KEY = 3
+WRITE_LAC = 4
+STATE = 5
+DELETE = 6
+
+TYPE_NAMES = {ADD: "ADD", FENCE: "FENCE", MASTER_KEY: "MASTER_KEY",
+              WRITE_LAC: "WRITE_LAC", STATE: "STATE", DELETE: "DELETE"}
+
+_PREFIX = struct.Struct("<II")            # crc, length
+_ADD_HDR = struct.Struct("<IIBqqqH")      # crc, length, type, ledger, entry, lac, dlen
+ADD_OVERHEAD = _ADD_HDR.size              # record bytes of an ADD besides digest + payload
+_ADD_FIELDS = struct.Struct("<qqqH")
+_LEDGER_HDR = struct.Struct("<IIBq")      # FENCE, DELETE; prefix of MASTER_KEY
+_WLAC_HDR = struct.Struct("<IIBqq")
+_STATE_HDR = struct.Struct("<IIBqBqi")
+_Q = struct.Struct("<q")
+_QQ = struct.Struct("<qq")
+_STATE_FIELDS = struct.Struct("<qBqi")
+_CRC = struct.Struct("<I")
+_LEN = struct.Struct("<I")
+
+MIN_SEGMENT_SIZE = 2 * mmap.PAGESIZE
+MAX_SEGMENT_SIZE = 1 << 31        # offsets must fit the low 32 bits of a position
+_PAGE_MASK = ~(mmap.PAGESIZE - 1)
+_OFF_MASK = 0xFFFFFFFF
+_SEG_NAME = re.compile(r"^(\d{16})\.seg$")
+_ZEROS = bytes(1 << 20)
+QUARANTINE_DIR = "quarantine"
+LOCK_FILE = "journal.lock"
+
+
+class JournalError(BKError):
+    """The journal cannot be opened, appended to or synced; the message says why."""
+
+
+class ForeignSegmentError(JournalError):
+    """A ``*.seg`` file in the journal directory was not written by this journal."""
+
+
+class RecordTooLargeError(JournalError):
+    """A record does not fit in one segment."""
+
+
+class CorruptRecordError(JournalError):
+    """A record read by position fails its CRC or does not decode."""
+
+
+def segment_name(seq: int) -> str:
+    return f"{seq:016d}.seg"
+
+
+def make_position(seq: int, offset: int) -> int:
+    return seq << 32 | offset
+
+
+def split_position(pos: int) -> tuple[int, int]:
+    return pos >> 32, pos & _OFF_MASK
+
+
+def format_mark(mark) -> str:
+    """``(seq, offset)`` -> ``"seq:offset"`` (for checkpoints, logs and the shell)."""
+    seq, off = mark
+    return f"{seq}:{off}"
+
+
+def parse_mark(text) -> tuple[int, int]:
+    """Inverse of :func:`format_mark`; also accepts a ``(seq, offset)`` pair or a position."""
+    if isinstance(text, int):
+        return split_position(text)
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        return int(text[0]), int(text[1])
+    try:
+        seq, off = str(text).split(":")
+        return int(seq), int(off)
+    except ValueError:
+        raise ValueError(f"bad journal mark {text!r}: expected 'seq:offset'") from None
+
+
+def _segment_header(seq: int, size: int) -> bytes:
+    head = _SEG_HDR.pack(SEGMENT_MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, seq, size)
+    head += _SEG_CRC.pack(crc32c(head))
+    return head + bytes(HEADER_SIZE - len(head))
+
+
+def _check_header(path: str, buf, seq: int, file_size: int) -> None:
+    if file_size < HEADER_SIZE:
+        raise ForeignSegmentError(f"{path}: {file_size} bytes, too short for a bk journal "
+                                  "segment; not written by bk (remove or move it)")
+    magic, version, hsize, _, hseq, hsize_total = _SEG_HDR.unpack_from(buf, 0)
+    if magic != SEGMENT_MAGIC:
+        raise ForeignSegmentError(f"{path}: bad magic {bytes(magic)!r}, not a bk journal "
+                                  "segment (remove or move it out of the journal directory)")
+    (crc,) = _SEG_CRC.unpack_from(buf, _SEG_HDR.size)
+    if crc != crc32c(bytes(buf[:_SEG_HDR.size])):
+        raise ForeignSegmentError(f"{path}: segment header fails its CRC (corrupt header)")
+    if version != FORMAT_VERSION or hsize != HEADER_SIZE:
+        raise ForeignSegmentError(f"{path}: journal format version {version} (header "
+                                  f"{hsize} bytes) is not supported; this bk reads version "
+                                  f"{FORMAT_VERSION}")
+    if hseq != seq:
+        raise ForeignSegmentError(f"{path}: header says segment {hseq}, name says {seq}")
+    if hsize_total != file_size:
+        raise ForeignSegmentError(f"{path}: file is {file_size} bytes, header says "
+                                  f"{hsize_total} (truncated or extended by someone else)")
+
+
+def _list_segment_files(directory: str) -> list[tuple[int, str]]:
+    out = []
+    for name in os.listdir(directory):
+        m = _SEG_NAME.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.join(directory, name)))
+        elif name.endswith(".seg"):
+            raise ForeignSegmentError(f"{os.path.join(directory, name)}: not a bk journal "
+                                      "segment name (expected 16 digits + .seg)")
+    out.sort()
+    return out
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_zero(mv, start: int, end: int) -> bool:
+    chunk = len(_ZEROS)
+    while start < end:
+        stop = min(end, start + chunk)
+        if mv[start:stop] != _ZEROS[:stop - start]:
+            return False
+        start = stop
+    return True
+
+
+def _decode(mv, off: int, length: int, full: bool):
+    """(type, fields) of the record whose body starts at off+8; ValueError if malformed.
+
+    With ``full`` false, an ADD decodes to (ledger, entry, lac) only (replay
+    does not need the payload and must not copy every one of them).
+    """
+    rtype = mv[off + 8]
+    b = off + 9
+    blen = length - 1
+    if rtype == ADD:
+        if blen < _ADD_FIELDS.size:
+            raise ValueError("short ADD")
+        ledger, entry, lac, dlen = _ADD_FIELDS.unpack_from(mv, b)
+        if not full:
+            if blen < _ADD_FIELDS.size + dlen:
+                raise ValueError("ADD digest runs past the record")
+            return rtype, (ledger, entry, lac)
+        d = b + _ADD_FIELDS.size
+        if d + dlen > b + blen:
+            raise ValueError("ADD digest runs past the record")
+        return rtype, (ledger, entry, lac, bytes(mv[d:d + dlen]), bytes(mv[d + dlen:b + blen]))
+    if rtype == FENCE or rtype == DELETE:
+        if blen != 8:
+            raise ValueError("bad FENCE/DELETE length")
+        return rtype, _Q.unpack_from(mv, b)
+    if rtype == MASTER_KEY:
+        if blen < 8:
+            raise ValueError("short MASTER_KEY")
+        return rtype, (_Q.unpack_from(mv, b)[0], bytes(mv[b + 8:b + blen]))
+    if rtype == WRITE_LAC:
+        if blen != 16:
+            raise ValueError("bad WRITE_LAC length")
+        return rtype, _QQ.unpack_from(mv, b)
+    if rtype == STATE:
+        if blen < _STATE_FIELDS.size:
+            raise ValueError("short STATE")
+        ledger, fenced, lac, klen = _STATE_FIELDS.unpack_from(mv, b)
+        k = b + _STATE_FIELDS.size
+        if blen != _STATE_FIELDS.size + max(klen, 0):
+            raise ValueError("bad STATE length")
+        return rtype, (ledger, bool(fenced), lac, None if klen < 0 else bytes(mv[k:k + klen]))
+    raise ValueError(f"unknown record type {rtype}")
+
+
+# Scan outcome: a record, the clean end of a segment, or a bad record.
+_END = "end"
+
+
+def _scan(mv, size: int, off: int, full: bool):
+    """Yield (offset, record_length, type, fields) of the valid records from ``off``.
+
+    The last item yielded is always ``(offset, 0, None, reason)``: ``reason`` is
+    ``"end"`` for a clean end (zeros up to the segment's end), else a text
+    saying why the record at ``offset`` is bad.
+    """
+    unpack = _PREFIX.unpack_from
+    while True:
+        if off + 9 > size:
+            yield off, 0, None, (_END if _is_zero(mv, off, size) else
+                                 "non-zero bytes after the last record")
+            return
+        crc, length = unpack(mv, off)
+        if length == 0:
+            if crc == 0 and _is_zero(mv, off, size):
+                yield off, 0, None, _END
+            else:
+                yield off, 0, None, "zero length followed by non-zero bytes"
+            return
+        end = off + 8 + length
+        if end > size:
+            yield off, 0, None, f"length {length} runs past the segment end"
+            return
+        if crc32c(mv[off + 4:end]) != crc:
+            yield off, 0, None, "CRC mismatch"
+            return
+        try:
+            rtype, fields = _decode(mv, off, length, full)
+        except ValueError as e:
+            yield off, 0, None, f"malformed record: {e}"
+            return
+        yield off, 8 + length, rtype, fields
+        off = end
+
+
+class _Segment:
+    __slots__ = ("seq", "path", "size", "mm", "mv", "writable")
+
+    def __init__(self, seq: int, path: str, size: int, mm, writable: bool):
+        self.seq = seq
+        self.path = path
+        self.size = size
+        self.mm = mm
+        self.mv = memoryview(mm)
+        self.writable = writable
+
+    def close(self) -> None:
+        self.mv.release()
+        self.mm.close()
+
+
+def _map(path: str, writable: bool) -> tuple[object, int]:
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_SIZE:
+            return None, size
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        return mm, size
+    finally:
+        os.close(fd)
+
+
+class Record(NamedTuple):
+    """One decoded record, as :func:`iter_records` yields it."""
+    position: int
+    seq: int
+    offset: int
+    length: int
+    type: int
+    fields: tuple
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES.get(self.type, str(self.type))
+
+
+class Journal:
+    """The segments of one journal directory; see the module docstring.
+
+    Open, then consume :meth:`replay` (from the checkpoint's mark, or from
+    the first segment) before appending: replay is what finds where appends
+    continue.
+    """
+
+    def __init__(self, directory: str, segment_size: int, sync_data: bool = True):
+        if not MIN_SEGMENT_SIZE <= segment_size <= MAX_SEGMENT_SIZE:
+            raise JournalError(f"segment size {segment_size} out of range "
+                               f"[{MIN_SEGMENT_SIZE}, {MAX_SEGMENT_SIZE}]")
+        self.directory = directory
+        self.segment_size = segment_size
+        self.sync_data = sync_data
+        os.makedirs(directory, exist_ok=True)
+        # A file object (not a bare fd) so that a Journal dropped without close()
+        # (a simulated crash) releases its lock when it is garbage collected.
+        self._lock = open(os.path.join(directory, LOCK_FILE), "ab")
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            self._lock.close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise JournalError(f"journal {directory} is in use by another process "
+                                   "(or another open Journal)") from None
+            raise
+        self._segs: dict[int, _Segment] = {}
+        try:
+            for name in os.listdir(directory):
+                if name.endswith(".seg.tmp"):     # a roll interrupted by a crash
+                    os.unlink(os.path.join(directory, name))
+            files = _list_segment_files(directory)
+            for i, (seq, path) in enumerate(files):
+                last = i == len(files) - 1
+                mm, size = _map(path, writable=last)
+                if mm is None:
+                    _check_header(path, b"", seq, size)
+                try:
+                    _check_header(path, mm, seq, size)
+                except BaseException:
+                    mm.close()
+                    raise
+                self._segs[seq] = _Segment(seq, path, size, mm, last)
+        except BaseException:
+            self._close_maps()
+            self._lock.close()
+            raise
+        self._next_seq = (max(self._segs) + 1) if self._segs else 1
+        qdir = os.path.join(directory, QUARANTINE_DIR)
+        if os.path.isdir(qdir):
+            for seq, _ in _list_segment_files(qdir):
+                self._next_seq = max(self._next_seq, seq + 1)
+        # Append state: set by replay. _size 0 makes every append take the slow
+        # path, which refuses until replay has run (and after a failed sync).
+        self._active: _Segment | None = None
+        self._mm = None
+        self._mv = None
+        self._seqbase = 0
+        self._off = 0
+        self._size = 0
+        self._synced = 0
+        self._dir_dirty = False
+        self._ready = False
+        self._failed: BaseException | None = None
+        self._unsynced = 0
+        self._unsynced_records = 0
+        self.syncs = 0
+        self.synced_records = 0
+        self.synced_bytes = 0
+
+    # --- replay ---------------------------------------------------------------
+    def replay(self, mark=None) -> Iterator[tuple[int, int, int, tuple]]:
+        """Yield ``(position, record_length, type, fields)`` of every valid record
+        after ``mark`` (``None``: from the first segment), then repair the tail
+        and make the journal ready for appends. ADD fields are ``(ledger, entry,
+        lac)`` here; use :meth:`read` for the digest and payload.
+        """
+        if self._ready:
+            raise JournalError("replay() may only run once, before any append")
+        seqs = sorted(self._segs)
+        if mark is None:
+            start_seq, off = (seqs[0], HEADER_SIZE) if seqs else (None, HEADER_SIZE)
+        else:
+            start_seq, off = parse_mark(mark)
+            if start_seq not in self._segs:
+                raise JournalError(
+                    f"journal {self.directory}: the checkpoint mark {format_mark((start_seq, off))}"
+                    f" names segment {segment_name(start_seq)}, which does not exist (segments: "
+                    f"{', '.join(segment_name(s) for s in seqs) or 'none'}); the journal "
+                    "directory does not belong with this index directory")
+            if not HEADER_SIZE <= off <= self._segs[start_seq].size:
+                raise JournalError(f"journal mark {format_mark((start_seq, off))} is outside "
+                                   f"segment {segment_name(start_seq)}")
+        if start_seq is None:
+            self._activate(self._create_segment())
+            self._ready = True
+            return
+        todo = [s for s in seqs if s >= start_seq]
+        for i, seq in enumerate(todo):
+            seg = self._segs[seq]
+            base = seq << 32
+            stop_off = reason = None
+            for roff, n, rtype, fields in _scan(seg.mv, seg.size, off, False):
+                if rtype is None:
+                    stop_off, reason = roff, fields
+                    break
+                yield base | roff, n, rtype, fields
+            later = todo[i + 1:]
+            if reason == _END and later:
+                off = HEADER_SIZE
+                continue
+            if reason != _END:
+                log.warning("journal %s: torn or corrupt record at offset %d of segment %s "
+                            "(%s); truncating the segment there, every record before it is "
+                            "kept", self.directory, stop_off, seg.path, reason)
+                self._truncate(seg, stop_off)
+                self._dispose_later(seq, later)
+            self._activate(seg, stop_off)
+            self._ready = True
+            return
+
+    def _truncate(self, seg: _Segment, off: int) -> None:
+        if not seg.writable:
+            self._remap(seg, writable=True)
+        mv = seg.mv
+        chunk = len(_ZEROS)
+        pos = off
+        while pos < seg.size:
+            stop = min(seg.size, pos + chunk)
+            if mv[pos:stop] != _ZEROS[:stop - pos]:
+                mv[pos:stop] = _ZEROS[:stop - pos]
+            pos = stop
+        if self.sync_data:
+            start = off & _PAGE_MASK
+            seg.mm.flush(start, seg.size - start)
+
+    def _dispose_later(self, bad_seq: int, later: list[int]) -> None:
+        for seq in later:
+            seg = self._segs.pop(seq)
+            has_data = False
+            for _, _, rtype, _ in _scan(seg.mv, seg.size, HEADER_SIZE, False):
+                has_data = rtype is not None
+                break
+            seg.close()
+            if not has_data:
+                log.warning("journal %s: removing empty segment %s that follows the torn "
+                            "segment %s", self.directory, seg.path, segment_name(bad_seq))
+                os.unlink(seg.path)
+            else:
+                qdir = os.path.join(self.directory, QUARANTINE_DIR)
+                os.makedirs(qdir, exist_ok=True)
+                dest = os.path.join(qdir, os.path.basename(seg.path))
+                log.error("journal %s: segment %s follows the torn segment %s; its records "
+                          "cannot be replayed in order and were never acknowledged after a "
+                          "crash under journalSyncData; moved to %s for inspection",
+                          self.directory, seg.path, segment_name(bad_seq), dest)
+                os.rename(seg.path, dest)
+        if later:
+            _fsync_dir(self.directory)
+
+    def _remap(self, seg: _Segment, writable: bool) -> None:
+        seg.close()
+        mm, size = _map(seg.path, writable)
+        seg.mm, seg.mv, seg.size, seg.writable = mm, memoryview(mm), size, writable
+
+    def _activate(self, seg: _Segment, off: int = HEADER_SIZE) -> None:
+        if not seg.writable:
+            self._remap(seg, writable=True)
+        self._active = seg
+        self._mm = seg.mm
+        self._mv = seg.mv
+        self._seqbase = seg.seq << 32
+        self._off = off
+        self._synced = off
+        self._size = seg.size
+
+    def _create_segment(self) -> _Segment:
+        seq = self._next_seq
+        path = os.path.join(self.directory, segment_name(seq))
+        tmp = path + ".tmp"
+        size = self.segment_size
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)      # filesystem without fallocate: sparse file
+            os.pwrite(fd, _segment_header(seq, size), 0)
+            os.fsync(fd)
+            os.rename(tmp, path)
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(fd)
+        self._next_seq = seq + 1
+        self._dir_dirty = True
+        seg = _Segment(seq, path, size, mm, True)
+        self._segs[seq] = seg
+        return seg
+
+    # --- appends --------------------------------------------------------------
+    def _room(self, n: int) -> None:
+        """Make room for an n-byte record: refuse, or roll to a new segment."""
+        if self._failed is not None:
+            raise JournalError(f"journal {self.directory} failed earlier and takes no more "
+                               f"writes: {self._failed}")
+        if not self._ready:
+            raise JournalError("journal not ready: replay() must run before appends")
+        if n > self.segment_size - HEADER_SIZE:
+            raise RecordTooLargeError(f"a record of {n} bytes does not fit in a journal "
+                                      f"segment of {self.segment_size} bytes")
+        if self._off + n <= self._size:
+            return
+        old = self._active
+        if self.sync_data and self._off > self._synced:
+            # The old segment must be durable before anything lands in the new one:
+            # replay relies on only the last segment ever being torn.
+            start = self._synced & _PAGE_MASK
+            try:
+                old.mm.flush(start, self._off - start)
+            except OSError as e:
+                self._fail(e)
+                raise JournalError(f"msync of {old.path} failed: {e}") from e
+        new = self._create_segment()
+        self._activate(new)
+        self._synced = HEADER_SIZE
+        self._remap(old, writable=False)
+
+    def append_add(self, ledger: int, entry: int, lac: int, digest: bytes, payload: bytes) -> int:
+        """Append an ADD record; return its position (hot path)."""
+        dlen = len(digest)
+        n = ADD_OVERHEAD + dlen + len(payload)
+        off = self._off
+        end = off + n
+        if end > self._size:
+            self._room(n)
+            off = self._off
+            end = off + n
+        mm = self._mm
+        _ADD_HDR.pack_into(mm, off, 0, n - 8, ADD, ledger, entry, lac, dlen)
+        d = off + ADD_OVERHEAD
+        mm[d:d + dlen] = digest
+        mm[d + dlen:end] = payload
+        _CRC.pack_into(mm, off, crc32c(self._mv[off + 4:end]))
+        self._off = end
+        self._unsynced += n
+        self._unsynced_records += 1
+        return self._seqbase | off
+
+    def _append_raw(self, st: struct.Struct, args: tuple, tail: bytes = b"") -> int:
+        n = st.size + len(tail)
+        off = self._off
+        if off + n > self._size:
+            self._room(n)
+            off = self._off
+        end = off + n
+        mm = self._mm
+        st.pack_into(mm, off, 0, n - 8, *args)
+        if tail:
+            mm[off + st.size:end] = tail
+        _CRC.pack_into(mm, off, crc32c(self._mv[off + 4:end]))
+        self._off = end
+        self._unsynced += n
+        self._unsynced_records += 1
+        return self._seqbase | off
+
+    def append(self, rtype: int, *fields) -> int:
+        """Append one record of any type (fields as :func:`iter_records` decodes them)."""
+        if rtype == ADD:
+            return self.append_add(*fields)
+        if rtype == FENCE or rtype == DELETE:
+            (ledger,) = fields
+            return self._append_raw(_LEDGER_HDR, (rtype, ledger))
+        if rtype == MASTER_KEY:
+            ledger, key = fields
+            return self._append_raw(_LEDGER_HDR, (rtype, ledger), bytes(key))
+        if rtype == WRITE_LAC:
+            ledger, lac = fields
+            return self._append_raw(_WLAC_HDR, (rtype, ledger, lac))
+        if rtype == STATE:
+            ledger, fenced, lac, key = fields
+            klen = -1 if key is None else len(key)
+            return self._append_raw(_STATE_HDR, (rtype, ledger, 1 if fenced else 0, lac, klen),
+                                    b"" if key is None else bytes(key))
+        raise ValueError(f"unknown journal record type {rtype!r}")
+
+    def sync(self) -> None:
+        """Make every record appended so far durable (see the module docstring)."""
+        if not self._unsynced:
+            return
+        if self._failed is not None:
+            raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
+        if self.sync_data:
+            start = self._synced & _PAGE_MASK
+            try:
+                self._mm.flush(start, self._off - start)
+                if self._dir_dirty:
+                    _fsync_dir(self.directory)
+                    self._dir_dirty = False
+            except OSError as e:
+                self._fail(e)
+                raise JournalError(f"msync of journal {self._active.path} failed: {e}") from e
+        self._synced = self._off
+        self.syncs += 1
+        self.synced_records += self._unsynced_records
+        self.synced_bytes += self._unsynced
+        self._unsynced = 0
+        self._unsynced_records = 0
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failed = exc
+        self._size = 0          # every append now takes the refusing slow path
+        log.error("journal %s: sync failed (%s); refusing further writes", self.directory, exc)
+
+    @property
+    def unsynced_bytes(self) -> int:
+        return self._unsynced
+
+    @property
+    def mark(self) -> tuple[int, int]:
+        """Where the next record goes: replay after a checkpoint starts here."""
+        return self._seqbase >> 32, self._off
+
+    @property
+    def active_seq(self) -> int:
+        return self._seqbase >> 32
+
+    # --- reads ----------------------------------------------------------------
+    def _locate(self, pos: int):
+        seg = self._segs.get(pos >> 32)
+        off = pos & _OFF_MASK
+        if seg is None:
+            raise CorruptRecordError(f"position {format_mark(split_position(pos))}: segment "
+                                     "does not exist")
+        if off + 9 > seg.size:
+            raise CorruptRecordError(f"position {format_mark(split_position(pos))} is past "
+                                     "the end of its segment")
+        crc, length = _PREFIX.unpack_from(seg.mv, off)
+        end = off + 8 + length
+        if length == 0 or end > seg.size or crc32c(seg.mv[off + 4:end]) != crc:
+            raise CorruptRecordError(f"record at {format_mark(split_position(pos))} of "
+                                     f"{seg.path} fails its CRC")
+        return seg, off, length
+
+    def read(self, pos: int) -> tuple[int, tuple]:
+        """``(type, fields)`` of the record at ``pos``, CRC verified."""
+        seg, off, length = self._locate(pos)
+        try:
+            return _decode(seg.mv, off, length, True)
+        except ValueError as e:
+            raise CorruptRecordError(f"record at {format_mark(split_position(pos))}: {e}") from None
+
+    def read_add(self, pos: int) -> tuple[int, int, int, bytes, bytes]:
+        """``(ledger, entry, lac, digest, payload)`` of the ADD at ``pos``."""
+        seg, off, length = self._locate(pos)
+        mm = seg.mm
+        if mm[off + 8] != ADD or length < 1 + _ADD_FIELDS.size:
+            raise CorruptRecordError(f"record at {format_mark(split_position(pos))} is not an ADD")
+        ledger, entry, lac, dlen = _ADD_FIELDS.unpack_from(mm, off + 9)
+        d = off + ADD_OVERHEAD
+        end = off + 8 + length
+        if d + dlen > end:
+            raise CorruptRecordError(f"ADD at {format_mark(split_position(pos))}: bad digest length")
+        return ledger, entry, lac, mm[d:d + dlen], mm[d + dlen:end]
+
+    def record_length(self, pos: int) -> int:
+        """Total bytes of the record at ``pos`` (no CRC check: for accounting only)."""
+        seg = self._segs[pos >> 32]
+        return 8 + _LEN.unpack_from(seg.mm, (pos & _OFF_MASK) + 4)[0]
+
+    def scan_segment(self, seq: int, full: bool = True):
+        """Yield ``(position, record_length, type, fields)`` of every record of a segment."""
+        seg = self._segs[seq]
+        base = seq << 32
+        for off, n, rtype, fields in _scan(seg.mv, seg.size, HEADER_SIZE, full):
+            if rtype is None:
+                return
+            yield base | off, n, rtype, fields
+
+    # --- maintenance ----------------------------------------------------------
+    def segments(self) -> list[int]:
+        return sorted(self._segs)
+
+    def segment_size_of(self, seq: int) -> int:
+        return self._segs[seq].size
+
+    def segment_path(self, seq: int) -> str:
+        return self._segs[seq].path
+
+    def remove_segment(self, seq: int) -> int:
+        """Unmap and delete a segment (never the active one); return the bytes freed."""
+        if self._active is not None and seq == self._active.seq:
+            raise JournalError(f"segment {segment_name(seq)} is the active segment")
+        seg = self._segs.pop(seq)
+        seg.close()
+        size = os.stat(seg.path).st_size
+        os.unlink(seg.path)
+        _fsync_dir(self.directory)
+        return size
+
+    def disk_usage(self) -> int:
+        """Bytes the segment files occupy (they are preallocated: their full size)."""
+        return sum(seg.size for seg in self._segs.values())
+
+    def _close_maps(self) -> None:
+        for seg in self._segs.values():
+            try:
+                seg.close()
+            except (BufferError, ValueError):
+                pass
+        self._segs.clear()
+
+    def close(self) -> None:
+        """Sync, unmap everything and release the directory lock (idempotent)."""
+        if self._lock.closed:
+            return
+        try:
+            if self._ready and self._failed is None:
+                self.sync()
+        finally:
+            self._mm = self._mv = self._active = None
+            self._size = 0
+            self._ready = False
+            self._failed = self._failed or JournalError("journal closed")
+            self._close_maps()
+            self._lock.close()
+
+
+def iter_records(journal_dir: str, start_mark=None) -> Iterator[Record]:
+    """Decode the records of a journal directory, read-only (for the admin shell).
+
+    Starts at ``start_mark`` (``"seq:offset"`` or a pair; default: the first
+    segment) and stops at the end of the data or at the first bad record,
+    which is logged but never truncated.
+    """
+    files = _list_segment_files(journal_dir)
+    if start_mark is not None:
+        start_seq, off = parse_mark(start_mark)
+    else:
+        start_seq, off = (files[0][0] if files else 0), HEADER_SIZE
+    for i, (seq, path) in enumerate(files):
+        if seq < start_seq:
+            continue
+        mm, size = _map(path, writable=False)
+        if mm is None:
+            _check_header(path, b"", seq, size)
+        mv = memoryview(mm)
+        try:
+            _check_header(path, mm, seq, size)
+            base = seq << 32
+            for roff, n, rtype, fields in _scan(mv, size, off if seq == start_seq else HEADER_SIZE,
+                                                True):
+                if rtype is None:
+                    if fields != _END:
+                        log.warning("journal %s: bad record at offset %d of %s (%s); stopping",
+                                    journal_dir, roff, path, fields)
+                        return
+                    break
+                yield Record(base | roff, seq, roff, n, rtype, fields)
+        finally:
+            mv.release()
+            mm.close()
+
+
+def journal_disk_usage(journal_dir: str) -> int:
+    """Bytes of the segment files of a journal directory (without opening it)."""
+    return sum(os.path.getsize(p) for _, p in _list_segment_files(journal_dir))
