@@ -128,7 +128,7 @@ class ShardStorage:
         EBADREQ (negative or absurdly far entry id, larger than a segment); EIO."""
         st = self._ledgers.get(ledger)
         if st is None:
-            if entry < 0:
+            if entry < 0 or entry > MAX_ENTRY_GAP:
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
             if st is None:

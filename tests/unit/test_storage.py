@@ -1,0 +1,469 @@
+"""ShardStorage: statuses, ledger state, restarts, crashes, checkpoints, GC and compaction."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+import pytest
+
+from bk.bookie import journal as J
+from bk.bookie.storage import CHECKPOINT_FILE, ShardStorage
+from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
+
+SEG = 64 * 1024
+KEY = b"master-key-1"
+OTHER = b"master-key-2"
+
+
+def open_storage(tmp_path, sync_data=True, size=SEG):
+    return ShardStorage(str(tmp_path / "journal"), str(tmp_path / "index"),
+                        segment_size=size, sync_data=sync_data)
+
+
+def crash():
+    """After the caller dropped its last reference to a storage (``del s``):
+    collect it, without close() (no final sync or checkpoint), like a killed process."""
+    gc.collect()
+
+
+def payload(ledger, entry, n=700):
+    return (f"{ledger}/{entry}:".encode() * (n // 6 + 1))[:n]
+
+
+def digest(ledger, entry):
+    return f"d{ledger}.{entry}".encode().ljust(16, b"_")
+
+
+def add(s, ledger, entry, lac=None, key=KEY, recovery=False, n=700):
+    return s.add_entry(ledger, entry, entry - 1 if lac is None else lac, key,
+                       digest(ledger, entry), payload(ledger, entry, n), recovery)
+
+
+def assert_entry(s, ledger, entry, lac=None, n=700):
+    assert s.read_entry(ledger, entry) == (
+        EOK, entry - 1 if lac is None else lac, digest(ledger, entry), payload(ledger, entry, n))
+
+
+def segment_bytes(tmp_path):
+    d = tmp_path / "journal"
+    return sum(os.path.getsize(d / n) for n in os.listdir(d) if n.endswith(".seg"))
+
+
+# --- statuses -------------------------------------------------------------------
+
+def test_add_and_read(tmp_path):
+    s = open_storage(tmp_path)
+    for e in range(5):
+        assert add(s, 1, e) == EOK
+    s.sync()
+    for e in range(5):
+        assert_entry(s, 1, e)
+    assert s.read_lac(1) == (EOK, 3, 4)
+    assert s.lac(1) == 3
+    assert s.check_master_key(1, KEY) == EOK
+    assert s.ledgers() == [1]
+    assert s.unsynced_bytes == 0
+    s.close()
+
+
+def test_missing_ledger_and_entry(tmp_path):
+    s = open_storage(tmp_path)
+    assert s.read_entry(9, 0) == (ENOLEDGER, -1, b"", b"")
+    assert s.read_lac(9) == (ENOLEDGER, -1, -1)
+    assert s.lac(9) == -1
+    assert s.list_entries(9) == (ENOLEDGER, [])
+    assert s.check_master_key(9, KEY) == ENOLEDGER
+    assert s.write_lac(9, KEY, 3) == ENOLEDGER
+    assert s.is_fenced(9) is False
+    add(s, 1, 0)
+    assert s.read_entry(1, 1) == (ENOENTRY, -1, b"", b"")
+    assert s.read_entry(1, -1) == (ENOENTRY, -1, b"", b"")
+    assert s.read_entry(1, 10**9) == (ENOENTRY, -1, b"", b"")
+    s.close()
+
+
+def test_wrong_master_key(tmp_path):
+    s = open_storage(tmp_path)
+    assert add(s, 1, 0) == EOK
+    assert add(s, 1, 1, key=OTHER) == EUA
+    assert s.read_entry(1, 1)[0] == ENOENTRY           # the refused add left nothing
+    assert s.fence(1, OTHER) == EUA
+    assert s.is_fenced(1) is False
+    assert s.write_lac(1, OTHER, 5) == EUA
+    assert s.check_master_key(1, OTHER) == EUA
+    assert s.lac(1) == -1
+    s.close()
+
+
+def test_fenced_ledger_refuses_adds_but_not_recovery_adds(tmp_path):
+    s = open_storage(tmp_path)
+    for e in range(3):
+        add(s, 1, e)
+    before = s.unsynced_bytes
+    assert s.fence(1, KEY) == EOK
+    assert s.unsynced_bytes > before              # the FENCE is in the journal, to be synced
+    s.sync()
+    assert s.is_fenced(1)
+    assert add(s, 1, 3) == EFENCED
+    assert s.read_entry(1, 3)[0] == ENOENTRY
+    assert add(s, 1, 3, recovery=True) == EOK
+    assert_entry(s, 1, 3)
+    # fencing again appends nothing
+    s.sync()
+    assert s.fence(1, KEY) == EOK and s.unsynced_bytes == 0
+    # re-adding an existing entry (recovery) repoints the index to the new copy
+    assert s.add_entry(1, 1, 7, KEY, b"new-digest", b"new payload", True) == EOK
+    assert s.read_entry(1, 1) == (EOK, 7, b"new-digest", b"new payload")
+    assert s.read_lac(1) == (EOK, 7, 3)
+    assert s.stats()["entries"] == 4
+    s.close()
+
+
+def test_fence_of_an_unknown_ledger_creates_it(tmp_path):
+    s = open_storage(tmp_path)
+    assert s.fence(5, KEY) == EOK
+    assert s.ledgers() == [5] and s.is_fenced(5)
+    assert s.read_lac(5) == (EOK, -1, -1)
+    assert s.check_master_key(5, KEY) == EOK
+    assert add(s, 5, 0, key=OTHER, recovery=True) == EUA
+    assert add(s, 5, 0) == EFENCED
+    assert add(s, 5, 0, recovery=True) == EOK
+    s.close()
+
+
+def test_write_lac_and_read_lac(tmp_path):
+    s = open_storage(tmp_path)
+    add(s, 1, 0, lac=-1)
+    add(s, 1, 1, lac=0)
+    assert s.read_lac(1) == (EOK, 0, 1)
+    assert s.write_lac(1, KEY, 1) == EOK
+    assert s.read_lac(1) == (EOK, 1, 1)
+    assert s.write_lac(1, KEY, 0) == EOK          # never goes backwards
+    assert s.lac(1) == 1
+    add(s, 1, 2, lac=1)
+    assert s.read_lac(1) == (EOK, 1, 2)
+    s.close()
+
+
+def test_list_entries_of_a_striped_ledger(tmp_path):
+    s = open_storage(tmp_path)
+    for e in (0, 1, 2, 5, 6, 9, 12, 13):
+        assert add(s, 3, e, n=10) == EOK
+    assert s.list_entries(3) == (EOK, [0, 2, 5, 6, 9, 9, 12, 13])
+    assert s.read_lac(3) == (EOK, 12, 13)
+    assert s.read_entry(3, 4)[0] == ENOENTRY
+    assert s.stats()["entries"] == 8
+    s.close()
+
+
+def test_bad_entry_ids(tmp_path):
+    s = open_storage(tmp_path)
+    assert add(s, 1, -1) == EBADREQ
+    assert add(s, 1, 10**12) == EBADREQ
+    assert s.ledgers() == [] and s.unsynced_bytes == 0     # no state, no MASTER_KEY record
+    assert add(s, 1, 0) == EOK
+    assert add(s, 1, -5) == EBADREQ
+    assert add(s, 1, 10**12) == EBADREQ           # would allocate a gigantic index
+    assert s.add_entry(1, 1, 0, KEY, b"", bytes(SEG), False) == EBADREQ   # larger than a segment
+    assert s.list_entries(1) == (EOK, [0, 0])
+    s.close()
+
+
+# --- restarts -------------------------------------------------------------------
+
+def _populate(s):
+    for e in range(40):
+        assert add(s, 1, e) == EOK
+    for e in range(0, 30, 3):
+        assert add(s, 2, e, key=OTHER) == EOK
+    assert s.fence(2, OTHER) == EOK
+    assert s.write_lac(1, KEY, 38) == EOK
+    assert s.fence(3, b"k3") == EOK
+
+
+def _check_populated(s):
+    assert s.ledgers() == [1, 2, 3]
+    for e in range(40):
+        assert_entry(s, 1, e)
+    for e in range(0, 30, 3):
+        assert_entry(s, 2, e)
+    assert s.read_lac(1) == (EOK, 38, 39)
+    assert s.read_lac(2) == (EOK, 26, 27)
+    assert s.list_entries(2) == (EOK, [e for x in range(0, 30, 3) for e in (x, x)])
+    assert not s.is_fenced(1) and s.is_fenced(2) and s.is_fenced(3)
+    assert add(s, 2, 30, key=OTHER) == EFENCED
+    assert add(s, 1, 40, key=OTHER) == EUA
+    assert s.fence(2, KEY) == EUA
+    assert s.check_master_key(3, b"k3") == EOK and s.check_master_key(3, KEY) == EUA
+    assert s.stats()["entries"] == 50
+
+
+def test_state_survives_close_and_reopen(tmp_path):
+    s = open_storage(tmp_path)
+    _populate(s)
+    s.close()
+    s.close()                      # idempotent
+    s = open_storage(tmp_path)
+    assert s.stats()["replayed_records"] == 0          # all from the checkpoint
+    _check_populated(s)
+    s.close()
+
+
+@pytest.mark.parametrize("sync_data", [True, False])
+def test_state_survives_a_crash(tmp_path, sync_data):
+    s = open_storage(tmp_path, sync_data=sync_data)
+    _populate(s)
+    s.sync()
+    del s
+    crash()
+    s = open_storage(tmp_path, sync_data=sync_data)
+    assert s.stats()["replayed_records"] > 50
+    _check_populated(s)
+    s.close()
+
+
+def test_checkpoint_then_more_adds_then_crash(tmp_path):
+    s = open_storage(tmp_path)
+    for e in range(20):
+        add(s, 1, e)
+    s.checkpoint()
+    mark = s.stats()["last_mark"]
+    for e in range(20, 150):                # several segment rolls after the checkpoint
+        add(s, 1, e)
+    s.fence(1, KEY)
+    add(s, 1, 150, recovery=True)
+    s.sync()
+    del s
+    crash()
+    s = open_storage(tmp_path)
+    st = s.stats()
+    assert st["replayed_records"] == 132          # only what followed the mark
+    assert st["segments"] > 1
+    for e in range(151):
+        assert_entry(s, 1, e)
+    assert s.is_fenced(1)
+    assert s.stats()["last_mark"] != mark        # a fresh checkpoint after replaying
+    s.close()
+
+
+def test_restart_does_not_rescan_with_a_checkpoint(tmp_path, monkeypatch):
+    s = open_storage(tmp_path)
+    for e in range(200):
+        add(s, 1, e)
+    s.close()
+    scanned = []
+    real_scan = J._scan
+
+    def counting_scan(mv, size, off, full):
+        for item in real_scan(mv, size, off, full):
+            scanned.append(item)
+            yield item
+    monkeypatch.setattr(J, "_scan", counting_scan)
+    s = open_storage(tmp_path)
+    assert len(scanned) == 1                # just the clean end after the mark
+    assert_entry(s, 1, 199)
+    s.close()
+
+
+def test_corrupt_checkpoint_falls_back_to_a_full_replay(tmp_path, caplog):
+    s = open_storage(tmp_path)
+    _populate(s)
+    s.close()
+    path = tmp_path / "index" / CHECKPOINT_FILE
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="bk.storage"):
+        s = open_storage(tmp_path)
+    assert "unusable" in caplog.text
+    _check_populated(s)
+    s.close()
+    path.unlink()                            # missing: the same
+    s = open_storage(tmp_path)
+    _check_populated(s)
+    s.close()
+
+
+def test_torn_tail_loses_only_the_unsynced_last_add(tmp_path):
+    s = open_storage(tmp_path)
+    for e in range(10):
+        add(s, 1, e)
+    s.sync()
+    jr = s._journal
+    pos_last = s._ledgers[1].idx[9]
+    del s
+    crash()
+    seq, off = J.split_position(pos_last)
+    with open(tmp_path / "journal" / J.segment_name(seq), "r+b") as f:
+        f.seek(off + 100)
+        f.write(b"\x00" * 50)                  # the tail of the last add never made it
+    del jr
+    s = open_storage(tmp_path)
+    for e in range(9):
+        assert_entry(s, 1, e)
+    assert s.read_entry(1, 9)[0] == ENOENTRY
+    assert s.read_lac(1) == (EOK, 7, 8)
+    assert add(s, 1, 9) == EOK
+    s.close()
+    s = open_storage(tmp_path)
+    assert_entry(s, 1, 9)
+    s.close()
+
+
+# --- deletion and compaction -------------------------------------------------------
+
+def _two_ledgers(s, n=200):
+    """Interleave a doomed ledger 7 and a surviving ledger 8 over several segments."""
+    for e in range(n):
+        assert add(s, 7, e) == EOK
+        assert add(s, 8, e, key=OTHER) == EOK
+    assert s.fence(8, OTHER) == EOK
+    assert s.write_lac(8, OTHER, n - 1) == EOK
+    s.sync()
+
+
+def _check_survivor(s, n=200):
+    assert s.ledgers() == [8]
+    for e in range(n):
+        assert_entry(s, 8, e)
+    assert s.read_lac(8) == (EOK, n - 1, n - 1)
+    assert s.is_fenced(8)
+    assert add(s, 8, n, key=OTHER) == EFENCED
+    assert add(s, 8, n, key=KEY, recovery=True) == EUA
+
+
+def test_delete_then_compact_gives_space_back(tmp_path):
+    s = open_storage(tmp_path)
+    _two_ledgers(s)
+    before = segment_bytes(tmp_path)
+    nsegs = s.stats()["segments"]
+    assert nsegs >= 4
+    assert s.compact(0.5) == {"segments_removed": 0, "bytes_freed": 0, "entries_moved": 0,
+                              "bytes_moved": 0}      # everything is live
+    assert s.delete_ledgers([7, 99]) == 1
+    assert s.read_entry(7, 0)[0] == ENOLEDGER
+    stats = s.compact(0.6)
+    assert stats["segments_removed"] >= nsegs - 2
+    assert stats["entries_moved"] > 0
+    after = segment_bytes(tmp_path)
+    assert after < before
+    assert stats["bytes_freed"] == stats["segments_removed"] * SEG
+    assert s.stats()["journal_bytes"] == after
+    _check_survivor(s)
+    s.close()
+    s = open_storage(tmp_path)
+    _check_survivor(s)
+    s.close()
+
+
+def test_compaction_keeps_state_even_for_a_full_replay(tmp_path):
+    # the FENCE / MASTER_KEY / WRITE_LAC records sat in removed segments: the
+    # STATE record written by compaction must carry them
+    s = open_storage(tmp_path)
+    _two_ledgers(s)
+    s.delete_ledgers([7])
+    s.compact(0.6)
+    first = s._journal.segments()[0]
+    s.close()
+    assert first > 1
+    (tmp_path / "index" / CHECKPOINT_FILE).unlink()
+    s = open_storage(tmp_path)
+    _check_survivor(s)
+    s.close()
+
+
+def test_unreferenced_segments_are_simply_removed(tmp_path):
+    s = open_storage(tmp_path)
+    for e in range(150):
+        add(s, 7, e)
+    s.delete_ledgers([7])
+    nsegs = s.stats()["segments"]
+    stats = s.compact(0.01)
+    assert stats["segments_removed"] == nsegs - 1 and stats["entries_moved"] == 0
+    assert s.stats()["segments"] == 1
+    s.close()
+
+
+def test_compaction_max_bytes_bounds_each_call(tmp_path):
+    s = open_storage(tmp_path)
+    _two_ledgers(s)
+    s.delete_ledgers([7])
+    nsegs = s.stats()["segments"]
+    first = s.compact(0.6, max_bytes=1)
+    assert first["segments_removed"] == 1            # one segment per call at most
+    total = first["segments_removed"]
+    for _ in range(20):
+        st = s.compact(0.6, max_bytes=1)
+        if not st["segments_removed"]:
+            break
+        total += st["segments_removed"]
+        _check_survivor(s)
+    assert total >= nsegs - 2
+    s.close()
+
+
+class _Crash(BaseException):
+    pass
+
+
+def test_compaction_interrupted_before_removal_loses_nothing(tmp_path, monkeypatch):
+    s = open_storage(tmp_path)
+    _two_ledgers(s)
+    s.delete_ledgers([7])
+    nsegs = s.stats()["segments"]
+
+    def crash_now(seq):
+        raise _Crash()
+    monkeypatch.setattr(s._journal, "remove_segment", crash_now)
+    with pytest.raises(_Crash):
+        s.compact(0.6)
+    del s
+    crash()
+    monkeypatch.undo()
+    s = open_storage(tmp_path)
+    assert s.stats()["segments"] > nsegs           # copies made, nothing removed yet
+    _check_survivor(s)
+    assert s.compact(0.6)["segments_removed"] >= nsegs - 1
+    _check_survivor(s)
+    s.close()
+
+
+def test_compaction_interrupted_before_its_checkpoint_loses_nothing(tmp_path, monkeypatch):
+    s = open_storage(tmp_path)
+    _two_ledgers(s)
+    s.delete_ledgers([7])
+
+    def crash_now():
+        s._journal.sync()              # the copies are on disk, the checkpoint is not
+        raise _Crash()
+    monkeypatch.setattr(s, "checkpoint", crash_now)
+    with pytest.raises(_Crash):
+        s.compact(0.6)
+    monkeypatch.undo()
+    del s
+    crash()
+    s = open_storage(tmp_path)
+    _check_survivor(s)
+    # the old copies are no longer referenced: the next compaction frees them
+    assert s.compact(0.6)["segments_removed"] > 0
+    _check_survivor(s)
+    s.close()
+
+
+def test_stats(tmp_path):
+    s = open_storage(tmp_path)
+    for e in range(10):
+        add(s, 1, e)
+    s.sync()
+    for e in range(10, 15):
+        add(s, 1, e)
+    s.sync()
+    st = s.stats()
+    assert st["ledgers"] == 1 and st["entries"] == 15
+    assert st["syncs"] == 2
+    assert st["synced_records"] == 16              # 15 adds + the MASTER_KEY
+    assert st["segments"] == 1 and st["journal_bytes"] == SEG
+    assert st["journal_mark"].startswith("1:")
+    s.close()
