@@ -1,0 +1,235 @@
+"""The client entry point: :class:`BookKeeper`."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+from bk.client import digest as _digest
+from bk.client.connection import DeadConnection, IOLoop
+from bk.client.ledger import LedgerHandle
+from bk.client.placement import choose_ensemble
+from bk.client.recovery import check_password, recover_ledger
+from bk.config import Config
+from bk.errors import BKError, LedgerExistsError, MetadataError, NotEnoughBookiesError
+from bk.errors import EOK
+from bk.meta.ledger import LedgerMetadata, LedgerState
+from bk.util import parse_host_port
+from bk import protocol
+
+log = logging.getLogger("bk.client")
+
+
+def _check_uri(uri) -> str:
+    if not isinstance(uri, str) or not uri:
+        raise ValueError("a metadata service URI (etcd://host:port/prefix) is required: pass "
+                         "it, or set metadataServiceUri / BK_metadataServiceUri")
+    if not uri.startswith("etcd://"):
+        raise ValueError(f"metadata service URI {uri!r}: unsupported scheme, expected "
+                         f"etcd://host:port[,host:port...]/prefix")
+    return uri
+
+
+class BookKeeper:
+    """A client of one bk cluster; thread-safe; ``with`` closes it.
+
+    ``BookKeeper("etcd://127.0.0.1:2379/ledgers")``, or ``BookKeeper(conf=Config)``,
+    or ``BookKeeper(uri, addEntryTimeoutSec=5, throttle=1000)`` (settings of
+    ``bk.config`` by name).
+    """
+
+    def __init__(self, uri_or_none=None, conf: Config | None = None, **overrides):
+        if isinstance(uri_or_none, Config):
+            conf, uri_or_none = uri_or_none, None
+        if conf is None:
+            conf = Config.load(overrides={k: v for k, v in overrides.items()})
+        elif overrides:
+            conf = conf.with_overrides(**overrides)
+        uri = uri_or_none or conf.metadataServiceUri
+        self.uri = _check_uri(uri)
+        if conf.metadataServiceUri != uri:
+            conf = conf.with_overrides(metadataServiceUri=uri)
+        self.conf = conf
+        self._closed = False
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._shards: dict[str, int] = {}
+        from bk.meta.store import MetadataStore
+        self._store_cls = MetadataStore
+        self._store = MetadataStore(uri, timeout=conf.metadataTimeoutMillis / 1000.0)
+        try:
+            # Touch etcd now so that an unreachable store fails here, naming the URI.
+            self._store.list_bookies()
+        except BKError as e:
+            self._store.close()
+            raise MetadataError(f"connect to metadata store {uri}: {e}") from None
+        self._io = IOLoop(max_frame_size=conf.nettyMaxFrameSizeBytes,
+                          connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
+                          auth_token=conf.authToken or None)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="bk-meta")
+
+    # --- lifecycle ---------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() == self._pid:
+            self._io.stop()
+            self._executor.shutdown(wait=False)
+        self._store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<BookKeeper {self.uri}{' closed' if self._closed else ''}>"
+
+    def _check(self):
+        if self._closed:
+            raise BKError(f"client of {self.uri} is closed")
+        if os.getpid() != self._pid:
+            self._after_fork()
+
+    def _after_fork(self):
+        with self._lock:
+            if os.getpid() == self._pid:
+                return
+            # The store re-creates its gRPC channel itself; the I/O loop resets on
+            # first use; the executor's threads do not exist in the child.
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="bk-meta")
+            self._pid = os.getpid()
+
+    # --- bookie connections ------------------------------------------------
+    def _connection(self, bookie_id: str, ledger_id: int):
+        """The connection for ``ledger_id``'s shard on ``bookie_id`` (caller thread)."""
+        n = self._shards.get(bookie_id)
+        if n is None:
+            n = self._resolve(bookie_id)
+            if n is None:
+                return DeadConnection(self._io, bookie_id, "not registered and not reachable")
+        return self._io.conn(bookie_id, ledger_id % n)
+
+    def _resolve(self, bookie_id: str):
+        """Learn the address and shard count of a bookie: registration, else HELLO."""
+        try:
+            info = self._store.bookie_info(bookie_id)
+        except BKError as e:
+            log.warning("cannot read the registration of bookie %s: %s", bookie_id, e)
+            info = None
+        if info:
+            addr = info.get("address")
+            port = info.get("port")
+            if addr and port:
+                self._io.addresses[bookie_id] = (str(addr), int(port))
+            n = info.get("numShards")
+            if n:
+                self._shards[bookie_id] = int(n)
+                return int(n)
+        # Not registered (dead?) or no shard count: ask the bookie itself.
+        conn = self._io.conn(bookie_id, -1)
+        call = self._io.request(conn, protocol.ping, timeout=self.conf.clientConnectTimeoutMillis
+                                / 1000.0)
+        call.wait(self.conf.clientConnectTimeoutMillis / 1000.0 + 2)
+        if call.reply is not None and call.reply[2] == EOK and conn.num_shards:
+            self._shards[bookie_id] = int(conn.num_shards)
+            return int(conn.num_shards)
+        return None
+
+    # --- ledgers -------------------------------------------------------------
+    def create_ledger(self, ensemble_size: int = 3, write_quorum_size: int = 2,
+                      ack_quorum_size: int = 2, digest_type: str = "crc32c",
+                      password: bytes = b"", custom_metadata: dict | None = None) -> LedgerHandle:
+        """Create a ledger and return its write handle."""
+        self._check()
+        for name, v in (("ensemble_size", ensemble_size), ("write_quorum_size", write_quorum_size),
+                        ("ack_quorum_size", ack_quorum_size)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"create ledger: {name} must be an integer, not {v!r}")
+        if not ensemble_size >= write_quorum_size >= ack_quorum_size >= 1:
+            raise ValueError(
+                f"create ledger: need ensemble_size >= write_quorum_size >= ack_quorum_size >= 1, "
+                f"got E={ensemble_size} Qw={write_quorum_size} Qa={ack_quorum_size}")
+        _digest.check_digest_type(digest_type)
+        if not isinstance(password, (bytes, bytearray)):
+            raise TypeError(f"create ledger: password must be bytes, not "
+                            f"{type(password).__name__}")
+        custom = {}
+        for k, v in (custom_metadata or {}).items():
+            if not isinstance(k, str):
+                raise TypeError(f"create ledger: custom metadata keys must be str, not {k!r}")
+            if isinstance(v, str):
+                v = v.encode("utf-8")
+            if not isinstance(v, (bytes, bytearray)):
+                raise TypeError(f"create ledger: custom metadata value of {k!r} must be bytes")
+            custom[k] = bytes(v)
+        writable = self._store.list_bookies()
+        try:
+            ensemble = choose_ensemble(writable, ensemble_size)
+        except NotEnoughBookiesError as e:
+            raise NotEnoughBookiesError(f"create ledger with ensemble size {ensemble_size}: {e}") \
+                from None
+        pw = bytes(password)
+        for _ in range(10):
+            lid = self._store.new_ledger_id()
+            md = LedgerMetadata(ledger_id=lid, ensemble_size=ensemble_size,
+                                write_quorum_size=write_quorum_size,
+                                ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
+                                digest_type=digest_type,
+                                password_digest=_digest.password_digest(pw),
+                                ctime=time.time(), custom_metadata=custom)
+            try:
+                version = self._store.create_ledger(md)
+                break
+            except LedgerExistsError:
+                continue
+        else:
+            raise MetadataError("create ledger: could not allocate a free ledger id")
+        return LedgerHandle(self, md, version, pw, writable=True)
+
+    def open_ledger(self, ledger_id: int, password: bytes = b"") -> LedgerHandle:
+        """Open with recovery: fence the ledger, recover its tail, close it."""
+        self._check()
+        md, version = recover_ledger(self, ledger_id, password)
+        return LedgerHandle(self, md, version, bytes(password), writable=False,
+                            lac=md.last_entry_id)
+
+    def open_ledger_no_recovery(self, ledger_id: int, password: bytes = b"") -> LedgerHandle:
+        """Open without fencing: readable up to the LAC, which can be refreshed."""
+        self._check()
+        md, version = self._store.read_ledger(ledger_id)
+        check_password(md, password, f"open ledger {ledger_id}")
+        lac = md.last_entry_id if md.state == LedgerState.CLOSED else -1
+        h = LedgerHandle(self, md, version, bytes(password), writable=False, lac=lac)
+        if md.state != LedgerState.CLOSED:
+            try:
+                h.read_last_add_confirmed()
+            except BKError as e:
+                log.info("open ledger %d: LAC unknown for now: %s", ledger_id, e)
+        return h
+
+    def delete_ledger(self, ledger_id: int) -> None:
+        """Delete the ledger's metadata; bookies garbage-collect its entries."""
+        self._check()
+        self._store.delete_ledger(ledger_id)
+
+    def list_ledgers(self):
+        """Iterator of the ids of every ledger."""
+        self._check()
+        return self._store.list_ledgers()
+
+    def ledger_metadata(self, ledger_id: int) -> LedgerMetadata:
+        self._check()
+        return self._store.read_ledger(ledger_id)[0]
+
+    def bookies(self, readonly: bool = False) -> list[str]:
+        """Ids of the registered writable (or read-only) bookies."""
+        self._check()
+        return self._store.list_bookies(readonly=readonly)

@@ -1,0 +1,587 @@
+"""Bookie connections, driven by one I/O thread per client.
+
+Theory of operation
+-------------------
+:class:`IOLoop` owns a ``selectors`` loop over every bookie connection of one
+:class:`bk.BookKeeper`. Other threads never touch a socket: they hand work to
+the loop with :meth:`IOLoop.call_soon` (a deque plus a wake-up socketpair that
+is only written when the loop is asleep) and the loop runs it. Everything that
+reacts to replies (acknowledging adds, retrying reads on the next replica,
+starting ensemble changes) therefore runs on this one thread and needs no
+locks.
+
+A :class:`Connection` is one TCP stream to one shard of one bookie. It
+pipelines: every request has a request id, ``inflight`` maps it to the request
+object, whose ``on_reply(conn, msg)`` or ``on_error(conn, exc)`` the loop calls
+exactly once. The same encoded frame may be sent on several connections (an
+entry goes to its whole write quorum), which is why request ids come from one
+counter per loop. Frames queued in one loop pass go out with one ``send`` per
+connection. A broken connection fails all of its requests with
+:class:`BookieUnavailableError` and reconnects lazily on the next request.
+
+Per-request timeouts: requests sent with a timeout are remembered in a FIFO
+per timeout value (deadlines in a FIFO of one timeout value are monotone, so
+expiry is a peek at its head). Adds use no per-request timer: write handles
+watch the age of their oldest pending add instead (see ``bk.client.ledger``).
+
+Fork safety: a child process (multiprocessing, PySpark) must not share the
+parent's sockets or thread. ``os.register_at_fork`` marks every loop, and the
+next use in the child starts afresh with new sockets and a new thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import heapq
+import itertools
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+import weakref
+
+from bk import protocol
+from bk.errors import (BKError, BookieUnavailableError, ProtocolError, TimeoutError,
+                       error_for_status)
+from bk.util import parse_host_port
+
+log = logging.getLogger("bk.client")
+
+IDLE, CONNECTING, HELLO, READY = range(4)
+_EV_R = selectors.EVENT_READ
+_EV_RW = selectors.EVENT_READ | selectors.EVENT_WRITE
+_RECV = 1 << 18
+_FAIL_FAST_SEC = 0.1
+
+_loops: "weakref.WeakSet[IOLoop]" = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for loop in list(_loops):
+        loop._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Call:
+    """A generic request/response (everything but the add hot path).
+
+    ``callback(call)`` (if given) runs on the I/O thread when it completes;
+    :meth:`wait` blocks another thread until then. ``reply`` is the response
+    list, ``error`` the exception, ``conn`` the connection that answered.
+    """
+
+    __slots__ = ("frame", "callback", "reply", "error", "conn", "_event", "tag")
+
+    def __init__(self, frame: bytes, callback=None, tag=None):
+        self.frame = frame
+        self.callback = callback
+        self.reply = None
+        self.error = None
+        self.conn = None
+        self.tag = tag
+        self._event = threading.Event()
+
+    def on_reply(self, conn, msg):
+        self.conn = conn
+        self.reply = msg
+        self._finish()
+
+    def on_error(self, conn, exc):
+        self.conn = conn
+        self.error = exc
+        self._finish()
+
+    def _finish(self):
+        self._event.set()
+        cb = self.callback
+        if cb is not None:
+            cb(self)
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def status(self):
+        return None if self.reply is None else self.reply[2]
+
+    def wait(self, timeout=None) -> bool:
+        return self._event.wait(timeout)
+
+
+class DeadConnection:
+    """Stands in for a bookie that cannot be located: every request fails at once."""
+
+    state = IDLE
+
+    def __init__(self, loop, bookie_id, reason):
+        self.loop = loop
+        self.bookie_id = bookie_id
+        self.shard = None
+        self.reason = reason
+
+    def send(self, rid, req, frame, timeout=None):
+        exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
+        self.loop.call_soon(req.on_error, self, exc)
+
+    def __repr__(self):
+        return f"<DeadConnection {self.bookie_id}: {self.reason}>"
+
+
+class Connection:
+    """One pipelined stream to one shard of one bookie (used on the I/O thread only)."""
+
+    __slots__ = ("loop", "bookie_id", "shard", "addr", "state", "sock", "inflight",
+                 "queued", "out", "wbuf", "fb", "dirty", "num_shards", "down_until",
+                 "_connect_deadline", "_wants_write", "__weakref__")
+
+    def __init__(self, loop, bookie_id, shard, addr):
+        self.loop = loop
+        self.bookie_id = bookie_id
+        self.shard = shard
+        self.addr = addr
+        self.state = IDLE
+        self.sock = None
+        self.inflight = {}
+        self.queued = []
+        self.out = []
+        self.wbuf = b""
+        self.fb = None
+        self.dirty = False
+        self.num_shards = None
+        self.down_until = 0.0
+        self._connect_deadline = 0.0
+        self._wants_write = False
+
+    def __repr__(self):
+        return f"<Connection {self.bookie_id}/{self.shard} state={self.state}>"
+
+    # --- sending (I/O thread) ----------------------------------------------
+    def send(self, rid, req, frame, timeout=None):
+        """Send ``frame`` (request id ``rid``); ``req`` gets the reply or the error."""
+        self.inflight[rid] = req
+        if timeout is not None:
+            self.loop._track(timeout, self, rid, req)
+        if self.state == READY:
+            self.out.append(frame)
+            if not self.dirty:
+                self.dirty = True
+                self.loop._dirty.append(self)
+            return
+        self.queued.append(frame)
+        if self.state == IDLE:
+            if self.down_until and time.monotonic() < self.down_until:
+                self.loop.call_soon(self._fail_queued_fast)
+            else:
+                self._connect()
+
+    def _fail_queued_fast(self):
+        if self.state == IDLE and self.inflight:
+            self._fail(BookieUnavailableError(
+                f"bookie {self.bookie_id} is unavailable: a connection attempt just failed"),
+                fast=True)
+
+    # --- connection setup ----------------------------------------------------
+    def _connect(self):
+        loop = self.loop
+        self.state = CONNECTING
+        self.fb = protocol.FrameBuffer(loop.max_frame_size)
+        try:
+            if self.addr is None:
+                self.addr = parse_host_port(self.bookie_id)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        except (OSError, ValueError) as e:
+            self._fail(BookieUnavailableError(f"cannot connect to bookie {self.bookie_id}: {e}"))
+            return
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        err = sock.connect_ex(self.addr)
+        if err not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            self._fail(BookieUnavailableError(
+                f"cannot connect to bookie {self.bookie_id} at {self.addr[0]}:{self.addr[1]}: "
+                f"{os.strerror(err)}"))
+            return
+        loop.sel.register(sock, _EV_RW, self)
+        self._wants_write = True
+        self._connect_deadline = time.monotonic() + loop.connect_timeout
+        loop._connecting.add(self)
+
+    def _on_connected(self):
+        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            self._fail(BookieUnavailableError(
+                f"cannot connect to bookie {self.bookie_id} at {self.addr[0]}:{self.addr[1]}: "
+                f"{os.strerror(err)}"))
+            return
+        self.state = HELLO
+        self.wbuf = protocol.encode_frame(
+            protocol.hello(0, -1 if self.shard is None else self.shard,
+                           self.loop.auth_token or None))
+        self._write()
+
+    def _on_hello(self, msg):
+        status = msg[2]
+        if status != 0:
+            self._fail(error_for_status(status, f"hello to bookie {self.bookie_id}"))
+            return
+        num_shards = msg[4] if len(msg) > 4 else None
+        their_id = msg[5] if len(msg) > 5 else None
+        if their_id and their_id != self.bookie_id:
+            self._fail(BookieUnavailableError(
+                f"bookie {self.bookie_id}: {self.addr[0]}:{self.addr[1]} is bookie {their_id}"))
+            return
+        self.num_shards = num_shards
+        self.state = READY
+        self.down_until = 0.0
+        self.loop._connecting.discard(self)
+        if self.queued:
+            self.out.extend(self.queued)
+            self.queued = []
+            if not self.dirty:
+                self.dirty = True
+                self.loop._dirty.append(self)
+
+    # --- I/O events ------------------------------------------------------------
+    def _on_readable(self):
+        try:
+            data = self.sock.recv(_RECV)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._fail(BookieUnavailableError(f"connection to bookie {self.bookie_id} broke: "
+                                              f"{e.strerror or e}"))
+            return
+        if not data:
+            self._fail(BookieUnavailableError(f"bookie {self.bookie_id} closed the connection"))
+            return
+        fb = self.fb
+        fb.feed(data)
+        inflight = self.inflight
+        try:
+            for msg in fb.frames():
+                if self.state != READY:
+                    if msg[0] == protocol.HELLO:
+                        self._on_hello(msg)
+                        if self.state != READY:
+                            return
+                    continue
+                req = inflight.pop(msg[1], None)
+                if req is not None:
+                    try:
+                        req.on_reply(self, msg)
+                    except Exception:
+                        log.exception("reply handler failed for %r", req)
+        except ProtocolError as e:
+            self._fail(BookieUnavailableError(f"bad frame from bookie {self.bookie_id}: {e}"))
+
+    def _on_writable(self):
+        if self.state == CONNECTING:
+            self._on_connected()
+            return
+        self._write()
+
+    def _write(self):
+        data = self.wbuf
+        if self.out:
+            out = self.out
+            if data:
+                out.insert(0, bytes(data))
+            data = b"".join(out) if len(out) > 1 else out[0]
+            self.out = []
+        if not data:
+            return
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
+                                              f"{e.strerror or e}"))
+            return
+        rest = memoryview(data)[n:] if n < len(data) else b""
+        self.wbuf = rest
+        wants = bool(rest) or self.state == CONNECTING
+        if wants != self._wants_write:
+            self._wants_write = wants
+            self.loop.sel.modify(self.sock, _EV_RW if wants else _EV_R, self)
+
+    # --- failure ------------------------------------------------------------------
+    def _fail(self, exc, fast=False):
+        """Close the socket and fail every outstanding request with ``exc``."""
+        if self.state in (CONNECTING, HELLO) and not fast:
+            self.down_until = time.monotonic() + _FAIL_FAST_SEC
+        self.loop._connecting.discard(self)
+        if self.sock is not None:
+            try:
+                self.loop.sel.unregister(self.sock)
+            except (KeyError, ValueError):
+                pass
+            self.sock.close()
+            self.sock = None
+        self.state = IDLE
+        self.wbuf = b""
+        self.out = []
+        self.queued = []
+        self._wants_write = False
+        reqs = list(self.inflight.values())
+        self.inflight = {}
+        if reqs:
+            log.debug("%s failed, failing %d requests: %s", self, len(reqs), exc)
+        for req in reqs:
+            try:
+                req.on_error(self, exc)
+            except Exception:
+                log.exception("error handler failed for %r", req)
+
+    def _abandon(self):
+        """After fork: drop the parent's socket without touching the stream."""
+        if self.sock is not None:
+            try:
+                self.sock.detach()
+            except OSError:
+                pass
+            self.sock = None
+
+
+class IOLoop:
+    """The I/O thread of one client. Thread-safe entry points: call_soon, call_later,
+    conn, request, stop."""
+
+    def __init__(self, max_frame_size=protocol.DEFAULT_MAX_FRAME_SIZE, connect_timeout=5.0,
+                 auth_token=None, name="bk-io"):
+        self.max_frame_size = max_frame_size
+        self.connect_timeout = connect_timeout
+        self.auth_token = auth_token
+        self.name = name
+        self.addresses: dict[str, tuple] = {}
+        self.rids = itertools.count(1)
+        self.generation = 0
+        self._forked = False
+        self._lock = threading.Lock()
+        self._thread = None
+        self._init_state()
+        _loops.add(self)
+
+    def _init_state(self):
+        self.sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.sel.register(self._wake_r, _EV_R, None)
+        self._submit = collections.deque()
+        self._sleeping = False
+        self._stopping = False
+        self._conns: dict[tuple, Connection] = {}
+        self._dirty: list[Connection] = []
+        self._connecting: set[Connection] = set()
+        self._timeouts: dict[float, collections.deque] = {}
+        self._timers: list = []
+        self._timer_seq = itertools.count()
+        self._tickers: list = []
+        self.now = time.monotonic()
+        self.generation += 1
+
+    # --- thread-safe API ---------------------------------------------------
+    def _ensure(self):
+        if self._forked:
+            self._reset_after_fork()
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None and not self._stopping:
+                    t = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self._thread = t
+                    t.start()
+
+    def _reset_after_fork(self):
+        with self._lock:
+            if not self._forked:
+                return
+            for conn in self._conns.values():
+                conn._abandon()
+            for s in (self._wake_r, self._wake_w):
+                s.close()
+            try:
+                self.sel.close()
+            except OSError:
+                pass
+            self._thread = None
+            self._lock = threading.Lock()
+            self._init_state()
+            self._forked = False
+
+    def call_soon(self, fn, *args):
+        """Run ``fn(*args)`` on the I/O thread."""
+        if self._thread is None or self._forked:
+            self._ensure()
+        self._submit.append((fn, args))
+        if self._sleeping:
+            self._wake()
+
+    def call_later(self, delay, fn, *args):
+        """Run ``fn(*args)`` on the I/O thread after ``delay`` seconds."""
+        self.call_soon(self._add_timer, time.monotonic() + delay, fn, args)
+
+    def add_ticker(self, fn):
+        """Call ``fn(now)`` on the I/O thread about every 50 ms (until it returns False)."""
+        self.call_soon(self._tickers.append, fn)
+
+    def conn(self, bookie_id: str, shard) -> Connection:
+        """The connection to ``shard`` of ``bookie_id`` (created unconnected if new)."""
+        if self._forked:
+            self._ensure()
+        key = (bookie_id, shard)
+        c = self._conns.get(key)
+        if c is None:
+            c = self._conns.setdefault(
+                key, Connection(self, bookie_id, shard, self.addresses.get(bookie_id)))
+        return c
+
+    def request(self, conn, msg_builder, *args, timeout=None, callback=None, tag=None) -> Call:
+        """Send ``msg_builder(rid, *args)`` on ``conn`` from any thread; returns a Call."""
+        rid = next(self.rids)
+        call = Call(protocol.encode_frame(msg_builder(rid, *args)), callback, tag)
+        self.call_soon(conn.send, rid, call, call.frame, timeout)
+        return call
+
+    def stop(self, timeout=5.0):
+        t = self._thread
+        if t is None or self._forked:
+            return
+        self.call_soon(self._shutdown)
+        if t is not threading.current_thread():
+            t.join(timeout)
+
+    # --- I/O thread ------------------------------------------------------------
+    def _wake(self):
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _add_timer(self, when, fn, args):
+        heapq.heappush(self._timers, (when, next(self._timer_seq), fn, args))
+
+    def _track(self, timeout, conn, rid, req):
+        dq = self._timeouts.get(timeout)
+        if dq is None:
+            dq = self._timeouts[timeout] = collections.deque()
+        dq.append((time.monotonic() + timeout, conn, rid, req))
+
+    def _shutdown(self):
+        self._stopping = True
+        exc = BookieUnavailableError("client is closed")
+        for conn in list(self._conns.values()):
+            if conn.sock is not None or conn.inflight:
+                conn._fail(exc, fast=True)
+
+    def _run(self):
+        sel = self.sel
+        submit = self._submit
+        wake_r = self._wake_r
+        next_tick = 0.0
+        try:
+            while not self._stopping:
+                # how long may we sleep?
+                if submit or self._dirty:
+                    timeout = 0
+                else:
+                    timeout = 0.05 if (self._tickers or self._timeouts or self._connecting) else 1.0
+                    if self._timers:
+                        timeout = max(0.0, min(timeout, self._timers[0][0] - time.monotonic()))
+                    self._sleeping = True
+                    if submit:
+                        timeout = 0
+                events = sel.select(timeout)
+                self._sleeping = False
+                self.now = now = time.monotonic()
+                for key, mask in events:
+                    conn = key.data
+                    if conn is None:
+                        try:
+                            wake_r.recv(4096)
+                        except (BlockingIOError, OSError):
+                            pass
+                        continue
+                    if mask & _EV_R and conn.sock is not None:
+                        if conn.state == CONNECTING:
+                            conn._on_connected()
+                            if conn.sock is None:
+                                continue
+                        conn._on_readable()
+                    if mask & selectors.EVENT_WRITE and conn.sock is not None:
+                        conn._on_writable()
+                # work handed over by other threads (bounded, so replies keep flowing)
+                n = len(submit)
+                while n:
+                    n -= 1
+                    fn, args = submit.popleft()
+                    try:
+                        fn(*args)
+                    except Exception:
+                        log.exception("I/O thread task %r failed", fn)
+                if self._timers and self._timers[0][0] <= now:
+                    self._run_timers(now)
+                if now >= next_tick:
+                    next_tick = now + 0.05
+                    self._tick(now)
+                dirty = self._dirty
+                if dirty:
+                    self._dirty = []
+                    for conn in dirty:
+                        conn.dirty = False
+                        if conn.state == READY:
+                            conn._write()
+        except BaseException:
+            log.exception("bk I/O thread died")
+            raise
+        finally:
+            try:
+                sel.close()
+            except Exception:
+                pass
+
+    def _run_timers(self, now):
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, fn, args = heapq.heappop(timers)
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("timer %r failed", fn)
+
+    def _tick(self, now):
+        for conn in list(self._connecting):
+            if now > conn._connect_deadline and conn.state in (CONNECTING, HELLO):
+                conn._fail(TimeoutError(
+                    f"connect to bookie {conn.bookie_id} timed out after "
+                    f"{self.connect_timeout:g}s"))
+        for timeout, dq in list(self._timeouts.items()):
+            while dq and dq[0][0] <= now:
+                _, conn, rid, req = dq.popleft()
+                if conn.inflight.get(rid) is req:
+                    del conn.inflight[rid]
+                    try:
+                        req.on_error(conn, TimeoutError(
+                            f"bookie {conn.bookie_id} did not answer within {timeout:g}s"))
+                    except Exception:
+                        log.exception("timeout handler failed for %r", req)
+            if not dq:
+                del self._timeouts[timeout]
+        if self._tickers:
+            keep = []
+            for fn in self._tickers:
+                try:
+                    if fn(now) is not False:
+                        keep.append(fn)
+                except Exception:
+                    log.exception("ticker %r failed", fn)
+            self._tickers = keep
+
+
+__all__ = ["IOLoop", "Connection", "DeadConnection", "Call", "BKError"]

@@ -1,0 +1,138 @@
+"""Passwords, master keys and entry digests (sans-IO).
+
+Three values are derived from a ledger password, each for its own purpose, so
+that none of them reveals another:
+
+* the **master key** (:func:`master_key`) travels in ADD and fencing requests;
+  a bookie remembers it per ledger and answers EUA to any other key;
+* the **password digest** (:func:`password_digest`) is stored in the ledger
+  metadata, salted, so that a client refuses a wrong password with
+  :class:`BadPasswordError` before it touches a bookie;
+* the **MAC key** keys the HMAC of the ``"mac"`` digest type.
+
+The password itself is never sent or stored.
+
+The ``digest`` field of an entry is opaque to the bookie. The client stores in
+it the ledger's cumulative length after this entry (8 bytes, big-endian)
+followed by a checksum of (ledger, entry, lac, length, payload) under the
+ledger's digest type: 4 bytes for ``crc32`` and ``crc32c``, 20 for ``mac``
+(HMAC-SHA1), none for ``dummy``. The length makes a recovered ledger's length
+exact; covering ledger and entry ids catches a misplaced entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+import zlib
+
+import crc32c as _crc32c
+
+from bk.errors import DigestMismatchError
+
+DIGEST_TYPES = ("crc32", "crc32c", "mac", "dummy")
+
+_HEADER = struct.Struct(">qqqq")     # ledger, entry, lac, length
+_LENGTH = struct.Struct(">q")
+_SALT_LEN = 16
+
+
+def master_key(password: bytes) -> bytes:
+    """The key bookies check on writes and fencing reads (20 bytes)."""
+    return hashlib.sha1(b"bk-master-key\x00" + bytes(password)).digest()
+
+
+def _mac_key(password: bytes) -> bytes:
+    return hashlib.sha1(b"bk-mac-key\x00" + bytes(password)).digest()
+
+
+def password_digest(password: bytes, salt: bytes | None = None) -> bytes:
+    """Salted digest of ``password`` for the ledger metadata (salt + SHA-256)."""
+    salt = os.urandom(_SALT_LEN) if salt is None else salt
+    return salt + hashlib.sha256(salt + b"bk-password\x00" + bytes(password)).digest()
+
+
+def password_matches(stored: bytes, password: bytes) -> bool:
+    """True if ``password`` produced ``stored``. Metadata without a digest matches any."""
+    if not stored:
+        return True
+    if len(stored) != _SALT_LEN + 32:
+        return False
+    return hmac.compare_digest(password_digest(password, stored[:_SALT_LEN]), stored)
+
+
+def check_digest_type(digest_type) -> str:
+    if digest_type not in DIGEST_TYPES:
+        raise ValueError(f"unknown digest type {digest_type!r}: expected one of "
+                         f"{', '.join(DIGEST_TYPES)}")
+    return digest_type
+
+
+class EntryDigest:
+    """Signs and verifies the digest field of one ledger's entries.
+
+    ``sign(entry, lac, length, payload)`` returns the bytes for the ADD request;
+    ``verify(entry, lac, digest, payload)`` returns the cumulative length stored
+    in it or raises :class:`DigestMismatchError`.
+    """
+
+    __slots__ = ("ledger_id", "digest_type", "_sum_len", "_checksum")
+
+    def __init__(self, ledger_id: int, digest_type: str, password: bytes = b""):
+        check_digest_type(digest_type)
+        self.ledger_id = ledger_id
+        self.digest_type = digest_type
+        header = _HEADER.pack
+        if digest_type == "crc32c":
+            crc = _crc32c.crc32c
+
+            def checksum(entry, lac, length, payload):
+                v = crc(payload, value=crc(header(ledger_id, entry, lac, length)))
+                return v.to_bytes(4, "big")
+            self._sum_len = 4
+        elif digest_type == "crc32":
+            crc = zlib.crc32
+
+            def checksum(entry, lac, length, payload):
+                v = crc(payload, crc(header(ledger_id, entry, lac, length)))
+                return v.to_bytes(4, "big")
+            self._sum_len = 4
+        elif digest_type == "mac":
+            base = hmac.new(_mac_key(password), digestmod=hashlib.sha1)
+
+            def checksum(entry, lac, length, payload):
+                h = base.copy()
+                h.update(header(ledger_id, entry, lac, length))
+                h.update(payload)
+                return h.digest()
+            self._sum_len = 20
+        else:  # dummy
+            def checksum(entry, lac, length, payload):
+                return b""
+            self._sum_len = 0
+        self._checksum = checksum
+
+    def sign(self, entry: int, lac: int, length: int, payload) -> bytes:
+        return _LENGTH.pack(length) + self._checksum(entry, lac, length, payload)
+
+    def verify(self, entry: int, lac: int, digest, payload) -> int:
+        what = f"entry {entry} of ledger {self.ledger_id}"
+        if type(digest) is not bytes or len(digest) != 8 + self._sum_len:
+            raise DigestMismatchError(
+                f"{what}: digest field has {len(digest) if isinstance(digest, bytes) else digest!r}"
+                f" bytes, expected {8 + self._sum_len} for digest type {self.digest_type}")
+        if payload is None:
+            raise DigestMismatchError(f"{what}: no payload")
+        (length,) = _LENGTH.unpack_from(digest)
+        expected = self._checksum(entry, lac, length, payload)
+        if not hmac.compare_digest(expected, digest[8:]):
+            raise DigestMismatchError(f"{what}: {self.digest_type} digest mismatch "
+                                      f"(corrupt copy or wrong password)")
+        return length
+
+
+def length_of(digest) -> int:
+    """The cumulative ledger length recorded in a digest field (unverified)."""
+    return _LENGTH.unpack_from(digest)[0]

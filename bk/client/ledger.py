@@ -1,0 +1,907 @@
+"""Ledger handles: writing (quorum acks, ensemble changes, close) and reading.
+
+Theory of operation (write path)
+--------------------------------
+A user thread turns payloads into :class:`PendingAdd` objects under the
+handle's lock: it assigns the entry id, the cumulative length, signs the
+digest (carrying the LAC known at that moment: the piggybacked LAC) and
+encodes the ADD frame once. The ops are handed, in entry-id order, to the I/O
+thread, which from then on owns every piece of mutable write state: the
+``_pending`` deque, the acknowledgements, the LAC, the ensemble. It sends
+each frame to the entry's write set (the Qw bookies starting at slot
+``entry % E``) and counts confirmations per op. The head of ``_pending`` is
+acknowledged once Qa bookies confirmed it; acknowledging pops every complete
+op from the head, so acknowledgement (and the LAC) follows entry-id order
+whatever order bookies answer in.
+
+A bookie that fails (connection error, an error status, or an add older than
+``addEntryTimeoutSec`` it has not confirmed) starts an *ensemble change*:
+acknowledgements stop (the LAC freezes, so the first unacknowledged entry is a
+stable fragment start), a worker thread picks a writable replacement and CASes
+the metadata with a new fragment starting at LAC + 1. A lost CAS re-reads: a
+ledger still OPEN is merged and retried, one IN_RECOVERY or CLOSED fences the
+writer. Once committed, the I/O thread forgets the replaced bookie's
+confirmations, resends every pending entry of its slot to the new bookie, and
+acknowledgements resume. No entry is ever acknowledged by a bookie that is no
+longer in its write set.
+
+EFENCED from more than Qw - Qa bookies of an entry's write set means Qa can no
+longer be reached: every pending and later add fails with LedgerFencedError.
+
+Reads try the write set's bookies in order and move on when one fails, lacks
+the entry, or returns a copy whose digest does not verify.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+from bk import protocol
+from bk.client import digest as _digest
+from bk.client.connection import Call, DeadConnection
+from bk.client.placement import replace_bookies
+from bk.errors import (BadPasswordError, BKError, BookieUnavailableError, DigestMismatchError,
+                       LedgerClosedError, LedgerFencedError, MetadataError,
+                       MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
+                       NotEnoughBookiesError, TimeoutError, error_for_status)
+from bk.errors import EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
+from bk.meta.ledger import LedgerMetadata, LedgerState
+
+log = logging.getLogger("bk.client")
+
+_ADD = protocol.ADD
+_encode = protocol.encode_frame
+_FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generously
+_READ_WINDOW = 1000            # reads kept in flight by read_entries
+
+
+class LedgerEntry:
+    """One entry read back: ``ledger_id``, ``entry_id``, ``data`` (bytes), ``length``
+    (the ledger's cumulative length after this entry)."""
+
+    __slots__ = ("ledger_id", "entry_id", "data", "length")
+
+    def __init__(self, ledger_id, entry_id, data, length):
+        self.ledger_id = ledger_id
+        self.entry_id = entry_id
+        self.data = data
+        self.length = length
+
+    def __repr__(self):
+        return f"LedgerEntry(ledger={self.ledger_id}, entry={self.entry_id}, {len(self.data)} bytes)"
+
+    def __eq__(self, other):
+        return (isinstance(other, LedgerEntry) and other.ledger_id == self.ledger_id
+                and other.entry_id == self.entry_id and other.data == self.data)
+
+
+class PendingAdd:
+    """One add in flight (I/O-thread state after submission)."""
+
+    __slots__ = ("handle", "entry_id", "rid", "frame", "length", "acked", "nfenced",
+                 "done", "cb", "t_sent")
+
+    def __init__(self, handle, entry_id, rid, frame, length, cb):
+        self.handle = handle
+        self.entry_id = entry_id
+        self.rid = rid
+        self.frame = frame
+        self.length = length
+        self.acked = set()
+        self.nfenced = 0
+        self.done = False
+        self.cb = cb
+        self.t_sent = 0.0
+
+    def on_reply(self, conn, msg):
+        h = self.handle
+        if msg[2] == EOK:
+            if self.done or conn not in h._ack_ok:
+                return
+            acked = self.acked
+            acked.add(conn)
+            if len(acked) >= h._qa:
+                pending = h._pending
+                if pending and pending[0] is self:
+                    h._advance()
+        else:
+            h._add_error(self, conn, msg[2])
+
+    def on_error(self, conn, exc):
+        if not self.done:
+            self.handle._bookie_failed(conn, exc)
+
+
+class _Waiter:
+    """Blocks a user thread until an add (or the last add of a batch) completes."""
+
+    __slots__ = ("event", "entry_id", "error")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.entry_id = None
+        self.error = None
+
+    def __call__(self, exc, entry_id):
+        self.error = exc
+        self.entry_id = entry_id
+        self.event.set()
+
+    def wait(self):
+        while not self.event.wait(1.0):
+            pass
+        if self.error is not None:
+            raise self.error
+        return self.entry_id
+
+
+class _FutureCallback:
+    __slots__ = ("future",)
+
+    def __init__(self, future):
+        self.future = future
+
+    def __call__(self, exc, entry_id):
+        if exc is None:
+            self.future.set_result(entry_id)
+        else:
+            self.future.set_exception(exc)
+
+
+class _ReadBatch:
+    """Counts down reads of one read_entries call (I/O thread), wakes the caller."""
+
+    __slots__ = ("remaining", "event")
+
+    def __init__(self, n):
+        self.remaining = n
+        self.event = threading.Event()
+        if n == 0:
+            self.event.set()
+
+    def one_done(self):
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.event.set()
+
+
+class _ReadOp:
+    """Read one entry, trying the bookies of its write set in order (I/O thread)."""
+
+    __slots__ = ("h", "entry_id", "conns", "idx", "batch", "result", "errors", "timeout")
+
+    def __init__(self, h, entry_id, conns, batch, timeout):
+        self.h = h
+        self.entry_id = entry_id
+        self.conns = conns
+        self.idx = 0
+        self.batch = batch
+        self.result = None
+        self.errors = []
+        self.timeout = timeout
+
+    def start(self):
+        conn = self.conns[self.idx]
+        rid = next(self.h._loop.rids)
+        conn.send(rid, self, _encode(protocol.read(rid, self.h._lid, self.entry_id)),
+                  self.timeout)
+
+    def on_reply(self, conn, msg):
+        status = msg[2]
+        if status == EOK and msg[7] is not None:
+            try:
+                length = self.h._digest.verify(self.entry_id, msg[5], msg[6], msg[7])
+            except DigestMismatchError as e:
+                self.errors.append((conn.bookie_id, e))
+            else:
+                self.result = LedgerEntry(self.h._lid, self.entry_id, msg[7], length)
+                self.batch.one_done()
+                return
+        else:
+            self.errors.append((conn.bookie_id,
+                                error_for_status(status if status != EOK else ENOENTRY,
+                                                 f"bookie {conn.bookie_id}")))
+        self._next()
+
+    def on_error(self, conn, exc):
+        self.errors.append((conn.bookie_id, exc))
+        self._next()
+
+    def _next(self):
+        self.idx += 1
+        if self.idx < len(self.conns):
+            self.start()
+        else:
+            self.batch.one_done()
+
+    def error(self) -> BKError:
+        what = f"read entry {self.entry_id} of ledger {self.h._lid}"
+        detail = "; ".join(f"{b}: {e}" for b, e in self.errors)
+        kinds = [type(e) for _, e in self.errors]
+        if any(k is DigestMismatchError for k in kinds):
+            return DigestMismatchError(f"{what}: no copy with a valid digest ({detail})")
+        if kinds and all(k in (NoSuchEntryError, NoSuchLedgerError) for k in kinds):
+            return NoSuchEntryError(f"{what}: no bookie of the write set has it ({detail})")
+        return BookieUnavailableError(f"{what}: no bookie of the write set answered ({detail})")
+
+
+class LedgerHandle:
+    """A handle on one ledger: writable (from create_ledger) or read-only (open_*).
+
+    Safe to share between threads. Properties: ``ledger_id``,
+    ``last_add_confirmed``, ``length``, ``is_closed``, ``metadata``.
+    """
+
+    def __init__(self, client, md: LedgerMetadata, version: int, password: bytes,
+                 writable: bool = False, recovery: bool = False, lac: int = -1, length: int = 0):
+        self._client = client
+        self._loop = client._io
+        self._conf = client.conf
+        self._md = md
+        self._version = version
+        self._lid = md.ledger_id
+        self._E = md.ensemble_size
+        self._qw = md.write_quorum_size
+        self._qa = md.ack_quorum_size
+        self._master_key = _digest.master_key(password)
+        self._digest = _digest.EntryDigest(md.ledger_id, md.digest_type, password)
+        self._writable = writable
+        self._recovery = recovery
+        self._lac = lac
+        self._length = length
+        self._closed = False
+        self._read_timeout = float(self._conf.readEntryTimeoutSec)
+        self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
+        self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
+        self._conn_gen = self._loop.generation
+        self._prepare_conns(b for _, ens in md.ensembles for b in ens)
+        if writable:
+            self._init_writer()
+
+    # --- public properties ------------------------------------------------------
+    @property
+    def ledger_id(self) -> int:
+        return self._lid
+
+    @property
+    def last_add_confirmed(self) -> int:
+        return self._lac
+
+    @property
+    def length(self) -> int:
+        if self._md.state == LedgerState.CLOSED:
+            return self._md.length
+        return self._length
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed or self._md.state == LedgerState.CLOSED
+
+    @property
+    def metadata(self) -> LedgerMetadata:
+        return self._md
+
+    def __repr__(self):
+        return (f"<LedgerHandle {self._lid} {'writer' if self._writable else 'reader'} "
+                f"lac={self._lac} state={self._md.state}>")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- connections --------------------------------------------------------------
+    def _prepare_conns(self, bookie_ids):
+        """Resolve (caller thread: may ask etcd or probe) a connection per bookie."""
+        if self._loop.generation != self._conn_gen:
+            self._bconns = {}
+            self._conn_gen = self._loop.generation
+        for bid in bookie_ids:
+            c = self._bconns.get(bid)
+            if c is None or isinstance(c, DeadConnection):
+                self._bconns[bid] = self._client._connection(bid, self._lid)
+
+    def _conns_of(self, bookie_ids):
+        bconns = self._bconns
+        return [bconns[b] for b in bookie_ids]
+
+    # ============================ write path ======================================
+    def _init_writer(self):
+        self._lock = threading.Lock()
+        self._next_entry = self._lac + 1
+        self._pushed_length = self._length
+        self._submitted = 0
+        self._completed = 0                 # I/O thread only
+        self._pending = collections.deque()  # I/O thread only
+        self._error = None                  # (exception class, reason) once the handle is broken
+        self._changing = False
+        self._failed_slots: set = set()
+        self._change_lock = threading.Lock()
+        self._excluded: set = set()
+        self._throttle = int(self._conf.throttle)
+        self._add_timeout = float(self._conf.addEntryTimeoutSec)
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._ticker_on = False
+        self._flags = protocol.FLAG_RECOVERY if self._recovery else 0
+        self._set_ensemble(self._md.last_ensemble)
+
+    def _set_ensemble(self, ensemble):
+        conns = self._conns_of(ensemble)
+        self._ens_conns = conns
+        self._slot_of = {c: i for i, c in enumerate(conns)}
+        self._ack_ok = {c for i, c in enumerate(conns) if i not in self._failed_slots}
+
+    def _what_add(self, entry_id):
+        return f"add entry {entry_id} to ledger {self._lid}"
+
+    def _check_payload(self, data):
+        if type(data) is not bytes:
+            if isinstance(data, (bytearray, memoryview)):
+                return bytes(data)
+            raise TypeError(f"add to ledger {self._lid}: entry must be bytes, not "
+                            f"{type(data).__name__}")
+        if len(data) > self._max_payload:
+            raise ValueError(f"add to ledger {self._lid}: entry of {len(data)} bytes exceeds "
+                             f"the frame limit (nettyMaxFrameSizeBytes="
+                             f"{self._conf.nettyMaxFrameSizeBytes})")
+        return data
+
+    def _check_open(self):
+        if not self._writable:
+            raise LedgerClosedError(f"add to ledger {self._lid}: handle is read-only "
+                                    f"(opened for reading)")
+        if self._closed:
+            raise LedgerClosedError(f"add to ledger {self._lid}: ledger handle is closed")
+        if self._error is not None:
+            cls, reason = self._error
+            raise cls(f"add entry {self._next_entry} to ledger {self._lid}: {reason}")
+
+    def _wait_window(self, n):
+        limit = self._throttle
+        if self._submitted - self._completed + n <= limit:
+            return
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._submitted - self._completed + n > limit and self._error is None:
+                    self._cond.wait(0.05)
+            finally:
+                self._waiting -= 1
+
+    def _submit(self, payloads, last_cb, each_cb=None):
+        """Assign ids, encode, hand to the I/O thread. Returns the ops."""
+        loop = self._loop
+        rids = loop.rids
+        lid = self._lid
+        mk = self._master_key
+        flags = self._flags
+        sign = self._digest.sign
+        with self._lock:
+            self._check_open()
+            ops = []
+            entry = self._next_entry
+            length = self._pushed_length
+            lac = self._lac
+            for data in payloads:
+                length += len(data)
+                rid = next(rids)
+                frame = _encode([_ADD, rid, lid, entry, lac, mk, flags,
+                                 sign(entry, lac, length, data), data])
+                ops.append(PendingAdd(self, entry, rid, frame, length, each_cb))
+                entry += 1
+            if last_cb is not None and ops:
+                ops[-1].cb = last_cb
+            self._next_entry = entry
+            self._pushed_length = length
+            self._submitted += len(ops)
+            loop.call_soon(self._io_send, ops)
+        return ops
+
+    def _submit_recovery(self, entry_id, data, length):
+        """Recovery write-back of a found entry, keeping its original length."""
+        self._wait_window(1)
+        with self._lock:
+            if self._error is not None:
+                return
+            assert entry_id == self._next_entry, (entry_id, self._next_entry)
+            rid = next(self._loop.rids)
+            lac = self._lac
+            frame = _encode([_ADD, rid, self._lid, entry_id, lac, self._master_key, self._flags,
+                             self._digest.sign(entry_id, lac, length, data), data])
+            op = PendingAdd(self, entry_id, rid, frame, length, None)
+            self._next_entry = entry_id + 1
+            self._pushed_length = length
+            self._submitted += 1
+            self._loop.call_soon(self._io_send, [op])
+
+    def add_entry(self, data) -> int:
+        """Add one entry; block until Qa bookies have it; return its entry id."""
+        data = self._check_payload(data)
+        self._check_open()
+        self._wait_window(1)
+        w = _Waiter()
+        self._submit((data,), w)
+        return w.wait()
+
+    def add_entries(self, entries) -> int:
+        """Add entries pipelined (at most ``throttle`` outstanding); return the last id."""
+        payloads = [self._check_payload(d) for d in entries]
+        self._check_open()
+        if not payloads:
+            return self._lac
+        w = _Waiter()
+        chunk = max(1, min(self._throttle // 2, 512))
+        for i in range(0, len(payloads), chunk):
+            part = payloads[i:i + chunk]
+            self._wait_window(len(part))
+            self._submit(part, w if i + chunk >= len(payloads) else None)
+        return w.wait()
+
+    def add_entry_async(self, data, callback=None):
+        """Add one entry without blocking on its acknowledgement.
+
+        Without ``callback``: returns a ``concurrent.futures.Future`` resolving to
+        the entry id. With ``callback``: calls ``callback(exc_or_None, entry_id)``
+        on the client's I/O thread (keep it short) and returns None. Blocks only
+        while ``throttle`` adds are already outstanding.
+        """
+        data = self._check_payload(data)
+        self._check_open()
+        self._wait_window(1)
+        if callback is None:
+            import concurrent.futures
+            fut = concurrent.futures.Future()
+            self._submit((data,), _FutureCallback(fut))
+            return fut
+        self._submit((data,), callback)
+        return None
+
+    # --- I/O thread -------------------------------------------------------------------
+    def _io_send(self, ops):
+        if self._error is not None:
+            for op in ops:
+                self._fail_op(op)
+            return
+        if not self._ticker_on:
+            self._ticker_on = True
+            self._loop._tickers.append(self._tick)
+        pending = self._pending
+        conns = self._ens_conns
+        E = self._E
+        qw = self._qw
+        failed = self._failed_slots
+        now = self._loop.now
+        for op in ops:
+            pending.append(op)
+            op.t_sent = now
+            e = op.entry_id
+            rid = op.rid
+            frame = op.frame
+            for i in range(qw):
+                s = (e + i) % E
+                if failed and s in failed:
+                    continue
+                conns[s].send(rid, op, frame)
+
+    def _advance(self):
+        if self._changing:
+            return
+        pending = self._pending
+        qa = self._qa
+        n = 0
+        while pending:
+            op = pending[0]
+            if len(op.acked) < qa:
+                break
+            pending.popleft()
+            op.done = True
+            op.frame = None
+            self._lac = op.entry_id
+            self._length = op.length
+            n += 1
+            cb = op.cb
+            if cb is not None:
+                try:
+                    cb(None, op.entry_id)
+                except Exception:
+                    log.exception("add callback failed")
+        if n:
+            self._completed += n
+            if self._waiting:
+                with self._cond:
+                    self._cond.notify_all()
+
+    def _fail_op(self, op, exc=None):
+        if op.done:
+            return
+        op.done = True
+        op.frame = None
+        self._completed += 1
+        cb = op.cb
+        if cb is not None:
+            cls, reason = self._error
+            try:
+                cb(cls(f"{self._what_add(op.entry_id)}: {reason}"), op.entry_id)
+            except Exception:
+                log.exception("add callback failed")
+
+    def _error_out(self, cls, reason):
+        """The handle can no longer add: fail every pending add, refuse later ones."""
+        if self._error is None:
+            self._error = (cls, reason)
+            log.warning("ledger %d: adds fail from now on: %s", self._lid, reason)
+        pending = self._pending
+        while pending:
+            self._fail_op(pending.popleft())
+        with self._cond:
+            self._cond.notify_all()
+
+    def _add_error(self, op, conn, status):
+        if op.done:
+            return
+        if status == EFENCED:
+            op.nfenced += 1
+            if op.nfenced > self._qw - self._qa:
+                self._error_out(LedgerFencedError, "ledger is fenced (recovered by another client)")
+            return
+        if status == EUA:
+            self._error_out(BadPasswordError, f"bookie {conn.bookie_id} refused the master key")
+            return
+        self._bookie_failed(conn, error_for_status(status, f"bookie {conn.bookie_id}"))
+
+    def _bookie_failed(self, conn, exc):
+        if self._error is not None:
+            return
+        slot = self._slot_of.get(conn)
+        if slot is None or slot in self._failed_slots:
+            return
+        log.warning("ledger %d: bookie %s failed (%s); replacing it", self._lid,
+                    conn.bookie_id, exc)
+        with self._change_lock:
+            self._failed_slots.add(slot)
+        self._ack_ok.discard(conn)
+        if not self._changing:
+            self._changing = True
+            self._client._executor.submit(self._change_ensemble)
+
+    def _tick(self, now):
+        if self._closed and not self._pending:
+            self._ticker_on = False
+            return False
+        pending = self._pending
+        if not pending or self._changing or self._error is not None:
+            return
+        op = pending[0]
+        if now - op.t_sent < self._add_timeout:
+            return
+        e = op.entry_id
+        for i in range(self._qw):
+            conn = self._ens_conns[(e + i) % self._E]
+            if conn not in op.acked:
+                self._bookie_failed(conn, TimeoutError(
+                    f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
+                    f"{self._add_timeout:g}s"))
+
+    # --- ensemble change (worker thread, then I/O thread) ---------------------------
+    def _change_ensemble(self):
+        try:
+            self._change_ensemble_once()
+        except BKError as e:
+            cls = type(e) if isinstance(e, (LedgerFencedError, NotEnoughBookiesError,
+                                            BadPasswordError)) else type(e)
+            self._loop.call_soon(self._error_out, cls, f"ensemble change failed: {e}")
+        except Exception as e:  # never leave adds hanging
+            log.exception("ensemble change of ledger %d failed", self._lid)
+            self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")
+
+    def _change_ensemble_once(self):
+        store = self._client._store
+        md, version = self._md, self._version
+        start = self._lac + 1               # frozen while _changing
+        with self._change_lock:
+            failed_slots = set(self._failed_slots)
+        old_ens = md.last_ensemble
+        failed = [old_ens[s] for s in sorted(failed_slots)]
+        self._excluded.update(failed)
+        writable = store.list_bookies()
+        new_ens, mapping = replace_bookies(writable, old_ens, failed, self._excluded)
+        ok_states = (LedgerState.IN_RECOVERY,) if self._recovery else (LedgerState.OPEN,)
+        for attempt in range(20):
+            ensembles = [(f, b) for f, b in md.ensembles if f < start] + [(start, new_ens)]
+            new_md = md.replace(ensembles=ensembles)
+            try:
+                new_version = store.write_ledger(new_md, version)
+                break
+            except MetadataVersionError:
+                md, version = store.read_ledger(self._lid)
+                if md.state not in ok_states:
+                    raise LedgerFencedError(
+                        f"ledger is {md.state.value} in the metadata store "
+                        f"(recovered by another client)") from None
+                log.info("ledger %d: metadata changed under the ensemble change; merging",
+                         self._lid)
+        else:
+            raise MetadataError(f"ensemble change of ledger {self._lid}: too many CAS conflicts")
+        log.info("ledger %d: ensemble from entry %d is now %s (replaced %s)", self._lid, start,
+                 new_ens, mapping)
+        self._prepare_conns(new_ens)
+        new_conns = {s: self._bconns[new_ens[s]] for s in failed_slots}
+        self._loop.call_soon(self._commit_change, new_md, new_version, new_conns)
+
+    def _commit_change(self, new_md, new_version, new_conns):
+        self._md, self._version = new_md, new_version
+        old_conns = list(self._ens_conns)
+        with self._change_lock:
+            self._failed_slots -= set(new_conns)
+        self._set_ensemble(new_md.last_ensemble)
+        if self._error is None:
+            E, qw = self._E, self._qw
+            still_failed = self._failed_slots
+            for op in self._pending:
+                e = op.entry_id
+                resent = False
+                for i in range(qw):
+                    s = (e + i) % E
+                    if s in new_conns:
+                        op.acked.discard(old_conns[s])
+                        if s not in still_failed:
+                            self._ens_conns[s].send(op.rid, op, op.frame)
+                            resent = True
+                if resent:
+                    op.t_sent = self._loop.now
+        if self._failed_slots and self._error is None:
+            self._client._executor.submit(self._change_ensemble)
+            return
+        self._changing = False
+        if self._error is None:
+            self._advance()
+
+    # --- close -------------------------------------------------------------------------
+    def _drain(self, timeout):
+        """Wait until every submitted add completed (acknowledged or failed)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._submitted != self._completed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.05))
+            finally:
+                self._waiting -= 1
+        return True
+
+    def close(self) -> None:
+        """Close: writers wait for outstanding adds, then CAS the ledger to CLOSED."""
+        if not self._writable:
+            self._closed = True
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        timeout = self._add_timeout * 3 + float(self._conf.metadataTimeoutMillis) / 1000 * 3
+        if not self._drain(timeout):
+            self._loop.call_soon(self._error_out, LedgerClosedError,
+                                 "ledger handle was closed before the add completed")
+            self._drain(5.0)
+        self._loop.call_soon(self._stop_ticker)
+        self._close_metadata()
+
+    def _stop_ticker(self):
+        if self._ticker_on and self._tick in self._loop._tickers:
+            self._loop._tickers.remove(self._tick)
+        self._ticker_on = False
+
+    def _close_metadata(self):
+        store = self._client._store
+        lac, length = self._lac, self._length
+        md, version = self._md, self._version
+        what = f"close ledger {self._lid}"
+        for attempt in range(20):
+            if md.state == LedgerState.CLOSED:
+                if md.last_entry_id == lac:
+                    self._md = md
+                    return
+                raise LedgerFencedError(
+                    f"{what}: ledger was closed by another client at entry {md.last_entry_id}, "
+                    f"this writer's last acknowledged entry is {lac}")
+            if md.state == LedgerState.IN_RECOVERY and not self._recovery:
+                raise LedgerFencedError(f"{what}: ledger is being recovered by another client")
+            new_md = md.replace(state=LedgerState.CLOSED, last_entry_id=lac, length=length)
+            try:
+                self._version = store.write_ledger(new_md, version)
+                self._md = new_md
+                return
+            except MetadataVersionError:
+                md, version = store.read_ledger(self._lid)
+        raise MetadataError(f"{what}: too many CAS conflicts")
+
+    # ============================ read path ============================================
+    def _readable_last(self):
+        if self._md.state == LedgerState.CLOSED:
+            return self._md.last_entry_id
+        return self._lac
+
+    def read_entries(self, first: int, last: int) -> list:
+        """Entries ``first..last`` (inclusive), up to the LAC (or last entry if closed)."""
+        self._check_range(first, last)
+        limit = self._readable_last()
+        if last > limit:
+            raise NoSuchEntryError(
+                f"read entries {first}..{last} of ledger {self._lid}: entry {last} is past the "
+                f"last add confirmed ({limit})")
+        return self._read_range(first, last)
+
+    def read_unconfirmed_entries(self, first: int, last: int) -> list:
+        """Entries ``first..last`` even past the LAC (NoSuchEntryError if one is missing)."""
+        self._check_range(first, last)
+        if self._md.state != LedgerState.CLOSED:
+            try:
+                self._refresh_metadata()
+            except MetadataError:
+                pass
+        return self._read_range(first, last)
+
+    def _check_range(self, first, last):
+        if not isinstance(first, int) or not isinstance(last, int):
+            raise TypeError(f"read of ledger {self._lid}: entry ids must be integers")
+        if first < 0 or last < first:
+            raise ValueError(f"read of ledger {self._lid}: bad range {first}..{last}")
+
+    def _read_range(self, first, last, retry=True):
+        out = []
+        e = first
+        while e <= last:
+            end = min(last, e + _READ_WINDOW - 1)
+            ops = self._start_reads(range(e, end + 1))
+            for op in ops:
+                if op.result is None:
+                    err = op.error()
+                    if retry and self._md.state != LedgerState.CLOSED and \
+                            isinstance(err, (NoSuchEntryError, BookieUnavailableError)):
+                        # Our view of the ensembles may be stale (a writer's ensemble change).
+                        if self._refresh_metadata():
+                            return out + self._read_range(op.entry_id, last, retry=False)
+                    raise err
+                out.append(op.result)
+            e = end + 1
+        return out
+
+    def _start_reads(self, entry_ids):
+        md = self._md
+        self._prepare_conns({b for _, ens in md.ensembles for b in ens})
+        batch = _ReadBatch(len(entry_ids))
+        ops = [_ReadOp(self, e, self._conns_of(md.write_set(e)), batch, self._read_timeout)
+               for e in entry_ids]
+        if ops:
+            self._loop.call_soon(_start_all, ops)
+        # generous bound: every replica may time out in turn
+        if not batch.event.wait(self._read_timeout * (self._qw + 1) + 5):
+            raise TimeoutError(f"read entries {entry_ids[0]}..{entry_ids[-1]} of ledger "
+                               f"{self._lid}: no answer")
+        return ops
+
+    def read_entry(self, entry_id: int) -> LedgerEntry:
+        return self.read_entries(entry_id, entry_id)[0]
+
+    def _refresh_metadata(self) -> bool:
+        """Re-read the metadata; True if it changed."""
+        md, version = self._client._store.read_ledger(self._lid)
+        if version == self._version:
+            return False
+        if not self._writable:
+            self._md, self._version = md, version
+            if md.state == LedgerState.CLOSED and md.last_entry_id > self._lac:
+                self._lac = md.last_entry_id
+        return True
+
+    def read_last_add_confirmed(self) -> int:
+        """Ask the bookies of the last ensemble for the LAC; update and return it."""
+        if self._writable:
+            return self._lac
+        if self._md.state != LedgerState.CLOSED:
+            self._refresh_metadata()
+        if self._md.state == LedgerState.CLOSED:
+            self._lac = max(self._lac, self._md.last_entry_id)
+            return self._lac
+        ens = self._md.last_ensemble
+        self._prepare_conns(ens)
+        calls = [self._loop.request(c, protocol.read_lac, self._lid, False, None,
+                                    timeout=self._read_timeout) for c in self._conns_of(ens)]
+        best = None
+        errors = []
+        for call in calls:
+            call.wait(self._read_timeout + 5)
+            if call.reply is not None and call.reply[2] == EOK:
+                lac = call.reply[4]
+                if lac is not None and (best is None or lac > best):
+                    best = lac
+            elif call.reply is not None and call.reply[2] in (ENOLEDGER, ENOENTRY):
+                best = -1 if best is None else best
+            else:
+                errors.append(f"{call.conn.bookie_id if call.conn else '?'}: "
+                              f"{call.error or call.reply}")
+        if best is None:
+            raise BookieUnavailableError(f"read last add confirmed of ledger {self._lid}: "
+                                         f"no bookie answered ({'; '.join(errors)})")
+        if best > self._lac:
+            self._lac = best
+        return self._lac
+
+    def read_last_add_confirmed_and_entry(self, entry_id: int, timeout: float = 1.0):
+        """Long poll: wait up to ``timeout`` s for the LAC to reach ``entry_id``.
+
+        Returns ``(lac, entry)``; ``entry`` is the LedgerEntry of ``entry_id`` when
+        it is confirmed, else None.
+        """
+        if entry_id < 0:
+            raise ValueError(f"long poll on ledger {self._lid}: bad entry id {entry_id}")
+        if entry_id <= self._readable_last():
+            return self._lac_after(entry_id), self.read_entry(entry_id)
+        if self._md.state == LedgerState.CLOSED:
+            return self._md.last_entry_id, None
+        md = self._md
+        ws = md.write_set(entry_id)
+        self._prepare_conns(ws)
+        timeout_ms = max(0, int(timeout * 1000))
+        results = collections.deque()
+        done = threading.Event()
+        n = len(ws)
+
+        def on_done(call):
+            results.append(call)
+            if len(results) == n or (call.reply is not None and call.reply[2] == EOK
+                                     and call.reply[7] is not None):
+                done.set()
+
+        prev = self._lac
+        for c in self._conns_of(ws):
+            self._loop.request(c, protocol.read, self._lid, entry_id, False, None, True, prev,
+                               timeout_ms, timeout=timeout + self._read_timeout,
+                               callback=on_done)
+        done.wait(timeout + self._read_timeout + 5)
+        best = prev
+        entry = None
+        for call in list(results):
+            r = call.reply
+            if r is None or r[2] != EOK:
+                continue
+            blac = r[8]
+            if blac is not None and blac > best:
+                best = blac
+            if entry is None and r[7] is not None and r[4] == entry_id:
+                try:
+                    length = self._digest.verify(entry_id, r[5], r[6], r[7])
+                    entry = LedgerEntry(self._lid, entry_id, r[7], length)
+                except DigestMismatchError:
+                    pass
+        if best > self._lac:
+            self._lac = best
+        if self._lac < entry_id:
+            # The writer's last entry is only ever confirmed by the metadata (CLOSED).
+            try:
+                self._refresh_metadata()
+            except MetadataError:
+                pass
+            if self._md.state == LedgerState.CLOSED:
+                self._lac = max(self._lac, self._md.last_entry_id)
+        if entry_id > self._lac:
+            return self._lac, None
+        if entry is None:
+            entry = self.read_entry(entry_id)
+        return self._lac, entry
+
+    def _lac_after(self, entry_id):
+        return self._readable_last()
+
+
+def _start_all(ops):
+    for op in ops:
+        op.start()

@@ -1,0 +1,239 @@
+"""Ledger recovery: how a reader takes over (closes) a ledger whose writer may be dead.
+
+Theory of operation
+-------------------
+This is BookKeeper's "closing a ledger as a reader":
+
+1. Check the password against the metadata's password digest
+   (BadPasswordError before anything changes). A CLOSED ledger needs nothing.
+2. CAS the metadata to IN_RECOVERY. A lost CAS re-reads; IN_RECOVERY already
+   is fine (another recovery runs: concurrent recoveries converge because
+   every step below is idempotent and the final CAS decides), CLOSED ends it.
+3. Fence: READ_LAC with FLAG_FENCE and the master key to every bookie of the
+   last ensemble, until (Qw - Qa) + 1 bookies of *every* write quorum have
+   answered. From then on no write quorum can gather Qa acknowledgements for
+   the old writer: whatever it has acknowledged is on a bookie we will ask.
+4. Read forward from the highest LAC + 1 with the fence flag, asking every
+   bookie of the entry's write set. An entry found (digest verified) is written
+   back to its whole write set with FLAG_RECOVERY through a recovery write
+   handle (which replaces dead bookies by ensemble change like a writer does).
+   Reading stops at the first entry for which (Qw - Qa) + 1 bookies of its
+   write set answer "no such entry/ledger": fewer than Qa bookies can have it,
+   so it was never acknowledged.
+5. CAS to CLOSED with the last entry found and its length (carried by the
+   entry's digest field). A lost CAS re-reads: CLOSED means another recovery
+   won, and its result stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from bk import protocol
+from bk.client import digest as _digest
+from bk.client.ledger import LedgerHandle
+from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerRecoveryError,
+                       MetadataError, MetadataVersionError, NotEnoughBookiesError,
+                       error_for_status)
+from bk.errors import ENOENTRY, ENOLEDGER, EOK, EUA
+from bk.meta.ledger import LedgerMetadata, LedgerState
+
+log = logging.getLogger("bk.client")
+
+
+def check_password(md: LedgerMetadata, password: bytes, what: str) -> None:
+    if not isinstance(password, (bytes, bytearray)):
+        raise TypeError(f"{what}: password must be bytes, not {type(password).__name__}")
+    if not _digest.password_matches(md.password_digest, bytes(password)):
+        raise BadPasswordError(f"{what}: wrong password")
+
+
+def _cas_state(store, md, version, to_state, what, accept=()):
+    """CAS the state of ``md``; returns (md, version) as stored afterwards."""
+    for _ in range(50):
+        if md.state == to_state or md.state in accept:
+            return md, version
+        try:
+            new = md.replace(state=to_state)
+            return new, store.write_ledger(new, version)
+        except MetadataVersionError:
+            md, version = store.read_ledger(md.ledger_id)
+    raise MetadataError(f"{what}: too many CAS conflicts")
+
+
+def recover_ledger(client, ledger_id: int, password: bytes) -> tuple[LedgerMetadata, int]:
+    """Fence, recover and close ``ledger_id``; returns the CLOSED metadata and version."""
+    what = f"recover ledger {ledger_id}"
+    store = client._store
+    md, version = store.read_ledger(ledger_id)
+    check_password(md, password, f"open ledger {ledger_id}")
+    if md.state == LedgerState.CLOSED:
+        return md, version
+    md, version = _cas_state(store, md, version, LedgerState.IN_RECOVERY, what,
+                             accept=(LedgerState.CLOSED,))
+    if md.state == LedgerState.CLOSED:
+        return md, version
+    t0 = time.monotonic()
+    rh = LedgerHandle(client, md, version, bytes(password), writable=False)
+    lac = _fence(client, rh, what)
+    frag_first = md.ensembles[-1][0]
+    lac0 = max(lac, frag_first - 1)
+    length0 = 0
+    if lac0 >= 0:
+        try:
+            length0 = rh._read_range(lac0, lac0, retry=False)[0].length
+        except BKError as e:
+            raise LedgerRecoveryError(f"{what}: cannot read the last confirmed entry {lac0}: {e}")
+    # The recovery writer: writes found entries back with FLAG_RECOVERY.
+    wh = LedgerHandle(client, md, version, bytes(password), writable=True, recovery=True,
+                      lac=lac0, length=length0)
+    last, length = lac0, length0
+    e = lac0 + 1
+    try:
+        while True:
+            found = _recovery_read(client, wh, e, what)
+            if found is None:
+                break
+            data, elength = found
+            wh._submit_recovery(e, data, elength)
+            last, length = e, elength
+            e += 1
+        if not wh._drain(float(client.conf.addEntryTimeoutSec) * 3 + 30):
+            raise LedgerRecoveryError(f"{what}: writing back recovered entries timed out")
+        if wh._error is not None:
+            cls, reason = wh._error
+            raise LedgerRecoveryError(f"{what}: writing back entry failed: {reason}")
+    finally:
+        wh._closed = True
+        client._io.call_soon(wh._stop_ticker)
+    md, version = wh._md, wh._version
+    for _ in range(50):
+        if md.state == LedgerState.CLOSED:
+            if md.last_entry_id != last:
+                log.info("%s: another recovery closed it at %d (we found %d)", what,
+                         md.last_entry_id, last)
+            return md, version
+        new = md.replace(state=LedgerState.CLOSED, last_entry_id=last, length=length)
+        try:
+            version = store.write_ledger(new, version)
+            log.info("%s: closed at entry %d, length %d (%.0f ms)", what, last, length,
+                     (time.monotonic() - t0) * 1000)
+            return new, version
+        except MetadataVersionError:
+            md, version = store.read_ledger(ledger_id)
+    raise MetadataError(f"{what}: too many CAS conflicts")
+
+
+def _covered(answered: set, E: int, qw: int, need: int) -> bool:
+    """True if every write quorum has ``need`` slots in ``answered``."""
+    for i in range(E):
+        if sum(1 for j in range(qw) if (i + j) % E in answered) < need:
+            return False
+    return True
+
+
+def _fence(client, rh: LedgerHandle, what: str) -> int:
+    """Fence the last ensemble; return the highest LAC the bookies report."""
+    md = rh._md
+    E, qw, qa = md.ensemble_size, md.write_quorum_size, md.ack_quorum_size
+    need = qw - qa + 1
+    ens = md.last_ensemble
+    rh._prepare_conns(ens)
+    cond = threading.Condition()
+    answered: set = set()
+    finished: list = []
+    lacs = [-1]
+    errors = []
+
+    def on_done(call):
+        slot = call.tag
+        with cond:
+            r = call.reply
+            if r is not None and r[2] == EOK:
+                answered.add(slot)
+                if r[4] is not None:
+                    lacs.append(r[4])
+            elif r is not None and r[2] in (ENOLEDGER, ENOENTRY):
+                answered.add(slot)
+            elif r is not None and r[2] == EUA:
+                errors.append(BadPasswordError(f"{what}: bookie {ens[slot]} refused the "
+                                               f"master key"))
+            else:
+                errors.append(call.error or error_for_status(r[2], f"bookie {ens[slot]}"))
+            finished.append(slot)
+            cond.notify_all()
+
+    timeout = rh._read_timeout
+    for slot, conn in enumerate(rh._conns_of(ens)):
+        client._io.request(conn, protocol.read_lac, md.ledger_id, True, rh._master_key,
+                           timeout=timeout, callback=on_done, tag=slot)
+    deadline = time.monotonic() + timeout + 5
+    with cond:
+        while not _covered(answered, E, qw, need) and len(finished) < E:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            cond.wait(left)
+        if any(isinstance(e, BadPasswordError) for e in errors):
+            raise next(e for e in errors if isinstance(e, BadPasswordError))
+        if not _covered(answered, E, qw, need):
+            raise NotEnoughBookiesError(
+                f"{what}: could not fence enough bookies: {len(answered)} of {E} answered, "
+                f"need {need} of every write quorum of {qw} "
+                f"({'; '.join(str(e) for e in errors) or 'no answer'})")
+        return max(lacs)
+
+
+def _recovery_read(client, wh: LedgerHandle, entry_id: int, what: str):
+    """Fencing read of one entry from its whole write set.
+
+    Returns ``(payload, length)`` if a good copy exists, None if (Qw - Qa) + 1
+    bookies say it does not exist; raises LedgerRecoveryError otherwise.
+    """
+    md = wh._md
+    qw, qa = md.write_quorum_size, md.ack_quorum_size
+    need = qw - qa + 1
+    ws = md.write_set(entry_id)
+    wh._prepare_conns(ws)
+    cond = threading.Condition()
+    state = {"found": None, "neg": 0, "n": 0}
+    errors = []
+
+    def on_done(call):
+        r = call.reply
+        with cond:
+            state["n"] += 1
+            if r is not None and r[2] == EOK and r[7] is not None:
+                try:
+                    length = wh._digest.verify(entry_id, r[5], r[6], r[7])
+                    if state["found"] is None:
+                        state["found"] = (r[7], length)
+                except DigestMismatchError as e:
+                    errors.append(e)
+            elif r is not None and r[2] in (ENOENTRY, ENOLEDGER) or \
+                    (r is not None and r[2] == EOK and r[7] is None):
+                state["neg"] += 1
+            else:
+                errors.append(call.error or error_for_status(r[2], f"bookie {call.conn.bookie_id}"))
+            cond.notify_all()
+
+    timeout = wh._read_timeout
+    for conn in wh._conns_of(ws):
+        client._io.request(conn, protocol.read, md.ledger_id, entry_id, True, wh._master_key,
+                           timeout=timeout, callback=on_done)
+    deadline = time.monotonic() + timeout + 5
+    with cond:
+        while state["found"] is None and state["neg"] < need and state["n"] < len(ws):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            cond.wait(left)
+        if state["found"] is not None:
+            return state["found"]
+        if state["neg"] >= need:
+            return None
+        raise LedgerRecoveryError(
+            f"{what}: cannot tell whether entry {entry_id} exists: {state['neg']} of {len(ws)} "
+            f"bookies say no, need {need} ({'; '.join(str(e) for e in errors) or 'no answer'})")
