@@ -1,0 +1,147 @@
+"""Write benchmark, modelled on BookKeeper's BenchThroughputLatency.
+
+One client writes fixed-size entries to ``ledgers`` ledgers round-robin with
+at most ``window`` adds outstanding (or at a fixed ``rate``), for ``duration``
+seconds, and measures each add's latency from submission to acknowledgement.
+Entries are acknowledged in order per ledger, so a per-ledger FIFO of send
+times gives each acknowledgement its latency without a closure per entry.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+
+class _LedgerStats:
+    """Acknowledgement callback of one ledger (runs on the client's I/O thread)."""
+
+    __slots__ = ("sent", "lat", "bench", "errors")
+
+    def __init__(self, bench):
+        self.sent = collections.deque()
+        self.lat = []
+        self.bench = bench
+        self.errors = 0
+
+    def __call__(self, exc, entry_id):
+        t0 = self.sent.popleft()
+        if exc is None:
+            self.lat.append(time.perf_counter() - t0)
+        else:
+            self.errors += 1
+            self.bench.error = exc
+        b = self.bench
+        b.acked += 1
+        if b.waiting:
+            with b.cond:
+                b.cond.notify()
+
+
+class _Bench:
+    def __init__(self):
+        self.acked = 0
+        self.waiting = False
+        self.cond = threading.Condition()
+        self.error = None
+
+
+def percentile(sorted_values, p):
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, int(round(p / 100.0 * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[k]
+
+
+def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024, duration=10.0,
+                 window=1000, ledgers=1, rate=None, warmup=1.0, client=None, **conf) -> dict:
+    """Write for ``duration`` s; return throughput and latency percentiles.
+
+    ``window``: most adds outstanding over all ledgers (BookKeeper's throttle).
+    ``rate``: if given, submit at this many entries/s (open loop, still bounded
+    by ``window``) to measure latency under a fixed load. The first ``warmup``
+    seconds are not measured.
+    """
+    import bk
+    own = client is None
+    if own:
+        conf.setdefault("throttle", max(window, 1))
+        client = bk.BookKeeper(uri, **conf)
+    try:
+        handles = [client.create_ledger(ensemble, write_quorum, ack_quorum,
+                                        digest_type="crc32c", password=b"bench")
+                   for _ in range(ledgers)]
+        b = _Bench()
+        stats = [_LedgerStats(b) for _ in handles]
+        payload = bytes(entry_size)
+        sent = 0
+        interval = 1.0 / rate if rate else 0.0
+        t_start = time.perf_counter()
+        t_measure = t_start + warmup
+        t_end = t_measure + duration
+        marks = None
+        next_send = t_start
+        i = 0
+        n = len(handles)
+        pc = time.perf_counter
+        while True:
+            now = pc()
+            if now >= t_end:
+                break
+            if marks is None and now >= t_measure:
+                marks = (now, b.acked, [len(s.lat) for s in stats])
+            if b.error is not None:
+                raise b.error
+            if sent - b.acked >= window:
+                with b.cond:
+                    b.waiting = True
+                    if sent - b.acked >= window:
+                        b.cond.wait(0.01)
+                    b.waiting = False
+                continue
+            if interval:
+                if now < next_send:
+                    time.sleep(min(next_send - now, 0.001))
+                    continue
+                next_send += interval
+                if next_send < now - 0.1:      # fell behind: do not burst
+                    next_send = now
+            k = i % n
+            i += 1
+            st = stats[k]
+            st.sent.append(pc())
+            handles[k].add_entry_async(payload, st)
+            sent += 1
+        t_stop = pc()
+        acked_at_stop = b.acked
+        # drain
+        deadline = time.monotonic() + 30
+        while b.acked < sent and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if marks is None:
+            marks = (t_start, 0, [0] * n)
+        elapsed = t_stop - marks[0]
+        count = acked_at_stop - marks[1]
+        lat = sorted(x for s, skip in zip(stats, marks[2]) for x in s.lat[skip:])
+        for h in handles:
+            try:
+                h.close()
+            except bk.errors.BKError:
+                pass
+        rate_measured = count / elapsed if elapsed > 0 else 0.0
+        return {
+            "entries": count,
+            "seconds": round(elapsed, 3),
+            "entries_per_sec": round(rate_measured, 1),
+            "mb_per_sec": round(rate_measured * entry_size / 1e6, 2),
+            "latency_ms": {f"p{p}": round(percentile(lat, p) * 1000, 3)
+                           for p in (50, 95, 99, 99.9)},
+            "latency_max_ms": round(lat[-1] * 1000, 3) if lat else None,
+            "errors": sum(s.errors for s in stats),
+            "ensemble": ensemble, "write_quorum": write_quorum, "ack_quorum": ack_quorum,
+            "entry_size": entry_size, "window": window, "ledgers": ledgers, "rate": rate,
+        }
+    finally:
+        if own:
+            client.close()

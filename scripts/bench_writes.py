@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Write throughput/latency benchmark (like BookKeeper's BenchThroughputLatency).
+
+    python scripts/bench_writes.py                      # starts a 3-bookie LocalCluster
+    python scripts/bench_writes.py --uri etcd://127.0.0.1:2379/ledgers
+    python scripts/bench_writes.py --rate 15000         # latency at a fixed load
+    python scripts/bench_writes.py --profile out.prof   # cProfile the client
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bk.bench import bench_writes  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--uri", help="metadata service URI; default: start a LocalCluster")
+    p.add_argument("--bookies", type=int, default=3)
+    p.add_argument("--shards", type=int, default=2, help="numShards of the local bookies")
+    p.add_argument("--ensemble", type=int, default=3)
+    p.add_argument("--write-quorum", type=int, default=3)
+    p.add_argument("--ack-quorum", type=int, default=2)
+    p.add_argument("--entry-size", type=int, default=1024)
+    p.add_argument("--duration", type=float, default=10.0, help="seconds")
+    p.add_argument("--window", type=int, default=1000, help="most adds outstanding")
+    p.add_argument("--ledgers", type=int, default=1)
+    p.add_argument("--rate", type=float, default=None, help="entries/s (default: as fast as possible)")
+    p.add_argument("--profile", metavar="FILE", help="write a cProfile of the run to FILE")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+
+    def run(uri):
+        kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum, ack_quorum=a.ack_quorum,
+                  entry_size=a.entry_size, duration=a.duration, window=a.window,
+                  ledgers=a.ledgers, rate=a.rate)
+        if a.profile:
+            import cProfile
+            import threading
+            prof = cProfile.Profile()
+            threading.setprofile(lambda *args: (sys.setprofile(None), prof.enable()))
+            prof.enable()
+            try:
+                return bench_writes(uri, **kw)
+            finally:
+                prof.disable()
+                threading.setprofile(None)
+                prof.dump_stats(a.profile)
+        return bench_writes(uri, **kw)
+
+    if a.uri:
+        res = run(a.uri)
+    else:
+        from bk.testing import LocalCluster
+        with tempfile.TemporaryDirectory(prefix="bk-bench-") as d:
+            with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards) as c:
+                res = run(c.metadata_uri)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        lat = res["latency_ms"]
+        print(f"E={res['ensemble']} Qw={res['write_quorum']} Qa={res['ack_quorum']} "
+              f"entry={res['entry_size']}B window={res['window']} ledgers={res['ledgers']} "
+              f"rate={res['rate'] or 'max'}")
+        print(f"{res['entries']} entries in {res['seconds']}s: {res['entries_per_sec']:.0f} entries/s, "
+              f"{res['mb_per_sec']:.2f} MB/s, errors={res['errors']}")
+        print(f"latency ms: p50={lat['p50']} p95={lat['p95']} p99={lat['p99']} "
+              f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
+
+
+if __name__ == "__main__":
+    main()
