@@ -112,7 +112,9 @@ def write_local_cookie(directory: str, cookie: dict) -> None:
 
 def _has_data(directory: str) -> bool:
     try:
-        return any(name not in ("lost+found", COOKIE_FILE) for name in os.listdir(directory))
+        # The default pid and log files live in the first ledger directory too.
+        return any(name not in ("lost+found", COOKIE_FILE, "bookie.pid", "bookie.log",
+                                "bookie.pid.tmp") for name in os.listdir(directory))
     except FileNotFoundError:
         return False
 

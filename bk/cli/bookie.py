@@ -129,7 +129,7 @@ def start(conf_file, settings, daemon, **flags):
         if os.fork() > 0:
             os.close(w)
             with os.fdopen(r) as f:
-                status = f.read()
+                status = f.readline()   # not read(): shard workers inherit the pipe
             if status.startswith("ok"):
                 click.echo(f"bookie {conf.bookie_id} started (pid {status.split()[1]}); "
                            f"log: {log_file}")

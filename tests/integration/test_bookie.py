@@ -144,7 +144,10 @@ def test_bad_input_closes_only_that_connection(cluster):
         s = socket.create_connection(("127.0.0.1", b.port), timeout=5)
         s.sendall(b"GET / HTTP/1.0\r\n\r\n")
         s.settimeout(5)
-        assert s.recv(100) == b""
+        try:
+            assert s.recv(100) == b""
+        except ConnectionResetError:
+            pass                                # closed with our bytes unread: a reset
         s.close()
         # The old connection and new ones still work, and nothing was lost.
         assert add(good, lid, 1, b"still", lac=0)[2] == EOK
