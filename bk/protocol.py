@@ -87,6 +87,7 @@ REQUEST_ARITY = {
 
 _LEN = struct.Struct(">I")
 _packb = msgpack.Packer(use_bin_type=True).pack
+_unpackb = msgpack.unpackb
 
 
 def encode_frame(body) -> bytes:
@@ -152,10 +153,20 @@ class FrameBuffer:
                     raise ProtocolError("empty frame")
                 if end - pos - 4 < n:
                     break
-                body = bytes(buf[pos + 4:pos + 4 + n])
+                # Decode straight out of the buffer (no copy of the body); the view is
+                # released before yielding so the consumer may feed() again.
+                with memoryview(buf) as mv:
+                    try:
+                        msg = _unpackb(mv[pos + 4:pos + 4 + n], raw=False, use_list=True,
+                                       strict_map_key=False)
+                    except Exception as e:  # msgpack raises several unrelated types
+                        raise ProtocolError(f"undecodable frame: {e}") from None
+                if type(msg) is not list or not msg:
+                    raise ProtocolError(f"frame body is not a non-empty array: "
+                                        f"{type(msg).__name__}")
                 pos += 4 + n
                 self._pos = pos
-                yield decode_body(body)
+                yield msg
         finally:
             self._pos = pos
             # Compact once the consumed prefix dominates, so the buffer does not grow.
