@@ -315,6 +315,7 @@ class LedgerHandle:
         self._next_entry = self._lac + 1
         self._pushed_length = self._length
         self._submitted = 0
+        self._outbox = []
         self._completed = 0                 # I/O thread only
         self._pending = collections.deque()  # I/O thread only
         self._error = None                  # (exception class, reason) once the handle is broken
@@ -399,8 +400,23 @@ class LedgerHandle:
             self._next_entry = entry
             self._pushed_length = length
             self._submitted += len(ops)
-            loop.call_soon(self._io_send, ops)
+            self._post(ops)
         return ops
+
+    def _post(self, ops):
+        # Under self._lock. Ops queue up in the outbox; the I/O thread is asked
+        # once per batch, not once per entry.
+        if self._outbox:
+            self._outbox.extend(ops)
+        else:
+            self._outbox = ops
+            self._loop.call_soon(self._io_flush)
+
+    def _io_flush(self):
+        with self._lock:
+            ops, self._outbox = self._outbox, []
+        if ops:
+            self._io_send(ops)
 
     def _submit_recovery(self, entry_id, data, length):
         """Recovery write-back of a found entry, keeping its original length."""
@@ -417,7 +433,7 @@ class LedgerHandle:
             self._next_entry = entry_id + 1
             self._pushed_length = length
             self._submitted += 1
-            self._loop.call_soon(self._io_send, [op])
+            self._post([op])
 
     def add_entry(self, data) -> int:
         """Add one entry; block until Qa bookies have it; return its entry id."""

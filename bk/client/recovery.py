@@ -93,7 +93,7 @@ def recover_ledger(client, ledger_id: int, password: bytes) -> tuple[LedgerMetad
     e = lac0 + 1
     try:
         while True:
-            found = _recovery_read(client, wh, e, what)
+            found = _recovery_read(client, rh, e, what)
             if found is None:
                 break
             data, elength = found
@@ -188,6 +188,10 @@ def _fence(client, rh: LedgerHandle, what: str) -> int:
 
 def _recovery_read(client, wh: LedgerHandle, entry_id: int, what: str):
     """Fencing read of one entry from its whole write set.
+
+    ``wh`` must hold the metadata as recovery found it: a replacement bookie
+    added by a write-back ensemble change has none of the old writer's
+    entries, and its "no such entry" must not count.
 
     Returns ``(payload, length)`` if a good copy exists, None if (Qw - Qa) + 1
     bookies say it does not exist; raises LedgerRecoveryError otherwise.

@@ -1,0 +1,400 @@
+"""Client against real etcd and real bookie processes.
+
+Tests that do not kill or restart bookies share one module-scoped cluster;
+the destructive ones get their own through ``cluster_factory``.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import bk
+from bk import protocol as P
+from bk.client import digest as D
+from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerClosedError,
+                       LedgerFencedError, LedgerRecoveryError, NoSuchEntryError,
+                       NoSuchLedgerError, NotEnoughBookiesError)
+from bk.meta.ledger import LedgerState
+from bk.testing import BookieConnection, LocalCluster
+
+pytestmark = pytest.mark.timeout(90)
+
+PW = b"secret"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    c = LocalCluster(num_bookies=3, base_dir=str(tmp_path_factory.mktemp("shared")),
+                     num_shards=2)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def client(shared):
+    with bk.BookKeeper(shared.metadata_uri, addEntryTimeoutSec=5, readEntryTimeoutSec=5) as cl:
+        yield cl
+
+
+def _client(cluster, **kw):
+    kw.setdefault("addEntryTimeoutSec", 3)
+    kw.setdefault("readEntryTimeoutSec", 3)
+    return bk.BookKeeper(cluster.metadata_uri, **kw)
+
+
+# --- basics ------------------------------------------------------------------
+
+def test_create_add_read_close(client):
+    lh = client.create_ledger(3, 2, 2, password=PW, custom_metadata={"app": b"x"})
+    assert lh.last_add_confirmed == -1
+    assert [lh.add_entry(b"e%d" % i) for i in range(5)] == list(range(5))
+    assert lh.add_entries([b"b%d" % i for i in range(100)]) == 104
+    assert lh.last_add_confirmed == 104
+    fut = lh.add_entry_async(b"async")
+    assert fut.result(10) == 105
+    lh.close()
+    assert lh.is_closed
+    with pytest.raises(LedgerClosedError):
+        lh.add_entry(b"late")
+    md = client.ledger_metadata(lh.ledger_id)
+    assert md.state == LedgerState.CLOSED and md.last_entry_id == 105
+    assert md.length == 5 * 2 + 10 * 2 + 90 * 3 + 5
+    assert md.custom_metadata == {"app": b"x"}
+    assert md.ensemble_size == 3 and md.write_quorum_size == 2 and md.ack_quorum_size == 2
+    assert PW not in md.to_json()
+    assert lh.ledger_id in set(client.list_ledgers())
+
+    rh = client.open_ledger(lh.ledger_id, password=PW)
+    assert rh.is_closed and rh.last_add_confirmed == 105 and rh.length == md.length
+    entries = rh.read_entries(0, 105)
+    assert [e.entry_id for e in entries] == list(range(106))
+    assert entries[0].data == b"e0" and entries[104].data == b"b99" and entries[105].data == b"async"
+    with pytest.raises(NoSuchEntryError):
+        rh.read_entries(100, 106)
+
+    client.delete_ledger(lh.ledger_id)
+    with pytest.raises(NoSuchLedgerError):
+        client.ledger_metadata(lh.ledger_id)
+    assert len(client.bookies()) == 3 and client.bookies(readonly=True) == []
+
+
+def test_bad_arguments_consume_no_entry_id(client, shared):
+    with pytest.raises(ValueError):
+        client.create_ledger(2, 3, 2)
+    with pytest.raises(ValueError):
+        client.create_ledger(3, 2, 0)
+    with pytest.raises(ValueError):
+        client.create_ledger(3, 2, 2, digest_type="md5")
+    with pytest.raises(NotEnoughBookiesError):
+        client.create_ledger(4, 2, 2)
+    lh = client.create_ledger(3, 2, 2)
+    with pytest.raises(TypeError):
+        lh.add_entry("text")
+    with pytest.raises(ValueError):
+        lh.add_entry(b"x" * (6 * 1024 * 1024))
+    with pytest.raises(TypeError):
+        lh.add_entries([b"ok", 5])
+    assert lh.add_entry(b"first") == 0
+    lh.close()
+
+
+def test_uri_scheme_and_unreachable_etcd():
+    with pytest.raises(ValueError):
+        bk.BookKeeper("zk://127.0.0.1:2181/ledgers")
+    from bk.util import free_port
+    uri = f"etcd://127.0.0.1:{free_port()}/ledgers"
+    t0 = time.monotonic()
+    with pytest.raises(BKError) as ei:
+        bk.BookKeeper(uri, metadataTimeoutMillis=1000)
+    assert uri in str(ei.value) or f"127.0.0.1:{uri.split(':')[2].split('/')[0]}" in str(ei.value)
+    assert time.monotonic() - t0 < 15
+
+
+def test_lac_piggyback_and_unconfirmed_reads(client):
+    lh = client.create_ledger(3, 3, 2, password=PW)
+    for i in range(10):
+        lh.add_entry(b"p%d" % i)
+    rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+    assert rh.last_add_confirmed == 8          # the writer's last entry minus one
+    assert not rh.is_closed
+    assert [e.data for e in rh.read_entries(0, 8)] == [b"p%d" % i for i in range(9)]
+    with pytest.raises(NoSuchEntryError):
+        rh.read_entries(0, 9)
+    assert rh.read_unconfirmed_entries(9, 9)[0].data == b"p9"
+    with pytest.raises(NoSuchEntryError):
+        rh.read_unconfirmed_entries(10, 10)
+    lh.add_entry(b"p10")
+    assert rh.read_last_add_confirmed() == 9
+    assert rh.last_add_confirmed == 9
+    lh.close()
+    assert rh.read_last_add_confirmed() == 10
+
+
+def test_wrong_password_changes_nothing(client):
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    lh.add_entry(b"x")
+    for opener in (client.open_ledger, client.open_ledger_no_recovery):
+        with pytest.raises(BadPasswordError):
+            opener(lh.ledger_id, password=b"wrong")
+    assert client.ledger_metadata(lh.ledger_id).state == LedgerState.OPEN
+    assert lh.add_entry(b"y") == 1
+    lh.close()
+
+
+# --- fencing and recovery ---------------------------------------------------------
+
+def test_recovery_fences_the_writer(client, shared):
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    for i in range(10):
+        lh.add_entry(b"w%d" % i)
+    with bk.BookKeeper(shared.metadata_uri) as other:
+        rh = other.open_ledger(lh.ledger_id, password=PW)
+        assert rh.is_closed and rh.last_add_confirmed == 9
+        with pytest.raises(LedgerFencedError) as ei:
+            lh.add_entry(b"after")
+        assert f"ledger {lh.ledger_id}" in str(ei.value) and "fenced" in str(ei.value)
+        with pytest.raises(LedgerFencedError):
+            lh.add_entry(b"again")
+        lh.close()                        # CLOSED at the same last entry: fine
+        assert lh.last_add_confirmed == rh.metadata.last_entry_id == 9
+        assert [e.data for e in rh.read_entries(0, 9)] == [b"w%d" % i for i in range(10)]
+
+
+def test_acknowledged_entries_survive_concurrent_recovery(client, shared):
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    acked = []
+    stop = threading.Event()
+    errors = []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            try:
+                eid = lh.add_entry(b"payload-%d" % i)
+            except LedgerFencedError as e:
+                errors.append(e)
+                return
+            acked.append((eid, b"payload-%d" % i))
+            i += 1
+
+    t = threading.Thread(target=writer)
+    t.start()
+    while len(acked) < 50:
+        time.sleep(0.01)
+    with bk.BookKeeper(shared.metadata_uri) as other:
+        rh = other.open_ledger(lh.ledger_id, password=PW)
+        t.join(30)
+        stop.set()
+        assert not t.is_alive() and errors
+        last = rh.metadata.last_entry_id
+        assert acked and all(eid <= last for eid, _ in acked)
+        assert acked[-1][0] >= last - 1
+        got = {e.entry_id: e.data for e in rh.read_entries(0, last)}
+        for eid, data in acked:
+            assert got[eid] == data
+
+
+def test_concurrent_recoveries_converge(client, shared):
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    lh.add_entries([b"c%d" % i for i in range(200)])
+    results, errors = [], []
+
+    def recover():
+        try:
+            with bk.BookKeeper(shared.metadata_uri) as cl:
+                h = cl.open_ledger(lh.ledger_id, password=PW)
+                results.append((h.metadata.last_entry_id, h.length))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=recover) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    md = client.ledger_metadata(lh.ledger_id)
+    assert md.state == LedgerState.CLOSED and md.last_entry_id == 199
+    assert set(results) == {(199, md.length)}
+    with pytest.raises(LedgerFencedError):
+        lh.add_entry(b"late")
+
+
+def test_recovery_of_unacknowledged_tail(client, shared):
+    """Entries written to a single bookie (never acknowledged) are recovered or dropped,
+    and the closed ledger is readable to its end with the right length."""
+    lh = client.create_ledger(3, 3, 2, password=PW)
+    lh.add_entries([b"t%d" % i for i in range(20)])
+    lid = lh.ledger_id
+    # Write entry 20 to exactly one bookie, as a writer that died mid-add would have.
+    md = client.ledger_metadata(lid)
+    bid = md.write_set(20)[0]
+    n = shared.store.bookie_info(bid)["numShards"]
+    dg = D.EntryDigest(lid, "crc32c", PW)
+    length = sum(len(b"t%d" % i) for i in range(20)) + 3
+    with BookieConnection(bid, shard=lid % n) as c:
+        r = c.call(P.add(c.next_rid(), lid, 20, 19, D.master_key(PW),
+                         dg.sign(20, 19, length, b"t20"), b"t20"))
+        assert r[2] == 0
+    rh = client.open_ledger(lid, password=PW)
+    assert rh.last_add_confirmed == 20 and rh.length == length
+    assert rh.read_entries(20, 20)[0].data == b"t20"
+
+
+@pytest.mark.parametrize("digest_type", ["crc32", "crc32c", "mac", "dummy"])
+def test_digest_types_and_corruption(client, shared, digest_type):
+    lh = client.create_ledger(3, 3, 2, digest_type=digest_type, password=PW)
+    lh.add_entries([b"d%d" % i for i in range(10)])
+    lh.close()
+    lid = lh.ledger_id
+    rh = client.open_ledger_no_recovery(lid, password=PW)
+    assert [e.data for e in rh.read_entries(0, 9)] == [b"d%d" % i for i in range(10)]
+    if digest_type == "dummy":
+        return
+    md = rh.metadata
+    ws = md.write_set(5)
+    bad = D.EntryDigest(lid, digest_type, PW).sign(5, 4, 999, b"d5")  # wrong length/lac
+    for i, bid in enumerate(ws):
+        n = shared.store.bookie_info(bid)["numShards"]
+        with BookieConnection(bid, shard=lid % n) as c:
+            r = c.call(P.add(c.next_rid(), lid, 5, 3, D.master_key(PW), bad, b"EVIL",
+                             recovery=True))
+            assert r[2] == 0
+        if i == 0:
+            # the first replica is corrupt: the reader moves on to a good copy
+            assert rh.read_entries(5, 5)[0].data == b"d5"
+    with pytest.raises(DigestMismatchError) as ei:
+        rh.read_entries(5, 5)
+    assert "entry 5" in str(ei.value) and str(lid) in str(ei.value)
+
+
+def test_tailing_reader_long_poll(client, shared):
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    n = 30
+
+    def write():
+        for i in range(n):
+            lh.add_entry(b"tail%d" % i)
+            time.sleep(0.01)
+        lh.close()
+
+    rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+    t = threading.Thread(target=write)
+    t.start()
+    got = []
+    deadline = time.monotonic() + 30
+    while len(got) < n and time.monotonic() < deadline:
+        lac, e = rh.read_last_add_confirmed_and_entry(len(got), timeout=1.0)
+        if e is not None:
+            assert e.entry_id == len(got)
+            got.append(e.data)
+    t.join(10)
+    assert got == [b"tail%d" % i for i in range(n)]
+    assert rh.read_last_add_confirmed_and_entry(n, timeout=0.2) == (n - 1, None)
+
+
+def test_adds_from_many_threads_ack_in_order(client):
+    lh = client.create_ledger(3, 3, 2, password=PW)
+    order = []
+    lock = threading.Lock()
+
+    def cb(exc, eid):
+        assert exc is None
+        order.append(eid)
+
+    def work(k):
+        for i in range(300):
+            lh.add_entry_async(b"%d-%d" % (k, i), cb)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lh.close()
+    assert order == list(range(1200))
+    assert lh.last_add_confirmed == 1199
+
+
+# --- failures ---------------------------------------------------------------------
+
+def test_bookie_killed_mid_stream(cluster_factory):
+    cluster = cluster_factory(4)
+    with _client(cluster, addEntryTimeoutSec=2) as client:
+        lh = client.create_ledger(3, 2, 2, password=PW)
+        acked = {}
+        errors = []
+
+        def writer():
+            try:
+                for i in range(3000):
+                    eid = lh.add_entry_async(b"k%d" % i).result(30)
+                    acked[eid] = b"k%d" % i
+            except Exception as e:  # pragma: no cover - asserted below
+                errors.append(e)
+
+        # pipelined too: a window of adds in flight when the bookie dies
+        t = threading.Thread(target=writer)
+        t.start()
+        futs = []
+        while len(acked) < 300:
+            time.sleep(0.005)
+        victim = lh.metadata.last_ensemble[0]
+        cluster.bookie(victim).kill(signal.SIGKILL)
+        for i in range(500):
+            futs.append(lh.add_entry_async(b"f%d" % i))
+        ids = [f.result(30) for f in futs]
+        t.join(60)
+        assert not errors, errors
+        lh.close()
+        md = client.ledger_metadata(lh.ledger_id)
+        assert len(md.ensembles) >= 2 and victim not in md.last_ensemble
+        rh = client.open_ledger(lh.ledger_id, password=PW)
+        got = {e.entry_id: e.data for e in rh.read_entries(0, rh.last_add_confirmed)}
+        assert len(got) == 3500
+        for eid, data in acked.items():
+            assert got[eid] == data
+        assert sorted(ids) == ids and all(got[eid].startswith(b"f") for eid in ids)
+
+
+def test_recovery_needs_enough_bookies(cluster_factory):
+    cluster = cluster_factory(3)
+    with _client(cluster) as client:
+        lh = client.create_ledger(3, 3, 3, password=PW)
+        lh.add_entries([b"q%d" % i for i in range(20)])
+        lid = lh.ledger_id
+        cluster.bookies[0].kill(signal.SIGKILL)
+        with _client(cluster) as other:
+            with pytest.raises((LedgerRecoveryError, NotEnoughBookiesError)):
+                other.open_ledger(lid, password=PW)
+            cluster.add_bookie()
+            rh = other.open_ledger(lid, password=PW)
+            assert rh.is_closed and rh.last_add_confirmed >= 18
+            data = [e.data for e in rh.read_entries(0, rh.last_add_confirmed)]
+            assert data == [b"q%d" % i for i in range(len(data))]
+
+
+def test_fence_survives_bookie_restarts(cluster_factory):
+    cluster = cluster_factory(3)
+    with _client(cluster) as client:
+        lh = client.create_ledger(3, 2, 2, password=PW)
+        lh.add_entries([b"r%d" % i for i in range(10)])
+        with _client(cluster) as other:
+            rh = other.open_ledger(lh.ledger_id, password=PW)
+            assert rh.last_add_confirmed == 9
+        for b in cluster.bookies:
+            b.restart()
+        with pytest.raises(LedgerFencedError):
+            lh.add_entry(b"after restart")
+        # and a raw add (no client-side state) is refused by the bookies themselves
+        lid = lh.ledger_id
+        for b in cluster.bookies:
+            with BookieConnection(b.bookie_id, shard=lid % b.num_shards) as c:
+                dg = D.EntryDigest(lid, "crc32c", PW)
+                r = c.call(P.add(c.next_rid(), lid, 10, 9, D.master_key(PW),
+                                 dg.sign(10, 9, 100, b"x"), b"x"))
+                assert r[2] == bk.errors.EFENCED
