@@ -184,6 +184,7 @@ class BookKeeper:
                                 ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
                                 digest_type=digest_type,
                                 password_digest=_digest.password_digest(pw),
+                                master_key=_digest.master_key(pw),
                                 ctime=time.time(), custom_metadata=custom)
             try:
                 version = self._store.create_ledger(md)

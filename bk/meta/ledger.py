@@ -50,6 +50,10 @@ class LedgerMetadata:
     ctime: float = field(default_factory=time.time)
     custom_metadata: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    # The key bookies hold for this ledger (bk.client.digest.master_key of the password, not the
+    # password): lets an admin re-replicate entries (recovery adds) without the password,
+    # as BookKeeper's recoverBookieData does with the password kept in its metadata.
+    master_key: bytes = b""
 
     # --- quorum arithmetic -------------------------------------------------
     def ensemble_index(self, entry_id: int) -> int:
@@ -94,6 +98,8 @@ class LedgerMetadata:
             "ctime": self.ctime,
             "customMetadata": {k: base64.b64encode(v).decode("ascii")
                                for k, v in self.custom_metadata.items()},
+            **({"masterKey": base64.b64encode(self.master_key).decode("ascii")}
+               if self.master_key else {}),
         }
 
     def to_json(self) -> bytes:
@@ -120,6 +126,7 @@ class LedgerMetadata:
             custom_metadata={k: base64.b64decode(v)
                              for k, v in d.get("customMetadata", {}).items()},
             format_version=version,
+            master_key=base64.b64decode(d.get("masterKey", "")),
         )
 
     @classmethod
