@@ -350,3 +350,53 @@ def test_daemon_start_status_stop(cluster_factory, tmp_path):
     assert r.returncode == 0 and "stopped" in r.stdout
     assert _bookie_cmd("status", "--conf", b.conf_file).returncode == 3
     assert b.bookie_id not in c.store.list_bookies()
+
+
+def test_sigterm_drains_in_flight_adds(cluster):
+    b = cluster.bookies[0]
+    lid = 60
+    c = conn(b, lid)
+    n = 3000
+    c.send_raw(b"".join(P.encode_frame(P.add(eid + 1, lid, eid, eid - 1, KEY, b"", b"v%d" % eid))
+                        for eid in range(n)))
+    os.kill(b.pid, signal.SIGTERM)               # while those adds are in flight
+    answered = {}
+    try:
+        while len(answered) < n:
+            r = c.recv()
+            answered[r[4]] = r[2]
+    except (BookieUnavailableError, OSError):
+        pass
+    c.close()
+    assert b.proc.wait(30) == 0
+    assert answered, "the bookie answered nothing before stopping"
+    assert set(answered.values()) == {EOK}       # drained: answered adds are acknowledged ones
+    b.start()
+    with conn(b, lid) as c:
+        for eid in answered:
+            assert read(c, lid, eid)[7] == b"v%d" % eid
+
+
+def test_group_commit_one_sync_for_a_burst(cluster_factory):
+    # A long group wait makes the whole burst land in one group: 500 adds, a few syncs.
+    c = cluster_factory(1, num_shards=1, conf_overrides={"journalMaxGroupWaitMSec": 300,
+                                                         "journalBufferedWritesThreshold": 1 << 30})
+    b = c.bookies[0]
+    with BookieConnection(b.bookie_id, 0) as cc:
+        before = cc.call(P.get_bookie_info(cc.next_rid()))[3]
+        cc.send_raw(b"".join(P.encode_frame(P.add(eid + 1, 7, eid, eid - 1, KEY, b"", b"x" * 100))
+                             for eid in range(500)))
+        statuses = [cc.recv()[2] for _ in range(500)]
+        after = cc.call(P.get_bookie_info(cc.next_rid()))[3]
+    assert statuses == [EOK] * 500
+    assert after["synced_records"] - before["synced_records"] >= 500
+    assert 1 <= after["syncs"] - before["syncs"] <= 5
+
+
+def test_auth_token_is_checked_in_hello(cluster_factory):
+    c = cluster_factory(0)
+    b = c.add_bookie(authToken="s3cret")
+    with pytest.raises(Exception, match="refused with status 5"):
+        BookieConnection(b.bookie_id, 0, auth_token="wrong")
+    with BookieConnection(b.bookie_id, 0, auth_token="s3cret") as cc:
+        assert add(cc, 0, 0, b"ok")[2] == EOK
