@@ -36,6 +36,7 @@ import collections
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -58,17 +59,22 @@ LAYOUT_VERSION = 1
 LEDGER_ID_DIGITS = 20
 MAX_LEDGER_ID = 2 ** 63 - 1
 
-# gRPC channel options: reconnect quickly after etcd restarts (the default backoff
-# grows to 2 minutes, during which every call fails fast), detect dead peers of
-# long-lived watch streams.
-_GRPC_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 10000),
-    ("grpc.keepalive_timeout_ms", 5000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-]
+
+
+def _grpc_options(timeout: float) -> list[tuple[str, int]]:
+    """gRPC channel options: reconnect quickly after etcd restarts (the default
+    backoff grows to 2 minutes, during which every call fails fast); allow a
+    connection attempt as long as one request may take (gRPC uses
+    min_reconnect_backoff as the connect timeout); detect dead peers of
+    long-lived watch streams."""
+    return [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", max(100, int(timeout * 1000))),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.keepalive_time_ms", 10000),
+        ("grpc.keepalive_timeout_ms", 5000),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ]
 
 
 class CookieVersionError(CookieMismatchError, MetadataVersionError):
@@ -171,14 +177,17 @@ class MetadataStore:
         self._closed = False
         self._registrations: "weakref.WeakSet[BookieRegistration]" = weakref.WeakSet()
         self._watches: "weakref.WeakSet[_BookieWatch]" = weakref.WeakSet()
-        self.rpc_counts: collections.Counter = collections.Counter()  # kind -> requests sent
+        # requests sent, by kind ("get", "range", "txn", "lease", ...): for tests and
+        # benchmarks; approximate when several threads share the store
+        self.rpc_counts: collections.Counter = collections.Counter()
 
     # --- connection -----------------------------------------------------------
     def _new_client(self) -> MultiEndpointEtcd3Client:
         # time_retry: how long pyetcd shuns an endpoint after a failure. With one
         # endpoint it must never be shunned (etcd may be back at the next call).
         retry = 0.0 if len(self.endpoints) == 1 else min(1.0, self.timeout)
-        eps = [Endpoint(h, p, secure=False, time_retry=retry, opts=_GRPC_OPTIONS)
+        opts = _grpc_options(self.timeout)
+        eps = [Endpoint(h, p, secure=False, time_retry=retry, opts=opts)
                for h, p in self.endpoints]
         return MultiEndpointEtcd3Client(endpoints=eps, timeout=self.timeout,
                                         failover=len(eps) > 1)
@@ -200,16 +209,6 @@ class MetadataStore:
                 self._client_obj = self._new_client()
             return self._client_obj
 
-    def _reset_client(self) -> None:
-        """Drop the client after a failure that may have left pyetcd's watcher broken."""
-        with self._lock:
-            if self._client_obj is not None and self._pid == os.getpid():
-                old, self._client_obj = self._client_obj, None
-                try:
-                    old.close()
-                except Exception:  # pragma: no cover
-                    pass
-
     def _error(self, what: str, exc: BaseException) -> MetadataError:
         if isinstance(exc, etcd_exc.ConnectionFailedError):
             why = "etcd is unreachable"
@@ -229,10 +228,16 @@ class MetadataStore:
 
     def _call(self, what: str, kind: str, fn: Callable, *args, idempotent: bool = False,
               **kwargs):
-        """Run ``fn(client, ...)``; translate failures. Reads are retried on the next
-        endpoint when there are several (a write's outcome may be unknown, so no retry)."""
-        attempts = len(self.endpoints) if idempotent else 1
-        for attempt in range(attempts):
+        """Run ``fn(client, ...)``; translate failures into MetadataError.
+
+        Reads (``idempotent``) that fail to connect are retried, on the next
+        endpoint when there are several, until ``timeout`` has passed: right after
+        etcd restarts, gRPC's channel is still backing off and would fail them at
+        once. Writes are sent once: after a broken connection their outcome is
+        unknown, and a blind retry could misreport (e.g. "ledger exists")."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.05
+        while True:
             client = self._client()
             self.rpc_counts[kind] += 1
             try:
@@ -240,9 +245,11 @@ class MetadataStore:
             except BKError:
                 raise
             except (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError) as exc:
-                retryable = isinstance(exc, (etcd_exc.ConnectionFailedError,
-                                             etcd_exc.ConnectionTimeoutError))
-                if retryable and attempt + 1 < attempts:
+                retryable = idempotent and isinstance(
+                    exc, (etcd_exc.ConnectionFailedError, etcd_exc.NoServerAvailableError))
+                if retryable and time.monotonic() + delay < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
                     continue
                 raise self._error(what, exc) from None
 
@@ -783,30 +790,42 @@ class BookieRegistration:
     def _register_first(self) -> None:
         lease_id = self._grant()
         try:
-            last_ttl = None
+            seen: list[int] = []        # remaining TTLs of the holder's lease, as observed
+            increases = 0
             deadline = None
             while True:
                 created, holder = self._try_create(lease_id)
                 if created:
                     return
-                remaining = self._holder_ttl(holder) if holder else -1
                 if holder == 0:
-                    # a key without a lease was put there by hand: never expires
+                    # a key without a lease was put there by hand: it never expires
                     raise BKError(f"bookie {self.bookie_id} is already registered "
                                   f"(without a lease) at {self.store.uri}")
+                remaining = self._holder_ttl(holder) if holder else -1
                 if remaining >= 0:
-                    if last_ttl is not None and remaining > last_ttl:
+                    if seen and remaining > seen[-1]:
+                        increases += 1
+                    seen.append(remaining)
+                    # A dead holder's lease is gone within its remaining TTL (etcd
+                    # reports whole seconds, rounded down) plus the time etcd takes to
+                    # revoke it; a lease still there after that is kept alive. With
+                    # longer TTLs a live holder also shows as the remaining TTL going
+                    # up again: one rise may be a keepalive that a dying holder sent
+                    # just before it died, two mean someone keeps refreshing it.
+                    if increases >= 2:
                         raise BKError(f"bookie {self.bookie_id} is already registered "
-                                      f"by a live process at {self.store.uri}")
+                                      f"by a live process at {self.store.uri} (its lease "
+                                      f"{holder:x} keeps being refreshed)")
                     if deadline is None:
-                        deadline = time.monotonic() + remaining + 2.0
+                        deadline = time.monotonic() + remaining + 1 + max(1.5, self.ttl / 2)
                     elif time.monotonic() > deadline:
-                        raise BKError(f"bookie {self.bookie_id} is already registered "
-                                      f"at {self.store.uri}")
-                    last_ttl = remaining
-                    log.info("bookie %s is still registered (lease %x, %ss left); waiting "
-                             "for the old registration to expire", self.bookie_id, holder,
-                             remaining)
+                        raise BKError(f"bookie {self.bookie_id} is already registered at "
+                                      f"{self.store.uri} (lease {holder:x} did not expire; "
+                                      f"remaining TTLs seen: {seen[-8:]})")
+                    if len(seen) == 1:
+                        log.info("bookie %s is still registered (lease %x, %ss left); "
+                                 "waiting for the old registration to expire",
+                                 self.bookie_id, holder, remaining)
                 time.sleep(0.25)
         except BaseException:
             try:
@@ -953,7 +972,7 @@ class _BookieWatch:
         self.store = store
         self.callback = callback
         self._cancelled = threading.Event()
-        self._events: "queue.Queue" = None  # type: ignore[assignment]
+        self._events: queue.Queue | None = None
         self._last: tuple[frozenset, frozenset] | None = None
         self._thread: threading.Thread | None = None
         self._watch: tuple[Any, int] | None = None
@@ -969,7 +988,6 @@ class _BookieWatch:
             log.exception("bookie watch callback failed")
 
     def start(self) -> None:
-        import queue
         self._events = queue.Queue()
         sets, rev = self.store._bookie_sets()   # raises MetadataError if etcd is down
         self._deliver(sets)
@@ -995,7 +1013,6 @@ class _BookieWatch:
                 pass
 
     def _run(self, rev: int) -> None:
-        import queue
         backoff = 0.1
         need_resync = False
         while not self._cancelled.is_set():
