@@ -1,0 +1,821 @@
+"""Administration of a bk cluster, usable without the CLI (``bkshell`` wraps it).
+
+    from bk.admin import Admin
+    with Admin("etcd://127.0.0.1:2379/ledgers") as admin:
+        admin.list_bookies(all=True)
+        report = admin.recover_bookie("127.0.0.1:3181")     # re-replicate a dead bookie
+        print(report.summary())
+
+Theory of operation of bookie recovery (BookKeeper's ``recoverBookieData`` and
+``LedgerFragmentReplicator``)
+-----------------------------------------------------------------------------
+For every ledger with a fragment (``(first entry, ensemble)`` of its metadata)
+whose ensemble holds the lost bookie B:
+
+1. A ledger that is not CLOSED and whose *last* ensemble holds B is first
+   closed by a recovery (:meth:`Admin.recover_ledger`): CAS to IN_RECOVERY,
+   fence the last ensemble (READ_LAC with the fence flag until (Qw - Qa) + 1
+   bookies of every write quorum answered: the old writer can no longer reach
+   Qa acknowledgements), read forward from the highest LAC, write each entry
+   found back to the live bookies of its write set with the recovery flag,
+   stop at the first entry that (Qw - Qa) + 1 bookies of its write set do not
+   have, CAS to CLOSED. With ``skip_open`` such ledgers are left alone.
+   (Open ledgers that hold B only in earlier fragments need no closing: those
+   fragments are complete, the writer has moved on.)
+2. For each fragment holding B, a replacement R is picked among the writable
+   bookies not in that fragment's ensemble (deterministically per ledger and
+   fragment, so that an interrupted run picks the same R again when it is
+   re-run). Each entry of the fragment whose write set holds B is read raw
+   from a surviving replica and added to R with the recovery flag and the
+   ledger's master key, digest and LAC unchanged (so it still verifies under
+   the writer's digest, whatever its type). Entries R already holds
+   (GET_LIST_OF_ENTRIES) are skipped: a re-run after an interruption copies
+   only what is missing.
+3. Then the fragment's ensemble is changed by CAS: B replaced by R in that
+   fragment only. A lost CAS re-reads and re-applies the change to the fresh
+   metadata (the fragment is found by its first entry id).
+
+The master key comes from the ledger metadata (``masterKey``, stored by the
+client at creation); for older metadata without it, the password can be
+given (it is checked against the password digest). After a complete run B is
+in no ensemble, so a second run does nothing.
+
+Everything talks to bookies through blocking raw-protocol connections, one per
+(bookie, shard), pipelining a batch of requests at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from bk import protocol as P
+from bk.errors import (BKError, BookieUnavailableError, EOK, ENOENTRY, ENOLEDGER,
+                       LedgerRecoveryError, MetadataError, MetadataVersionError,
+                       NoSuchEntryError, NoSuchLedgerError, NotEnoughBookiesError,
+                       BadPasswordError, error_for_status)
+from bk.meta.ledger import LedgerMetadata, LedgerState
+from bk.meta.store import MetadataStore
+
+log = logging.getLogger("bk.admin")
+
+BATCH = 256            # requests pipelined per round trip
+
+
+def _digest_mod():
+    from bk.client import digest
+    return digest
+
+
+# --- bookie connections ------------------------------------------------------------
+
+class BookiePool:
+    """Blocking raw connections to bookies, one per (bookie, shard), made on demand."""
+
+    def __init__(self, store: MetadataStore, timeout: float = 10.0):
+        self.store = store
+        self.timeout = timeout
+        self._conns: dict = {}
+        self._shards: dict[str, int] = {}
+        self._addr: dict[str, str] = {}
+
+    def address(self, bookie_id: str) -> str:
+        addr = self._addr.get(bookie_id)
+        if addr is None:
+            info = self.store.bookie_info(bookie_id)
+            addr = bookie_id
+            if info and info.get("address") and info.get("port"):
+                addr = f"{info['address']}:{info['port']}"
+            if info and info.get("numShards"):
+                self._shards[bookie_id] = int(info["numShards"])
+            self._addr[bookie_id] = addr
+        return addr
+
+    def num_shards(self, bookie_id: str) -> int:
+        addr = self.address(bookie_id)
+        n = self._shards.get(bookie_id)
+        if n is None:
+            from bk.testing import BookieConnection
+            with BookieConnection(addr, -1, timeout=self.timeout) as c:
+                n = self._shards[bookie_id] = int(c.num_shards)
+        return n
+
+    def conn(self, bookie_id: str, ledger_id: int | None = None, shard: int | None = None):
+        from bk.testing import BookieConnection
+        if shard is None:
+            shard = ledger_id % self.num_shards(bookie_id)
+        key = (bookie_id, shard)
+        c = self._conns.get(key)
+        if c is None:
+            try:
+                c = BookieConnection(self.address(bookie_id), shard, timeout=self.timeout)
+            except OSError as e:
+                raise BookieUnavailableError(f"connect to bookie {bookie_id}: {e}") from None
+            self._conns[key] = c
+        return c
+
+    def drop(self, bookie_id: str) -> None:
+        for key in [k for k in self._conns if k[0] == bookie_id]:
+            try:
+                self._conns.pop(key).close()
+            except OSError:
+                pass
+
+    def calls(self, bookie_id: str, ledger_id: int, msgs: list) -> list:
+        """Send ``msgs`` pipelined on one connection; their responses in order.
+        BookieUnavailableError (and the connection dropped) if the bookie fails."""
+        if not msgs:
+            return []
+        try:
+            c = self.conn(bookie_id, ledger_id)
+            c.send_raw(b"".join(P.encode_frame(m) for m in msgs))
+            byrid = {}
+            for _ in msgs:
+                r = c.recv()
+                byrid[r[1]] = r
+            return [byrid[m[1]] for m in msgs]
+        except (OSError, BookieUnavailableError, KeyError) as e:
+            self.drop(bookie_id)
+            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+
+    def call(self, bookie_id: str, ledger_id: int, build, *args) -> list:
+        c = self.conn(bookie_id, ledger_id)
+        return self.calls(bookie_id, ledger_id, [build(c.next_rid(), *args)])[0]
+
+    def rids(self, bookie_id: str, ledger_id: int, n: int) -> list[int]:
+        c = self.conn(bookie_id, ledger_id)
+        return [c.next_rid() for _ in range(n)]
+
+    def close(self) -> None:
+        for c in self._conns.values():
+            try:
+                c.close()
+            except OSError:
+                pass
+        self._conns.clear()
+
+
+# --- reports -----------------------------------------------------------------------
+
+@dataclass
+class FragmentReport:
+    ledger_id: int
+    first_entry: int
+    last_entry: int
+    ensemble: list
+    replacement: str | None
+    entries: int = 0            # entries the lost bookie should hold
+    copied: int = 0
+    already: int = 0            # already on the replacement
+    done: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RecoveryReport:
+    bookie_id: str
+    dry_run: bool = False
+    ledgers: list = field(default_factory=list)          # ids of ledgers touched
+    closed: list = field(default_factory=list)           # open ledgers fenced + closed
+    skipped_open: list = field(default_factory=list)     # open ledgers left alone
+    failed: dict = field(default_factory=dict)           # ledger id -> error
+    fragments: list = field(default_factory=list)        # FragmentReport
+    seconds: float = 0.0
+
+    @property
+    def entries_copied(self) -> int:
+        return sum(f.copied for f in self.fragments)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def to_dict(self) -> dict:
+        return {
+            "bookie": self.bookie_id, "dry_run": self.dry_run,
+            "ledgers": len(self.ledgers), "ledger_ids": self.ledgers,
+            "closed": self.closed, "skipped_open": self.skipped_open,
+            "failed": {str(k): v for k, v in self.failed.items()},
+            "fragments": len(self.fragments),
+            "fragments_replicated": sum(1 for f in self.fragments if f.done),
+            "entries_copied": self.entries_copied,
+            "entries_already_there": sum(f.already for f in self.fragments),
+            "seconds": round(self.seconds, 3),
+            "fragment_details": [f.to_dict() for f in self.fragments],
+        }
+
+    def summary(self) -> str:
+        d = self.to_dict()
+        if self.dry_run:
+            n = sum(f.entries for f in self.fragments)
+            return (f"dry run: would recover {d['ledgers']} ledgers of bookie {self.bookie_id}: "
+                    f"{d['fragments']} fragments, {n} entries to copy, "
+                    f"{len(self.closed)} open ledgers to close"
+                    + (f", {len(self.skipped_open)} open ledgers skipped"
+                       if self.skipped_open else ""))
+        s = (f"recovered bookie {self.bookie_id}: {d['ledgers']} ledgers, "
+             f"{d['fragments_replicated']}/{d['fragments']} fragments, "
+             f"{d['entries_copied']} entries copied"
+             + (f" ({d['entries_already_there']} already there)"
+                if d['entries_already_there'] else "")
+             + f", {len(self.closed)} open ledgers closed")
+        if self.skipped_open:
+            s += f", {len(self.skipped_open)} open ledgers skipped"
+        if self.failed:
+            s += f", {len(self.failed)} ledgers FAILED"
+        return s + f" in {self.seconds:.1f}s"
+
+
+# --- helpers -----------------------------------------------------------------------
+
+def fragment_bounds(md: LedgerMetadata, index: int, last_entry: int | None = None):
+    """(first, last) entry ids of fragment ``index``; last may be < first (empty).
+    ``last_entry``: the ledger's last entry when known (else the metadata's)."""
+    first = md.ensembles[index][0]
+    if index + 1 < len(md.ensembles):
+        return first, md.ensembles[index + 1][0] - 1
+    last = md.last_entry_id if last_entry is None else last_entry
+    return first, last
+
+
+def write_set_of(ensemble: list, qw: int, entry_id: int) -> list:
+    e = len(ensemble)
+    return [ensemble[(entry_id + i) % e] for i in range(qw)]
+
+
+def _covered(answered: set, E: int, qw: int, need: int) -> bool:
+    """True if every write quorum (start i, round robin) has ``need`` answered slots."""
+    return all(sum(1 for k in range(qw) if (i + k) % E in answered) >= need for i in range(E))
+
+
+class Admin:
+    """The cluster administration behind ``bkshell``."""
+
+    def __init__(self, uri: str, timeout: float = 5.0, bookie_timeout: float = 10.0,
+                 password: bytes | None = None):
+        self.uri = uri
+        self.store = MetadataStore(uri, timeout=timeout)
+        self.bookies = BookiePool(self.store, bookie_timeout)
+        self.password = password
+
+    def close(self) -> None:
+        self.bookies.close()
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- cluster ------------------------------------------------------------------
+    def metaformat(self, force: bool = False) -> None:
+        self.store.format(force)
+
+    def list_bookies(self, readonly: bool = False, all: bool = False) -> list[dict]:  # noqa: A002
+        """[{id, address, state}] of registered bookies (writable by default)."""
+        out = []
+        for bid, info in self.store.all_bookies().items():
+            ro = bool(info.get("readonly"))
+            if not all and ro != readonly:
+                continue
+            addr = f"{info['address']}:{info['port']}" if info.get("address") and \
+                info.get("port") else bid
+            out.append({"id": bid, "address": addr, "state": "readonly" if ro else "writable",
+                        "shards": info.get("numShards"), "pid": info.get("pid")})
+        return out
+
+    def require_bookie(self, bookie_id: str) -> dict:
+        """The registration info of a live bookie; BKError naming it otherwise."""
+        info = self.store.bookie_info(bookie_id)
+        if info is None:
+            known = ", ".join(self.store.all_bookies()) or "none"
+            raise BKError(f"bookie {bookie_id} is not registered (registered: {known})")
+        return info
+
+    def bookie_info(self, bookie_id: str | None = None) -> list[dict]:
+        """Free/total space and storage counters of each registered bookie (or one),
+        by GET_BOOKIE_INFO to each of its shards."""
+        ids = [bookie_id] if bookie_id else list(self.store.all_bookies())
+        if bookie_id:
+            self.require_bookie(bookie_id)
+        out = []
+        for bid in ids:
+            row = {"id": bid}
+            try:
+                n = self.bookies.num_shards(bid)
+                infos = []
+                for shard in range(n):
+                    c = self.bookies.conn(bid, shard=shard)
+                    r = c.call(P.get_bookie_info(c.next_rid()))
+                    if r[2] != EOK:
+                        raise error_for_status(r[2], f"bookie info of {bid}")
+                    infos.append(r[3])
+                first = infos[0]
+                row.update(free_bytes=first.get("free_bytes"), total_bytes=first.get("total_bytes"),
+                           usage=first.get("usage"), readonly=any(i.get("readonly") for i in infos),
+                           shards=n, ledgers=sum(i.get("ledgers", 0) for i in infos),
+                           entries=sum(i.get("entries", 0) for i in infos),
+                           journal_bytes=sum(i.get("journal_bytes", 0) for i in infos))
+            except (BKError, OSError) as e:
+                self.bookies.drop(bid)
+                row["error"] = str(e)
+            out.append(row)
+        return out
+
+    def bookie_sanity(self, bookie_id: str, entries: int = 10, entry_size: int = 100) -> dict:
+        """Create a ledger (E=Qw=Qa=1) on exactly ``bookie_id``, write ``entries``,
+        read them back, delete the ledger. Raises BKError describing a failure."""
+        digest = _digest_mod()
+        info = self.require_bookie(bookie_id)
+        if info.get("readonly"):
+            raise BKError(f"bookie sanity of {bookie_id}: the bookie is read-only")
+        pw = b"bookiesanity"
+        t0 = time.monotonic()
+        lid = self.store.new_ledger_id()
+        md = LedgerMetadata(ledger_id=lid, ensemble_size=1, write_quorum_size=1,
+                            ack_quorum_size=1, ensembles=[(0, [bookie_id])],
+                            digest_type="crc32c", password_digest=digest.password_digest(pw),
+                            master_key=digest.master_key(pw),
+                            custom_metadata={"application": b"bkshell-bookiesanity"})
+        version = self.store.create_ledger(md)
+        try:
+            signer = digest.EntryDigest(lid, "crc32c", pw)
+            payloads = [os.urandom(entry_size) for _ in range(entries)]
+            mk = digest.master_key(pw)
+            adds, length = [], 0
+            rids = self.bookies.rids(bookie_id, lid, entries)
+            for eid, data in enumerate(payloads):
+                length += len(data)
+                adds.append(P.add(rids[eid], lid, eid, eid - 1, mk,
+                                  signer.sign(eid, eid - 1, length, data), data))
+            for r in self.bookies.calls(bookie_id, lid, adds):
+                if r[2] != EOK:
+                    raise error_for_status(r[2], f"bookie sanity: add entry {r[4]} of ledger "
+                                                 f"{lid} to {bookie_id}")
+            rids = self.bookies.rids(bookie_id, lid, entries)
+            reads = [P.read(rids[e], lid, e) for e in range(entries)]
+            for e, r in enumerate(self.bookies.calls(bookie_id, lid, reads)):
+                if r[2] != EOK:
+                    raise error_for_status(r[2], f"bookie sanity: read entry {e} of ledger "
+                                                 f"{lid} from {bookie_id}")
+                signer.verify(e, r[5], r[6], r[7])
+                if r[7] != payloads[e]:
+                    raise BKError(f"bookie sanity: entry {e} of ledger {lid} read back from "
+                                  f"{bookie_id} differs from what was written")
+            self.store.write_ledger(md.replace(state=LedgerState.CLOSED,
+                                               last_entry_id=entries - 1, length=length), version)
+        finally:
+            try:
+                self.store.delete_ledger(lid)
+            except BKError as e:
+                log.warning("bookie sanity: could not delete ledger %d: %s", lid, e)
+        return {"bookie": bookie_id, "ledger": lid, "entries": entries,
+                "seconds": round(time.monotonic() - t0, 3), "ok": True}
+
+    # --- ledgers ------------------------------------------------------------------
+    def ledger_metadata(self, ledger_id: int) -> LedgerMetadata:
+        return self.store.read_ledger(ledger_id)[0]
+
+    def delete_ledger(self, ledger_id: int) -> None:
+        self.store.delete_ledger(ledger_id)
+
+    def list_ledgers(self):
+        return self.store.list_ledgers()
+
+    def list_ledger_metadata(self):
+        for md, _ in self.store.list_ledger_metadata():
+            yield md
+
+    def master_key(self, md: LedgerMetadata) -> bytes:
+        """The key the bookies hold for the ledger: from the metadata, else from the
+        admin's password (checked against the password digest)."""
+        if md.master_key:
+            return md.master_key
+        digest = _digest_mod()
+        if self.password is not None:
+            if not digest.password_matches(md.password_digest, self.password):
+                raise BadPasswordError(f"ledger {md.ledger_id}: the given password does not "
+                                       f"match the ledger's")
+            return digest.master_key(self.password)
+        raise BadPasswordError(f"ledger {md.ledger_id}: its metadata has no master key "
+                               f"(created by an older bk); give the ledger's password")
+
+    def read_entry_raw(self, md: LedgerMetadata, entry_id: int, exclude=()) -> tuple:
+        """(entry_lac, digest, payload) from the first replica that has it."""
+        ens = md.ensemble_for(entry_id)
+        errors = []
+        for b in write_set_of(ens, md.write_quorum_size, entry_id):
+            if b in exclude:
+                continue
+            try:
+                r = self.bookies.call(b, md.ledger_id, P.read, md.ledger_id, entry_id)
+            except BKError as e:
+                errors.append(str(e))
+                continue
+            if r[2] == EOK:
+                return r[5], r[6], r[7]
+            errors.append(f"{b}: {error_for_status(r[2], 'read')}")
+        if errors and all("no such" in e.lower() for e in errors):
+            raise NoSuchEntryError(f"read entry {entry_id} of ledger {md.ledger_id}: no "
+                                   f"replica has it")
+        raise BKError(f"read entry {entry_id} of ledger {md.ledger_id}: "
+                      f"{'; '.join(errors) or 'no replica'}")
+
+    def read_entries(self, ledger_id: int, first: int = 0, last: int | None = None,
+                     verify: bool = True):
+        """Yield (entry_id, payload) of a ledger, straight from the bookies.
+
+        ``last`` defaults to the last entry of a CLOSED ledger; for a ledger not
+        closed, reading goes on until no replica has the next entry. Digests of
+        crc32/crc32c ledgers are verified (and of mac ledgers when a password is set)."""
+        md = self.ledger_metadata(ledger_id)
+        if first < 0:
+            raise ValueError(f"read ledger {ledger_id}: --from must be >= 0, not {first}")
+        if last is None and md.is_closed:
+            last = md.last_entry_id
+        if md.is_closed and last is not None and last > md.last_entry_id:
+            raise NoSuchEntryError(f"read ledger {ledger_id}: entry {last} is past the last "
+                                   f"entry {md.last_entry_id} of the closed ledger")
+        signer = None
+        if verify and (md.digest_type != "mac" or self.password is not None):
+            signer = _digest_mod().EntryDigest(ledger_id, md.digest_type, self.password or b"")
+        e = first
+        while last is None or e <= last:
+            try:
+                lac, dig, payload = self.read_entry_raw(md, e)
+            except NoSuchEntryError:
+                if last is None:
+                    return
+                raise
+            if signer is not None:
+                signer.verify(e, lac, dig, payload)
+            yield e, payload
+            e += 1
+
+    # --- recovery of one ledger -----------------------------------------------------
+    def recover_ledger(self, ledger_id: int) -> LedgerMetadata:
+        """Fence and close a ledger as a reader (recovery open); returns the CLOSED
+        metadata. The old writer's next add fails with LedgerFencedError."""
+        what = f"recover ledger {ledger_id}"
+        md, version = self.store.read_ledger(ledger_id)
+        if md.is_closed:
+            return md
+        mk = self.master_key(md)
+        for _ in range(50):
+            if md.state != LedgerState.OPEN:
+                break
+            try:
+                new = md.replace(state=LedgerState.IN_RECOVERY)
+                version = self.store.write_ledger(new, version)
+                md = new
+            except MetadataVersionError:
+                md, version = self.store.read_ledger(ledger_id)
+        if md.is_closed:
+            return md
+        ens = md.last_ensemble
+        E, qw, qa = md.ensemble_size, md.write_quorum_size, md.ack_quorum_size
+        need = qw - qa + 1
+        # 1. fence
+        answered, lac = set(), -1
+        errors = []
+        for i, b in enumerate(ens):
+            try:
+                r = self.bookies.call(b, ledger_id, P.read_lac, ledger_id, True, mk)
+            except BKError as e:
+                errors.append(str(e))
+                continue
+            if r[2] in (EOK, ENOLEDGER, ENOENTRY):
+                answered.add(i)
+                if r[2] == EOK:
+                    lac = max(lac, r[4])
+            else:
+                errors.append(str(error_for_status(r[2], f"fence ledger {ledger_id} on {b}")))
+        if not _covered(answered, E, qw, need):
+            raise LedgerRecoveryError(f"{what}: cannot fence enough bookies of the last "
+                                      f"ensemble {ens}: {'; '.join(errors)}")
+        # 2. read forward from the LAC, writing back what is found
+        frag_first = md.ensembles[-1][0]
+        last = max(lac, frag_first - 1)
+        length = 0
+        if last >= 0:
+            length = _digest_mod().length_of(self.read_entry_raw(md, last)[1])
+        e = last + 1
+        while True:
+            ws = write_set_of(ens, qw, e)
+            found, missing, unknown = None, 0, []
+            for b in ws:
+                try:
+                    r = self.bookies.call(b, ledger_id, P.read, ledger_id, e)
+                except BKError as ex:
+                    unknown.append(str(ex))
+                    continue
+                if r[2] == EOK:
+                    found = (r[5], r[6], r[7])
+                    break
+                if r[2] in (ENOENTRY, ENOLEDGER):
+                    missing += 1
+                else:
+                    unknown.append(str(error_for_status(r[2], f"read entry {e} from {b}")))
+            if found is None:
+                if missing >= need:
+                    break
+                raise LedgerRecoveryError(f"{what}: cannot tell whether entry {e} exists: "
+                                          f"{'; '.join(unknown)}")
+            elac, dig, payload = found
+            wrote = 0
+            for b in ws:
+                try:
+                    r = self.bookies.call(b, ledger_id, P.add, ledger_id, e, elac, mk, dig,
+                                          payload, True)
+                except BKError:
+                    continue
+                if r[2] == EOK:
+                    wrote += 1
+            if not wrote:
+                raise LedgerRecoveryError(f"{what}: could not write back entry {e}")
+            last, length = e, _digest_mod().length_of(dig)
+            e += 1
+        # 3. close
+        for _ in range(50):
+            if md.is_closed:
+                return md
+            new = md.replace(state=LedgerState.CLOSED, last_entry_id=last, length=length)
+            try:
+                self.store.write_ledger(new, version)
+                log.info("%s: closed at entry %d", what, last)
+                return new
+            except MetadataVersionError:
+                md, version = self.store.read_ledger(ledger_id)
+        raise MetadataError(f"{what}: too many CAS conflicts")
+
+    # --- bookie recovery ------------------------------------------------------------
+    def ledgers_of(self, bookie_id: str) -> list[LedgerMetadata]:
+        """Metadata of every ledger with a fragment whose ensemble holds ``bookie_id``."""
+        return [md for md in self.list_ledger_metadata()
+                if any(bookie_id in ens for _, ens in md.ensembles)]
+
+    def bookie_known(self, bookie_id: str) -> bool:
+        if self.store.bookie_info(bookie_id) is not None:
+            return True
+        return self.store.read_cookie(bookie_id)[0] is not None
+
+    def _pick_replacement(self, md, index, ensemble, bookie_id, writable) -> str:
+        candidates = [b for b in writable if b not in ensemble and b != bookie_id]
+        if not candidates:
+            raise NotEnoughBookiesError(
+                f"ledger {md.ledger_id} fragment at entry {md.ensembles[index][0]}: no writable "
+                f"bookie outside its ensemble {ensemble} to replace {bookie_id}")
+        key = f"{md.ledger_id}/{md.ensembles[index][0]}/".encode()
+        return min(candidates, key=lambda b: (zlib.crc32(key + b.encode()), b))
+
+    def recover_bookie(self, bookie_id: str, dry_run: bool = False, skip_open: bool = False,
+                       ledger_ids=None, progress=None) -> RecoveryReport:
+        """Re-replicate every ledger fragment that had ``bookie_id`` (see the module doc).
+
+        ``progress(done_ledgers, total_ledgers, report)`` is called after each
+        ledger. Per-ledger failures are recorded in ``report.failed`` (the others
+        are still recovered); re-running finishes the job."""
+        t0 = time.monotonic()
+        report = RecoveryReport(bookie_id, dry_run=dry_run)
+        if not self.bookie_known(bookie_id):
+            todo = self.ledgers_of(bookie_id)
+            if not todo:
+                raise BKError(f"bookie {bookie_id} not found: not registered, no cookie, and "
+                              f"in no ledger's ensemble ({self.uri})")
+        else:
+            todo = self.ledgers_of(bookie_id)
+        if ledger_ids is not None:
+            wanted = set(ledger_ids)
+            todo = [md for md in todo if md.ledger_id in wanted]
+        alive = self.store.bookie_info(bookie_id) is not None
+        if alive:
+            log.warning("bookie %s is registered (alive): its entries are copied anyway",
+                        bookie_id)
+        writable = self.store.list_bookies()
+        for n, md in enumerate(todo, 1):
+            lid = md.ledger_id
+            try:
+                self._recover_ledger_fragments(md, bookie_id, report, writable, dry_run,
+                                               skip_open, alive)
+            except NoSuchLedgerError:
+                log.info("ledger %d was deleted meanwhile", lid)
+            except BKError as e:
+                report.failed[lid] = str(e)
+                log.warning("recover bookie %s: ledger %d: %s", bookie_id, lid, e)
+            if progress:
+                progress(n, len(todo), report)
+        report.seconds = time.monotonic() - t0
+        return report
+
+    def _recover_ledger_fragments(self, md, bookie_id, report, writable, dry_run, skip_open,
+                                  alive):
+        lid = md.ledger_id
+        if not md.is_closed and bookie_id in md.last_ensemble:
+            if skip_open:
+                report.skipped_open.append(lid)
+                return
+            report.closed.append(lid)
+            if not dry_run:
+                md = self.recover_ledger(lid)
+        report.ledgers.append(lid)
+        mk = None if dry_run else self.master_key(md)
+        for index, (first, ens) in enumerate(md.ensembles):
+            if bookie_id not in ens:
+                continue
+            if not md.is_closed and index == len(md.ensembles) - 1:
+                continue   # dry run of an open ledger: its last fragment's end is unknown
+            lo, hi = fragment_bounds(md, index)
+            mine = [e for e in range(lo, hi + 1)
+                    if bookie_id in write_set_of(ens, md.write_quorum_size, e)]
+            try:
+                target = self._pick_replacement(md, index, ens, bookie_id, writable)
+            except NotEnoughBookiesError as e:
+                report.fragments.append(FragmentReport(lid, lo, hi, list(ens), None, len(mine),
+                                                       error=str(e)))
+                raise
+            fr = FragmentReport(lid, lo, hi, list(ens), target, len(mine))
+            report.fragments.append(fr)
+            if dry_run:
+                continue
+            self._copy_fragment(md, ens, bookie_id, target, mine, mk, fr, alive)
+            self._swap_bookie(lid, first, bookie_id, target)
+            fr.done = True
+
+    def _copy_fragment(self, md, ens, bookie_id, target, entries, mk, fr, alive):
+        lid = md.ledger_id
+        if not entries:
+            return
+        r = self.bookies.call(target, lid, P.get_list_of_entries, lid)
+        have = set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
+        todo = [e for e in entries if e not in have]
+        fr.already = len(entries) - len(todo)
+        qw = md.write_quorum_size
+        for i in range(0, len(todo), BATCH):
+            batch = todo[i:i + BATCH]
+            got: dict[int, tuple] = {}
+            pending = list(batch)
+            # Surviving replicas first; the bookie itself last (if it is alive).
+            tried: set = set()
+            while pending:
+                by_src: dict[str, list] = {}
+                left = []
+                for e in pending:
+                    srcs = [b for b in write_set_of(ens, qw, e) if b != bookie_id]
+                    if alive:
+                        srcs.append(bookie_id)
+                    src = next((b for b in srcs if (b, e) not in tried), None)
+                    if src is None:
+                        left.append(e)
+                    else:
+                        by_src.setdefault(src, []).append(e)
+                if left:
+                    raise BKError(f"ledger {lid}: entries {left[:5]} are on no reachable "
+                                  f"replica; cannot copy them to {target}")
+                pending = []
+                for src, es in by_src.items():
+                    for e in es:
+                        tried.add((src, e))
+                    try:
+                        rids = self.bookies.rids(src, lid, len(es))
+                        resps = self.bookies.calls(src, lid,
+                                                   [P.read(rid, lid, e) for rid, e in zip(rids, es)])
+                    except BKError:
+                        pending.extend(es)
+                        continue
+                    for e, resp in zip(es, resps):
+                        if resp[2] == EOK:
+                            got[e] = (resp[5], resp[6], resp[7])
+                        else:
+                            pending.append(e)
+            rids = self.bookies.rids(target, lid, len(batch))
+            adds = [P.add(rid, lid, e, got[e][0], mk, got[e][1], got[e][2], True)
+                    for rid, e in zip(rids, batch)]
+            for e, resp in zip(batch, self.bookies.calls(target, lid, adds)):
+                if resp[2] != EOK:
+                    raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to {target}")
+            fr.copied += len(batch)
+
+    def _swap_bookie(self, ledger_id, first, bookie_id, target):
+        for _ in range(50):
+            md, version = self.store.read_ledger(ledger_id)
+            ensembles = [(f, list(ens)) for f, ens in md.ensembles]
+            for i, (f, ens) in enumerate(ensembles):
+                if f == first:
+                    break
+            else:
+                raise BKError(f"ledger {ledger_id}: the fragment at entry {first} vanished")
+            if bookie_id not in ens:
+                return       # someone else replaced it already
+            if target in ens:
+                raise BKError(f"ledger {ledger_id}: {target} joined the fragment at entry "
+                              f"{first} meanwhile; re-run recover")
+            ens[ens.index(bookie_id)] = target
+            ensembles[i] = (f, ens)
+            try:
+                self.store.write_ledger(md.replace(ensembles=ensembles), version)
+                return
+            except MetadataVersionError:
+                continue
+        raise MetadataError(f"ledger {ledger_id}: too many CAS conflicts replacing {bookie_id}")
+
+    def decommission_bookie(self, bookie_id: str, progress=None) -> RecoveryReport:
+        """Recover everything of a bookie that is no longer running, then delete its
+        cookie. Refuses while it is registered (alive)."""
+        if self.store.bookie_info(bookie_id) is not None:
+            raise BKError(f"bookie {bookie_id} is still registered (running); stop it first, "
+                          f"then decommission it")
+        report = self.recover_bookie(bookie_id, progress=progress)
+        if report.ok and not report.skipped_open:
+            cookie, version = self.store.read_cookie(bookie_id)
+            if cookie is not None:
+                self.store.delete_cookie(bookie_id)
+        return report
+
+
+# --- local inspection (a bookie's own directories) ----------------------------------------
+
+def local_num_shards(conf) -> int:
+    from bk.bookie import layout
+    for d in layout.all_dirs(conf):
+        cookie = layout.read_local_cookie(d)
+        if cookie and cookie.get("numShards"):
+            return int(cookie["numShards"])
+    return conf.num_shards
+
+
+def read_checkpoint_mark(index_dir: str):
+    """The journal mark ("seq:offset") of a shard's last checkpoint, or None."""
+    import msgpack
+    from crc32c import crc32c
+    from bk.bookie import storage as S
+    path = os.path.join(index_dir, S.CHECKPOINT_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None, None
+    outer = msgpack.unpackb(data, raw=False)
+    if not (isinstance(outer, list) and len(outer) == 4 and outer[0] == S.CHECKPOINT_MAGIC):
+        raise BKError(f"{path} is not a bk shard checkpoint")
+    if crc32c(outer[3]) != outer[2]:
+        raise BKError(f"{path}: CRC mismatch")
+    body = msgpack.unpackb(outer[3], raw=False, strict_map_key=False)
+    return tuple(body["mark"]), os.path.getmtime(path)
+
+
+def last_marks(conf) -> list[dict]:
+    """Checkpoint mark of each shard of the bookie described by ``conf``."""
+    from bk.bookie import journal as J, layout
+    out = []
+    for shard in range(local_num_shards(conf)):
+        jd, idx = layout.shard_dirs(conf, shard)
+        mark, mtime = read_checkpoint_mark(idx)
+        out.append({"shard": shard, "mark": J.format_mark(mark) if mark else None,
+                    "checkpoint_time": mtime, "journal_dir": jd, "index_dir": idx})
+    return out
+
+
+def read_journal(conf, shard: int = 0, start=None, limit: int | None = None):
+    """Decoded records of one shard's journal, read-only (never truncating)."""
+    from bk.bookie import journal as J, layout
+    n = local_num_shards(conf)
+    if not 0 <= shard < n:
+        raise ValueError(f"shard {shard} does not exist: the bookie has {n} shards (0..{n - 1})")
+    jd, _ = layout.shard_dirs(conf, shard)
+    if not os.path.isdir(jd):
+        raise BKError(f"journal directory {jd} of shard {shard} does not exist")
+    for i, rec in enumerate(J.iter_records(jd, start)):
+        if limit is not None and i >= limit:
+            return
+        yield rec
+
+
+def describe_record(rec) -> dict:
+    from bk.bookie import journal as J
+    d = {"mark": J.format_mark((rec.seq, rec.offset)), "type": rec.type_name,
+         "length": rec.length}
+    f = rec.fields
+    t = rec.type
+    if t == J.ADD:
+        ledger, entry, lac, digest, payload = f[:5]
+        d.update(ledger=ledger, entry=entry, lac=lac, digest_bytes=len(digest),
+                 payload_bytes=len(payload))
+    elif t in (J.FENCE, J.DELETE):
+        d.update(ledger=f[0])
+    elif t == J.MASTER_KEY:
+        d.update(ledger=f[0], key_bytes=len(f[1]))
+    elif t == J.WRITE_LAC:
+        d.update(ledger=f[0], lac=f[1])
+    elif t == J.STATE:
+        d.update(ledger=f[0], fenced=bool(f[1]), lac=f[2])
+    else:
+        d.update(fields=[x if not isinstance(x, (bytes, memoryview)) else f"<{len(x)} bytes>"
+                         for x in f])
+    return d

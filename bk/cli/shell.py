@@ -1,0 +1,773 @@
+"""``bkshell``: the admin shell of a bk cluster (BookKeeper's ``bookkeeper shell``).
+
+Every command is a thin layer over :mod:`bk.admin` (or the client): parse,
+call, print. Data goes to stdout (``--json`` where the output is data),
+progress and errors to stderr; an error is one line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import time
+
+import click
+
+from bk.cli.common import fail, one_line_errors, setup_logging
+
+PROG = "bkshell"
+ENV_URI = "BK_METADATA_URI"
+
+
+class Ctx:
+    def __init__(self, metadata, conf_file, timeout, password):
+        self.metadata = metadata
+        self.conf_file = conf_file
+        self.timeout = timeout
+        self.password = password
+        self._conf = None
+
+    @property
+    def conf(self):
+        """The Config of --conf (defaults if none), loaded once."""
+        if self._conf is None:
+            from bk.config import Config
+            self._conf = Config.load(self.conf_file)
+        return self._conf
+
+    def uri(self) -> str:
+        uri = self.metadata
+        if not uri and self.conf_file:
+            uri = self.conf.metadataServiceUri
+        if not uri:
+            uri = os.environ.get(ENV_URI) or os.environ.get("BK_metadataServiceUri")
+        if not uri:
+            fail(PROG, f"no metadata service URI: pass --metadata etcd://host:port/ledgers, "
+                       f"--conf FILE (with metadataServiceUri), or set {ENV_URI}", 2)
+        from bk.meta.store import parse_metadata_uri
+        parse_metadata_uri(uri)          # ValueError naming the URI
+        return uri
+
+    def admin(self):
+        from bk.admin import Admin
+        return Admin(self.uri(), timeout=self.timeout, password=self.password)
+
+    def client(self, **overrides):
+        import bk
+        return bk.BookKeeper(self.uri(), metadataTimeoutMillis=int(self.timeout * 1000),
+                             **overrides)
+
+    def need_conf(self, what: str):
+        if not self.conf_file:
+            fail(PROG, f"{what} inspects a bookie's own directories: pass --conf "
+                       f"conf/bk_server.conf (the bookie's configuration file)", 2)
+        return self.conf
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+
+
+class _PipeClosed(BaseException):
+    """stdout was closed by the reader (``bkshell listledgers | head``): not an error."""
+
+
+def handled(fn):
+    """One-line errors (bk.cli.common), but a closed stdout pipe ends quietly."""
+    import functools
+
+    @functools.wraps(fn)
+    def guard(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BrokenPipeError:
+            raise _PipeClosed() from None
+    return one_line_errors(PROG)(guard)
+
+
+def _json_out(data) -> None:
+    click.echo(json.dumps(data, indent=1, sort_keys=False, default=str))
+
+
+def _json_opt(fn):
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(fn)
+
+
+def _ledger_id(value: str) -> int:
+    try:
+        lid = int(value, 10)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a ledger id (a decimal integer)")
+    if not 0 <= lid < 2 ** 63:
+        raise click.BadParameter(f"{value!r} is not a ledger id (0 <= id < 2**63)")
+    return lid
+
+
+class LedgerId(click.ParamType):
+    name = "LEDGER_ID"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return _ledger_id(value)
+        except click.BadParameter as e:
+            self.fail(str(e), param, ctx)
+
+
+LEDGER_ID = LedgerId()
+
+
+def _size(n) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024.0
+
+
+def _progress(label):
+    """A progress callback printing at most one line per second on stderr."""
+    state = {"t": 0.0}
+
+    def cb(done, total, *_):
+        now = time.monotonic()
+        if done == total or now - state["t"] >= 1.0:
+            state["t"] = now
+            click.echo(f"{label}: {done}/{total}", err=True)
+    return cb
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--metadata", "-m", metavar="URI", default=None,
+              help="Metadata service URI, etcd://host:port[,host:port]/ledgers "
+                   f"(else metadataServiceUri of --conf, else ${ENV_URI}).")
+@click.option("--conf", "-c", "conf_file", type=click.Path(dir_okay=False), default=None,
+              help="A bk configuration file (bk_server.conf): metadataServiceUri, and the "
+                   "bookie's directories for lastmark / readjournal.")
+@click.option("--timeout", default=5.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds to wait for the metadata store.")
+@click.option("--password", default=None, envvar="BK_LEDGER_PASSWORD",
+              help="Ledger password, only needed for ledgers whose metadata has no master key "
+                   "(older bk) or to verify 'mac' digests [env BK_LEDGER_PASSWORD].")
+@click.option("--log-level", default="WARNING", show_default=True,
+              help="DEBUG, INFO, WARNING or ERROR (logs go to stderr).")
+@click.pass_context
+def cli(ctx, metadata, conf_file, timeout, password, log_level):
+    """Administer a bk cluster: bookies, ledgers, recovery, benchmarks.
+
+    \b
+    Examples:
+      bkshell --metadata etcd://127.0.0.1:2379/ledgers listbookies --all
+      export BK_METADATA_URI=etcd://127.0.0.1:2379/ledgers
+      bkshell listledgers --meta
+      bkshell simpletest --entries 100
+      bkshell recover 127.0.0.1:3181 --dry-run
+      bkshell --conf conf/bk_server.conf lastmark
+    """
+    try:
+        setup_logging(log_level)
+    except Exception as e:
+        fail(PROG, str(e), 2)
+    ctx.obj = Ctx(metadata, conf_file, timeout,
+                  password.encode("utf-8") if password is not None else None)
+
+
+# --- cluster -----------------------------------------------------------------------
+
+@cli.command()
+@click.option("--force", is_flag=True, help="Delete everything under the prefix first.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation with --force.")
+@pass_ctx
+@handled
+def metaformat(c, force, yes):
+    """Initialise the metadata layout (ledgers, bookies, cookies) under the prefix.
+
+    Without --force it refuses when anything exists under the prefix. With
+    --force it deletes every ledger's metadata, cookie and registration first
+    (asks unless --yes).
+
+    \b
+    Example:
+      bkshell --metadata etcd://127.0.0.1:2379/ledgers metaformat --force --yes
+    """
+    uri = c.uri()
+    if force and not yes:
+        if not sys.stdin.isatty():
+            fail(PROG, f"metaformat --force deletes all metadata under {uri}; pass --yes "
+                       f"to confirm")
+        click.confirm(f"Delete ALL ledger metadata, cookies and registrations under {uri}?",
+                      abort=True, err=True)
+    with c.admin() as a:
+        a.metaformat(force)
+    click.echo(f"formatted {uri}" + (" (previous content deleted)" if force else ""))
+
+
+@cli.command()
+@click.option("--readonly", "-ro", "mode", flag_value="readonly", help="Read-only bookies only.")
+@click.option("--all", "-a", "mode", flag_value="all", help="Writable and read-only bookies.")
+@_json_opt
+@pass_ctx
+@handled
+def listbookies(c, mode, as_json):
+    """List registered bookies (writable ones by default): id, address, state.
+
+    \b
+    Example:
+      bkshell listbookies --all
+    """
+    with c.admin() as a:
+        rows = a.list_bookies(readonly=mode == "readonly", all=mode == "all")
+    if as_json:
+        return _json_out(rows)
+    if not rows:
+        click.echo("no bookies", err=True)
+    for r in rows:
+        click.echo(f"{r['id']}\t{r['address']}\t{r['state']}")
+
+
+@cli.command()
+@click.argument("bookie_id", required=False)
+@_json_opt
+@pass_ctx
+@handled
+def bookieinfo(c, bookie_id, as_json):
+    """Free and total disk space (and counters) of each bookie, asked with GET_BOOKIE_INFO.
+
+    \b
+    Examples:
+      bkshell bookieinfo
+      bkshell bookieinfo 127.0.0.1:3181 --json
+    """
+    with c.admin() as a:
+        rows = a.bookie_info(bookie_id)
+    if as_json:
+        _json_out(rows)
+    else:
+        for r in rows:
+            if "error" in r:
+                click.echo(f"{r['id']}\tunreachable: {r['error']}")
+            else:
+                click.echo(f"{r['id']}\tfree {_size(r['free_bytes'])}\ttotal "
+                           f"{_size(r['total_bytes'])}\tused {r['usage'] * 100:.1f}%\t"
+                           f"{'readonly' if r['readonly'] else 'writable'}\t"
+                           f"{r['ledgers']} ledgers\t{r['entries']} entries")
+    bad = [r["id"] for r in rows if "error" in r]
+    if bad and bookie_id:
+        fail(PROG, rows[0]["error"])
+
+
+@cli.command()
+@click.argument("bookie_id")
+@click.option("--entries", default=10, show_default=True, type=click.IntRange(min=1))
+@_json_opt
+@pass_ctx
+@handled
+def bookiesanity(c, bookie_id, entries, as_json):
+    """Check one bookie: a ledger E=Qw=Qa=1 on exactly it, write, read back, delete.
+
+    \b
+    Example:
+      bkshell bookiesanity 127.0.0.1:3181
+    """
+    with c.admin() as a:
+        res = a.bookie_sanity(bookie_id, entries=entries)
+    if as_json:
+        return _json_out(res)
+    click.echo(f"bookie sanity test succeeded on {bookie_id}: wrote and read back "
+               f"{res['entries']} entries (ledger {res['ledger']}, deleted) in "
+               f"{res['seconds']:.3f}s")
+
+
+# --- ledgers -------------------------------------------------------------------------
+
+def _md_dict(md) -> dict:
+    d = md.to_dict()
+    d.pop("passwordDigest", None)    # secrets stay out of listings
+    d.pop("masterKey", None)
+    d["customMetadata"] = {k: _show_bytes(v) for k, v in md.custom_metadata.items()}
+    return d
+
+
+def _show_bytes(b: bytes) -> str:
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(b).decode("ascii")
+
+
+def _md_line(md) -> str:
+    ens = " ".join(f"{first}:[{','.join(b)}]" for first, b in md.ensembles)
+    return (f"{md.ledger_id}\t{md.state.value}\tE={md.ensemble_size} Qw={md.write_quorum_size} "
+            f"Qa={md.ack_quorum_size}\tlast={md.last_entry_id}\tlength={md.length}\t{ens}")
+
+
+@cli.command()
+@click.option("--meta", is_flag=True, help="Show each ledger's metadata on its line.")
+@_json_opt
+@pass_ctx
+@handled
+def listledgers(c, meta, as_json):
+    """List ledger ids (decimal, ascending), optionally with their metadata.
+
+    \b
+    Examples:
+      bkshell listledgers
+      bkshell listledgers --meta
+    """
+    with c.admin() as a:
+        if meta:
+            mds = list(a.list_ledger_metadata())
+            if as_json:
+                return _json_out([_md_dict(m) for m in mds])
+            for m in mds:
+                click.echo(_md_line(m))
+        else:
+            ids = list(a.list_ledgers())
+            if as_json:
+                return _json_out(ids)
+            for lid in ids:
+                click.echo(lid)
+
+
+@cli.command()
+@click.argument("ledger_id", type=LEDGER_ID)
+@_json_opt
+@pass_ctx
+@handled
+def ledgermetadata(c, ledger_id, as_json):
+    """Show one ledger's metadata (state, quorums, ensembles, ...).
+
+    \b
+    Example:
+      bkshell ledgermetadata 42 --json
+    """
+    with c.admin() as a:
+        md = a.ledger_metadata(ledger_id)
+    d = _md_dict(md)
+    if as_json:
+        return _json_out(d)
+    click.echo(f"ledger {md.ledger_id}")
+    click.echo(f"  state            {md.state.value}")
+    click.echo(f"  quorums          E={md.ensemble_size} Qw={md.write_quorum_size} "
+               f"Qa={md.ack_quorum_size}")
+    click.echo(f"  last entry       {md.last_entry_id}")
+    click.echo(f"  length           {md.length}")
+    click.echo(f"  digest type      {md.digest_type}")
+    click.echo(f"  created          {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(md.ctime))}")
+    click.echo("  ensembles")
+    for first, bookies in md.ensembles:
+        click.echo(f"    from entry {first}: {', '.join(bookies)}")
+    for k, v in sorted(d["customMetadata"].items()):
+        click.echo(f"  custom {k} = {v}")
+
+
+@cli.command()
+@click.argument("ledger_id", type=LEDGER_ID)
+@click.option("--from", "first", default=0, show_default=True, type=click.IntRange(min=0),
+              help="First entry id.")
+@click.option("--to", "last", default=None, type=int,
+              help="Last entry id (inclusive). Default: the last entry.")
+@click.option("--format", "fmt", type=click.Choice(["text", "hex", "raw"]), default="text",
+              show_default=True, help="text: one line per entry; hex: hex dump; raw: payload "
+                                      "bytes only, concatenated.")
+@_json_opt
+@pass_ctx
+@handled
+def readledger(c, ledger_id, first, last, fmt, as_json):
+    """Print entries of a ledger, read straight from its bookies (no fencing).
+
+    Checksums of crc32/crc32c ledgers are verified. For a ledger that is not
+    closed, reading stops at the first entry no replica has.
+
+    \b
+    Examples:
+      bkshell readledger 42
+      bkshell readledger 42 --from 10 --to 19 --format hex
+      bkshell readledger 42 --format raw > ledger42.bin
+    """
+    if last is not None and last < first:
+        raise click.BadParameter(f"--to {last} is before --from {first}")
+    out = sys.stdout.buffer
+    rows = []
+    with c.admin() as a:
+        for eid, data in a.read_entries(ledger_id, first, last):
+            if as_json:
+                rows.append({"entry_id": eid, "length": len(data),
+                             "data": base64.b64encode(data).decode("ascii")})
+            elif fmt == "raw":
+                out.write(data)
+            elif fmt == "hex":
+                click.echo(f"--- ledger {ledger_id} entry {eid} ({len(data)} bytes) ---")
+                for off in range(0, len(data), 16):
+                    chunk = data[off:off + 16]
+                    text = "".join(chr(ch) if 32 <= ch < 127 else "." for ch in chunk)
+                    click.echo(f"{off:08x}  {chunk.hex(' '):<47}  {text}")
+            else:
+                text = data.decode("utf-8", "backslashreplace")
+                click.echo(f"{eid}\t{_printable(text)}")
+    if as_json:
+        _json_out(rows)
+    elif fmt == "raw":
+        out.flush()
+
+
+def _printable(text: str) -> str:
+    return "".join(ch if ch.isprintable() or ch == " " else repr(ch)[1:-1] for ch in text)
+
+
+@cli.command()
+@click.argument("ledger_id", type=LEDGER_ID)
+@click.option("--force", "-f", is_flag=True, help="(accepted for BookKeeper compatibility)")
+@pass_ctx
+@handled
+def deleteledger(c, ledger_id, force):
+    """Delete a ledger (its metadata; bookies garbage-collect its entries).
+
+    \b
+    Example:
+      bkshell deleteledger 42
+    """
+    with c.admin() as a:
+        a.delete_ledger(ledger_id)
+    click.echo(f"deleted ledger {ledger_id}")
+
+
+@cli.command()
+@click.option("--entries", "-n", default=100, show_default=True, type=click.IntRange(min=1))
+@click.option("--ensemble", "-e", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--write-quorum", "-w", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--ack-quorum", "-a", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--entry-size", default=100, show_default=True, type=click.IntRange(min=1))
+@click.option("--keep", is_flag=True, help="Keep the ledger (default: delete it at the end).")
+@_json_opt
+@pass_ctx
+@handled
+def simpletest(c, entries, ensemble, write_quorum, ack_quorum, entry_size, keep, as_json):
+    """Write N entries to a new ledger through the client, read them back, verify.
+
+    \b
+    Example:
+      bkshell simpletest --entries 1000 --ensemble 3 --write-quorum 3 --ack-quorum 2
+    """
+    pw = b"bkshell-simpletest"
+    t0 = time.monotonic()
+    with c.client() as client:
+        lh = client.create_ledger(ensemble, write_quorum, ack_quorum, password=pw,
+                                  custom_metadata={"application": b"bkshell-simpletest"})
+        lid = lh.ledger_id
+        payloads = [(b"entry %d of bkshell simpletest " % i * (entry_size // 30 + 1))
+                    [:entry_size] for i in range(entries)]
+        last = lh.add_entries(payloads)
+        lh.close()
+        t_write = time.monotonic() - t0
+        if not as_json:
+            click.echo(f"{entries} entries written to ledger {lid}")
+        rh = client.open_ledger_no_recovery(lid, password=pw)
+        got = [e.data for e in rh.read_entries(0, last)]
+        if got != payloads:
+            bad = next(i for i, (g, p) in enumerate(zip(got + [None] * entries, payloads))
+                       if g != p)
+            fail(PROG, f"simpletest: entry {bad} of ledger {lid} read back differs from what "
+                       f"was written")
+        if not keep:
+            client.delete_ledger(lid)
+    res = {"ledger": lid, "entries": entries, "write_seconds": round(t_write, 3),
+           "seconds": round(time.monotonic() - t0, 3), "verified": True, "deleted": not keep}
+    if as_json:
+        return _json_out(res)
+    click.echo(f"{entries} entries read back and verified"
+               + ("" if keep else f"; ledger {lid} deleted"))
+
+
+# --- fencing and recovery ------------------------------------------------------------------
+
+def _recover_one(c, ledger_id, as_json, verb):
+    with c.admin() as a:
+        md = a.recover_ledger(ledger_id)
+    if as_json:
+        return _json_out({"ledger": ledger_id, "state": md.state.value,
+                          "last_entry_id": md.last_entry_id, "length": md.length})
+    click.echo(f"ledger {ledger_id} {verb} and closed: last entry {md.last_entry_id}, "
+               f"length {md.length}")
+
+
+@cli.command()
+@click.argument("ledger_id", type=LEDGER_ID)
+@_json_opt
+@pass_ctx
+@handled
+def recoverledger(c, ledger_id, as_json):
+    """Recovery open: fence the ledger, recover its tail, close it; print the last entry.
+
+    The writer (if any) fails on its next add. A closed ledger is left as is.
+
+    \b
+    Example:
+      bkshell recoverledger 42
+    """
+    _recover_one(c, ledger_id, as_json, "recovered")
+
+
+@cli.command()
+@click.argument("ledger_id", type=LEDGER_ID)
+@_json_opt
+@pass_ctx
+@handled
+def fenceledger(c, ledger_id, as_json):
+    """Fence a ledger so its writer can add no more, then close it (= recoverledger).
+
+    \b
+    Example:
+      bkshell fenceledger 42
+    """
+    _recover_one(c, ledger_id, as_json, "fenced")
+
+
+def _print_plan(report):
+    for f in report.fragments:
+        click.echo(f"ledger {f.ledger_id} entries {f.first_entry}..{f.last_entry}: "
+                   f"{f.entries} entries -> {f.replacement or 'NO REPLACEMENT'}"
+                   + (f" (error: {f.error})" if f.error else ""))
+    for lid in report.closed:
+        click.echo(f"ledger {lid}: open, would be fenced and closed first")
+    for lid in report.skipped_open:
+        click.echo(f"ledger {lid}: open, skipped (--skip-open)")
+
+
+def _run_recover(c, bookie_id, dry_run, skip_open, as_json, decommission=False):
+    with c.admin() as a:
+        cb = None if as_json else _progress(f"recovering {bookie_id}: ledgers")
+        if decommission:
+            report = a.decommission_bookie(bookie_id, progress=cb)
+        else:
+            report = a.recover_bookie(bookie_id, dry_run=dry_run, skip_open=skip_open,
+                                      progress=cb)
+    if as_json:
+        _json_out(report.to_dict())
+    else:
+        if dry_run:
+            _print_plan(report)
+        for lid in report.skipped_open:
+            if not dry_run:
+                click.echo(f"ledger {lid}: open, skipped (--skip-open)")
+        for lid, err in report.failed.items():
+            click.echo(f"ledger {lid}: FAILED: {err}", err=True)
+        click.echo(report.summary())
+    if report.failed:
+        fail(PROG, f"recover {bookie_id}: {len(report.failed)} ledgers failed "
+                   f"(first: {next(iter(report.failed.values()))}); re-run to retry")
+    return report
+
+
+@cli.command()
+@click.argument("bookie_id")
+@click.option("--dry-run", "-n", is_flag=True, help="Only list what would be done.")
+@click.option("--skip-open", is_flag=True,
+              help="Leave alone open ledgers whose last ensemble holds the bookie "
+                   "(instead of fencing and closing them).")
+@_json_opt
+@pass_ctx
+@handled
+def recover(c, bookie_id, dry_run, skip_open, as_json):
+    """Re-replicate every ledger fragment that had BOOKIE_ID onto other bookies.
+
+    Open ledgers whose last ensemble holds the bookie are fenced and closed
+    first. Each entry the bookie held is copied from a surviving replica to a
+    replacement bookie, then the fragment's ensemble is updated. Safe to
+    interrupt and re-run; a second run finds nothing to do.
+
+    \b
+    Examples:
+      bkshell recover 127.0.0.1:3181 --dry-run
+      bkshell recover 127.0.0.1:3181
+    """
+    _run_recover(c, bookie_id, dry_run, skip_open, as_json)
+
+
+@cli.command()
+@click.argument("bookie_id")
+@_json_opt
+@pass_ctx
+@handled
+def decommissionbookie(c, bookie_id, as_json):
+    """Retire a stopped bookie: recover all its fragments, then delete its cookie.
+
+    Refuses while the bookie is registered (running).
+
+    \b
+    Example:
+      bookie stop --conf /etc/bk/bk_server.conf
+      bkshell decommissionbookie 127.0.0.1:3181
+    """
+    report = _run_recover(c, bookie_id, False, False, as_json, decommission=True)
+    if not as_json:
+        click.echo(f"bookie {bookie_id} decommissioned (cookie deleted)")
+    return report
+
+
+# --- local inspection ------------------------------------------------------------------------
+
+@cli.command()
+@_json_opt
+@pass_ctx
+@handled
+def lastmark(c, as_json):
+    """Journal mark (segment:offset) of each shard's last checkpoint (needs --conf).
+
+    A restart replays each shard's journal from this mark.
+
+    \b
+    Example:
+      bkshell --conf conf/bk_server.conf lastmark
+    """
+    from bk.admin import last_marks
+    conf = c.need_conf("lastmark")
+    rows = last_marks(conf)
+    if as_json:
+        return _json_out(rows)
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["checkpoint_time"])) \
+            if r["checkpoint_time"] else "-"
+        click.echo(f"shard {r['shard']}\t{r['mark'] or 'no checkpoint'}\t{when}\t"
+                   f"{r['journal_dir']}")
+
+
+@cli.command()
+@click.option("--shard", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--limit", "-l", default=None, type=click.IntRange(min=0),
+              help="At most this many records.")
+@click.option("--from", "start", default=None, metavar="SEQ:OFFSET",
+              help="Start at this mark (see lastmark). Default: the oldest segment.")
+@_json_opt
+@pass_ctx
+@handled
+def readjournal(c, shard, limit, start, as_json):
+    """Decode the records of one shard's journal, read-only (needs --conf).
+
+    Safe while the bookie runs: nothing is written or truncated.
+
+    \b
+    Example:
+      bkshell --conf conf/bk_server.conf readjournal --shard 1 --limit 20
+    """
+    from bk.admin import describe_record, read_journal
+    conf = c.need_conf("readjournal")
+    if start is not None:
+        from bk.bookie.journal import parse_mark
+        parse_mark(start)
+    n = 0
+    for rec in read_journal(conf, shard, start, limit):
+        d = describe_record(rec)
+        n += 1
+        if as_json:
+            click.echo(json.dumps(d))
+            continue
+        extra = " ".join(f"{k}={v}" for k, v in d.items() if k not in ("mark", "type", "length"))
+        click.echo(f"{d['mark']}\t{d['type']}\t{extra}")
+    if not as_json:
+        click.echo(f"{n} records", err=True)
+
+
+# --- benchmarks ---------------------------------------------------------------------------
+
+@cli.group()
+def bench():
+    """Benchmarks: the whole write path, or one bookie."""
+
+
+@bench.command("writes")
+@click.option("--ensemble", "-e", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--write-quorum", "-w", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--ack-quorum", "-a", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--entry-size", default=1024, show_default=True, type=click.IntRange(min=1))
+@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds measured (after 1 s of warm-up).")
+@click.option("--window", default=1000, show_default=True, type=click.IntRange(min=1),
+              help="Most adds outstanding.")
+@click.option("--ledgers", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--rate", default=None, type=click.FloatRange(min=1),
+              help="Entries/s to submit (open loop); default: as fast as acknowledged.")
+@_json_opt
+@pass_ctx
+@handled
+def bench_writes_cmd(c, ensemble, write_quorum, ack_quorum, entry_size, duration, window,
+                     ledgers, rate, as_json):
+    """Durable writes through the client: throughput and latency percentiles.
+
+    \b
+    Example:
+      bkshell bench writes --ensemble 3 --write-quorum 3 --ack-quorum 2 --duration 10
+    """
+    from bk.bench import bench_writes
+    if not ensemble >= write_quorum >= ack_quorum:
+        raise click.BadParameter("need --ensemble >= --write-quorum >= --ack-quorum")
+    if not as_json:
+        click.echo(f"writing {entry_size}-byte entries for {duration:g}s "
+                   f"(E={ensemble} Qw={write_quorum} Qa={ack_quorum}, window {window}, "
+                   f"{ledgers} ledgers)...", err=True)
+    r = bench_writes(c.uri(), ensemble, write_quorum, ack_quorum, entry_size, duration, window,
+                     ledgers, rate=rate, metadataTimeoutMillis=int(c.timeout * 1000))
+    if as_json:
+        return _json_out(r)
+    lat = r["latency_ms"]
+    click.echo(f"{r['entries']} entries in {r['seconds']}s: {r['entries_per_sec']:.0f} "
+               f"entries/s, {r['mb_per_sec']} MB/s")
+    click.echo(f"latency ms: p50 {lat['p50']}  p95 {lat['p95']}  p99 {lat['p99']}  "
+               f"p99.9 {lat['p99.9']}  max {r['latency_max_ms']}")
+    if r.get("errors"):
+        fail(PROG, f"{r['errors']} adds failed")
+
+
+@bench.command("bookie")
+@click.argument("bookie_id")
+@click.option("--entry-size", default=1024, show_default=True, type=click.IntRange(min=1))
+@click.option("--count", default=100_000, show_default=True, type=click.IntRange(min=1))
+@click.option("--window", default=2000, show_default=True, type=click.IntRange(min=1))
+@_json_opt
+@pass_ctx
+@handled
+def bench_bookie_cmd(c, bookie_id, entry_size, count, window, as_json):
+    """Pipelined durable adds to one bookie over the raw protocol (no quorum).
+
+    Needs no metadata store when BOOKIE_ID is host:port.
+
+    \b
+    Example:
+      bkshell bench bookie 127.0.0.1:3181 --count 200000
+    """
+    from bk.bench_bookie import bench_bookie
+    addr = bookie_id
+    uri = c.metadata or (c.conf.metadataServiceUri if c.conf_file else None) \
+        or os.environ.get(ENV_URI)
+    if uri:   # resolve a registered bookie id to its address
+        with c.admin() as a:
+            addr = a.bookies.address(bookie_id)
+    cb = None
+    if not as_json:
+        def cb(done, total, rate):
+            click.echo(f"{done}/{total} adds, {rate:.0f}/s", err=True)
+    r = bench_bookie(addr, entry_size=entry_size, count=count, window=window, progress=cb)
+    if as_json:
+        return _json_out(r)
+    lat = r["latency_ms"]
+    click.echo(f"{r['adds']} adds of {entry_size} bytes in {r['seconds']}s: "
+               f"{r['adds_per_sec']:.0f} adds/s, {r['mb_per_sec']} MB/s")
+    click.echo(f"latency ms: p50 {lat['p50']}  p99 {lat['p99']}  p99.9 {lat['p999']}")
+    click.echo(f"journal syncs: {r['journal_syncs']} ({r['adds_per_sync']} adds per sync)")
+
+
+def main(argv=None):
+    """Console entry point (``bkshell``); ``cli`` is the click group (for CliRunner)."""
+    try:
+        cli(args=argv, prog_name=PROG)
+    except (BrokenPipeError, _PipeClosed):
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+
+
+if __name__ == "__main__":
+    main()
