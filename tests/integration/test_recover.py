@@ -1,0 +1,182 @@
+"""Bookie recovery (``bkshell recover``) against real etcd and real bookies: kill -9 a
+bookie holding fragments of closed ledgers and of one still-open ledger, add a new
+bookie, recover, and check every entry is on a full write quorum of live bookies."""
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import bk
+from bk import protocol as P
+from bk.admin import Admin, write_set_of
+from bk.cli.shell import cli
+from bk.errors import EOK, LedgerFencedError, BKError
+from bk.meta.ledger import LedgerState
+from bk.testing import BookieConnection
+
+PW = b"recover-test"
+
+
+def shell(uri, *args):
+    return CliRunner().invoke(cli, ["--metadata", uri, *args], catch_exceptions=False)
+
+
+def entries_on(bookie_id, ledger_id):
+    with BookieConnection(bookie_id, -1) as probe:
+        n = probe.num_shards
+    with BookieConnection(bookie_id, ledger_id % n) as c:
+        r = c.call(P.get_list_of_entries(c.next_rid(), ledger_id))
+    if r[2] != EOK:
+        return set()
+    return set(P.ranges_to_ids(r[4]))
+
+
+def assert_fully_replicated(store, lid, live):
+    md, _ = store.read_ledger(lid)
+    assert md.state == LedgerState.CLOSED
+    held = {}
+    for first, ens in md.ensembles:
+        for b in ens:
+            assert b in live, f"ledger {lid}: {b} still in an ensemble"
+            if b not in held:
+                held[b] = entries_on(b, lid)
+    for e in range(md.last_entry_id + 1):
+        ws = write_set_of(md.ensemble_for(e), md.write_quorum_size, e)
+        missing = [b for b in ws if e not in held[b]]
+        assert not missing, f"ledger {lid} entry {e} missing on {missing}"
+    return md
+
+
+def test_recover_dead_bookie(cluster_factory):
+    cluster = cluster_factory(4)
+    uri = cluster.metadata_uri
+    client = bk.BookKeeper(uri)
+    victim = cluster.bookies[0].bookie_id
+    data = {}
+    closed = []
+    # Closed ledgers of different shapes; all on 3 or 4 of the 4 bookies.
+    for i, (e, qw, qa, n) in enumerate([(3, 2, 2, 40), (3, 3, 2, 25), (4, 2, 1, 60),
+                                        (4, 3, 2, 0), (3, 2, 2, 300)]):
+        lh = client.create_ledger(e, qw, qa, password=PW, digest_type="crc32c")
+        payloads = [b"ledger %d entry %d " % (i, j) * (j % 7 + 1) for j in range(n)]
+        if payloads:
+            lh.add_entries(payloads)
+        lh.close()
+        data[lh.ledger_id] = payloads
+        closed.append(lh.ledger_id)
+    # Make sure the victim holds a fragment of most of them (ensembles are random).
+    mds = [client.ledger_metadata(lid) for lid in closed]
+    holding = [md.ledger_id for md in mds if any(victim in ens for _, ens in md.ensembles)]
+    assert len(holding) >= 2, "the victim holds too few ledgers for a meaningful test"
+    # One open ledger on the victim; its writer never closes.
+    while True:
+        w = client.create_ledger(3, 3, 2, password=PW)
+        if victim in w.metadata.ensembles[-1][1]:
+            break
+        w.close()
+        client.delete_ledger(w.ledger_id)
+    open_payloads = [b"open entry %d" % j for j in range(30)]
+    w.add_entries(open_payloads)
+    data[w.ledger_id] = open_payloads
+
+    cluster.bookies[0].kill()
+    new = cluster.add_bookie()
+    live = {b.bookie_id for b in cluster.bookies if b.alive}
+    assert new.bookie_id in live and victim not in live
+
+    # dry run: nothing changes
+    r = shell(uri, "recover", victim, "--dry-run", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["dry_run"] and w.ledger_id in plan["closed"]
+    assert client.ledger_metadata(w.ledger_id).state == LedgerState.OPEN
+
+    r = shell(uri, "recover", victim, "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["closed"] == [w.ledger_id]
+    assert rep["entries_copied"] > 0 and not rep["failed"]
+    assert set(rep["ledger_ids"]) == set(holding) | {w.ledger_id}
+
+    store = cluster.store
+    for lid, payloads in data.items():
+        md = assert_fully_replicated(store, lid, live)
+        assert md.last_entry_id == len(payloads) - 1
+        assert md.length == sum(map(len, payloads))
+        rh = client.open_ledger_no_recovery(lid, password=PW)
+        if payloads:
+            got = [e.data for e in rh.read_entries(0, len(payloads) - 1)]
+            assert got == payloads
+
+    # the old writer of the open ledger is fenced out
+    with pytest.raises((LedgerFencedError, BKError)):
+        w.add_entry(b"too late")
+
+    # a second run copies nothing
+    r = shell(uri, "recover", victim, "--json")
+    assert r.exit_code == 0, r.output
+    again = json.loads(r.stdout)
+    assert again["entries_copied"] == 0 and again["ledgers"] == 0
+
+    # decommission: once the victim's registration has expired, its cookie goes
+    assert store.read_cookie(victim)[0] is not None
+    deadline = time.monotonic() + 20
+    while store.bookie_info(victim) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    r = shell(uri, "decommissionbookie", victim)
+    assert r.exit_code == 0, r.output
+    assert store.read_cookie(victim)[0] is None
+    # ... but a live bookie is refused
+    r = shell(uri, "decommissionbookie", new.bookie_id)
+    assert r.exit_code != 0 and "registered" in r.stderr
+    client.close()
+
+
+def test_recover_resumes_after_interruption_and_skip_open(cluster_factory):
+    """An interrupted recovery (entries copied, ensemble not yet swapped) resumes
+    without copying again; --skip-open leaves open ledgers alone."""
+    cluster = cluster_factory(4)
+    uri = cluster.metadata_uri
+    client = bk.BookKeeper(uri)
+    victim = cluster.bookies[1].bookie_id
+    while True:
+        lh = client.create_ledger(3, 2, 2, password=PW)
+        if victim in lh.metadata.ensembles[0][1]:
+            break
+        lh.close()
+    payloads = [b"x%d" % j for j in range(100)]
+    lh.add_entries(payloads)
+    lh.close()
+    while True:
+        w = client.create_ledger(3, 2, 2, password=PW)
+        if victim in w.metadata.ensembles[0][1]:
+            break
+        w.close()
+    w.add_entries([b"o%d" % j for j in range(10)])
+    cluster.bookies[1].kill()
+    cluster.add_bookie()
+    live = {b.bookie_id for b in cluster.bookies if b.alive}
+
+    with Admin(uri) as admin:
+        # Simulate an interruption: copy the fragment without swapping the ensemble.
+        orig = admin._swap_bookie
+        admin._swap_bookie = lambda *a: None
+        rep = admin.recover_bookie(victim, skip_open=True, ledger_ids=[lh.ledger_id])
+        admin._swap_bookie = orig
+        first_copy = rep.entries_copied
+        assert first_copy > 0
+        assert victim in client.ledger_metadata(lh.ledger_id).ensembles[0][1]
+        rep = admin.recover_bookie(victim, skip_open=True)
+        assert rep.skipped_open == [w.ledger_id]
+        assert rep.entries_copied == 0
+        assert sum(f.already for f in rep.fragments) == first_copy
+    assert_fully_replicated(cluster.store, lh.ledger_id, live)
+    assert client.ledger_metadata(w.ledger_id).state == LedgerState.OPEN
+    assert victim in client.ledger_metadata(w.ledger_id).ensembles[-1][1]
+
+    r = shell(uri, "recover", victim, "--skip-open")
+    assert r.exit_code == 0, r.output
+    assert "1 open ledgers skipped" in r.stdout
+    client.close()
