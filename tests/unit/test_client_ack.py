@@ -1,0 +1,181 @@
+"""The write handle's quorum/ordering logic, driven by hand (no sockets, no threads)."""
+
+import itertools
+import random
+
+import pytest
+
+from bk import protocol as P
+from bk.client.ledger import LedgerHandle
+from bk.config import Config
+from bk.errors import EFENCED, EIO, EOK, LedgerFencedError
+from bk.meta.ledger import LedgerMetadata
+
+
+class FakeLoop:
+    def __init__(self):
+        self.rids = itertools.count(1)
+        self.generation = 1
+        self.now = 0.0
+        self._tickers = []
+        self.q = []
+
+    def call_soon(self, fn, *args):
+        self.q.append((fn, args))
+
+    def run(self):
+        while self.q:
+            fn, args = self.q.pop(0)
+            fn(*args)
+
+
+class FakeConn:
+    def __init__(self, bid):
+        self.bookie_id = bid
+        self.sent = []          # (rid, op)
+
+    def send(self, rid, req, frame, timeout=None):  # noqa: D401 - fake
+        msg = P.decode_body(frame[4:])
+        assert msg[0] == P.ADD and msg[1] == rid
+        self.sent.append((rid, req, msg))
+
+
+class FakeExecutor:
+    def __init__(self):
+        self.jobs = []
+
+    def submit(self, fn):
+        self.jobs.append(fn)
+
+
+class FakeClient:
+    def __init__(self, bookies):
+        self._io = FakeLoop()
+        self.conf = Config.load(env={})
+        self.conns = {b: FakeConn(b) for b in bookies}
+        self._executor = FakeExecutor()
+
+    def _connection(self, bid, lid):
+        return self.conns.setdefault(bid, FakeConn(bid))
+
+
+def make(E=3, qw=3, qa=2):
+    bookies = [f"b{i}:1" for i in range(E)]
+    client = FakeClient(bookies)
+    md = LedgerMetadata(ledger_id=5, ensemble_size=E, write_quorum_size=qw,
+                        ack_quorum_size=qa, ensembles=[(0, bookies)])
+    return client, LedgerHandle(client, md, 1, b"", writable=True)
+
+
+def run(client):
+    client._io.run()
+
+
+def reply(conn, rid, status=EOK):
+    for r, op, msg in conn.sent:
+        if r == rid:
+            op.on_reply(conn, [P.ADD, rid, status, msg[2], msg[3]])
+            return
+    raise AssertionError("no such request")
+
+
+def test_write_sets_and_piggybacked_lac():
+    client, h = make(E=3, qw=2, qa=2)
+    done = []
+    for i in range(6):
+        h.add_entry_async(b"x%d" % i, lambda exc, eid: done.append(eid))
+    run(client)
+    c = client.conns
+    assert [m[3] for _, _, m in c["b0:1"].sent] == [0, 2, 3, 5]
+    assert [m[3] for _, _, m in c["b1:1"].sent] == [0, 1, 3, 4]
+    assert [m[4] for _, _, m in c["b0:1"].sent] == [-1, -1, -1, -1]  # nothing acked yet
+
+
+def test_acks_in_entry_order_whatever_the_reply_order():
+    client, h = make(E=3, qw=3, qa=2)
+    done = []
+    for i in range(50):
+        h.add_entry_async(b"x%d" % i, lambda exc, eid: done.append((exc, eid)))
+    run(client)
+    replies = [(conn, rid) for conn in client.conns.values() for rid, _, _ in conn.sent]
+    random.Random(4).shuffle(replies)
+    for conn, rid in replies:
+        reply(conn, rid)
+        assert [eid for _, eid in done] == list(range(len(done)))
+        assert h.last_add_confirmed == len(done) - 1
+    assert len(done) == 50 and all(exc is None for exc, _ in done)
+    assert h.length == sum(len(b"x%d" % i) for i in range(50))
+
+
+def test_one_ack_is_not_enough_and_head_blocks():
+    client, h = make(E=3, qw=3, qa=2)
+    done = []
+    for i in range(2):
+        h.add_entry_async(b"y", lambda exc, eid: done.append(eid))
+    run(client)
+    b0, b1 = client.conns["b0:1"], client.conns["b1:1"]
+    reply(b0, b0.sent[1][0])
+    reply(b1, b1.sent[1][0])        # entry 1 has a quorum, entry 0 not yet
+    assert done == [] and h.last_add_confirmed == -1
+    reply(b0, b0.sent[0][0])
+    assert done == [] and h.last_add_confirmed == -1
+    reply(b1, b1.sent[0][0])
+    assert done == [0, 1] and h.last_add_confirmed == 1
+
+
+def test_fenced_beyond_qw_minus_qa_fails_everything():
+    client, h = make(E=3, qw=3, qa=2)
+    errs = []
+    for i in range(3):
+        h.add_entry_async(b"z", lambda exc, eid: errs.append((type(exc), eid)))
+    run(client)
+    b0, b1 = client.conns["b0:1"], client.conns["b1:1"]
+    reply(b0, b0.sent[0][0], EFENCED)     # one fenced copy: Qa still reachable
+    assert errs == []
+    reply(b1, b1.sent[0][0], EFENCED)
+    assert errs == [(LedgerFencedError, 0), (LedgerFencedError, 1), (LedgerFencedError, 2)]
+    with pytest.raises(LedgerFencedError) as ei:
+        h.add_entry(b"later")
+    assert "ledger 5" in str(ei.value) and "fenced" in str(ei.value)
+
+
+def test_bookie_error_freezes_acks_until_the_ensemble_change():
+    client, h = make(E=3, qw=3, qa=2)
+    done = []
+    for i in range(3):
+        h.add_entry_async(b"w", lambda exc, eid: done.append(eid))
+    run(client)
+    b0, b1, b2 = (client.conns[f"b{i}:1"] for i in range(3))
+    reply(b0, b0.sent[0][0])
+    reply(b1, b1.sent[0][0])
+    assert done == [0]
+    reply(b2, b2.sent[1][0], EIO)                    # b2 fails: ensemble change starts
+    run(client)
+    assert h._changing and len(client._executor.jobs) == 1
+    reply(b0, b0.sent[1][0])
+    reply(b1, b1.sent[1][0])
+    assert done == [0]                               # frozen while changing
+    # complete the change by hand: b2 -> b3 from entry 1
+    new_md = h.metadata.replace(ensembles=[(0, ["b0:1", "b1:1", "b2:1"]),
+                                           (1, ["b0:1", "b1:1", "b3:1"])])
+    h._prepare_conns(["b3:1"])
+    b3 = client.conns["b3:1"]
+    h._commit_change(new_md, 2, {2: b3})
+    assert done == [0, 1]                            # entry 1 had b0 + b1
+    assert [m[3] for _, _, m in b3.sent] == [1, 2]   # pending entries resent to b3
+    reply(b3, b3.sent[1][0])
+    reply(b0, b0.sent[2][0])
+    assert done == [0, 1, 2]
+    assert h.last_add_confirmed == 2
+    reply(b2, b2.sent[2][0])                         # a late ack of the replaced bookie: ignored
+
+
+def test_bad_payloads_consume_no_entry_id():
+    client, h = make()
+    with pytest.raises(TypeError):
+        h.add_entry_async("str")
+    with pytest.raises(ValueError):
+        h.add_entry_async(b"x" * (6 << 20))
+    h.add_entry_async(b"ok")
+    run(client)
+    assert client.conns["b0:1"].sent[0][2][3] == 0

@@ -1,0 +1,67 @@
+import pytest
+
+from bk.client import digest as D
+from bk.errors import DigestMismatchError
+
+
+@pytest.mark.parametrize("dt", D.DIGEST_TYPES)
+def test_round_trip_and_length(dt):
+    d = D.EntryDigest(7, dt, b"pw")
+    sig = d.sign(3, 2, 1234, b"payload")
+    assert d.verify(3, 2, sig, b"payload") == 1234
+    assert D.length_of(sig) == 1234
+    assert len(sig) == 8 + {"crc32": 4, "crc32c": 4, "mac": 20, "dummy": 0}[dt]
+
+
+@pytest.mark.parametrize("dt", ["crc32", "crc32c", "mac"])
+@pytest.mark.parametrize("change", ["payload", "entry", "lac", "ledger", "length", "checksum"])
+def test_tamper_detected(dt, change):
+    d = D.EntryDigest(7, dt, b"pw")
+    sig = d.sign(3, 2, 1234, b"payload")
+    payload, entry, lac, verifier = b"payload", 3, 2, d
+    if change == "payload":
+        payload = b"paylaod"
+    elif change == "entry":
+        entry = 4
+    elif change == "lac":
+        lac = 1
+    elif change == "ledger":
+        verifier = D.EntryDigest(8, dt, b"pw")
+    elif change == "length":
+        sig = (1235).to_bytes(8, "big") + sig[8:]
+    else:
+        sig = sig[:-1] + bytes([sig[-1] ^ 1])
+    with pytest.raises(DigestMismatchError) as ei:
+        verifier.verify(entry, lac, sig, payload)
+    assert f"entry {entry}" in str(ei.value)
+
+
+def test_mac_depends_on_password():
+    sig = D.EntryDigest(1, "mac", b"a").sign(0, -1, 1, b"x")
+    with pytest.raises(DigestMismatchError):
+        D.EntryDigest(1, "mac", b"b").verify(0, -1, sig, b"x")
+
+
+def test_truncated_digest_field():
+    d = D.EntryDigest(1, "crc32c")
+    with pytest.raises(DigestMismatchError):
+        d.verify(0, -1, b"\0" * 5, b"x")
+
+
+def test_unknown_digest_type():
+    with pytest.raises(ValueError):
+        D.EntryDigest(1, "sha3")
+    with pytest.raises(ValueError):
+        D.check_digest_type("CRC32")
+
+
+def test_password_digest_and_master_key():
+    stored = D.password_digest(b"secret")
+    assert b"secret" not in stored
+    assert D.password_matches(stored, b"secret")
+    assert not D.password_matches(stored, b"Secret")
+    assert D.password_digest(b"secret") != stored          # salted
+    assert D.password_matches(b"", b"anything")              # no digest recorded
+    mk = D.master_key(b"secret")
+    assert mk == D.master_key(b"secret") and mk != D.master_key(b"other")
+    assert mk not in stored and len(mk) == 20
