@@ -91,9 +91,10 @@ def recover_ledger(client, ledger_id: int, password: bytes) -> tuple[LedgerMetad
                       lac=lac0, length=length0)
     last, length = lac0, length0
     e = lac0 + 1
+    reader = _RecoveryReader(client, rh, what)
     try:
         while True:
-            found = _recovery_read(client, rh, e, what)
+            found = reader.get(e)
             if found is None:
                 break
             data, elength = found
@@ -186,58 +187,73 @@ def _fence(client, rh: LedgerHandle, what: str) -> int:
         return max(lacs)
 
 
-def _recovery_read(client, wh: LedgerHandle, entry_id: int, what: str):
-    """Fencing read of one entry from its whole write set.
+class _RecoveryReader:
+    """Fencing reads of entries from their whole write sets, a window ahead.
 
-    ``wh`` must hold the metadata as recovery found it: a replacement bookie
+    ``rh`` must hold the metadata as recovery found it: a replacement bookie
     added by a write-back ensemble change has none of the old writer's
-    entries, and its "no such entry" must not count.
-
-    Returns ``(payload, length)`` if a good copy exists, None if (Qw - Qa) + 1
-    bookies say it does not exist; raises LedgerRecoveryError otherwise.
+    entries, and its "no such entry" must not count. :meth:`get` returns
+    ``(payload, length)`` if a good copy exists, None if (Qw - Qa) + 1 bookies
+    of the write set say it does not exist, and raises LedgerRecoveryError
+    when it cannot tell.
     """
-    md = wh._md
-    qw, qa = md.write_quorum_size, md.ack_quorum_size
-    need = qw - qa + 1
-    ws = md.write_set(entry_id)
-    wh._prepare_conns(ws)
-    cond = threading.Condition()
-    state = {"found": None, "neg": 0, "n": 0}
-    errors = []
 
-    def on_done(call):
-        r = call.reply
-        with cond:
-            state["n"] += 1
-            if r is not None and r[2] == EOK and r[7] is not None:
-                try:
-                    length = wh._digest.verify(entry_id, r[5], r[6], r[7])
-                    if state["found"] is None:
-                        state["found"] = (r[7], length)
-                except DigestMismatchError as e:
-                    errors.append(e)
-            elif r is not None and r[2] in (ENOENTRY, ENOLEDGER) or \
-                    (r is not None and r[2] == EOK and r[7] is None):
-                state["neg"] += 1
-            else:
-                errors.append(call.error or error_for_status(r[2], f"bookie {call.conn.bookie_id}"))
-            cond.notify_all()
+    def __init__(self, client, rh: LedgerHandle, what: str, window: int = 64):
+        self.client, self.rh, self.what, self.window = client, rh, what, window
+        md = rh._md
+        self.need = md.write_quorum_size - md.ack_quorum_size + 1
+        self.cond = threading.Condition()
+        self.state: dict = {}
+        self.next = None
 
-    timeout = wh._read_timeout
-    for conn in wh._conns_of(ws):
-        client._io.request(conn, protocol.read, md.ledger_id, entry_id, True, wh._master_key,
-                           timeout=timeout, callback=on_done)
-    deadline = time.monotonic() + timeout + 5
-    with cond:
-        while state["found"] is None and state["neg"] < need and state["n"] < len(ws):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            cond.wait(left)
-        if state["found"] is not None:
-            return state["found"]
-        if state["neg"] >= need:
-            return None
-        raise LedgerRecoveryError(
-            f"{what}: cannot tell whether entry {entry_id} exists: {state['neg']} of {len(ws)} "
-            f"bookies say no, need {need} ({'; '.join(str(e) for e in errors) or 'no answer'})")
+    def _start(self, entry_id):
+        rh = self.rh
+        ws = rh._md.write_set(entry_id)
+        rh._prepare_conns(ws)
+        st = self.state[entry_id] = {"found": None, "neg": 0, "n": 0, "of": len(ws),
+                                     "errors": []}
+
+        def on_done(call):
+            r = call.reply
+            with self.cond:
+                st["n"] += 1
+                if r is not None and r[2] == EOK and r[7] is not None:
+                    try:
+                        length = rh._digest.verify(entry_id, r[5], r[6], r[7])
+                        if st["found"] is None:
+                            st["found"] = (r[7], length)
+                    except DigestMismatchError as e:
+                        st["errors"].append(e)
+                elif r is not None and (r[2] in (ENOENTRY, ENOLEDGER) or r[2] == EOK):
+                    st["neg"] += 1
+                else:
+                    st["errors"].append(call.error or error_for_status(
+                        r[2], f"bookie {call.conn.bookie_id}"))
+                self.cond.notify_all()
+
+        for conn in rh._conns_of(ws):
+            self.client._io.request(conn, protocol.read, rh._lid, entry_id, True,
+                                    rh._master_key, timeout=rh._read_timeout, callback=on_done)
+
+    def get(self, entry_id):
+        if self.next is None:
+            self.next = entry_id
+        while self.next < entry_id + self.window:
+            self._start(self.next)
+            self.next += 1
+        st = self.state.pop(entry_id)
+        deadline = time.monotonic() + self.rh._read_timeout + 5
+        with self.cond:
+            while st["found"] is None and st["neg"] < self.need and st["n"] < st["of"]:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            if st["found"] is not None:
+                return st["found"]
+            if st["neg"] >= self.need:
+                return None
+            raise LedgerRecoveryError(
+                f"{self.what}: cannot tell whether entry {entry_id} exists: {st['neg']} of "
+                f"{st['of']} bookies say no, need {self.need} "
+                f"({'; '.join(str(e) for e in st['errors']) or 'no answer'})")
