@@ -69,8 +69,15 @@ class BookKeeper:
         self._io = IOLoop(max_frame_size=conf.nettyMaxFrameSizeBytes,
                           connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
                           auth_token=conf.authToken or None)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
+        self._executor_obj = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="bk-meta")
+
+    @property
+    def _executor(self):
+        """Worker threads for metadata work off the I/O thread (ensemble changes)."""
+        if os.getpid() != self._pid:
+            self._after_fork()
+        return self._executor_obj
 
     # --- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -79,7 +86,7 @@ class BookKeeper:
         self._closed = True
         if os.getpid() == self._pid:
             self._io.stop()
-            self._executor.shutdown(wait=False)
+            self._executor_obj.shutdown(wait=False)
         self._store.close()
 
     def __enter__(self):
@@ -103,7 +110,7 @@ class BookKeeper:
                 return
             # The store re-creates its gRPC channel itself; the I/O loop resets on
             # first use; the executor's threads do not exist in the child.
-            self._executor = concurrent.futures.ThreadPoolExecutor(
+            self._executor_obj = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix="bk-meta")
             self._pid = os.getpid()
 

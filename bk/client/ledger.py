@@ -278,7 +278,8 @@ class LedgerHandle:
 
     @property
     def is_closed(self) -> bool:
-        return self._closed or self._md.state == LedgerState.CLOSED
+        """True once the ledger is CLOSED (or this write handle was closed)."""
+        return (self._writable and self._closed) or self._md.state == LedgerState.CLOSED
 
     @property
     def metadata(self) -> LedgerMetadata:
@@ -329,6 +330,11 @@ class LedgerHandle:
         self._waiting = 0
         self._ticker_on = False
         self._flags = protocol.FLAG_RECOVERY if self._recovery else 0
+        # explicitLacInterval > 0: an idle writer sends its LAC (WRITE_LAC) so that
+        # readers see the last entry without waiting for the next add.
+        self._explicit_lac = float(self._conf.explicitLacInterval) / 1000.0
+        self._lac_sent = -1
+        self._lac_sent_at = 0.0
         self._set_ensemble(self._md.last_ensemble)
 
     def _set_ensemble(self, ensemble):
@@ -486,6 +492,8 @@ class LedgerHandle:
         if not self._ticker_on:
             self._ticker_on = True
             self._loop._tickers.append(self._tick)
+        if self._explicit_lac:
+            self._lac_sent_at = self._loop.now
         pending = self._pending
         conns = self._ens_conns
         E = self._E
@@ -589,6 +597,9 @@ class LedgerHandle:
         if self._closed and not self._pending:
             self._ticker_on = False
             return False
+        if self._explicit_lac and self._lac > self._lac_sent and not self._recovery \
+                and now - self._lac_sent_at >= self._explicit_lac:
+            self._send_explicit_lac(now)
         pending = self._pending
         if not pending or self._changing or self._error is not None:
             return
@@ -602,6 +613,18 @@ class LedgerHandle:
                 self._bookie_failed(conn, TimeoutError(
                     f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
                     f"{self._add_timeout:g}s"))
+
+    def _send_explicit_lac(self, now):
+        lac = self._lac
+        self._lac_sent, self._lac_sent_at = lac, now
+        loop = self._loop
+        for i, conn in enumerate(self._ens_conns):
+            if i in self._failed_slots:
+                continue
+            rid = next(loop.rids)
+            conn.send(rid, Call(b""), _encode(protocol.write_lac(rid, self._lid,
+                                                                 self._master_key, lac)),
+                      self._add_timeout)
 
     # --- ensemble change (worker thread, then I/O thread) ---------------------------
     def _change_ensemble(self):

@@ -398,3 +398,37 @@ def test_fence_survives_bookie_restarts(cluster_factory):
                 r = c.call(P.add(c.next_rid(), lid, 10, 9, D.master_key(PW),
                                  dg.sign(10, 9, 100, b"x"), b"x"))
                 assert r[2] == bk.errors.EFENCED
+
+
+def test_explicit_lac(shared):
+    with bk.BookKeeper(shared.metadata_uri, explicitLacInterval=100) as cl:
+        lh = cl.create_ledger(3, 2, 2, password=PW)
+        for i in range(5):
+            lh.add_entry(b"e%d" % i)
+        deadline = time.monotonic() + 5
+        rh = cl.open_ledger_no_recovery(lh.ledger_id, password=PW)
+        while rh.read_last_add_confirmed() < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rh.last_add_confirmed == 4          # no further add was needed
+        lh.close()
+
+
+def test_client_used_after_fork(client):
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    lh.add_entries([b"f%d" % i for i in range(10)])
+    lh.close()
+    client.ledger_metadata(lh.ledger_id)         # the parent's connections are in use
+    pid = os.fork()
+    if pid == 0:                                   # child: same client object
+        code = 1
+        try:
+            rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+            if [e.data for e in rh.read_entries(0, 9)] == [b"f%d" % i for i in range(10)]:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    # and the parent still works
+    rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+    assert rh.read_entries(9, 9)[0].data == b"f9"
