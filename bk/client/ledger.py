@@ -372,6 +372,8 @@ class LedgerHandle:
         limit = self._throttle
         if self._submitted - self._completed + n <= limit:
             return
+        if threading.current_thread() is self._loop._thread:
+            return      # an add from a callback: waiting here would stop the I/O thread
         with self._cond:
             self._waiting += 1
             try:
@@ -424,6 +426,11 @@ class LedgerHandle:
         if ops:
             self._io_send(ops)
 
+    def _not_on_io_thread(self, what):
+        if threading.current_thread() is self._loop._thread:
+            raise RuntimeError(f"{what} on ledger {self._lid} from an add callback would block "
+                               f"the client's I/O thread forever; use add_entry_async")
+
     def _submit_recovery(self, entry_id, data, length):
         """Recovery write-back of a found entry, keeping its original length."""
         self._wait_window(1)
@@ -445,6 +452,7 @@ class LedgerHandle:
         """Add one entry; block until Qa bookies have it; return its entry id."""
         data = self._check_payload(data)
         self._check_open()
+        self._not_on_io_thread("add_entry")
         self._wait_window(1)
         w = _Waiter()
         self._submit((data,), w)
@@ -454,6 +462,7 @@ class LedgerHandle:
         """Add entries pipelined (at most ``throttle`` outstanding); return the last id."""
         payloads = [self._check_payload(d) for d in entries]
         self._check_open()
+        self._not_on_io_thread("add_entries")
         if not payloads:
             return self._lac
         w = _Waiter()
@@ -791,11 +800,13 @@ class LedgerHandle:
     def _check_range(self, first, last):
         if not isinstance(first, int) or not isinstance(last, int):
             raise TypeError(f"read of ledger {self._lid}: entry ids must be integers")
-        if first < 0 or last < first:
+        if first < 0 or last < first - 1:
             raise ValueError(f"read of ledger {self._lid}: bad range {first}..{last}")
 
     def _read_range(self, first, last, retry=True):
         out = []
+        if last < first:
+            return out
         e = first
         while e <= last:
             end = min(last, e + _READ_WINDOW - 1)
