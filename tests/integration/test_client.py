@@ -432,3 +432,26 @@ def test_client_used_after_fork(client):
     # and the parent still works
     rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
     assert rh.read_entries(9, 9)[0].data == b"f9"
+
+
+def test_hung_bookie_is_replaced_after_add_timeout(cluster_factory):
+    cluster = cluster_factory(4)
+    with _client(cluster, addEntryTimeoutSec=1) as client:
+        lh = client.create_ledger(3, 3, 3, password=PW)
+        lh.add_entries([b"h%d" % i for i in range(10)])
+        victim = cluster.bookie(lh.metadata.last_ensemble[1])
+        pids = [victim.pid] + victim.worker_pids()
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert lh.add_entry(b"after") == 10
+            assert 0.9 < time.monotonic() - t0 < 15
+            assert victim.bookie_id not in lh.metadata.last_ensemble
+            assert lh.metadata.ensembles[-1][0] == 10
+        finally:
+            for p in pids:
+                os.kill(p, signal.SIGCONT)
+        lh.close()
+        rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+        assert [e.data for e in rh.read_entries(0, 10)][-2:] == [b"h9", b"after"]
