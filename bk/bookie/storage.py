@@ -8,8 +8,11 @@ write per entry. This module keeps, in memory, per ledger:
 * ``fenced``, ``key`` (the master key, i.e. the password digest), ``lac`` (max
   of the LAC fields of its entries and of explicit WRITE_LACs), ``last`` (the
   highest entry id held);
-* ``idx``: a dense ``array('q')`` entry id -> journal position, -1 where the
-  bookie does not hold the entry (with E > Qw a bookie holds a stripe);
+* ``idx``: a dense ``array('q')`` entry id - ``base`` -> journal position, -1
+  where the bookie does not hold the entry (with E > Qw a bookie holds a
+  stripe). ``base`` is the lowest entry id the index covers: a bookie that
+  joins a long ledger through an ensemble change at entry 20,000,000 indexes
+  from there, not from 0;
 * ``segb``: live bytes of this ledger per journal segment (the records its
   index points to), from which compaction derives each segment's live
   fraction without reading the segments;
@@ -68,8 +71,9 @@ log = logging.getLogger("bk.storage")
 CHECKPOINT_FILE = "checkpoint"
 CHECKPOINT_MAGIC = "bk-shard-checkpoint"
 CHECKPOINT_VERSION = 1
-LEDGER_FIELDS = ["ledger", "fenced", "key", "lac", "last", "index", "segment_bytes", "meta_seg"]
-# An ADD may open a gap of at most this many entry ids past the end of a ledger's
+LEDGER_FIELDS = ["ledger", "fenced", "key", "lac", "last", "index", "segment_bytes", "meta_seg",
+                 "base"]
+# An ADD may open a gap of at most this many entry ids before or past a ledger's
 # index: the index is dense, so a wild entry id must not allocate gigabytes.
 MAX_ENTRY_GAP = 1 << 24
 _NO_SEG = 1 << 62
@@ -77,7 +81,7 @@ _FILL = array("q", [-1]) * 4096
 
 
 class _Ledger:
-    __slots__ = ("fenced", "key", "lac", "last", "idx", "segb", "meta_seg")
+    __slots__ = ("fenced", "key", "lac", "last", "idx", "segb", "meta_seg", "base")
 
     def __init__(self, key):
         self.fenced = False
@@ -87,6 +91,7 @@ class _Ledger:
         self.idx = array("q")
         self.segb: dict[int, int] = {}
         self.meta_seg = _NO_SEG
+        self.base = 0
 
 
 class ShardStorage:
@@ -128,7 +133,7 @@ class ShardStorage:
         EBADREQ (negative or absurdly far entry id, larger than a segment); EIO."""
         st = self._ledgers.get(ledger)
         if st is None:
-            if entry < 0 or entry > MAX_ENTRY_GAP:
+            if entry < 0:
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
             if st is None:
@@ -140,7 +145,10 @@ class ShardStorage:
             return EFENCED
         idx = st.idx
         n = len(idx)
-        if entry >= n and entry - n > MAX_ENTRY_GAP or entry < 0:
+        if not n:
+            st.base = entry
+        i = entry - st.base
+        if entry < 0 or i - n > MAX_ENTRY_GAP or -i > MAX_ENTRY_GAP:
             return EBADREQ
         try:
             pos = self._append_add(ledger, entry, lac, digest, payload)
@@ -150,28 +158,47 @@ class ShardStorage:
         except (JournalError, OSError) as e:
             log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
             return EIO
-        if entry == n:
+        if i == n:                      # the common case: the next entry
             idx.append(pos)
             self._entries += 1
-        elif entry < n:
-            old = idx[entry]
-            idx[entry] = pos
+            seq = pos >> 32
+            sb = st.segb
+            sb[seq] = sb.get(seq, 0) + ADD_OVERHEAD + len(digest) + len(payload)
+            if lac > st.lac:
+                st.lac = lac
+            if entry > st.last:
+                st.last = entry
+        else:
+            self._index_put(st, entry, lac, pos, ADD_OVERHEAD + len(digest) + len(payload))
+        return EOK
+
+    def _index_put(self, st: _Ledger, entry: int, lac: int, pos: int, rlen: int) -> None:
+        """Point ``entry`` at ``pos`` in the ledger's index, growing it either way."""
+        idx = st.idx
+        if not idx:
+            st.base = entry
+        i = entry - st.base
+        if i < 0:                       # an older entry (re-replication): extend downwards
+            st.idx = idx = array("q", [-1]) * (-i) + idx
+            st.base = entry
+            i = 0
+        if i < len(idx):
+            old = idx[i]
+            idx[i] = pos
             if old < 0:
                 self._entries += 1
             else:
                 self._unaccount(st, old)
         else:
-            self._grow(idx, entry)
+            self._grow(idx, i)
             idx.append(pos)
             self._entries += 1
         seq = pos >> 32
-        sb = st.segb
-        sb[seq] = sb.get(seq, 0) + ADD_OVERHEAD + len(digest) + len(payload)
+        st.segb[seq] = st.segb.get(seq, 0) + rlen
         if lac > st.lac:
             st.lac = lac
         if entry > st.last:
             st.last = entry
-        return EOK
 
     def fence(self, ledger: int, master_key: bytes) -> int:
         """Fence a ledger (creating its state if unknown). EOK, EUA or EIO."""
@@ -255,8 +282,8 @@ class ShardStorage:
             st.meta_seg = seq
 
     @staticmethod
-    def _grow(idx: array, entry: int) -> None:
-        gap = entry - len(idx)
+    def _grow(idx: array, i: int) -> None:
+        gap = i - len(idx)
         while gap >= len(_FILL):
             idx.extend(_FILL)
             gap -= len(_FILL)
@@ -279,9 +306,10 @@ class ShardStorage:
         if st is None:
             return ENOLEDGER, -1, b"", b""
         idx = st.idx
-        if entry < 0 or entry >= len(idx) or idx[entry] < 0:
+        i = entry - st.base
+        if i < 0 or i >= len(idx) or idx[i] < 0:
             return ENOENTRY, -1, b"", b""
-        pos = idx[entry]
+        pos = idx[i]
         try:
             rl, re_, lac, digest, payload = self._journal.read_add(pos)
         except CorruptRecordError as e:
@@ -319,7 +347,8 @@ class ShardStorage:
         st = self._ledgers.get(ledger)
         if st is None:
             return ENOLEDGER, []
-        return EOK, ids_to_ranges(i for i, p in enumerate(st.idx) if p >= 0)
+        base = st.base
+        return EOK, ids_to_ranges(base + i for i, p in enumerate(st.idx) if p >= 0)
 
     def ledgers(self) -> list[int]:
         return sorted(self._ledgers)
@@ -335,7 +364,7 @@ class ShardStorage:
             for seq, b in st.segb.items():
                 segb += (seq, b)
             rows.append([lid, st.fenced, st.key, st.lac, st.last, st.idx.tobytes(), segb,
-                         st.meta_seg])
+                         st.meta_seg, st.base])
         content = msgpack.packb({
             "mark": list(mark), "byteorder": sys.byteorder, "created": time.time(),
             "ledger_fields": LEDGER_FIELDS, "ledgers": rows,
@@ -382,8 +411,9 @@ class ShardStorage:
             swap = body["byteorder"] != sys.byteorder
             ledgers: dict[int, _Ledger] = {}
             entries = 0
-            for lid, fenced, key, lac, last, idx_bytes, segb, meta_seg in body["ledgers"]:
+            for lid, fenced, key, lac, last, idx_bytes, segb, meta_seg, base in body["ledgers"]:
                 st = _Ledger(key)
+                st.base = base
                 st.fenced, st.lac, st.last, st.meta_seg = bool(fenced), lac, last, meta_seg
                 st.idx.frombytes(idx_bytes)
                 if swap:
@@ -421,26 +451,8 @@ class ShardStorage:
                 keyless.add(lid)
             if rtype == J.ADD:
                 _, entry, lac = f
-                idx = st.idx
-                if entry < 0:
-                    continue
-                if entry < len(idx):
-                    old = idx[entry]
-                    idx[entry] = pos
-                    if old < 0:
-                        self._entries += 1
-                    else:
-                        self._unaccount(st, old)
-                else:
-                    self._grow(idx, entry)
-                    idx.append(pos)
-                    self._entries += 1
-                seq = pos >> 32
-                st.segb[seq] = st.segb.get(seq, 0) + rlen
-                if lac > st.lac:
-                    st.lac = lac
-                if entry > st.last:
-                    st.last = entry
+                if entry >= 0:
+                    self._index_put(st, entry, lac, pos, rlen)
             elif rtype == J.MASTER_KEY:
                 if st.key is None:
                     st.key = f[1]
@@ -529,11 +541,12 @@ class ShardStorage:
                     continue
                 lid, entry, lac = f
                 st = ledgers.get(lid)
-                if st is None or entry >= len(st.idx) or st.idx[entry] != pos:
+                i = entry - st.base if st is not None else -1
+                if i < 0 or i >= len(st.idx) or st.idx[i] != pos:
                     continue
                 _, _, _, digest, payload = journal.read_add(pos)
                 new = journal.append_add(lid, entry, lac, digest, payload)
-                st.idx[entry] = new
+                st.idx[i] = new
                 left = st.segb.get(seq, 0) - rlen
                 if left > 0:
                     st.segb[seq] = left

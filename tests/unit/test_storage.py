@@ -161,13 +161,35 @@ def test_list_entries_of_a_striped_ledger(tmp_path):
 def test_bad_entry_ids(tmp_path):
     s = open_storage(tmp_path)
     assert add(s, 1, -1) == EBADREQ
-    assert add(s, 1, 10**12) == EBADREQ
     assert s.ledgers() == [] and s.unsynced_bytes == 0     # no state, no MASTER_KEY record
     assert add(s, 1, 0) == EOK
     assert add(s, 1, -5) == EBADREQ
     assert add(s, 1, 10**12) == EBADREQ           # would allocate a gigantic index
     assert s.add_entry(1, 1, 0, KEY, b"", bytes(SEG), False) == EBADREQ   # larger than a segment
     assert s.list_entries(1) == (EOK, [0, 0])
+    s.close()
+
+
+def test_index_starts_where_the_bookie_joined(tmp_path):
+    # A bookie that joins a long ledger late (ensemble change at entry 10**12)
+    # indexes from there; re-replication may later bring older entries.
+    s = open_storage(tmp_path)
+    first = 10**12
+    for e in range(first, first + 5):
+        assert add(s, 2, e) == EOK
+    assert len(s._ledgers[2].idx) == 5
+    assert add(s, 2, first - 3) == EOK              # an older entry extends it downwards
+    assert add(s, 2, 0) == EBADREQ                  # but not by 10**12 slots
+    assert s.list_entries(2) == (EOK, [first - 3, first - 3, first, first + 4])
+    assert s.read_entry(2, first + 4)[0] == EOK and s.read_entry(2, first - 1)[0] == ENOENTRY
+    assert s.read_lac(2)[2] == first + 4
+    s.checkpoint()
+    add(s, 2, first + 5)
+    s.sync()
+    del s                                            # crash: checkpoint + replay
+    s = open_storage(tmp_path)
+    assert s.list_entries(2) == (EOK, [first - 3, first - 3, first, first + 5])
+    assert s.read_entry(2, first - 3)[0] == EOK
     s.close()
 
 
