@@ -90,7 +90,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             if now >= t_end:
                 break
             if marks is None and now >= t_measure:
-                marks = (now, b.acked, [len(s.lat) for s in stats])
+                marks = (now, b.acked, [len(s.lat) for s in stats], time.process_time())
             if b.error is not None:
                 raise b.error
             if sent - b.acked >= window:
@@ -114,13 +114,14 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             handles[k].add_entry_async(payload, st)
             sent += 1
         t_stop = pc()
+        cpu_stop = time.process_time()
         acked_at_stop = b.acked
         # drain
         deadline = time.monotonic() + 30
         while b.acked < sent and time.monotonic() < deadline:
             time.sleep(0.005)
         if marks is None:
-            marks = (t_start, 0, [0] * n)
+            marks = (t_start, 0, [0] * n, cpu_stop)
         elapsed = t_stop - marks[0]
         count = acked_at_stop - marks[1]
         lat = sorted(x for s, skip in zip(stats, marks[2]) for x in s.lat[skip:])
@@ -139,6 +140,9 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
                            for p in (50, 95, 99, 99.9)},
             "latency_max_ms": round(lat[-1] * 1000, 3) if lat else None,
             "errors": sum(s.errors for s in stats),
+            # CPU of this whole client process (all threads) per acknowledged entry
+            "client_cpu_us_per_entry": round((cpu_stop - marks[3]) / count * 1e6, 1)
+            if count else None,
             "ensemble": ensemble, "write_quorum": write_quorum, "ack_quorum": ack_quorum,
             "entry_size": entry_size, "window": window, "ledgers": ledgers, "rate": rate,
         }

@@ -68,7 +68,8 @@ def main():
               f"entry={res['entry_size']}B window={res['window']} ledgers={res['ledgers']} "
               f"rate={res['rate'] or 'max'}")
         print(f"{res['entries']} entries in {res['seconds']}s: {res['entries_per_sec']:.0f} entries/s, "
-              f"{res['mb_per_sec']:.2f} MB/s, errors={res['errors']}")
+              f"{res['mb_per_sec']:.2f} MB/s, errors={res['errors']}, "
+              f"client CPU {res['client_cpu_us_per_entry']} us/entry")
         print(f"latency ms: p50={lat['p50']} p95={lat['p95']} p99={lat['p99']} "
               f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
 

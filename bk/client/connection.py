@@ -419,6 +419,8 @@ class IOLoop:
         """Run ``fn(*args)`` on the I/O thread."""
         if self._thread is None or self._forked:
             self._ensure()
+        if self._stopping:
+            raise BookieUnavailableError("the client is closed")
         self._submit.append((fn, args))
         if self._sleeping:
             self._wake()
@@ -545,6 +547,9 @@ class IOLoop:
                 sel.close()
             except Exception:
                 pass
+            if self._stopping:
+                for sock in (self._wake_r, self._wake_w):
+                    sock.close()
 
     def _run_timers(self, now):
         timers = self._timers

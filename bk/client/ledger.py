@@ -590,6 +590,9 @@ class LedgerHandle:
     def _bookie_failed(self, conn, exc):
         if self._error is not None:
             return
+        if self._client._closed:
+            self._error_out(BookieUnavailableError, "the client was closed")
+            return
         slot = self._slot_of.get(conn)
         if slot is None or slot in self._failed_slots:
             return

@@ -54,6 +54,7 @@ class FakeClient:
         self.conf = Config.load(env={})
         self.conns = {b: FakeConn(b) for b in bookies}
         self._executor = FakeExecutor()
+        self._closed = False
 
     def _connection(self, bid, lid):
         return self.conns.setdefault(bid, FakeConn(bid))
