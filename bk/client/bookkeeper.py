@@ -17,7 +17,6 @@ from bk.config import Config
 from bk.errors import BKError, LedgerExistsError, MetadataError, NotEnoughBookiesError
 from bk.errors import EOK
 from bk.meta.ledger import LedgerMetadata, LedgerState
-from bk.util import parse_host_port
 from bk import protocol
 
 log = logging.getLogger("bk.client")

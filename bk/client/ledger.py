@@ -46,7 +46,7 @@ from bk.client.placement import replace_bookies
 from bk.errors import (BadPasswordError, BKError, BookieUnavailableError, DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataError,
                        MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
-                       NotEnoughBookiesError, TimeoutError, error_for_status)
+                       TimeoutError, error_for_status)
 from bk.errors import EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 
@@ -643,9 +643,9 @@ class LedgerHandle:
         try:
             self._change_ensemble_once()
         except BKError as e:
-            cls = type(e) if isinstance(e, (LedgerFencedError, NotEnoughBookiesError,
-                                            BadPasswordError)) else type(e)
-            self._loop.call_soon(self._error_out, cls, f"ensemble change failed: {e}")
+            # The adds fail with the reason's own class (LedgerFencedError,
+            # NotEnoughBookiesError, MetadataError, ...).
+            self._loop.call_soon(self._error_out, type(e), f"ensemble change failed: {e}")
         except Exception as e:  # never leave adds hanging
             log.exception("ensemble change of ledger %d failed", self._lid)
             self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")

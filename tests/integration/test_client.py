@@ -300,7 +300,6 @@ def test_tailing_reader_long_poll(client, shared):
 def test_adds_from_many_threads_ack_in_order(client):
     lh = client.create_ledger(3, 3, 2, password=PW)
     order = []
-    lock = threading.Lock()
 
     def cb(exc, eid):
         assert exc is None
