@@ -35,6 +35,7 @@ the entry, or returns a copy whose digest does not verify.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -485,7 +486,6 @@ class LedgerHandle:
         self._check_open()
         self._wait_window(1)
         if callback is None:
-            import concurrent.futures
             fut = concurrent.futures.Future()
             self._submit((data,), _FutureCallback(fut))
             return fut
