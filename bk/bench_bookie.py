@@ -27,14 +27,17 @@ def _percentile(sorted_values, q: float) -> float:
     return sorted_values[i]
 
 
-def _bookie_counters(bookie_id: str, num_shards: int) -> tuple[int, int]:
+def _bookie_counters(bookie_id: str, num_shards: int) -> tuple[int, int, float]:
+    """Journal syncs, synced records and CPU seconds, summed over the shards."""
     syncs = records = 0
+    cpu = 0.0
     for shard in range(num_shards):
         with BookieConnection(bookie_id, shard) as c:
             info = c.call(P.get_bookie_info(c.next_rid()))[3]
         syncs += info.get("syncs", 0)
         records += info.get("synced_records", 0)
-    return syncs, records
+        cpu += info.get("cpu_seconds", 0.0)
+    return syncs, records, cpu
 
 
 def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
@@ -53,7 +56,7 @@ def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
     sock.settimeout(60)
     payload = os.urandom(entry_size)
     digest = bytes(16)
-    syncs0, recs0 = _bookie_counters(bookie_id, num_shards)
+    syncs0, recs0, cpu0 = _bookie_counters(bookie_id, num_shards)
 
     sent_at = array("d", bytes(8 * count))
     latencies = array("d")
@@ -90,7 +93,7 @@ def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
             progress(acked, count, acked / (now - t0))
     elapsed = clock() - t0
     conn.close()
-    syncs1, recs1 = _bookie_counters(bookie_id, num_shards)
+    syncs1, recs1, cpu1 = _bookie_counters(bookie_id, num_shards)
     lat = sorted(latencies)
     syncs = syncs1 - syncs0
     return {
@@ -104,6 +107,10 @@ def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
         "latency_ms": {"p50": round(_percentile(lat, 0.50) * 1000, 3),
                        "p99": round(_percentile(lat, 0.99) * 1000, 3),
                        "p999": round(_percentile(lat, 0.999) * 1000, 3)},
+        # CPU the bookie's shard workers spent per add: what the bookie costs,
+        # whatever else competes for the machine's cores.
+        "bookie_cpu_us_per_add": round((cpu1 - cpu0) / count * 1e6, 2),
+        "bookie_adds_per_cpu_second": round(count / (cpu1 - cpu0)) if cpu1 > cpu0 else None,
         "journal_syncs": syncs,
         "adds_per_sync": round((recs1 - recs0) / syncs, 1) if syncs else None,
     }

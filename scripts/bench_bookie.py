@@ -50,6 +50,8 @@ def main():
     lat = r["latency_ms"]
     print(f"  latency     p50 {lat['p50']:.2f} ms  p99 {lat['p99']:.2f} ms  p99.9 {lat['p999']:.2f} ms")
     print(f"  journal     {r['journal_syncs']} syncs, {r['adds_per_sync']} adds per sync")
+    print(f"  bookie CPU  {r['bookie_cpu_us_per_add']} us per add "
+          f"(= {r['bookie_adds_per_cpu_second']:,} adds per CPU-second of a shard worker)")
 
 
 if __name__ == "__main__":

@@ -424,7 +424,8 @@ class ShardWorker:
         info = layout.disk_space(self.conf)
         info.update(self.storage.stats())
         info.update(bookie_id=self.bookie_id, shard=self.shard, num_shards=self.num_shards,
-                    readonly=self.readonly, pid=os.getpid())
+                    readonly=self.readonly, pid=os.getpid(),
+                    cpu_seconds=time.process_time())
         return info
 
     # --- output ----------------------------------------------------------------
