@@ -350,6 +350,12 @@ class Arbiter:
             self.exit_message = (f"shard {w.shard} died {len(w.crashes)} times within "
                                  f"{RESTART_WINDOW:.0f}s (last: {how}); giving up")
             return
+        try:
+            layout.verify_local_cookies(self.conf)
+        except BKError as e:
+            self.stopping = True
+            self.exit_code, self.exit_message = EXIT_COOKIE, f"shard {w.shard} died ({how}); {e}"
+            return
         log.warning("shard %d died with %s; restarting it", w.shard, how)
         self.gc_pending.pop(w.shard, None)
         self._spawn(w)
@@ -516,6 +522,12 @@ class Arbiter:
         return usage >= self.conf.diskUsageThreshold
 
     def _check_disk(self):
+        try:
+            layout.verify_local_cookies(self.conf)
+        except BKError as e:
+            self.stopping = True
+            self.exit_code, self.exit_message = EXIT_COOKIE, str(e)
+            return
         usage = layout.disk_space(self.conf)["usage"]
         ro = self._over_threshold(usage)
         if ro == self.readonly:

@@ -186,6 +186,19 @@ def check_cookie(conf: Config, store) -> int:
     return num_shards
 
 
+def verify_local_cookies(conf: Config) -> None:
+    """Raise CookieMismatchError unless every directory still holds the cookie.
+
+    A running bookie checks this before restarting a shard and on every disk
+    check: directories that vanished or were wiped under it must stop it, never
+    be recreated empty while it stays registered."""
+    for d in all_dirs(conf):
+        if read_local_cookie(d) is None:
+            raise CookieMismatchError(
+                f"the cookie in {d} is gone: the directory was removed or wiped while the "
+                f"bookie ran; stopping rather than serving empty storage")
+
+
 def wipe(conf: Config) -> list[str]:
     """Remove every shard directory and cookie of this bookie (``bookie format``)."""
     removed = []

@@ -400,3 +400,14 @@ def test_auth_token_is_checked_in_hello(cluster_factory):
         BookieConnection(b.bookie_id, 0, auth_token="wrong")
     with BookieConnection(b.bookie_id, 0, auth_token="s3cret") as cc:
         assert add(cc, 0, 0, b"ok")[2] == EOK
+
+
+def test_wiped_directories_stop_the_bookie(cluster):
+    # Directories removed under a running bookie must stop it (exit 4), never be
+    # recreated empty while it stays registered.
+    import shutil
+    b = cluster.bookies[0]
+    shutil.rmtree(os.path.join(b.dir, "ledgers"))
+    assert b.proc.wait(30) == 4
+    wait_until(lambda: b.bookie_id not in cluster.store.list_bookies(), what="deregistration")
+    assert "cookie" in open(b.log_file).read()
