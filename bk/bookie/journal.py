@@ -700,6 +700,41 @@ class Journal:
         self._unsynced = 0
         self._unsynced_records = 0
 
+    # --- pipelined group commit ------------------------------------------------
+    def begin_sync(self) -> "SyncJob | None":
+        """Start a group commit of every record appended so far, without waiting.
+
+        Returns None when nothing is unsynced. Otherwise run the job's
+        :meth:`SyncJob.run` on any thread (it blocks in ``fdatasync`` with the GIL
+        released, so the caller's thread can append the next group meanwhile),
+        then call :meth:`end_sync` on this journal's thread: only then are the
+        records covered by the job durable. One job at a time; :meth:`sync` must
+        not run while a job is open.
+        """
+        if not self._unsynced:
+            return None
+        if self._failed is not None:
+            raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
+        job = SyncJob(self._active.path if self.sync_data else None,
+                      self.directory if self._dir_dirty and self.sync_data else None,
+                      self._seqbase >> 32, self._off, self._unsynced_records, self._unsynced)
+        self._dir_dirty = False
+        self._unsynced = 0
+        self._unsynced_records = 0
+        return job
+
+    def end_sync(self, job: "SyncJob") -> None:
+        """Finish a job begun by :meth:`begin_sync`; JournalError (and a poisoned
+        journal) if its sync failed."""
+        if job.error is not None:
+            self._fail(job.error)
+            raise JournalError(f"sync of journal {self.directory} failed: {job.error}")
+        if job.seq == self._seqbase >> 32 and job.end > self._synced:
+            self._synced = job.end       # after a roll the old segment was flushed by _room
+        self.syncs += 1
+        self.synced_records += job.records
+        self.synced_bytes += job.bytes
+
     def _fail(self, exc: BaseException) -> None:
         self._failed = exc
         self._size = 0          # every append now takes the refusing slow path
@@ -817,6 +852,41 @@ class Journal:
             self._failed = self._failed or JournalError("journal closed")
             self._close_maps()
             self._lock.close()
+
+
+class SyncJob:
+    """One group commit handed to a sync thread (see :meth:`Journal.begin_sync`).
+
+    It opens the segment file itself, so a segment roll on the journal's thread
+    meanwhile cannot close the descriptor under it. ``fdatasync`` flushes the
+    file's dirty pages, the ones written through the shared mapping included.
+    """
+
+    __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error")
+
+    def __init__(self, path, directory, seq, end, records, nbytes):
+        self.path = path
+        self.directory = directory
+        self.seq = seq
+        self.end = end
+        self.records = records
+        self.bytes = nbytes
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Blocking; safe on any thread. Never raises: failures land in ``error``."""
+        if self.path is None:
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            if self.directory:
+                _fsync_dir(self.directory)
+        except OSError as e:
+            self.error = e
 
 
 def iter_records(journal_dir: str, start_mark=None) -> Iterator[Record]:

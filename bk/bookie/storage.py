@@ -249,6 +249,13 @@ class ShardStorage:
         writes (nothing of the batch may be acknowledged)."""
         self._journal.sync()
 
+    def begin_sync(self):
+        """Pipelined group commit: see :meth:`bk.bookie.journal.Journal.begin_sync`."""
+        return self._journal.begin_sync()
+
+    def end_sync(self, job) -> None:
+        self._journal.end_sync(job)
+
     @property
     def unsynced_bytes(self) -> int:
         return self._journal._unsynced

@@ -10,10 +10,17 @@ Each pass of the loop reads every ready socket and dispatches every complete
 frame. ADDs, fences and WRITE_LACs only *append* to the journal; their
 responses are held. When the pass is over and the group is due (the oldest
 held response waited ``journalMaxGroupWaitMSec``, or the unsynced bytes reached
-``journalBufferedWritesThreshold``, or no more input is waiting), the journal
-is made durable with ONE sync and only then are the held responses sent. So an
+``journalBufferedWritesThreshold``, or no more input is waiting), the group is
+committed with ONE sync and only then are its responses sent. So an
 acknowledged ADD or a confirmed fence is on disk, and a burst of adds from many
-connections shares one msync.
+connections shares one sync.
+
+The sync itself runs on a second thread (``fdatasync`` releases the GIL), as
+BookKeeper's journal has its own sync thread: while group N is being made
+durable the loop already reads, appends and holds group N+1, which is
+committed as soon as N completes. Throughput is then bounded by the larger of
+CPU and disk time per group instead of their sum. At most one sync is in
+flight; its completion is signalled through a pipe the selector watches.
 
 Plain reads are answered at once. Long-poll reads wait in ``_waiters`` until the
 ledger's LAC passes the reader's, checked after every sync, or until they time
@@ -30,10 +37,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import selectors
 import signal
 import socket
 import struct
+import threading
 import time
 import traceback
 
@@ -90,6 +99,10 @@ class ShardWorker:
         self.conns: set[_Conn] = set()
         self.held: list[tuple[_Conn, bytes]] = []   # responses waiting for the next sync
         self.first_held = 0.0
+        self.sync_job = None                         # the group commit in flight, if any
+        self.inflight: list[tuple[_Conn, bytes]] = []   # responses it covers
+        self._sync_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._sync_r = self._sync_w = -1
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
         self.storage = None
         self.ppid = os.getppid()
@@ -133,17 +146,82 @@ class ShardWorker:
         self.ctrl.setblocking(True)
         self.ctrl.settimeout(10.0)
         self.sel.register(self.ctrl, selectors.EVENT_READ, None)
+        self._sync_r, self._sync_w = os.pipe()
+        os.set_blocking(self._sync_r, False)
+        self.sel.register(self._sync_r, selectors.EVENT_READ, "sync")
+        threading.Thread(target=self._sync_thread, name=f"bk-sync-{self.shard}",
+                         daemon=True).start()
         control.send(self.ctrl, "ready", {"shard": self.shard, "pid": os.getpid()})
 
     def _on_term(self, signum, frame):
         self.stopping = True
 
+    # --- group commit ------------------------------------------------------------
+    def _sync_thread(self):
+        while True:
+            job = self._sync_q.get()
+            if job is None:
+                return
+            job.run()
+            os.write(self._sync_w, b"s")
+
+    def _start_sync(self):
+        """Commit every held response's group: start one sync, or answer at once if
+        nothing needs one (e.g. only an already-fenced ledger was fenced)."""
+        job = self.storage.begin_sync()
+        if job is None:
+            self._release(self.held)
+            self.held = []
+            return
+        self.sync_job = job
+        self.inflight, self.held = self.held, []
+        if job.path is None:         # journalSyncData=false: nothing to wait for
+            self._end_sync()
+        else:
+            self._sync_q.put(job)
+
+    def _end_sync(self):
+        job, self.sync_job = self.sync_job, None
+        self.storage.end_sync(job)   # raises if the sync failed: nothing is answered
+        inflight, self.inflight = self.inflight, []
+        self._release(inflight)
+        if self._waiters:
+            self._wake_waiters(time.monotonic())
+
+    def _on_sync_done(self):
+        try:
+            os.read(self._sync_r, 64)
+        except BlockingIOError:
+            return
+        if self.sync_job is not None:
+            self._end_sync()
+            if self.held:            # it gathered while the previous group synced
+                self._start_sync()
+
+    def _wait_sync(self):
+        """Block until the sync in flight (if any) completed and is answered."""
+        if self.sync_job is None:
+            return
+        os.set_blocking(self._sync_r, True)
+        try:
+            os.read(self._sync_r, 1)
+        finally:
+            os.set_blocking(self._sync_r, False)
+        self._end_sync()
+
+    def _quiesce(self):
+        """Make everything durable and answered: before checkpoints, GC and exit."""
+        self._wait_sync()
+        if self.storage.unsynced_bytes:
+            self.storage.sync()
+        held, self.held = self.held, []
+        self._release(held)
+
     def _drain(self):
         if self.storage is None:
             return
-        if self.storage.unsynced_bytes:
-            self.storage.sync()
-        self._release_held()
+        self._quiesce()
+        self._sync_q.put(None)
         deadline = time.monotonic() + 2.0
         pending = [c for c in self.conns if c.out and not c.closed]
         while pending and time.monotonic() < deadline:
@@ -165,7 +243,7 @@ class ShardWorker:
         next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
         while not self.stopping:
             now = time.monotonic()
-            if self.held:
+            if self.held and self.sync_job is None:
                 timeout = max(0.0, self.first_held + self.group_wait - now)
             else:
                 timeout = min(HEARTBEAT_INTERVAL, max(0.0, next_hb - now))
@@ -177,19 +255,18 @@ class ShardWorker:
                 if conn is None:
                     self._on_control()
                     continue
+                if conn == "sync":
+                    self._on_sync_done()
+                    continue
                 if mask & selectors.EVENT_READ:
                     self._on_readable(conn)
                 if mask & selectors.EVENT_WRITE and not conn.closed:
                     self._flush(conn)
-            if self.held:
+            if self.held and self.sync_job is None:
                 now = time.monotonic()
                 if (not events or storage.unsynced_bytes >= self.group_bytes
                         or now - self.first_held >= self.group_wait):
-                    if storage.unsynced_bytes:
-                        storage.sync()
-                    self._release_held()
-                    if self._waiters:
-                        self._wake_waiters(now)
+                    self._start_sync()
             elif self._waiters:
                 self._wake_waiters(time.monotonic())
             now = time.monotonic()
@@ -202,7 +279,7 @@ class ShardWorker:
                     control.send(self.ctrl, "hb")
                 except OSError:
                     return
-            if now >= next_ckpt and not self.held:
+            if now >= next_ckpt and not self.held and self.sync_job is None:
                 storage.checkpoint()
                 next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
 
@@ -235,9 +312,7 @@ class ShardWorker:
 
     def _collect_garbage(self, threshold: float):
         ids, self._gc_deleted = self._gc_deleted, []
-        if self.storage.unsynced_bytes or self.held:
-            self.storage.sync()
-            self._release_held()
+        self._quiesce()
         dropped = self.storage.delete_ledgers(ids) if ids else 0
         stats = {"ledgers_deleted": dropped}
         if threshold > 0:
@@ -434,8 +509,7 @@ class ShardWorker:
             self.first_held = time.monotonic()
         self.held.append((conn, frame))
 
-    def _release_held(self):
-        held, self.held = self.held, []
+    def _release(self, held):
         touched = set()
         for conn, frame in held:
             if not conn.closed:
