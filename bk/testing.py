@@ -182,6 +182,17 @@ def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _port_in_conf(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("bookiePort="):
+                    return int(line.split("=", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 class LocalCluster:
     """An etcd server plus N bookie processes on loopback, each in its own directory."""
 
@@ -233,10 +244,14 @@ class LocalCluster:
     def _new_bookie(self, **overrides) -> BookieProcess:
         i = self._next
         self._next += 1
-        port = self.base_port + i if self.base_port else free_port()
+        directory = os.path.join(self.base_dir, f"bookie-{i}")
+        # A bookie restarted on its old directory keeps its port, hence its id and cookie.
+        port = _port_in_conf(os.path.join(directory, "bk_server.conf"))
+        if port is None:
+            port = self.base_port + i if self.base_port else free_port()
         conf = dict(self.conf_overrides)
         conf.update(overrides)
-        b = BookieProcess(self.metadata_uri, os.path.join(self.base_dir, f"bookie-{i}"), port,
+        b = BookieProcess(self.metadata_uri, directory, port,
                           self.num_shards, conf, store=self.store)
         self.bookies.append(b)
         return b

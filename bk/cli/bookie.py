@@ -44,13 +44,19 @@ def _override_options(fn):
     return fn
 
 
-def load_conf(conf_file, settings=(), **flags) -> Config:
+def parse_settings(settings) -> dict:
+    """``--set KEY=VALUE`` options as a dict (values are validated by Config)."""
     overrides = {}
     for item in settings:
         key, sep, value = item.partition("=")
         if not sep:
             raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--set")
         overrides[key.strip()] = value
+    return overrides
+
+
+def load_conf(conf_file, settings=(), **flags) -> Config:
+    overrides = parse_settings(settings)
     for name, value in flags.items():
         if value is not None and name in _FLAG_KEYS:
             overrides[_FLAG_KEYS[name]] = value
@@ -270,12 +276,8 @@ def localcluster(bookies, base_dir, base_port, etcd_port, shards, settings, smok
     """
     from bk.testing import LocalCluster
 
-    overrides = {}
-    for item in settings:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--set")
-        overrides[key.strip()] = value
+    overrides = parse_settings(settings)
+    Config.load(None, overrides)         # a bad --set fails here, before anything starts
     stop = []
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     cluster = LocalCluster(num_bookies=bookies, base_dir=base_dir, num_shards=shards,
