@@ -13,13 +13,11 @@ For every ledger with a fragment (``(first entry, ensemble)`` of its metadata)
 whose ensemble holds the lost bookie B:
 
 1. A ledger that is not CLOSED and whose *last* ensemble holds B is first
-   closed by a recovery (:meth:`Admin.recover_ledger`): CAS to IN_RECOVERY,
-   fence the last ensemble (READ_LAC with the fence flag until (Qw - Qa) + 1
-   bookies of every write quorum answered: the old writer can no longer reach
-   Qa acknowledgements), read forward from the highest LAC, write each entry
-   found back to the live bookies of its write set with the recovery flag,
-   stop at the first entry that (Qw - Qa) + 1 bookies of its write set do not
-   have, CAS to CLOSED. With ``skip_open`` such ledgers are left alone.
+   closed by a recovery (:meth:`Admin.recover_ledger`), which is the client's
+   one recovery protocol (:func:`bk.client.recovery.recover_ledger`: fence,
+   read forward, write back to full write sets, replacing dead bookies by
+   ensemble change, CAS to CLOSED) run with the ledger's master key instead
+   of its password. With ``skip_open`` such ledgers are left alone.
    (Open ledgers that hold B only in earlier fragments need no closing: those
    fragments are complete, the writer has moved on.)
 2. For each fragment holding B, a replacement R is picked among the writable
@@ -40,8 +38,9 @@ client at creation); for older metadata without it, the password can be
 given (it is checked against the password digest). After a complete run B is
 in no ensemble, so a second run does nothing.
 
-Everything talks to bookies through blocking raw-protocol connections, one per
-(bookie, shard), pipelining a batch of requests at a time.
+Apart from ledger recovery (the client's), everything talks to bookies through
+blocking raw-protocol connections, one per (bookie, shard), pipelining a batch
+of requests at a time.
 """
 
 from __future__ import annotations
@@ -53,10 +52,9 @@ import zlib
 from dataclasses import dataclass, field
 
 from bk import protocol as P
-from bk.errors import (BKError, BookieUnavailableError, EOK, ENOENTRY, ENOLEDGER,
-                       LedgerRecoveryError, MetadataError, MetadataVersionError,
-                       NoSuchEntryError, NoSuchLedgerError, NotEnoughBookiesError,
-                       BadPasswordError, error_for_status)
+from bk.errors import (BKError, BookieUnavailableError, EOK, MetadataError,
+                       MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
+                       NotEnoughBookiesError, BadPasswordError, error_for_status)
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.store import MetadataStore
 
@@ -244,16 +242,6 @@ def fragment_bounds(md: LedgerMetadata, index: int, last_entry: int | None = Non
     return first, last
 
 
-def write_set_of(ensemble: list, qw: int, entry_id: int) -> list:
-    e = len(ensemble)
-    return [ensemble[(entry_id + i) % e] for i in range(qw)]
-
-
-def _covered(answered: set, E: int, qw: int, need: int) -> bool:
-    """True if every write quorum (start i, round robin) has ``need`` answered slots."""
-    return all(sum(1 for k in range(qw) if (i + k) % E in answered) >= need for i in range(E))
-
-
 class Admin:
     """The cluster administration behind ``bkshell``."""
 
@@ -263,8 +251,26 @@ class Admin:
         self.store = MetadataStore(uri, timeout=timeout)
         self.bookies = BookiePool(self.store, bookie_timeout)
         self.password = password
+        self._timeout = timeout
+        self._bookie_timeout = bookie_timeout
+        self._client = None
+
+    @property
+    def client(self):
+        """A :class:`bk.BookKeeper` on the same cluster (made on first use): ledger
+        recovery goes through the client's implementation."""
+        if self._client is None:
+            from bk.client.bookkeeper import BookKeeper
+            self._client = BookKeeper(self.uri,
+                                      metadataTimeoutMillis=max(1, int(self._timeout * 1000)),
+                                      readEntryTimeoutSec=self._bookie_timeout,
+                                      addEntryTimeoutSec=self._bookie_timeout)
+        return self._client
 
     def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         self.bookies.close()
         self.store.close()
 
@@ -409,9 +415,8 @@ class Admin:
 
     def read_entry_raw(self, md: LedgerMetadata, entry_id: int, exclude=()) -> tuple:
         """(entry_lac, digest, payload) from the first replica that has it."""
-        ens = md.ensemble_for(entry_id)
         errors = []
-        for b in write_set_of(ens, md.write_quorum_size, entry_id):
+        for b in md.write_set(entry_id):
             if b in exclude:
                 continue
             try:
@@ -462,98 +467,23 @@ class Admin:
     # --- recovery of one ledger -----------------------------------------------------
     def recover_ledger(self, ledger_id: int) -> LedgerMetadata:
         """Fence and close a ledger as a reader (recovery open); returns the CLOSED
-        metadata. The old writer's next add fails with LedgerFencedError."""
-        what = f"recover ledger {ledger_id}"
-        md, version = self.store.read_ledger(ledger_id)
+        metadata. The old writer's next add fails with LedgerFencedError.
+
+        This is the client's recovery (:func:`bk.client.recovery.recover_ledger`)
+        with the master key from the metadata, or, for older metadata without
+        one, with the admin's password."""
+        from bk.client import recovery
+        md = self.ledger_metadata(ledger_id)
         if md.is_closed:
             return md
-        mk = self.master_key(md)
-        for _ in range(50):
-            if md.state != LedgerState.OPEN:
-                break
-            try:
-                new = md.replace(state=LedgerState.IN_RECOVERY)
-                version = self.store.write_ledger(new, version)
-                md = new
-            except MetadataVersionError:
-                md, version = self.store.read_ledger(ledger_id)
-        if md.is_closed:
-            return md
-        ens = md.last_ensemble
-        E, qw, qa = md.ensemble_size, md.write_quorum_size, md.ack_quorum_size
-        need = qw - qa + 1
-        # 1. fence
-        answered, lac = set(), -1
-        errors = []
-        for i, b in enumerate(ens):
-            try:
-                r = self.bookies.call(b, ledger_id, P.read_lac, ledger_id, True, mk)
-            except BKError as e:
-                errors.append(str(e))
-                continue
-            if r[2] in (EOK, ENOLEDGER, ENOENTRY):
-                answered.add(i)
-                if r[2] == EOK:
-                    lac = max(lac, r[4])
-            else:
-                errors.append(str(error_for_status(r[2], f"fence ledger {ledger_id} on {b}")))
-        if not _covered(answered, E, qw, need):
-            raise LedgerRecoveryError(f"{what}: cannot fence enough bookies of the last "
-                                      f"ensemble {ens}: {'; '.join(errors)}")
-        # 2. read forward from the LAC, writing back what is found
-        frag_first = md.ensembles[-1][0]
-        last = max(lac, frag_first - 1)
-        length = 0
-        if last >= 0:
-            length = _digest_mod().length_of(self.read_entry_raw(md, last)[1])
-        e = last + 1
-        while True:
-            ws = write_set_of(ens, qw, e)
-            found, missing, unknown = None, 0, []
-            for b in ws:
-                try:
-                    r = self.bookies.call(b, ledger_id, P.read, ledger_id, e)
-                except BKError as ex:
-                    unknown.append(str(ex))
-                    continue
-                if r[2] == EOK:
-                    found = (r[5], r[6], r[7])
-                    break
-                if r[2] in (ENOENTRY, ENOLEDGER):
-                    missing += 1
-                else:
-                    unknown.append(str(error_for_status(r[2], f"read entry {e} from {b}")))
-            if found is None:
-                if missing >= need:
-                    break
-                raise LedgerRecoveryError(f"{what}: cannot tell whether entry {e} exists: "
-                                          f"{'; '.join(unknown)}")
-            elac, dig, payload = found
-            wrote = 0
-            for b in ws:
-                try:
-                    r = self.bookies.call(b, ledger_id, P.add, ledger_id, e, elac, mk, dig,
-                                          payload, True)
-                except BKError:
-                    continue
-                if r[2] == EOK:
-                    wrote += 1
-            if not wrote:
-                raise LedgerRecoveryError(f"{what}: could not write back entry {e}")
-            last, length = e, _digest_mod().length_of(dig)
-            e += 1
-        # 3. close
-        for _ in range(50):
-            if md.is_closed:
-                return md
-            new = md.replace(state=LedgerState.CLOSED, last_entry_id=last, length=length)
-            try:
-                self.store.write_ledger(new, version)
-                log.info("%s: closed at entry %d", what, last)
-                return new
-            except MetadataVersionError:
-                md, version = self.store.read_ledger(ledger_id)
-        raise MetadataError(f"{what}: too many CAS conflicts")
+        if md.master_key:
+            cred = {"master_key": md.master_key}
+        elif self.password is not None:
+            cred = {"password": self.password}
+        else:
+            raise BadPasswordError(f"ledger {ledger_id}: its metadata has no master key "
+                                   f"(created by an older bk); give the ledger's password")
+        return recovery.recover_ledger(self.client, ledger_id, **cred)[0]
 
     # --- bookie recovery ------------------------------------------------------------
     def ledgers_of(self, bookie_id: str) -> list[LedgerMetadata]:
@@ -632,8 +562,7 @@ class Admin:
             if not md.is_closed and index == len(md.ensembles) - 1:
                 continue   # dry run of an open ledger: its last fragment's end is unknown
             lo, hi = fragment_bounds(md, index)
-            mine = [e for e in range(lo, hi + 1)
-                    if bookie_id in write_set_of(ens, md.write_quorum_size, e)]
+            mine = [e for e in range(lo, hi + 1) if bookie_id in md.write_set(e)]
             try:
                 target = self._pick_replacement(md, index, ens, bookie_id, writable)
             except NotEnoughBookiesError as e:
@@ -656,7 +585,6 @@ class Admin:
         have = set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
         todo = [e for e in entries if e not in have]
         fr.already = len(entries) - len(todo)
-        qw = md.write_quorum_size
         for i in range(0, len(todo), BATCH):
             batch = todo[i:i + BATCH]
             got: dict[int, tuple] = {}
@@ -667,7 +595,7 @@ class Admin:
                 by_src: dict[str, list] = {}
                 left = []
                 for e in pending:
-                    srcs = [b for b in write_set_of(ens, qw, e) if b != bookie_id]
+                    srcs = [b for b in md.write_set(e) if b != bookie_id]
                     if alive:
                         srcs.append(bookie_id)
                     src = next((b for b in srcs if (b, e) not in tried), None)

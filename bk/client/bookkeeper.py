@@ -202,9 +202,15 @@ class BookKeeper:
         return LedgerHandle(self, md, version, pw, writable=True)
 
     def open_ledger(self, ledger_id: int, password: bytes = b"") -> LedgerHandle:
-        """Open with recovery: fence the ledger, recover its tail, close it."""
+        """Open with recovery: fence the ledger, recover its tail, close it.
+
+        (Administrators without the password: ``bk.client.recovery.recover_ledger``
+        with the metadata's master key.)"""
         self._check()
-        md, version = recover_ledger(self, ledger_id, password)
+        if not isinstance(password, (bytes, bytearray)):
+            raise TypeError(f"open ledger {ledger_id}: password must be bytes, not "
+                            f"{type(password).__name__}")
+        md, version = recover_ledger(self, ledger_id, password=password)
         return LedgerHandle(self, md, version, bytes(password), writable=False,
                             lac=md.last_entry_id)
 

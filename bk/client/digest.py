@@ -76,16 +76,30 @@ class EntryDigest:
     ``sign(entry, lac, length, payload)`` returns the bytes for the ADD request;
     ``verify(entry, lac, digest, payload)`` returns the cumulative length stored
     in it or raises :class:`DigestMismatchError`.
+
+    ``password=None`` means the password is unknown (an administrator holding
+    only the ledger's master key): crc32/crc32c/dummy work as usual, but a
+    ``mac`` digest can neither be signed nor its MAC checked, so ``verify``
+    only checks the field's shape (``mac_unchecked`` is True) and ``sign``
+    raises ValueError.
     """
 
-    __slots__ = ("ledger_id", "digest_type", "_sum_len", "_checksum")
+    __slots__ = ("ledger_id", "digest_type", "_sum_len", "_checksum", "mac_unchecked")
 
-    def __init__(self, ledger_id: int, digest_type: str, password: bytes = b""):
+    def __init__(self, ledger_id: int, digest_type: str, password: bytes | None = b""):
         check_digest_type(digest_type)
         self.ledger_id = ledger_id
         self.digest_type = digest_type
         header = _HEADER.pack
-        if digest_type == "crc32c":
+        self.mac_unchecked = False
+        if digest_type == "mac" and password is None:
+            self._sum_len = 20
+            self.mac_unchecked = True
+
+            def checksum(entry, lac, length, payload):
+                raise ValueError(f"ledger {ledger_id}: cannot sign a mac digest without the "
+                                 f"password")
+        elif digest_type == "crc32c":
             crc = _crc32c.crc32c
 
             def checksum(entry, lac, length, payload):
@@ -126,6 +140,8 @@ class EntryDigest:
         if payload is None:
             raise DigestMismatchError(f"{what}: no payload")
         (length,) = _LENGTH.unpack_from(digest)
+        if self.mac_unchecked:
+            return length
         expected = self._checksum(entry, lac, length, payload)
         if not hmac.compare_digest(expected, digest[8:]):
             raise DigestMismatchError(f"{what}: {self.digest_type} digest mismatch "

@@ -236,8 +236,11 @@ class LedgerHandle:
     ``last_add_confirmed``, ``length``, ``is_closed``, ``metadata``.
     """
 
-    def __init__(self, client, md: LedgerMetadata, version: int, password: bytes,
-                 writable: bool = False, recovery: bool = False, lac: int = -1, length: int = 0):
+    def __init__(self, client, md: LedgerMetadata, version: int, password: bytes | None,
+                 writable: bool = False, recovery: bool = False, lac: int = -1, length: int = 0,
+                 master_key: bytes | None = None):
+        # password None (with master_key): an administrator's handle, see
+        # bk.client.recovery.recover_ledger; a mac digest then goes unchecked.
         self._client = client
         self._loop = client._io
         self._conf = client.conf
@@ -246,8 +249,11 @@ class LedgerHandle:
         self._lid = md.ledger_id
         self._E = md.ensemble_size
         self._qw = md.write_quorum_size
-        self._qa = md.ack_quorum_size
-        self._master_key = _digest.master_key(password)
+        # A recovery write-back counts only once its whole write set has it (dead
+        # bookies replaced): recovery must not leave an entry it wrote back
+        # under-replicated, nor end (and its client close) with copies in flight.
+        self._qa = md.write_quorum_size if recovery else md.ack_quorum_size
+        self._master_key = master_key if password is None else _digest.master_key(password)
         self._digest = _digest.EntryDigest(md.ledger_id, md.digest_type, password)
         self._writable = writable
         self._recovery = recovery
@@ -432,17 +438,17 @@ class LedgerHandle:
             raise RuntimeError(f"{what} on ledger {self._lid} from an add callback would block "
                                f"the client's I/O thread forever; use add_entry_async")
 
-    def _submit_recovery(self, entry_id, data, length):
-        """Recovery write-back of a found entry, keeping its original length."""
+    def _submit_recovery(self, entry_id, data, length, entry_lac, digest):
+        """Recovery write-back of a found entry: the copy as read, its LAC and digest
+        bytes unchanged (no re-signing, so no password is needed, even for mac)."""
         self._wait_window(1)
         with self._lock:
             if self._error is not None:
                 return
             assert entry_id == self._next_entry, (entry_id, self._next_entry)
             rid = next(self._loop.rids)
-            lac = self._lac
-            frame = _encode([_ADD, rid, self._lid, entry_id, lac, self._master_key, self._flags,
-                             self._digest.sign(entry_id, lac, length, data), data])
+            frame = _encode([_ADD, rid, self._lid, entry_id, entry_lac, self._master_key,
+                             self._flags, digest, data])
             op = PendingAdd(self, entry_id, rid, frame, length, None)
             self._next_entry = entry_id + 1
             self._pushed_length = length

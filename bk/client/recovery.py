@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 This is BookKeeper's "closing a ledger as a reader":
 
-1. Check the password against the metadata's password digest
+1. Check the password against the metadata's password digest, or an
+   administrator's master key against the metadata's ``masterKey``
    (BadPasswordError before anything changes). A CLOSED ledger needs nothing.
 2. CAS the metadata to IN_RECOVERY. A lost CAS re-reads; IN_RECOVERY already
    is fine (another recovery runs: concurrent recoveries converge because
@@ -14,9 +15,13 @@ This is BookKeeper's "closing a ledger as a reader":
    answered. From then on no write quorum can gather Qa acknowledgements for
    the old writer: whatever it has acknowledged is on a bookie we will ask.
 4. Read forward from the highest LAC + 1 with the fence flag, asking every
-   bookie of the entry's write set. An entry found (digest verified) is written
-   back to its whole write set with FLAG_RECOVERY through a recovery write
-   handle (which replaces dead bookies by ensemble change like a writer does).
+   bookie of the entry's write set. An entry found (digest verified; for a
+   mac ledger recovered with the master key only its shape, as the MAC needs
+   the password) is written back, its LAC and digest bytes as read, to its
+   whole write set with FLAG_RECOVERY through a recovery write handle (which
+   replaces dead bookies by ensemble change like a writer does, and counts a
+   write-back done only once every bookie of its write set has it, so that
+   recovery leaves no entry it wrote under-replicated).
    Reading stops at the first entry for which (Qw - Qa) + 1 bookies of its
    write set answer "no such entry/ledger": fewer than Qa bookies can have it,
    so it was never acknowledged.
@@ -27,6 +32,7 @@ This is BookKeeper's "closing a ledger as a reader":
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -63,12 +69,40 @@ def _cas_state(store, md, version, to_state, what, accept=()):
     raise MetadataError(f"{what}: too many CAS conflicts")
 
 
-def recover_ledger(client, ledger_id: int, password: bytes) -> tuple[LedgerMetadata, int]:
-    """Fence, recover and close ``ledger_id``; returns the CLOSED metadata and version."""
+def check_master_key(md: LedgerMetadata, master_key: bytes, what: str) -> None:
+    if not isinstance(master_key, (bytes, bytearray)):
+        raise TypeError(f"{what}: master key must be bytes, not {type(master_key).__name__}")
+    if not md.master_key:
+        raise BadPasswordError(f"{what}: the ledger metadata has no master key (created by an "
+                               f"older bk); give the ledger's password")
+    if not hmac.compare_digest(bytes(master_key), md.master_key):
+        raise BadPasswordError(f"{what}: wrong master key")
+
+
+def recover_ledger(client, ledger_id: int, password: bytes | None = None,
+                   master_key: bytes | None = None) -> tuple[LedgerMetadata, int]:
+    """Fence, recover and close ``ledger_id``; returns the CLOSED metadata and version.
+
+    The one implementation of recovery: ``BookKeeper.open_ledger`` calls it
+    with the ledger's ``password``; an administrator (``bk.admin``, ``bkshell
+    recoverledger``) without the password passes ``master_key`` instead, the
+    key the bookies hold (``LedgerMetadata.master_key``). Exactly one of the two
+    is given; either is checked against the metadata (BadPasswordError before
+    anything changes). Entries are written back with their digest bytes as
+    read, so the master key suffices for every digest type; without the
+    password a ``mac`` ledger's copies are taken from their write set unchecked.
+    """
     what = f"recover ledger {ledger_id}"
+    if (password is None) == (master_key is None):
+        raise ValueError(f"{what}: give the password or the master key (exactly one)")
     store = client._store
     md, version = store.read_ledger(ledger_id)
-    check_password(md, password, f"open ledger {ledger_id}")
+    if password is not None:
+        check_password(md, password, f"open ledger {ledger_id}")
+        password = bytes(password)
+    else:
+        check_master_key(md, master_key, what)
+        master_key = bytes(master_key)
     if md.state == LedgerState.CLOSED:
         return md, version
     md, version = _cas_state(store, md, version, LedgerState.IN_RECOVERY, what,
@@ -76,7 +110,7 @@ def recover_ledger(client, ledger_id: int, password: bytes) -> tuple[LedgerMetad
     if md.state == LedgerState.CLOSED:
         return md, version
     t0 = time.monotonic()
-    rh = LedgerHandle(client, md, version, bytes(password), writable=False)
+    rh = LedgerHandle(client, md, version, password, writable=False, master_key=master_key)
     lac = _fence(client, rh, what)
     frag_first = md.ensembles[-1][0]
     lac0 = max(lac, frag_first - 1)
@@ -87,8 +121,8 @@ def recover_ledger(client, ledger_id: int, password: bytes) -> tuple[LedgerMetad
         except BKError as e:
             raise LedgerRecoveryError(f"{what}: cannot read the last confirmed entry {lac0}: {e}")
     # The recovery writer: writes found entries back with FLAG_RECOVERY.
-    wh = LedgerHandle(client, md, version, bytes(password), writable=True, recovery=True,
-                      lac=lac0, length=length0)
+    wh = LedgerHandle(client, md, version, password, writable=True, recovery=True,
+                      lac=lac0, length=length0, master_key=master_key)
     last, length = lac0, length0
     e = lac0 + 1
     reader = _RecoveryReader(client, rh, what)
@@ -97,8 +131,8 @@ def recover_ledger(client, ledger_id: int, password: bytes) -> tuple[LedgerMetad
             found = reader.get(e)
             if found is None:
                 break
-            data, elength = found
-            wh._submit_recovery(e, data, elength)
+            data, elength, elac, edigest = found
+            wh._submit_recovery(e, data, elength, elac, edigest)
             last, length = e, elength
             e += 1
         if not wh._drain(float(client.conf.addEntryTimeoutSec) * 3 + 30):
@@ -193,7 +227,7 @@ class _RecoveryReader:
     ``rh`` must hold the metadata as recovery found it: a replacement bookie
     added by a write-back ensemble change has none of the old writer's
     entries, and its "no such entry" must not count. :meth:`get` returns
-    ``(payload, length)`` if a good copy exists, None if (Qw - Qa) + 1 bookies
+    ``(payload, length, entry_lac, digest)`` if a good copy exists, None if (Qw - Qa) + 1 bookies
     of the write set say it does not exist, and raises LedgerRecoveryError
     when it cannot tell.
     """
@@ -221,7 +255,7 @@ class _RecoveryReader:
                     try:
                         length = rh._digest.verify(entry_id, r[5], r[6], r[7])
                         if st["found"] is None:
-                            st["found"] = (r[7], length)
+                            st["found"] = (r[7], length, r[5], r[6])
                     except DigestMismatchError as e:
                         st["errors"].append(e)
                 elif r is not None and (r[2] in (ENOENTRY, ENOLEDGER) or r[2] == EOK):

@@ -10,9 +10,10 @@ from click.testing import CliRunner
 
 import bk
 from bk import protocol as P
-from bk.admin import Admin, write_set_of
+from bk.admin import Admin
 from bk.cli.shell import cli
-from bk.errors import EOK, LedgerFencedError, BKError
+from bk.client.recovery import recover_ledger
+from bk.errors import BadPasswordError, EOK, LedgerFencedError, BKError
 from bk.meta.ledger import LedgerState
 from bk.testing import BookieConnection
 
@@ -43,7 +44,7 @@ def assert_fully_replicated(store, lid, live):
             if b not in held:
                 held[b] = entries_on(b, lid)
     for e in range(md.last_entry_id + 1):
-        ws = write_set_of(md.ensemble_for(e), md.write_quorum_size, e)
+        ws = md.write_set(e)
         missing = [b for b in ws if e not in held[b]]
         assert not missing, f"ledger {lid} entry {e} missing on {missing}"
     return md
@@ -179,4 +180,52 @@ def test_recover_resumes_after_interruption_and_skip_open(cluster_factory):
     r = shell(uri, "recover", victim, "--skip-open")
     assert r.exit_code == 0, r.output
     assert "1 open ledgers skipped" in r.stdout
+    client.close()
+
+
+def test_recoverledger_writer_alive_one_bookie_dead(cluster_factory):
+    """``bkshell recoverledger`` (the client's recovery, with the master key from the
+    metadata, no password) on an open mac ledger whose writer is alive but one bookie
+    of whose ensemble is dead: closed at the last acknowledged entry, every entry
+    readable and verifying under the writer's MAC, and the recovered tail written to
+    a full write set (the dead bookie replaced), not left on the survivors only."""
+    cluster = cluster_factory(4)
+    uri = cluster.metadata_uri
+    # No explicit LAC: the last entries lie beyond the LAC the bookies know, so that
+    # recovery has a tail to read forward and write back.
+    client = bk.BookKeeper(uri, explicitLacInterval=0)
+    w = client.create_ledger(3, 3, 2, password=PW, digest_type="mac")
+    lid = w.ledger_id
+    payloads = [b"alive writer entry %d " % i * (i % 5 + 1) for i in range(50)]
+    assert w.add_entries(payloads) == 49
+    victim = w.metadata.last_ensemble[1]
+    next(b for b in cluster.bookies if b.bookie_id == victim).kill()
+    live = {b.bookie_id for b in cluster.bookies if b.alive}
+
+    # A wrong key (or password) is refused before anything changes.
+    with pytest.raises(BadPasswordError):
+        recover_ledger(client, lid, master_key=b"\0" * 20)
+    with pytest.raises(BadPasswordError):
+        recover_ledger(client, lid, password=b"wrong")
+    assert client.ledger_metadata(lid).state == LedgerState.OPEN
+
+    r = shell(uri, "recoverledger", str(lid), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == {"ledger": lid, "state": "CLOSED", "last_entry_id": 49,
+                                    "length": sum(map(len, payloads))}
+    md = client.ledger_metadata(lid)
+    assert md.state == LedgerState.CLOSED and md.last_entry_id == 49
+    # The tail found past the bookies' LAC went to a new fragment without the dead bookie,
+    # on every bookie of each entry's write set.
+    first, ens = md.ensembles[-1]
+    assert 0 <= first <= 49 and victim not in ens and set(ens) <= live
+    held = {b: entries_on(b, lid) for b in ens}
+    for e in range(first, 50):
+        assert all(e in held[b] for b in md.write_set(e)), (e, md.write_set(e), held)
+    # The writer is fenced out.
+    with pytest.raises(LedgerFencedError):
+        w.add_entry(b"too late")
+    # Written back with their original digests: they verify under the password.
+    rh = client.open_ledger_no_recovery(lid, password=PW)
+    assert [e.data for e in rh.read_entries(0, 49)] == payloads
     client.close()

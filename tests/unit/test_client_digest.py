@@ -42,6 +42,24 @@ def test_mac_depends_on_password():
         D.EntryDigest(1, "mac", b"b").verify(0, -1, sig, b"x")
 
 
+@pytest.mark.parametrize("dt", D.DIGEST_TYPES)
+def test_without_password(dt):
+    """password=None (an admin with the master key): checksums still verified, a MAC
+    only for its shape, and a MAC cannot be made."""
+    sig = D.EntryDigest(7, dt, b"pw").sign(3, 2, 1234, b"payload")
+    d = D.EntryDigest(7, dt, None)
+    assert d.verify(3, 2, sig, b"payload") == 1234
+    assert d.mac_unchecked == (dt == "mac")
+    if dt == "mac":
+        with pytest.raises(ValueError):
+            d.sign(3, 2, 1234, b"payload")
+        with pytest.raises(DigestMismatchError):
+            d.verify(3, 2, sig[:-1], b"payload")
+    elif dt != "dummy":
+        with pytest.raises(DigestMismatchError):
+            d.verify(3, 2, sig, b"paylaod")
+
+
 def test_truncated_digest_field():
     d = D.EntryDigest(1, "crc32c")
     with pytest.raises(DigestMismatchError):
