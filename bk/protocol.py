@@ -96,11 +96,6 @@ def encode_frame(body) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
-def encode_body(body) -> bytes:
-    """Encode one message without the length prefix (for the arbiter hand-over)."""
-    return _packb(body)
-
-
 def decode_body(data) -> list:
     """Decode one frame body; raise ProtocolError if it is not a msgpack array."""
     try:

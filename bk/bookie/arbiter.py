@@ -116,7 +116,7 @@ class Arbiter:
         self.exit_message = ""
         self.tasks: queue.Queue = queue.Queue()
         self.gc_running = False
-        self.gc_pending: dict[int, list[int]] = {}
+        self.gc_pending: set[int] = set()      # shards whose GC round is not done
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
         self._wake_r, self._wake_w = os.pipe()
@@ -357,7 +357,7 @@ class Arbiter:
             self.exit_code, self.exit_message = EXIT_COOKIE, f"shard {w.shard} died ({how}); {e}"
             return
         log.warning("shard %d died with %s; restarting it", w.shard, how)
-        self.gc_pending.pop(w.shard, None)
+        self.gc_pending.discard(w.shard)
         self._spawn(w)
 
     def _on_control(self, w: _Worker):
@@ -395,7 +395,7 @@ class Arbiter:
                 self.tasks.put(("gc_check", w.shard, ids))
         elif kind == "gc_done":
             self.gc_results[w.shard] = msg[1]
-            self.gc_pending.pop(w.shard, None)
+            self.gc_pending.discard(w.shard)
             if not self.gc_pending:
                 self.gc_running = False
                 self.last_gc = dict(self.gc_results)
@@ -563,13 +563,13 @@ class Arbiter:
             return
         self.gc_running = True
         self.gc_results = {}
-        self.gc_pending = {w.shard: [] for w in ready}
+        self.gc_pending = {w.shard for w in ready}
         for w in ready:
             try:
                 with w.lock:
                     control.send(w.ctrl, "gc_begin")
             except OSError:
-                self.gc_pending.pop(w.shard, None)
+                self.gc_pending.discard(w.shard)
         if not self.gc_pending:
             self.gc_running = False
 

@@ -139,8 +139,9 @@ class ShardStorage:
             if st is None:
                 return EIO
         elif st.key != master_key:
-            if st.key is not None or not self._adopt_key(ledger, st, master_key):
-                return EUA if st.key is not None else EIO
+            status = self._key_mismatch(ledger, st, master_key)
+            if status != EOK:
+                return status
         if st.fenced and not recovery:
             return EFENCED
         idx = st.idx
@@ -208,10 +209,9 @@ class ShardStorage:
             if st is None:
                 return EIO
         elif st.key != master_key:
-            if st.key is not None:
-                return EUA
-            if not self._adopt_key(ledger, st, master_key):
-                return EIO
+            status = self._key_mismatch(ledger, st, master_key)
+            if status != EOK:
+                return status
         if not st.fenced:
             try:
                 pos = self._journal.append(J.FENCE, ledger)
@@ -228,10 +228,9 @@ class ShardStorage:
         if st is None:
             return ENOLEDGER
         if st.key != master_key:
-            if st.key is not None:
-                return EUA
-            if not self._adopt_key(ledger, st, master_key):
-                return EIO
+            status = self._key_mismatch(ledger, st, master_key)
+            if status != EOK:
+                return status
         if lac > st.lac:
             try:
                 pos = self._journal.append(J.WRITE_LAC, ledger, lac)
@@ -270,6 +269,13 @@ class ShardStorage:
         st.meta_seg = pos >> 32
         self._ledgers[ledger] = st
         return st
+
+    def _key_mismatch(self, ledger: int, st: _Ledger, master_key: bytes) -> int:
+        """The key presented differs from the ledger's: EUA, unless the ledger has no
+        key (its MASTER_KEY record was lost), when the key is adopted (EOK, or EIO)."""
+        if st.key is not None:
+            return EUA
+        return EOK if self._adopt_key(ledger, st, master_key) else EIO
 
     def _adopt_key(self, ledger: int, st: _Ledger, master_key: bytes) -> bool:
         # Only a ledger whose MASTER_KEY record was lost (see _replay) has no key.

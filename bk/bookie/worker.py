@@ -54,17 +54,11 @@ from bk.errors import (EBADREQ, EBADVERSION, EOK, EREADONLY, EUA, ENOENTRY, Prot
 
 log = logging.getLogger("bk.worker")
 
-_LEN = struct.Struct(">I")
-_packb = P._packb
+_frame = P.encode_frame
 RECV_SIZE = 256 * 1024
 MAX_OUTBUF = 16 * 1024 * 1024   # stop reading a client that does not read its answers
 HEARTBEAT_INTERVAL = 1.0
 SWITCH_INTERVAL = 0.0002
-
-
-def _frame(body) -> bytes:
-    data = _packb(body)
-    return _LEN.pack(len(data)) + data
 
 
 class _Conn:
@@ -106,6 +100,7 @@ class ShardWorker:
         self._sync_q: queue.SimpleQueue = queue.SimpleQueue()
         self._sync_r = self._sync_w = -1
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
+        self._gc_deleted: list[int] = []             # ledger ids of a GC round, in chunks
         self.storage = None
         self.ppid = os.getppid()
 
@@ -309,7 +304,7 @@ class ShardWorker:
         elif kind == "gc_begin":
             control.send_chunked(self.ctrl, "gc_ledgers", self.storage.ledgers())
         elif kind == "gc_delete":
-            self._gc_deleted = getattr(self, "_gc_deleted", []) + list(msg[1])
+            self._gc_deleted.extend(msg[1])
             if msg[2]:
                 self._collect_garbage(msg[3] if len(msg) > 3 else 0.0)
         elif kind == "stop":
