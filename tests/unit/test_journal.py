@@ -462,3 +462,64 @@ def test_round_trip_property(tmp_path_factory, records):
     full = list(iter_records(str(path)))
     assert [(x.type, x.fields) for x in full] == [(r[0], tuple(r[1:])) for r in records]
     j.close()
+
+
+# --- the staging buffer: records are built in memory and pwritten per group ---------
+
+def test_staged_records_are_readable_before_any_sync(tmp_path):
+    j, _ = open_journal(tmp_path)
+    p1 = j.append_add(5, 0, -1, b"d", b"first")
+    p2 = j.append(J.FENCE, 5)
+    # Not yet written to the file: reads (e.g. a recovery read of the open group)
+    # and record_length still see them.
+    assert j.record_length(p2) == 8 + 1 + 8
+    assert j.read_add(p1)[4] == b"first"
+    assert j.read(p2) == (J.FENCE, (5,))
+    assert j.record_length(p2) == 8 + 1 + 8
+    j.close()
+
+
+def test_groups_larger_than_the_staging_buffer_and_huge_records(tmp_path):
+    size = 3 * J.STAGING_SIZE
+    j, _ = open_journal(tmp_path, size=size)
+    small = [j.append_add(1, i, -1, b"dg", add_payload(i, 4000)) for i in range(1500)]
+    huge = j.append_add(1, 1500, -1, b"dg", b"H" * (J.STAGING_SIZE + 123))   # > the buffer
+    after = j.append_add(1, 1501, -1, b"dg", b"tail")
+    assert len(j._buf) == J.STAGING_SIZE        # back to the normal buffer after a write-out
+    job = j.begin_sync()
+    job.run()
+    j.end_sync(job)
+    j.close()
+    j, recs = open_journal(tmp_path, size=size)
+    got = {p: f for p, _, _, f in recs}
+    assert [got[p][1] for p in small + [huge, after]] == list(range(1502))
+    assert j.read_add(small[777])[4] == add_payload(777, 4000)
+    assert j.read_add(huge)[4] == b"H" * (J.STAGING_SIZE + 123)
+    assert j.read_add(after)[4] == b"tail"
+    j.close()
+
+
+def test_a_crash_loses_only_records_never_written_out(tmp_path):
+    j, _ = open_journal(tmp_path)
+    synced = [j.append_add(2, i, -1, b"", b"x" * 100) for i in range(5)]
+    job = j.begin_sync()          # writes the group out, then the sync thread's fdatasync
+    job.run()
+    j.end_sync(job)
+    j.append_add(2, 5, -1, b"", b"never synced, never acknowledged")
+    del j, job
+    gc.collect()                  # "crash" before the next group was written out
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == synced
+    j.close()
+
+
+def test_a_failed_write_out_poisons_the_journal(tmp_path):
+    j, _ = open_journal(tmp_path)
+    j.append(J.FENCE, 1)
+    os.close(j._fd)               # the next pwrite fails with EBADF, as an I/O error would
+    with pytest.raises(JournalError, match="write to journal"):
+        j.begin_sync()
+    with pytest.raises(JournalError, match="failed"):
+        j.append(J.FENCE, 2)
+    j._fd = -1
+    j.close()
