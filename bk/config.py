@@ -115,7 +115,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "writes that force a sync without waiting further.", minimum=0),
     _S("journalPreAllocSizeMB", int, 64, "Size (MiB) of each preallocated journal segment.",
        minimum=1, maximum=2048),
-    _S("journalSyncData", bool, True, "msync journal writes before acknowledging them. "
+    _S("journalSyncData", bool, True, "fdatasync journal writes before acknowledging them. "
        "false: acknowledged adds survive a process crash but not a power loss."),
     _S("flushInterval", int, 60000, "Interval (ms) between index checkpoints; a restart "
        "replays the journal only from the last checkpoint.", minimum=100),

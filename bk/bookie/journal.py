@@ -85,7 +85,7 @@ valid:
   one warning names the segment and the offset. Nothing before the bad record
   is touched.
 
-Later segments after a torn record. Because a roll msyncs the old segment
+Later segments after a torn record. Because a roll syncs the old segment
 before writing the new one, a normal crash (even a power loss with
 ``sync_data``) only ever tears the *last* segment. A bad record in an earlier
 segment therefore means either a power loss without ``sync_data`` or media

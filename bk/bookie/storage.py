@@ -242,9 +242,9 @@ class ShardStorage:
         return EOK
 
     def sync(self) -> None:
-        """Make everything appended since the last sync durable (one msync).
+        """Make everything appended since the last sync durable (one pwrite + fdatasync).
 
-        Raises JournalError if the msync fails; the journal then refuses all
+        Raises JournalError if the write or the sync fails; the journal then refuses all
         writes (nothing of the batch may be acknowledged)."""
         self._journal.sync()
 
