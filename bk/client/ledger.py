@@ -29,7 +29,9 @@ EFENCED from more than Qw - Qa bookies of an entry's write set means Qa can no
 longer be reached: every pending and later add fails with LedgerFencedError.
 
 Reads try the write set's bookies in order and move on when one fails, lacks
-the entry, or returns a copy whose digest does not verify.
+the entry, or returns a copy whose digest does not verify. A reader's length
+follows the entries it reads: each entry's digest signs the ledger's length
+after it.
 """
 
 from __future__ import annotations
@@ -259,6 +261,8 @@ class LedgerHandle:
         self._recovery = recovery
         self._lac = lac
         self._length = length
+        self._length_entry = -1       # reader: the entry whose cumulative length _length is
+        self._read_lock = threading.Lock()
         self._closed = False
         self._read_timeout = float(self._conf.readEntryTimeoutSec)
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
@@ -279,6 +283,11 @@ class LedgerHandle:
 
     @property
     def length(self) -> int:
+        """Sum of the payload bytes. A CLOSED ledger: its length in the metadata. A
+        writer: up to its last acknowledged entry. A reader of an open ledger: the
+        ledger's length after the highest entry it has read at or below its LAC
+        (each entry carries that length, signed by its digest); 0 before its first
+        read, and it grows as the reader reads on."""
         if self._md.state == LedgerState.CLOSED:
             return self._md.length
         return self._length
@@ -794,7 +803,9 @@ class LedgerHandle:
             raise NoSuchEntryError(
                 f"read entries {first}..{last} of ledger {self._lid}: entry {last} is past the "
                 f"last add confirmed ({limit})")
-        return self._read_range(first, last)
+        out = self._read_range(first, last)
+        self._note_read(out)
+        return out
 
     def read_unconfirmed_entries(self, first: int, last: int) -> list:
         """Entries ``first..last`` even past the LAC (NoSuchEntryError if one is missing)."""
@@ -804,7 +815,24 @@ class LedgerHandle:
                 self._refresh_metadata()
             except MetadataError:
                 pass
-        return self._read_range(first, last)
+        out = self._read_range(first, last)
+        self._note_read(out)
+        return out
+
+    def _note_read(self, entries):
+        """A reader's length follows the highest confirmed entry it has verified, as
+        BookKeeper's read-only handle does; an entry past the LAC does not count
+        (recovery may still drop it)."""
+        if self._writable or not entries:
+            return
+        with self._read_lock:           # readers may be shared: never move it backwards
+            limit = self._readable_last()
+            for e in reversed(entries):
+                if e.entry_id <= limit:
+                    if e.entry_id > self._length_entry:
+                        self._length_entry = e.entry_id
+                        self._length = e.length
+                    return
 
     def _check_range(self, first, last):
         if not isinstance(first, int) or not isinstance(last, int):
@@ -955,6 +983,8 @@ class LedgerHandle:
             return self._lac, None
         if entry is None:
             entry = self.read_entry(entry_id)
+        else:
+            self._note_read((entry,))
         return self._lac, entry
 
     def _lac_after(self, entry_id):

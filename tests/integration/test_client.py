@@ -310,6 +310,32 @@ def test_tailing_reader_long_poll(client, shared):
     assert rh.read_last_add_confirmed_and_entry(n, timeout=0.2) == (n - 1, None)
 
 
+def test_tailing_reader_length_follows_the_entries_it_reads(client):
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    sizes = [(i * 37) % 300 + 1 for i in range(20)]
+    writer_length = []                      # the writer's length after each entry
+    for i, n in enumerate(sizes):
+        lh.add_entry(bytes([65 + i % 26]) * n)
+        writer_length.append(lh.length)
+    assert writer_length[-1] == sum(sizes)
+    rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+    assert rh.last_add_confirmed == 18 and rh.length == 0          # nothing read yet
+    assert sum(len(e.data) for e in rh.read_entries(0, 9)) == rh.length == sum(sizes[:10])
+    assert rh.read_entries(2, 3) and rh.length == writer_length[9]  # never moves back
+    rh.read_entries(10, 18)
+    assert rh.length == sum(sizes[:19]) == writer_length[18]
+    # an entry past the LAC is not counted: recovery might still drop it
+    assert rh.read_unconfirmed_entries(19, 19)[0].length == writer_length[19]
+    assert rh.length == writer_length[18]
+    # the long poll reads the entry it waited for
+    lh.add_entry(b"z" * 5)
+    lac, e = rh.read_last_add_confirmed_and_entry(19, timeout=5.0)
+    assert lac == 19 and e.entry_id == 19 and rh.length == writer_length[19] == lh.length - 5
+    lh.close()
+    assert rh.read_last_add_confirmed() == 20
+    assert rh.is_closed and rh.length == lh.length == sum(sizes) + 5
+
+
 def test_adds_from_many_threads_ack_in_order(client):
     lh = client.create_ledger(3, 3, 2, password=PW)
     order = []
