@@ -28,6 +28,14 @@ longer in its write set.
 EFENCED from more than Qw - Qa bookies of an entry's write set means Qa can no
 longer be reached: every pending and later add fails with LedgerFencedError.
 
+A bookie that answers ETOOMANYREQUESTS is alive but overloaded: the add is
+resent to that same bookie after a back-off (2 ms, doubling), and only a
+bookie still refusing once the add is ``addEntryTimeoutSec`` old is failed
+(ensemble change). An add acknowledged by Qa other bookies meanwhile stops
+waiting for it, as for a slow bookie. EREADONLY is a failure at once: a
+read-only bookie takes no writes until its disk frees up, and a bookie that
+failed is never picked again as a replacement by this handle.
+
 Reads try the write set's bookies in order and move on when one fails, lacks
 the entry, or returns a copy whose digest does not verify. A reader's length
 follows the entries it reads: each entry's digest signs the ledger's length
@@ -49,8 +57,8 @@ from bk.client.placement import replace_bookies
 from bk.errors import (BadPasswordError, BKError, BookieUnavailableError, DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataError,
                        MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
-                       TimeoutError, error_for_status)
-from bk.errors import EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
+                       TimeoutError, TooManyRequestsError, error_for_status)
+from bk.errors import EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 
 log = logging.getLogger("bk.client")
@@ -59,6 +67,7 @@ _ADD = protocol.ADD
 _encode = protocol.encode_frame
 _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generously
 _READ_WINDOW = 1000            # reads kept in flight by read_entries
+_BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 
 
 class LedgerEntry:
@@ -85,7 +94,7 @@ class PendingAdd:
     """One add in flight (I/O-thread state after submission)."""
 
     __slots__ = ("handle", "entry_id", "rid", "frame", "length", "acked", "nfenced",
-                 "done", "cb", "t_sent")
+                 "done", "cb", "t_sent", "backoff")
 
     def __init__(self, handle, entry_id, rid, frame, length, cb):
         self.handle = handle
@@ -98,6 +107,7 @@ class PendingAdd:
         self.done = False
         self.cb = cb
         self.t_sent = 0.0
+        self.backoff = None     # {conn: next back-off} once a bookie said ETOOMANYREQUESTS
 
     def on_reply(self, conn, msg):
         h = self.handle
@@ -600,7 +610,37 @@ class LedgerHandle:
         if status == EUA:
             self._error_out(BadPasswordError, f"bookie {conn.bookie_id} refused the master key")
             return
+        if status == ETOOMANYREQUESTS:
+            self._add_busy(op, conn)
+            return
+        # EREADONLY included: a read-only bookie takes no adds until its disk frees
+        # up, so it is replaced (and, being failed, never picked again by this handle).
         self._bookie_failed(conn, error_for_status(status, f"bookie {conn.bookie_id}"))
+
+    def _add_busy(self, op, conn):
+        """ETOOMANYREQUESTS: the bookie is alive but overloaded. Replacing it would
+        move load around and cost a metadata write, so resend to it after a back-off
+        doubling from 2 ms; fail it only once the add is addEntryTimeoutSec old."""
+        if self._error is not None or conn not in self._ack_ok:
+            return
+        left = op.t_sent + self._add_timeout - self._loop.now
+        if left <= 0:
+            self._bookie_failed(conn, TooManyRequestsError(
+                f"{self._what_add(op.entry_id)}: bookie {conn.bookie_id} was still overloaded "
+                f"(ETOOMANYREQUESTS) after {self._add_timeout:g}s"))
+            return
+        if op.backoff is None:
+            op.backoff = {}
+        delay = op.backoff.get(conn, _BUSY_BACKOFF)
+        op.backoff[conn] = delay * 2
+        self._loop.call_later(min(delay, left), self._resend_busy, op, conn)
+
+    def _resend_busy(self, op, conn):
+        # Acknowledged meanwhile (Qa others have it), or the bookie was replaced:
+        # nothing left to do.
+        if op.done or self._error is not None or conn not in self._ack_ok:
+            return
+        conn.send(op.rid, op, op.frame)
 
     def _bookie_failed(self, conn, exc):
         if self._error is not None:

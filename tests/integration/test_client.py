@@ -4,6 +4,7 @@ Tests that do not kill or restart bookies share one module-scoped cluster;
 the destructive ones get their own through ``cluster_factory``.
 """
 
+import logging
 import os
 import signal
 import threading
@@ -493,3 +494,39 @@ def test_hung_bookie_is_replaced_after_add_timeout(cluster_factory):
         lh.close()
         rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
         assert [e.data for e in rh.read_entries(0, 10)][-2:] == [b"h9", b"after"]
+
+
+def test_read_only_bookie_is_replaced_and_not_picked_again(cluster_factory, caplog):
+    cluster = cluster_factory(4)
+    with _client(cluster) as client:
+        lh = client.create_ledger(3, 3, 3, password=PW)
+        lh.add_entries([b"o%d" % i for i in range(10)])
+        first = list(lh.metadata.last_ensemble)
+        victim, other = cluster.bookie(first[0]), cluster.bookie(first[1])
+        spare = next(b.bookie_id for b in cluster.bookies if b.bookie_id not in first)
+        # Restarted with no disk headroom, the bookie serves read-only (EREADONLY to adds).
+        victim.stop()
+        victim.write_conf(diskUsageThreshold=0.0, diskUsageLwmThreshold=0.0)
+        victim.start()
+        assert client.bookies(readonly=True) == [victim.bookie_id]
+        with BookieConnection(victim.bookie_id, shard=lh.ledger_id % victim.num_shards) as c:
+            dg = D.EntryDigest(lh.ledger_id, "crc32c", PW)
+            r = c.call(P.add(c.next_rid(), lh.ledger_id, 10, 9, D.master_key(PW),
+                             dg.sign(10, 9, 100, b"x"), b"x"))
+            assert r[2] == bk.errors.EREADONLY
+        with caplog.at_level(logging.WARNING, logger="bk.client"):
+            assert lh.add_entry(b"after") == 10
+        assert any(victim.bookie_id in r.getMessage() and "read-only" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert lh.metadata.ensembles == [
+            (0, first), (10, [spare if b == victim.bookie_id else b for b in first])]
+        # Another member dies; the only bookie outside the ensemble is the read-only
+        # one, which this writer already saw refuse: no replacement, not that one.
+        other.kill(signal.SIGKILL)
+        with pytest.raises(NotEnoughBookiesError) as ei:
+            lh.add_entry(b"then")
+        assert victim.bookie_id in str(ei.value)        # excluded as a failed bookie
+        md = client.ledger_metadata(lh.ledger_id)
+        assert md.ensembles == lh.metadata.ensembles and len(md.ensembles) == 2
+        rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+        assert [e.data for e in rh.read_unconfirmed_entries(9, 10)] == [b"o9", b"after"]

@@ -8,7 +8,7 @@ import pytest
 from bk import protocol as P
 from bk.client.ledger import LedgerHandle
 from bk.config import Config
-from bk.errors import EFENCED, EIO, EOK, LedgerFencedError
+from bk.errors import EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, LedgerFencedError
 from bk.meta.ledger import LedgerMetadata
 
 
@@ -19,14 +19,31 @@ class FakeLoop:
         self.now = 0.0
         self._tickers = []
         self.q = []
+        self.timers = []        # (when, fn, args) on the fake clock ``now``
 
     def call_soon(self, fn, *args):
         self.q.append((fn, args))
+
+    def call_later(self, delay, fn, *args):
+        self.timers.append((self.now + delay, fn, args))
 
     def run(self):
         while self.q:
             fn, args = self.q.pop(0)
             fn(*args)
+
+    def advance(self, dt):
+        """Move the fake clock on by ``dt`` and run the timers that came due."""
+        self.now += dt
+        due = sorted((t for t in self.timers if t[0] <= self.now), key=lambda t: t[0])
+        self.timers = [t for t in self.timers if t[0] > self.now]
+        for _, fn, args in due:
+            fn(*args)
+        self.run()
+
+    def next_timer(self):
+        """Move the fake clock to the earliest timer and run it."""
+        self.advance(min(t[0] for t in self.timers) - self.now)
 
 
 class FakeConn:
@@ -180,3 +197,84 @@ def test_bad_payloads_consume_no_entry_id():
     h.add_entry_async(b"ok")
     run(client)
     assert client.conns["b0:1"].sent[0][2][3] == 0
+
+
+def _busy_setup(qa=3):
+    client, h = make(E=3, qw=3, qa=qa)
+    done = []
+    h.add_entry_async(b"v", lambda exc, eid: done.append((exc, eid)))
+    run(client)
+    return client, h, done, [client.conns[f"b{i}:1"] for i in range(3)]
+
+
+def test_overloaded_bookie_gets_the_add_again_and_stays():
+    client, h, done, (b0, b1, b2) = _busy_setup()
+    rid = b2.sent[0][0]
+    reply(b0, rid)
+    reply(b1, rid)
+    reply(b2, rid, ETOOMANYREQUESTS)
+    run(client)
+    assert not h._changing and client._executor.jobs == [] and h._failed_slots == set()
+    assert done == [] and len(b2.sent) == 1
+    client._io.next_timer()                            # the back-off ran out: resent
+    assert [(r, m[3]) for r, _, m in b2.sent] == [(rid, 0), (rid, 0)]
+    assert len(b0.sent) == len(b1.sent) == 1          # only to the bookie that refused
+    reply(b2, rid, ETOOMANYREQUESTS)
+    client._io.next_timer()
+    assert len(b2.sent) == 3
+    reply(b2, rid)
+    assert done == [(None, 0)] and h.last_add_confirmed == 0
+    assert h.metadata.ensembles == [(0, ["b0:1", "b1:1", "b2:1"])]
+    assert client._executor.jobs == []
+
+
+def test_back_off_doubles():
+    client, h, done, (b0, b1, b2) = _busy_setup()
+    rid = b2.sent[0][0]
+    waits = []
+    for _ in range(4):
+        reply(b2, rid, ETOOMANYREQUESTS)
+        t0 = client._io.now
+        client._io.next_timer()
+        waits.append(round(client._io.now - t0, 6))
+    assert waits == [0.002, 0.004, 0.008, 0.016] and len(b2.sent) == 5
+
+
+def test_overloaded_past_the_add_timeout_is_replaced():
+    client, h, done, (b0, b1, b2) = _busy_setup()
+    rid = b2.sent[0][0]
+    reply(b0, rid)
+    reply(b1, rid)
+    resends = 0
+    while True:
+        reply(b2, rid, ETOOMANYREQUESTS)
+        run(client)
+        if not client._io.timers:
+            break
+        client._io.next_timer()
+        resends += 1
+        assert resends < 50, "unbounded retries"
+    # bounded: a few ms doubling up to addEntryTimeoutSec (10 s by default)
+    assert 5 < resends < 20
+    assert client._io.now >= float(client.conf.addEntryTimeoutSec)
+    assert h._changing and len(client._executor.jobs) == 1 and h._failed_slots == {2}
+    assert done == []                                  # frozen until the replacement
+
+
+def test_busy_bookie_is_not_waited_for_once_qa_acked():
+    client, h, done, (b0, b1, b2) = _busy_setup(qa=2)
+    rid = b2.sent[0][0]
+    reply(b2, rid, ETOOMANYREQUESTS)
+    reply(b0, rid)
+    reply(b1, rid)
+    assert done == [(None, 0)]
+    client._io.next_timer()
+    assert len(b2.sent) == 1 and client._executor.jobs == []
+
+
+def test_read_only_bookie_is_replaced_at_once():
+    client, h, done, (b0, b1, b2) = _busy_setup()
+    reply(b1, b1.sent[0][0], EREADONLY)
+    run(client)
+    assert h._changing and len(client._executor.jobs) == 1 and h._failed_slots == {1}
+    assert client._io.timers == [] and len(b1.sent) == 1
