@@ -337,6 +337,27 @@ def test_tailing_reader_length_follows_the_entries_it_reads(client):
     assert rh.is_closed and rh.length == lh.length == sum(sizes) + 5
 
 
+def test_add_entries_piggyback_the_lac_of_the_acknowledged_batch(client, shared):
+    # Qw = Qa = E: when add_entries returns, every bookie has every entry.
+    lh = client.create_ledger(3, 3, 3, password=PW)
+    assert lh.add_entries([b"a%d" % i for i in range(10)]) == 9
+    assert lh.add_entries([b"b%d" % i for i in range(10)]) == 19
+    rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+    assert rh.last_add_confirmed == 9          # what batch 2 told the bookies
+    lid = lh.ledger_id
+    dg = D.EntryDigest(lid, "crc32c", PW)
+    for b in shared.bookies:
+        with BookieConnection(b.bookie_id, shard=lid % b.num_shards) as c:
+            for eid in range(20):
+                r = c.call(P.read(c.next_rid(), lid, eid))
+                assert r[2] == bk.errors.EOK
+                assert r[5] == (-1 if eid < 10 else 9), (b.bookie_id, eid, r[5])
+                dg.verify(eid, r[5], r[6], r[7])        # the LAC is signed as sent
+    lh.add_entries([b"c0"])
+    assert rh.read_last_add_confirmed() == 19
+    lh.close()
+
+
 def test_adds_from_many_threads_ack_in_order(client):
     lh = client.create_ledger(3, 3, 2, password=PW)
     order = []

@@ -199,6 +199,22 @@ def test_bad_payloads_consume_no_entry_id():
     assert client.conns["b0:1"].sent[0][2][3] == 0
 
 
+def test_piggybacked_lac_is_the_lac_when_the_batch_is_built():
+    client, h = make(E=3, qw=3, qa=2)
+    done = []
+    h._submit([b"a%d" % i for i in range(4)], lambda exc, eid: done.append(eid))
+    run(client)
+    b0, b1 = client.conns["b0:1"], client.conns["b1:1"]
+    for rid, _, _ in list(b0.sent):
+        reply(b0, rid)
+        reply(b1, rid)
+    assert done == [3] and h.last_add_confirmed == 3
+    h._submit([b"b%d" % i for i in range(4)], None)
+    run(client)
+    assert [(m[3], m[4]) for _, _, m in b0.sent] == \
+        [(0, -1), (1, -1), (2, -1), (3, -1), (4, 3), (5, 3), (6, 3), (7, 3)]
+
+
 def _busy_setup(qa=3):
     client, h = make(E=3, qw=3, qa=qa)
     done = []
