@@ -39,6 +39,15 @@ TEST_DEFAULTS = {
     "journalMaxGroupWaitMSec": 1,
 }
 
+
+
+def production_settings() -> dict:
+    """The registry defaults of the keys TEST_DEFAULTS changes: pass them as
+    ``conf_overrides`` (benchmarks, ``bookie localcluster``) to run bookies as
+    a deployed bookie runs, not tuned for quick tests."""
+    return {k: SETTINGS[k].default for k in TEST_DEFAULTS}
+
+
 _live: "weakref.WeakSet[BookieProcess]" = weakref.WeakSet()
 
 

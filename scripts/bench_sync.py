@@ -26,9 +26,14 @@ import time
 SIZE = 64 << 20
 
 
-def _stream(path, mode, group, duration, barrier, out):
+def _stream(path, mode, prealloc, group, duration, barrier, out):
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.posix_fallocate(fd, 0, SIZE)
+    if prealloc == "zeros":
+        zeros = bytes(1 << 20)
+        for off in range(0, SIZE, len(zeros)):
+            os.pwrite(fd, zeros, off)
+    else:
+        os.posix_fallocate(fd, 0, SIZE)
     os.fsync(fd)
     mm = mmap.mmap(fd, SIZE) if mode == "mmap" else None
     data = b"x" * group
@@ -55,11 +60,11 @@ def _stream(path, mode, group, duration, barrier, out):
     out.put(lat)
 
 
-def run(directory, mode, streams, group, duration):
+def run(directory, mode, prealloc, streams, group, duration):
     barrier = mp.Barrier(streams)
     out = mp.Queue()
     procs = [mp.Process(target=_stream, args=(os.path.join(directory, f".bench-sync-{os.getpid()}-{i}"),
-                                              mode, group, duration, barrier, out))
+                                              mode, prealloc, group, duration, barrier, out))
              for i in range(streams)]
     for p in procs:
         p.start()
@@ -70,7 +75,7 @@ def run(directory, mode, streams, group, duration):
     def pct(q):
         return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] * 1000
 
-    print(f"{mode:6s} streams={streams} group={group >> 10}KiB syncs={len(lat)}: "
+    print(f"{mode:6s} {prealloc:9s} streams={streams} group={group >> 10}KiB syncs={len(lat)}: "
           f"p50 {pct(50):.2f} p95 {pct(95):.2f} p99 {pct(99):.2f} p99.9 {pct(99.9):.2f} "
           f"max {lat[-1] * 1000:.2f} ms")
 
@@ -79,6 +84,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dir", default=".", help="directory on the disk to measure (default: .)")
     p.add_argument("--mode", choices=["both", "mmap", "pwrite"], default="both")
+    p.add_argument("--prealloc", choices=["fallocate", "zeros"], default="zeros",
+                   help="how the file is preallocated (default: zeros, as the journal does)")
     p.add_argument("--streams", type=int, default=3, help="concurrent journals")
     p.add_argument("--group-kb", type=int, default=15, help="bytes per group commit, KiB")
     p.add_argument("--duration", type=float, default=8.0, help="seconds per mode")
@@ -86,7 +93,7 @@ def main():
     if not os.path.isdir(a.dir):
         sys.exit(f"bench_sync: {a.dir} is not a directory")
     for mode in (["mmap", "pwrite"] if a.mode == "both" else [a.mode]):
-        run(a.dir, mode, a.streams, a.group_kb << 10, a.duration)
+        run(a.dir, mode, a.prealloc, a.streams, a.group_kb << 10, a.duration)
 
 
 if __name__ == "__main__":

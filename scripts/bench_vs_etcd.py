@@ -199,7 +199,7 @@ def main():
 
     from bk.bench import bench_writes
     from bk.meta.etcd_server import EtcdCluster
-    from bk.testing import LocalCluster
+    from bk.testing import LocalCluster, production_settings
 
     base = a.dir or tempfile.mkdtemp(prefix="bk-vs-etcd-")
     procs = a.procs or max(2, os.cpu_count() or 1)
@@ -213,7 +213,8 @@ def main():
     etcd = EtcdCluster(os.path.join(base, "etcd-cluster"), size=3)
     cluster = LocalCluster(num_bookies=3, base_dir=os.path.join(base, "bk"),
                            num_shards=a.shards,
-                           conf_overrides={"journalPreAllocSizeMB": 256})
+                           conf_overrides=dict(production_settings(),
+                                               journalPreAllocSizeMB=256))
     try:
         say(f"starting a 3-member etcd cluster and 3 bookies in {base} ...")
         etcd.start()

@@ -56,9 +56,10 @@ def main():
     if a.uri:
         res = run(a.uri)
     else:
-        from bk.testing import LocalCluster
+        from bk.testing import LocalCluster, production_settings
         with tempfile.TemporaryDirectory(prefix="bk-bench-") as d:
-            with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards) as c:
+            with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards,
+                              conf_overrides=production_settings()) as c:
                 res = run(c.metadata_uri)
     if a.json:
         print(json.dumps(res))
