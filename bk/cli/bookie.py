@@ -306,7 +306,11 @@ def localcluster(bookies, base_dir, base_port, etcd_port, shards, settings, smok
     except KeyboardInterrupt:
         pass
     finally:
-        click.echo("stopping the local cluster...", err=True)
+        # A second Ctrl-C must not abort the stop half way: the bookies run in
+        # their own sessions and would be left running without their etcd.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        click.echo("stopping the local cluster (the bookies drain first)...", err=True)
         cluster.stop()
 
 

@@ -413,3 +413,32 @@ def test_wiped_directories_stop_the_bookie(cluster):
     assert b.proc.wait(30) == 4
     wait_until(lambda: b.bookie_id not in cluster.store.list_bookies(), what="deregistration")
     assert "cookie" in open(b.log_file).read()
+
+
+def test_localcluster_stops_everything_even_on_repeated_ctrl_c(tmp_path):
+    """An impatient second Ctrl-C used to abort the stop half way, leaving bookies
+    (own sessions) running without their etcd."""
+    d = str(tmp_path / "lc")
+    e = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
+    p = subprocess.Popen([sys.executable, "-m", "bk.cli.bookie", "localcluster", "--dir", d,
+                          "--bookies", "2", "--shards", "1", "--no-smoke"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    out = []
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        pids = [int(line.split("(pid ")[1].split(",")[0]) for line in out if "running (pid" in line]
+        assert len(pids) == 2, "".join(out)
+        for _ in range(3):
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
