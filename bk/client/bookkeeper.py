@@ -233,10 +233,11 @@ class BookKeeper:
         self._check()
         self._store.delete_ledger(ledger_id)
 
-    def list_ledgers(self):
-        """Iterator of the ids of every ledger."""
+    def list_ledgers(self, page_size: int = 1000):
+        """Iterator of the ids of every ledger, ascending; lazy, one metadata range
+        request per ``page_size`` ids (never the whole listing in one request)."""
         self._check()
-        return self._store.list_ledgers()
+        return self._store.list_ledgers(page_size=page_size)
 
     def ledger_metadata(self, ledger_id: int) -> LedgerMetadata:
         self._check()
