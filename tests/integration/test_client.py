@@ -47,6 +47,15 @@ def _client(cluster, **kw):
     return bk.BookKeeper(cluster.metadata_uri, **kw)
 
 
+def _raw_add(cluster, bookie_id, lid, eid, lac, length, data):
+    """Store an entry of a crc32c ledger (password PW) on one bookie, as its writer would."""
+    n = cluster.store.bookie_info(bookie_id)["numShards"]
+    with BookieConnection(bookie_id, shard=lid % n) as c:
+        sig = D.EntryDigest(lid, "crc32c", PW).sign(eid, lac, length, data)
+        r = c.call(P.add(c.next_rid(), lid, eid, lac, D.master_key(PW), sig, data))
+        assert r[2] == bk.errors.EOK, r
+
+
 # --- basics ------------------------------------------------------------------
 
 def test_create_add_read_close(client):
@@ -101,6 +110,48 @@ def test_bad_arguments_consume_no_entry_id(client, shared):
         lh.add_entries([b"ok", 5])
     assert lh.add_entry(b"first") == 0
     lh.close()
+
+
+def test_create_ledger_checks_quorums_and_writable_bookies(client):
+    before = list(client.list_ledgers())
+    for e, qw, qa in [(2, 3, 2), (3, 2, 3), (3, 3, 0), (0, 0, 0), (3, 3, 4), (1, 0, 0),
+                      (-1, -1, -1)]:
+        with pytest.raises(ValueError) as ei:
+            client.create_ledger(e, qw, qa, password=PW)
+        assert f"E={e} Qw={qw} Qa={qa}" in str(ei.value)
+    with pytest.raises(NotEnoughBookiesError) as ei:
+        client.create_ledger(4, 3, 2, password=PW)
+    assert "ensemble size 4" in str(ei.value) and "need 4" in str(ei.value) \
+        and "found 3" in str(ei.value)
+    assert list(client.list_ledgers()) == before          # a refused create leaves nothing
+    writable = set(client.bookies())
+    for e, qw, qa in [(1, 1, 1), (2, 2, 1), (3, 1, 1), (3, 3, 3)]:
+        lh = client.create_ledger(e, qw, qa, password=PW)
+        ens = lh.metadata.last_ensemble
+        assert len(ens) == len(set(ens)) == e and set(ens) <= writable   # never two on one
+        payloads = [b"q%d" % i for i in range(2 * e)]
+        assert lh.add_entries(payloads) == 2 * e - 1
+        lh.close()
+        rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+        assert [x.data for x in rh.read_entries(0, 2 * e - 1)] == payloads
+
+
+def test_list_ledgers_streams_in_pages(client):
+    ids = []
+    for _ in range(25):
+        with client.create_ledger(1, 1, 1) as lh:
+            ids.append(lh.ledger_id)
+    store = client._store
+    before = store.rpc_counts["range"]
+    it = client.list_ledgers(page_size=10)
+    first = next(it)
+    assert store.rpc_counts["range"] - before == 1           # lazy: one page fetched
+    listed = [first] + list(it)
+    assert listed == sorted(set(listed)) and set(ids) <= set(listed)   # ascending, each once
+    assert store.rpc_counts["range"] - before == (len(listed) + 9) // 10 >= 3
+    before = store.rpc_counts["range"]
+    assert list(client.list_ledgers()) == listed
+    assert store.rpc_counts["range"] - before == 1           # default: 1000 ids a page
 
 
 def test_uri_scheme_and_unreachable_etcd():
@@ -257,6 +308,90 @@ def test_recovery_of_unacknowledged_tail(client, shared):
         with BookieConnection(bid, shard=lid % n) as c:
             r = c.call(P.read(c.next_rid(), lid, 20))
             assert r[2] == 0 and r[7] == b"t20"
+
+
+def test_close_loses_its_cas_to_another_client(client, shared):
+    """close() after another client changed the metadata: CLOSED at the writer's last
+    entry is success (test_recovery_fences_the_writer); CLOSED at another entry, or a
+    recovery under way (IN_RECOVERY), is LedgerFencedError and the metadata stays."""
+    lh = client.create_ledger(3, 3, 2, password=PW)
+    lh.add_entries([b"c%d" % i for i in range(10)])
+    lid, ws = lh.ledger_id, lh.metadata.write_set(10)
+    length = lh.length + 3
+    # The writer's add of entry 10 reached two bookies; its acknowledgements never came.
+    for bid in ws[:2]:
+        _raw_add(shared, bid, lid, 10, 9, length, b"c10")
+    with bk.BookKeeper(shared.metadata_uri) as other:
+        assert other.open_ledger(lid, password=PW).last_add_confirmed == 10
+    with pytest.raises(LedgerFencedError) as ei:
+        lh.close()
+    assert f"ledger {lid}" in str(ei.value) and "at entry 10" in str(ei.value) \
+        and "is 9" in str(ei.value)
+    md = client.ledger_metadata(lid)
+    assert md.state == LedgerState.CLOSED and md.last_entry_id == 10 and md.length == length
+
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    lh.add_entries([b"r%d" % i for i in range(5)])
+    md, version = shared.store.read_ledger(lh.ledger_id)
+    shared.store.write_ledger(md.replace(state=LedgerState.IN_RECOVERY), version)
+    with pytest.raises(LedgerFencedError) as ei:
+        lh.close()
+    assert "being recovered" in str(ei.value)
+    md = client.ledger_metadata(lh.ledger_id)
+    assert md.state == LedgerState.IN_RECOVERY and md.last_entry_id == -1
+
+
+def test_read_moves_on_when_a_bookie_lacks_the_entry(client, shared):
+    lh = client.create_ledger(3, 3, 2, password=PW)
+    lh.add_entries([b"m%d" % i for i in range(5)])
+    lid, ws = lh.ledger_id, lh.metadata.write_set(5)
+    # Entry 5 is on the last two bookies of its write set, not on the first one.
+    for bid in ws[1:]:
+        _raw_add(shared, bid, lid, 5, 4, lh.length + 2, b"m5")
+    rh = client.open_ledger_no_recovery(lid, password=PW)
+    assert [e.data for e in rh.read_unconfirmed_entries(3, 5)] == [b"m3", b"m4", b"m5"]
+    with BookieConnection(ws[0], shard=lid % shared.bookie(ws[0]).num_shards) as c:
+        assert c.call(P.read(c.next_rid(), lid, 5))[2] == bk.errors.ENOENTRY
+
+
+def test_delete_ledger_then_bookies_drop_its_entries(client, shared):
+    gone = client.create_ledger(3, 3, 3, password=PW)
+    gone.add_entries([b"g%d" % i for i in range(10)])
+    gone.close()
+    kept = client.create_ledger(3, 3, 3, password=PW)
+    kept.add_entries([b"k%d" % i for i in range(10)])
+    kept.close()
+    lid = gone.ledger_id
+
+    def entries_on(b, ledger):
+        with BookieConnection(b.bookie_id, shard=ledger % b.num_shards) as c:
+            r = c.call(P.get_list_of_entries(c.next_rid(), ledger))
+            return r[2], P.ranges_to_ids(r[4])
+
+    assert [entries_on(b, lid) for b in shared.bookies] == [(bk.errors.EOK, list(range(10)))] * 3
+    client.delete_ledger(lid)
+    for call in (client.ledger_metadata, client.delete_ledger):
+        with pytest.raises(NoSuchLedgerError):
+            call(lid)
+    for opener in (client.open_ledger, client.open_ledger_no_recovery):
+        with pytest.raises(NoSuchLedgerError):
+            opener(lid, password=PW)
+    assert lid not in set(client.list_ledgers()) and kept.ledger_id in set(client.list_ledgers())
+    # Bookies drop the entries at their next garbage collection (SIGUSR1: now).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for b in shared.bookies:
+            os.kill(b.pid, signal.SIGUSR1)
+        if all(entries_on(b, lid)[0] == bk.errors.ENOLEDGER for b in shared.bookies):
+            break
+        time.sleep(0.2)
+    assert [entries_on(b, lid) for b in shared.bookies] == [(bk.errors.ENOLEDGER, [])] * 3
+    for b in shared.bookies:
+        with BookieConnection(b.bookie_id, shard=lid % b.num_shards) as c:
+            assert c.call(P.read(c.next_rid(), lid, 0))[2] == bk.errors.ENOLEDGER
+        assert entries_on(b, kept.ledger_id) == (bk.errors.EOK, list(range(10)))
+    rh = client.open_ledger(kept.ledger_id, password=PW)
+    assert [e.data for e in rh.read_entries(0, 9)] == [b"k%d" % i for i in range(10)]
 
 
 @pytest.mark.parametrize("digest_type", ["crc32", "crc32c", "mac", "dummy"])
@@ -421,6 +556,96 @@ def test_bookie_killed_mid_stream(cluster_factory):
         assert sorted(ids) == ids and all(got[eid].startswith(b"f") for eid in ids)
 
 
+def test_ensemble_change_that_loses_its_cas(cluster_factory):
+    """A writer's ensemble change loses its CAS and re-reads: a ledger still OPEN gets
+    the change on the new version (keeping the other writer's change); one another
+    client put IN_RECOVERY or CLOSED fails every outstanding add with LedgerFencedError.
+    The other client here changes only the metadata, so no bookie answers EFENCED:
+    only the lost CAS can tell the writer."""
+    cluster = cluster_factory(4)
+    store = cluster.store
+    victim = cluster.bookies[0].bookie_id
+    with _client(cluster) as client:
+        handles = []
+        while len(handles) < 3:
+            lh = client.create_ledger(3, 2, 2, password=PW)
+            if victim in lh.metadata.last_ensemble:
+                handles.append(lh)
+            else:
+                lh.close()
+        still_open, in_recovery, closed = handles
+        written = {}
+        for lh in handles:
+            # the next entry's write set starts at the victim: nothing more can be
+            # acknowledged without an ensemble change
+            n = 3 + lh.metadata.last_ensemble.index(victim)
+            written[lh] = [b"x%d" % i for i in range(n)]
+            assert lh.add_entries(written[lh]) == n - 1
+        md, v = store.read_ledger(still_open.ledger_id)
+        store.write_ledger(md.replace(custom_metadata={"tag": b"v2"}), v)
+        md, v = store.read_ledger(in_recovery.ledger_id)
+        store.write_ledger(md.replace(state=LedgerState.IN_RECOVERY), v)
+        md, v = store.read_ledger(closed.ledger_id)
+        closed_md = md.replace(state=LedgerState.CLOSED, last_entry_id=closed.last_add_confirmed,
+                               length=closed.length)
+        store.write_ledger(closed_md, v)
+        cluster.bookie(victim).kill(signal.SIGKILL)
+
+        futs = {lh: [lh.add_entry_async(b"y%d" % i) for i in range(3)] for lh in handles}
+        n = len(written[still_open])
+        assert [f.result(30) for f in futs[still_open]] == [n, n + 1, n + 2]
+        md = client.ledger_metadata(still_open.ledger_id)
+        assert md.state == LedgerState.OPEN and md.custom_metadata == {"tag": b"v2"}
+        assert [first for first, _ in md.ensembles] == [0, n] and victim not in md.last_ensemble
+        assert md.ensembles[0][1] == still_open.metadata.ensembles[0][1]
+        for lh, state in ((in_recovery, LedgerState.IN_RECOVERY), (closed, LedgerState.CLOSED)):
+            ensembles = lh.metadata.ensembles
+            for f in futs[lh]:
+                with pytest.raises(LedgerFencedError) as ei:
+                    f.result(30)
+                assert state.value in str(ei.value)
+            with pytest.raises(LedgerFencedError):
+                lh.add_entry(b"later")
+            md = client.ledger_metadata(lh.ledger_id)      # the writer changed nothing
+            assert md.state == state and md.ensembles == ensembles == [(0, ensembles[0][1])]
+            assert md.last_entry_id == (closed_md.last_entry_id if lh is closed else -1)
+        still_open.close()
+
+        # The victim is dead: reads move on to the other bookie of each write set.
+        expected = written[still_open] + [b"y0", b"y1", b"y2"]
+        with _client(cluster) as reader:
+            for lh, data in ((still_open, expected), (closed, written[closed])):
+                rh = reader.open_ledger_no_recovery(lh.ledger_id, password=PW)
+                assert [e.data for e in rh.read_entries(0, rh.last_add_confirmed)] == data
+
+
+def test_running_client_sees_new_and_dead_bookies(cluster_factory):
+    cluster = cluster_factory(3)
+    with _client(cluster) as client:
+        with pytest.raises(NotEnoughBookiesError):
+            client.create_ledger(4, 2, 2, password=PW)
+        cluster.add_bookie()
+        every = {b.bookie_id for b in cluster.bookies}
+        lh = client.create_ledger(4, 2, 2, password=PW)          # the new bookie is chosen
+        assert set(lh.metadata.last_ensemble) == every and len(every) == 4
+        lh.add_entries([b"n%d" % i for i in range(8)])
+        lh.close()
+
+        dead = cluster.bookies[0]
+        dead.kill(signal.SIGKILL)
+        deadline = time.monotonic() + 30                  # its registration's lease runs out
+        while dead.bookie_id in client.bookies() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(client.bookies()) == every - {dead.bookie_id}
+        for _ in range(5):                                 # never the dead one
+            with client.create_ledger(3, 2, 2, password=PW) as lh:
+                assert set(lh.metadata.last_ensemble) == every - {dead.bookie_id}
+                assert lh.add_entry(b"alive") == 0
+        with pytest.raises(NotEnoughBookiesError) as ei:
+            client.create_ledger(4, 2, 2, password=PW)
+        assert "need 4" in str(ei.value) and "found 3" in str(ei.value)
+
+
 def test_recovery_needs_enough_bookies(cluster_factory):
     cluster = cluster_factory(3)
     with _client(cluster) as client:
@@ -530,6 +755,12 @@ def test_read_only_bookie_is_replaced_and_not_picked_again(cluster_factory, capl
         victim.write_conf(diskUsageThreshold=0.0, diskUsageLwmThreshold=0.0)
         victim.start()
         assert client.bookies(readonly=True) == [victim.bookie_id]
+        # A new ledger goes to the writable bookies only.
+        with client.create_ledger(3, 3, 3, password=PW) as ro_check:
+            assert set(ro_check.metadata.last_ensemble) == set(first) - {victim.bookie_id} \
+                | {spare}
+        with pytest.raises(NotEnoughBookiesError):
+            client.create_ledger(4, 3, 3, password=PW)
         with BookieConnection(victim.bookie_id, shard=lh.ledger_id % victim.num_shards) as c:
             dg = D.EntryDigest(lh.ledger_id, "crc32c", PW)
             r = c.call(P.add(c.next_rid(), lh.ledger_id, 10, 9, D.master_key(PW),
