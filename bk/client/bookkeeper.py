@@ -56,6 +56,11 @@ class BookKeeper:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._shards: dict[str, int] = {}
+        # Writable bookies as the watch of bookies/ last saw them (see _writable_view).
+        self._view_lock = threading.Lock()
+        self._view: frozenset | None = None
+        self._view_pid = 0
+        self._cancel_watch = None
         from bk.meta.store import MetadataStore
         self._store_cls = MetadataStore
         self._store = MetadataStore(uri, timeout=conf.metadataTimeoutMillis / 1000.0)
@@ -86,6 +91,8 @@ class BookKeeper:
         if os.getpid() == self._pid:
             self._io.stop()
             self._executor_obj.shutdown(wait=False)
+        if self._cancel_watch is not None and self._view_pid == os.getpid():
+            self._cancel_watch()
         self._store.close()
 
     def __enter__(self):
@@ -112,6 +119,34 @@ class BookKeeper:
             self._executor_obj = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix="bk-meta")
             self._pid = os.getpid()
+
+    # --- which bookies are writable ---------------------------------------------
+    def _on_bookies(self, writable: set, readonly: set) -> None:
+        self._view = frozenset(writable)
+
+    def _writable_view(self) -> frozenset:
+        """The writable bookies, kept current by a watch of ``bookies/available`` and
+        ``bookies/readonly`` (started on first use; its start reads both, so the
+        view is never older than the watch). A dead bookie leaves it when its
+        lease expires, a new one joins it when it registers."""
+        pid = os.getpid()
+        if self._view is None or self._view_pid != pid:
+            with self._view_lock:
+                if self._view is None or self._view_pid != pid:
+                    # After a fork the parent's watch thread does not exist here.
+                    self._view = None
+                    self._cancel_watch = self._store.watch_bookies(self._on_bookies)
+                    self._view_pid = pid
+        return self._view
+
+    def _place(self, choose):
+        """``choose(writable)`` on the watched view; if that finds too few bookies,
+        once more on a fresh read (the watch may lag a bookie that registered a
+        moment ago, e.g. right after ``bkshell`` or a test added it)."""
+        try:
+            return choose(self._writable_view())
+        except NotEnoughBookiesError:
+            return choose(self._store.list_bookies())
 
     # --- bookie connections ------------------------------------------------
     def _connection(self, bookie_id: str, ledger_id: int):
@@ -176,9 +211,8 @@ class BookKeeper:
             if not isinstance(v, (bytes, bytearray)):
                 raise TypeError(f"create ledger: custom metadata value of {k!r} must be bytes")
             custom[k] = bytes(v)
-        writable = self._store.list_bookies()
         try:
-            ensemble = choose_ensemble(writable, ensemble_size)
+            ensemble = self._place(lambda writable: choose_ensemble(writable, ensemble_size))
         except NotEnoughBookiesError as e:
             raise NotEnoughBookiesError(f"create ledger with ensemble size {ensemble_size}: {e}") \
                 from None

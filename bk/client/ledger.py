@@ -349,6 +349,7 @@ class LedgerHandle:
         self._changing = False
         self._failed_slots: set = set()
         self._change_lock = threading.Lock()
+        self._close_lock = threading.Lock()  # close() retries: one metadata write at a time
         self._excluded: set = set()
         self._throttle = int(self._conf.throttle)
         self._add_timeout = float(self._conf.addEntryTimeoutSec)
@@ -714,8 +715,8 @@ class LedgerHandle:
         old_ens = md.last_ensemble
         failed = [old_ens[s] for s in sorted(failed_slots)]
         self._excluded.update(failed)
-        writable = store.list_bookies()
-        new_ens, mapping = replace_bookies(writable, old_ens, failed, self._excluded)
+        new_ens, mapping = self._client._place(
+            lambda writable: replace_bookies(writable, old_ens, failed, self._excluded))
         ok_states = (LedgerState.IN_RECOVERY,) if self._recovery else (LedgerState.OPEN,)
         for attempt in range(20):
             ensembles = [(f, b) for f, b in md.ensembles if f < start] + [(start, new_ens)]
@@ -784,21 +785,29 @@ class LedgerHandle:
         return True
 
     def close(self) -> None:
-        """Close: writers wait for outstanding adds, then CAS the ledger to CLOSED."""
+        """Close: writers wait for outstanding adds, then CAS the ledger to CLOSED.
+
+        The handle takes no adds once close() has begun. If the metadata write
+        fails (etcd unreachable: MetadataError), the ledger is still OPEN in the
+        store; calling close() again retries just that write."""
         if not self._writable:
             self._closed = True
             return
-        with self._lock:
-            if self._closed:
+        with self._close_lock:
+            with self._lock:
+                first = not self._closed
+                self._closed = True
+            if first:
+                timeout = (self._add_timeout * 3
+                           + float(self._conf.metadataTimeoutMillis) / 1000 * 3)
+                if not self._drain(timeout):
+                    self._loop.call_soon(self._error_out, LedgerClosedError,
+                                         "ledger handle was closed before the add completed")
+                    self._drain(5.0)
+                self._loop.call_soon(self._stop_ticker)
+            elif self._md.state == LedgerState.CLOSED:
                 return
-            self._closed = True
-        timeout = self._add_timeout * 3 + float(self._conf.metadataTimeoutMillis) / 1000 * 3
-        if not self._drain(timeout):
-            self._loop.call_soon(self._error_out, LedgerClosedError,
-                                 "ledger handle was closed before the add completed")
-            self._drain(5.0)
-        self._loop.call_soon(self._stop_ticker)
-        self._close_metadata()
+            self._close_metadata()
 
     def _stop_ticker(self):
         if self._ticker_on and self._tick in self._loop._tickers:

@@ -17,7 +17,7 @@ from bk import protocol as P
 from bk.client import digest as D
 from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerClosedError,
                        LedgerFencedError, LedgerRecoveryError, NoSuchEntryError,
-                       NoSuchLedgerError, NotEnoughBookiesError)
+                       MetadataError, NoSuchLedgerError, NotEnoughBookiesError)
 from bk.meta.ledger import LedgerState
 from bk.testing import BookieConnection, LocalCluster
 
@@ -619,6 +619,13 @@ def test_ensemble_change_that_loses_its_cas(cluster_factory):
                 assert [e.data for e in rh.read_entries(0, rh.last_add_confirmed)] == data
 
 
+def _wait_for(pred, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def test_running_client_sees_new_and_dead_bookies(cluster_factory):
     cluster = cluster_factory(3)
     with _client(cluster) as client:
@@ -630,12 +637,15 @@ def test_running_client_sees_new_and_dead_bookies(cluster_factory):
         assert set(lh.metadata.last_ensemble) == every and len(every) == 4
         lh.add_entries([b"n%d" % i for i in range(8)])
         lh.close()
+        # The client's view comes from its watch of bookies/ (a lagging view falls
+        # back to a fresh read when it has too few, which the create above may have
+        # used); the watch itself brings the new bookie in.
+        _wait_for(lambda: client._writable_view() == every, "the watch to see the new bookie")
 
         dead = cluster.bookies[0]
         dead.kill(signal.SIGKILL)
-        deadline = time.monotonic() + 30                  # its registration's lease runs out
-        while dead.bookie_id in client.bookies() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # its registration's lease runs out; the watch drops it
+        _wait_for(lambda: dead.bookie_id not in client._writable_view(), "the watch to drop it")
         assert set(client.bookies()) == every - {dead.bookie_id}
         for _ in range(5):                                 # never the dead one
             with client.create_ledger(3, 2, 2, password=PW) as lh:
@@ -782,3 +792,27 @@ def test_read_only_bookie_is_replaced_and_not_picked_again(cluster_factory, capl
         assert md.ensembles == lh.metadata.ensembles and len(md.ensembles) == 2
         rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
         assert [e.data for e in rh.read_unconfirmed_entries(9, 10)] == [b"o9", b"after"]
+
+
+def test_close_during_an_etcd_outage_can_be_retried(cluster_factory):
+    cluster = cluster_factory(3)
+    with _client(cluster, metadataTimeoutMillis=2000) as client:
+        lh = client.create_ledger(3, 2, 2, password=PW)
+        data = [b"o%d" % i for i in range(10)]
+        lh.add_entries(data[:5])
+        cluster.etcd.stop()
+        lh.add_entries(data[5:])                 # adds need no metadata: they go on
+        with pytest.raises(MetadataError) as ei:
+            lh.close()
+        assert cluster.metadata_uri in str(ei.value)
+        with pytest.raises(LedgerClosedError):   # closing began: no more adds
+            lh.add_entry(b"late")
+        cluster.etcd.start()
+        assert cluster.store.read_ledger(lh.ledger_id)[0].state == LedgerState.OPEN
+        lh.close()                               # retries only the metadata write
+        md = cluster.store.read_ledger(lh.ledger_id)[0]
+        assert (md.state, md.last_entry_id, md.length) == (
+            LedgerState.CLOSED, 9, sum(map(len, data)))
+        lh.close()                               # closed: nothing more to do
+        rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+        assert [e.data for e in rh.read_entries(0, 9)] == data
