@@ -20,8 +20,10 @@ acknowledgements stop (the LAC freezes, so the first unacknowledged entry is a
 stable fragment start), a worker thread picks a writable replacement and CASes
 the metadata with a new fragment starting at LAC + 1. A lost CAS re-reads: a
 ledger still OPEN is merged and retried, one IN_RECOVERY or CLOSED fences the
-writer. Once committed, the I/O thread forgets the replaced bookie's
-confirmations, resends every pending entry of its slot to the new bookie, and
+writer. A recovery's write handle changes its ensemble in memory only: the
+recovery stores the new fragments with its closing CAS (``bk.client.recovery``).
+Once committed, the I/O thread forgets the replaced bookie's confirmations,
+resends every pending entry of its slot to the new bookie, and
 acknowledgements resume. No entry is ever acknowledged by a bookie that is no
 longer in its write set.
 
@@ -717,25 +719,36 @@ class LedgerHandle:
         self._excluded.update(failed)
         new_ens, mapping = self._client._place(
             lambda writable: replace_bookies(writable, old_ens, failed, self._excluded))
-        ok_states = (LedgerState.IN_RECOVERY,) if self._recovery else (LedgerState.OPEN,)
-        for attempt in range(20):
-            ensembles = [(f, b) for f, b in md.ensembles if f < start] + [(start, new_ens)]
-            new_md = md.replace(ensembles=ensembles)
-            try:
-                new_version = store.write_ledger(new_md, version)
-                break
-            except MetadataVersionError:
-                md, version = store.read_ledger(self._lid)
-                if md.state not in ok_states:
-                    raise LedgerFencedError(
-                        f"ledger is {md.state.value} in the metadata store "
-                        f"(recovered by another client)") from None
-                log.info("ledger %d: metadata changed under the ensemble change; merging",
-                         self._lid)
+        if self._recovery:
+            # Kept in memory until the recovery closes the ledger with it. Stored
+            # now, it would outlive a recovery that then fails: the next recovery
+            # would read the writer's entries from replacement bookies that never
+            # got them, and take their "no such entry" for proof that an
+            # acknowledged entry does not exist.
+            new_md = md.replace(ensembles=[(f, b) for f, b in md.ensembles if f < start]
+                                + [(start, new_ens)])
+            new_version = version
         else:
-            raise MetadataError(f"ensemble change of ledger {self._lid}: too many CAS conflicts")
-        log.info("ledger %d: ensemble from entry %d is now %s (replaced %s)", self._lid, start,
-                 new_ens, mapping)
+            for attempt in range(20):
+                ensembles = [(f, b) for f, b in md.ensembles if f < start] + [(start, new_ens)]
+                new_md = md.replace(ensembles=ensembles)
+                try:
+                    new_version = store.write_ledger(new_md, version)
+                    break
+                except MetadataVersionError:
+                    md, version = store.read_ledger(self._lid)
+                    if md.state != LedgerState.OPEN:
+                        raise LedgerFencedError(
+                            f"ledger is {md.state.value} in the metadata store "
+                            f"(recovered by another client)") from None
+                    log.info("ledger %d: metadata changed under the ensemble change; merging",
+                             self._lid)
+            else:
+                raise MetadataError(
+                    f"ensemble change of ledger {self._lid}: too many CAS conflicts")
+        log.info("ledger %d: ensemble from entry %d is now %s (replaced %s)%s", self._lid, start,
+                 new_ens, mapping, " (recovery: stored when it closes the ledger)"
+                 if self._recovery else "")
         self._prepare_conns(new_ens)
         new_conns = {s: self._bconns[new_ens[s]] for s in failed_slots}
         self._loop.call_soon(self._commit_change, new_md, new_version, new_conns)

@@ -21,13 +21,18 @@ This is BookKeeper's "closing a ledger as a reader":
    whole write set with FLAG_RECOVERY through a recovery write handle (which
    replaces dead bookies by ensemble change like a writer does, and counts a
    write-back done only once every bookie of its write set has it, so that
-   recovery leaves no entry it wrote under-replicated).
+   recovery leaves no entry it wrote under-replicated). Those ensemble changes
+   stay in memory until step 5 (as in BookKeeper since 4.9): stored at once,
+   they would outlive a recovery that fails later, and the next recovery would
+   read the writer's entries from a replacement that never got them, counting
+   its "no such entry" towards the (Qw - Qa) + 1 below, and truncate the ledger
+   before an acknowledged entry.
    Reading stops at the first entry for which (Qw - Qa) + 1 bookies of its
    write set answer "no such entry/ledger": fewer than Qa bookies can have it,
    so it was never acknowledged.
 5. CAS to CLOSED with the last entry found and its length (carried by the
-   entry's digest field). A lost CAS re-reads: CLOSED means another recovery
-   won, and its result stands.
+   entry's digest field), and the write-back's ensemble changes. A lost CAS
+   re-reads: CLOSED means another recovery won, and its result stands.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
     if md.state == LedgerState.CLOSED:
         return md, version
     t0 = time.monotonic()
+    found_md = md
     rh = LedgerHandle(client, md, version, password, writable=False, master_key=master_key)
     lac = _fence(client, rh, what)
     frag_first = md.ensembles[-1][0]
@@ -144,6 +150,8 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
         wh._closed = True
         client._io.call_soon(wh._stop_ticker)
     md, version = wh._md, wh._version
+    # The write-back's ensemble changes, so far in wh's metadata only.
+    mine = [fb for fb in md.ensembles if fb not in found_md.ensembles]
     for _ in range(50):
         if md.state == LedgerState.CLOSED:
             if md.last_entry_id != last:
@@ -158,6 +166,9 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
             return new, version
         except MetadataVersionError:
             md, version = store.read_ledger(ledger_id)
+            if mine and md.state != LedgerState.CLOSED:
+                md = md.replace(ensembles=[(f, b) for f, b in md.ensembles if f < mine[0][0]]
+                                + mine)
     raise MetadataError(f"{what}: too many CAS conflicts")
 
 
