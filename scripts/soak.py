@@ -1,0 +1,833 @@
+#!/usr/bin/env python
+"""Chaos soak test: writers, a nemesis and a fencing reader against a real local
+cluster, then a self-check of everything that was acknowledged (Jepsen-like).
+
+    .venv/bin/python scripts/soak.py                        # 60 s, 5 bookies
+    .venv/bin/python scripts/soak.py --duration 600 --seed 7 --keep
+
+It starts its own LocalCluster (etcd + N bookie processes) in a temp dir, since
+the nemesis kills, pauses and restarts bookies. For --duration seconds:
+
+* writer threads create ledgers of random shapes (E/Qw/Qa), add entries with
+  add_entry, add_entries and add_entry_async, record every acknowledged entry,
+  and close after a random number of entries. An error (fenced, not enough
+  bookies, ...) is legal: the writer records it and starts a new ledger;
+* a nemesis kill -9s, SIGSTOPs (hung bookie) or cleanly stops a bookie (now
+  and then two) and brings it back on the same directory some seconds later;
+* a recovery thread, with its own clients, opens (fences, recovers, closes) a
+  ledger that a writer is still writing (now and then from two clients at
+  once, or from a client closed under it half way: a crashed recoverer), or
+  tails one without recovery.
+
+Then it heals the cluster and checks, with a fresh client, every ledger:
+(1) every acknowledged entry id <= the ledger's last entry; (2) every entry
+0..last reads back byte-identical to what a writer submitted for that id (so
+acknowledged entries are intact and unacknowledged survivors are genuine);
+(3) no writer got an acknowledgement past the last entry a recovery closed
+the ledger at; (4) a ledger closed once (by its writer or a recovery) keeps
+that last entry; (5) no tailing reader saw a LAC past the final last entry;
+(6) before its final recovery, every acknowledged entry of a ledger left open
+or IN_RECOVERY is on Qa bookies of its write set in the metadata (what
+recovery relies on), and after it every entry 0..last is.
+Exit code 0 on PASS, 1 on FAIL. The cluster directory (bookie logs,
+client.log, events.log, violations.txt) is kept on FAIL or with --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import faulthandler
+import hashlib
+import logging
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import bk  # noqa: E402
+from bk import protocol as P  # noqa: E402
+from bk.errors import ENOLEDGER, EOK, BKError  # noqa: E402
+from bk.testing import BookieConnection, LocalCluster  # noqa: E402
+
+PASSWORD = b"soak"
+# (E, Qw, Qa); only shapes with E <= bookies - 1 are used, so one bookie down
+# still leaves room for an ensemble change.
+SHAPES = [(2, 2, 2), (3, 3, 2), (3, 2, 2), (3, 3, 3), (3, 2, 1), (4, 3, 2), (4, 2, 2),
+          (4, 4, 3)]
+DIGESTS = ["crc32c", "crc32", "mac"]
+CLIENT_SETTINGS = dict(addEntryTimeoutSec=3.0, readEntryTimeoutSec=3.0)
+
+log = logging.getLogger("soak")
+
+
+def fmt_exc(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def digest_of(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=12).digest()
+
+
+def header_of(data: bytes) -> str:
+    """The 'soak l=.. e=.. w=.. s=..' header a payload starts with, for messages."""
+    head = data[:60].split(b"|", 1)[0]
+    return head.decode("ascii", "replace")
+
+
+# --- history -------------------------------------------------------------------------
+class LedgerRec:
+    """Everything the soak knows about one ledger."""
+
+    def __init__(self, lid, writer, shape, digest_type, ensemble):
+        self.lid = lid
+        self.writer = writer
+        self.shape = shape
+        self.digest_type = digest_type
+        self.ensemble = ensemble
+        self.submitted: dict[int, bytes] = {}   # entry id -> digest of the payload sent
+        self.acked: dict[int, float] = {}       # entry id -> time of the acknowledgement
+        self.writer_closed: int | None = None   # last entry, if the writer's close() succeeded
+        self.writer_error: str | None = None
+        self.recoveries: list[tuple[float, int]] = []   # (time, last entry) of recovery opens
+        self.recovery_attempts = 0
+        self.reader_lacs: list[tuple[float, int]] = []  # LACs tailing readers saw
+
+
+class History:
+    def __init__(self, events_path):
+        self.lock = threading.Lock()
+        self.ledgers: dict[int, LedgerRec] = {}
+        self.failures = collections.Counter()
+        self.failure_example: dict[str, str] = {}   # kind -> its first message
+        self.nemesis = collections.Counter()
+        self.recovery = collections.Counter()
+        self.violations: list[str] = []
+        self.anomalies: list[str] = []
+        self.t0 = time.monotonic()
+        self._events = open(events_path, "a", buffering=1)
+
+    def event(self, msg):
+        t = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f",{int(t % 1 * 1000):03d}"
+        with self.lock:
+            self._events.write(f"{stamp} +{time.monotonic() - self.t0:7.2f}s "
+                               f"[{threading.current_thread().name}] {msg}\n")
+
+    def fail(self, kind, exc, lid=None):
+        key = f"{kind}: {type(exc).__name__}"
+        with self.lock:
+            self.failures[key] += 1
+            self.failure_example.setdefault(
+                key, f"{'' if lid is None else f'ledger {lid}: '}{str(exc)[:300]}")
+        self.event(f"{kind} failed{'' if lid is None else f' (ledger {lid})'}: {fmt_exc(exc)}")
+
+    def violation(self, msg):
+        with self.lock:
+            self.violations.append(msg)
+        self.event(f"VIOLATION {msg}")
+        log.error("VIOLATION %s", msg)
+
+    def anomaly(self, msg):
+        with self.lock:
+            self.anomalies.append(msg)
+        self.event(f"ANOMALY {msg}")
+        log.warning("ANOMALY %s", msg)
+
+    def close(self):
+        self._events.close()
+
+
+# --- writers ---------------------------------------------------------------------------
+class Writer(threading.Thread):
+    def __init__(self, n, client, hist, shapes, rng_seed, stop, active):
+        super().__init__(name=f"writer-{n}", daemon=True)
+        self.n, self.client, self.hist, self.shapes = n, client, hist, shapes
+        self.rng = random.Random(rng_seed)
+        self.stop, self.active = stop, active
+        self.seq = 0
+        self.busy_since = None      # monotonic time the current client call began
+        self.doing = ""
+
+    def payload(self, lid, eid) -> bytes:
+        self.seq += 1
+        head = f"soak l={lid} e={eid} w={self.n} s={self.seq}|".encode()
+        size = self.rng.choice((0, 10, 100, 1000, self.rng.randint(0, 4000)))
+        return head + self.rng.randbytes(size)
+
+    def call(self, what, fn, *args):
+        self.doing, self.busy_since = what, time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_since = None
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.one_ledger()
+            except Exception as e:   # a soak bug or an unexpected exception class
+                self.hist.anomaly(f"{self.name}: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+                time.sleep(1)
+
+    def one_ledger(self):
+        rng, hist = self.rng, self.hist
+        shape = rng.choice(self.shapes)
+        dt = rng.choice(DIGESTS)
+        try:
+            lh = self.call("create_ledger", self.client.create_ledger, *shape, dt, PASSWORD)
+        except BKError as e:
+            hist.fail("create", e)
+            self.stop.wait(0.5)
+            return
+        lid = lh.ledger_id
+        rec = LedgerRec(lid, self.n, shape, dt, list(lh.metadata.last_ensemble))
+        with hist.lock:
+            hist.ledgers[lid] = rec
+        hist.event(f"ledger {lid} created E/Qw/Qa={'/'.join(map(str, shape))} {dt} "
+                   f"ensemble {rec.ensemble}")
+        self.active[self.n] = lid
+        # Short and long ledgers; a third of them paced, so they live through faults.
+        target = rng.choice((rng.randint(1, 30), rng.randint(50, 600), rng.randint(1000, 5000)))
+        pause = rng.choice((0.0, 0.0, rng.uniform(0.005, 0.1)))
+        nxt = 0
+        try:
+            try:
+                while nxt < target and not self.stop.is_set():
+                    r = rng.random()
+                    if r < 0.4:
+                        nxt = self.add_one(lh, rec, nxt)
+                    elif r < 0.7:
+                        nxt = self.add_batch(lh, rec, nxt, rng.randint(2, 60))
+                    else:
+                        nxt = self.add_async(lh, rec, nxt, rng.randint(1, 30))
+                    if pause:
+                        time.sleep(rng.uniform(0, pause))
+            except BKError as e:
+                rec.writer_error = fmt_exc(e)
+                hist.fail("add", e, lid)
+                if rng.random() < 0.5:
+                    return          # abandon it, like a crashed writer: recovery's job
+            try:
+                self.call("close", lh.close)
+                rec.writer_closed = lh.last_add_confirmed
+                hist.event(f"ledger {lid} closed by its writer at {rec.writer_closed} "
+                           f"({len(rec.acked)} acknowledged)")
+            except BKError as e:
+                hist.fail("close", e, lid)
+        finally:
+            self.active.pop(self.n, None)
+
+    def _ack(self, rec, eid, predicted):
+        now = time.monotonic()
+        if eid != predicted:
+            self.hist.violation(f"ledger {rec.lid}: acknowledged entry id {eid}, the writer "
+                                f"expected {predicted} (ids must be consecutive, in order)")
+        with self.hist.lock:
+            rec.acked[eid] = now
+
+    def _submit(self, lh, rec, eid):
+        p = self.payload(rec.lid, eid)
+        rec.submitted[eid] = digest_of(p)
+        return p
+
+    def add_one(self, lh, rec, nxt):
+        p = self._submit(lh, rec, nxt)
+        eid = self.call("add_entry", lh.add_entry, p)
+        self._ack(rec, eid, nxt)
+        return nxt + 1
+
+    def add_batch(self, lh, rec, nxt, n):
+        ps = [self._submit(lh, rec, nxt + i) for i in range(n)]
+        last = self.call(f"add_entries({n})", lh.add_entries, ps)
+        # add_entries returns once its last entry is acknowledged: acknowledgements
+        # are in entry order, so every entry of the batch is.
+        for i in range(n - 1):
+            self._ack(rec, nxt + i, nxt + i)
+        self._ack(rec, last, nxt + n - 1)
+        return nxt + n
+
+    def add_async(self, lh, rec, nxt, n):
+        futs = []
+        err = None
+        for i in range(n):
+            p = self._submit(lh, rec, nxt + i)
+            try:
+                futs.append((nxt + i, lh.add_entry_async(p)))
+            except BKError as e:
+                err = e
+                break
+        self.doing, self.busy_since = f"add_entry_async x{len(futs)}", time.monotonic()
+        try:
+            for predicted, fut in futs:
+                try:
+                    eid = fut.result()
+                except BKError as e:
+                    err = err or e
+                    continue
+                if err is not None:
+                    self.hist.violation(
+                        f"ledger {rec.lid}: async add of entry {predicted} acknowledged after an "
+                        f"earlier add of the same handle failed ({fmt_exc(err)})")
+                self._ack(rec, eid, predicted)
+        finally:
+            self.busy_since = None
+        if err is not None:
+            raise err
+        return nxt + n
+
+
+# --- the fencing / tailing reader ------------------------------------------------------
+class Recoverer(threading.Thread):
+    def __init__(self, uri, clients, hist, rng_seed, stop, active, interval):
+        super().__init__(name="recovery", daemon=True)
+        self.uri = uri
+        self.client, self.client2 = clients
+        self.crashing: list[threading.Thread] = []
+        self.hist, self.stop, self.active = hist, stop, active
+        self.rng = random.Random(rng_seed)
+        self.interval = interval
+        self.busy_since = None
+        self.doing = ""
+
+    def run(self):
+        while not self.stop.wait(self.rng.uniform(*self.interval)):
+            try:
+                self.once()
+            except Exception as e:
+                self.hist.anomaly(f"recovery: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+        for t in self.crashing:
+            t.join(90)
+            if t.is_alive():
+                self.hist.anomaly(f"{t.name}: a recovery whose client was closed under it is "
+                                  f"still running after 90s")
+
+    def once(self):
+        lids = list(self.active.values())
+        if not lids:
+            return
+        lid = self.rng.choice(lids)
+        rec = self.hist.ledgers[lid]
+        hist = self.hist
+        r = self.rng.random()
+        if r < 0.3:
+            self.tail(lid, rec)
+            return
+        self.doing, self.busy_since = f"open_ledger({lid})", time.monotonic()
+        try:
+            if r < 0.75:
+                self.recover(self.client, lid, rec)
+                return
+            if r < 0.85:
+                self.crash_recover(lid, rec)
+                return
+            # Two clients recover the same ledger at once: they must agree.
+            hist.recovery["concurrent pairs"] += 1
+            other = threading.Thread(target=self.recover, args=(self.client2, lid, rec),
+                                     name="recovery-2", daemon=True)
+            other.start()
+            self.recover(self.client, lid, rec)
+            other.join()
+        finally:
+            self.busy_since = None
+
+    def crash_recover(self, lid, rec):
+        """A recovering client that dies part way: its client is closed under it."""
+        hist = self.hist
+        hist.recovery["crashed clients"] += 1
+        try:
+            client = bk.BookKeeper(self.uri, **CLIENT_SETTINGS)
+        except BKError as e:
+            hist.fail("recovery client", e)
+            return
+        def run():
+            try:
+                self.recover(client, lid, rec, "crashed recovery")
+            except Exception as e:     # a closed client should still raise BKError
+                hist.anomaly(f"recovery of ledger {lid} with a client closed under it raised "
+                             f"{fmt_exc(e)}\n{traceback.format_exc()}")
+
+        t = threading.Thread(target=run, name=f"recovery-crash-{lid}", daemon=True)
+        t.start()
+        time.sleep(self.rng.choice((0.0, self.rng.uniform(0, 0.05), self.rng.uniform(0, 2))))
+        client.close()
+        hist.event(f"recovery client of ledger {lid} closed under it (a crashed recoverer)")
+        self.crashing = [c for c in self.crashing if c.is_alive()] + [t]
+
+    def recover(self, client, lid, rec, kind="recovery open"):
+        hist = self.hist
+        with hist.lock:
+            rec.recovery_attempts += 1
+            acked_before = max(rec.acked, default=-1)
+            hist.recovery["attempts"] += 1
+        hist.event(f"recovery open of ledger {lid} begins (writer has {acked_before} "
+                   f"acknowledged so far)")
+        try:
+            rh = client.open_ledger(lid, PASSWORD)
+        except BKError as e:
+            with hist.lock:
+                hist.recovery[f"{kind} failed: {type(e).__name__}"] += 1
+            hist.fail(kind, e, lid)
+            return
+        last = rh.metadata.last_entry_id
+        with hist.lock:
+            rec.recoveries.append((time.monotonic(), last))
+            hist.recovery["closed"] += 1
+        hist.event(f"recovery open of ledger {lid} closed it at entry {last} "
+                   f"(state {rh.metadata.state.value})")
+
+    def tail(self, lid, rec):
+        hist = self.hist
+        hist.recovery["tail reads"] += 1
+        self.doing, self.busy_since = f"tail({lid})", time.monotonic()
+        try:
+            rh = self.client.open_ledger_no_recovery(lid, PASSWORD)
+            lac = rh.read_last_add_confirmed()
+            if lac >= 0:
+                first = max(0, lac - 50)
+                for e in rh.read_entries(first, lac):
+                    want = rec.submitted.get(e.entry_id)
+                    if want != digest_of(e.data):
+                        hist.violation(f"ledger {lid}: tailing reader read entry {e.entry_id} "
+                                       f"(<= LAC {lac}) as {header_of(e.data)!r}, "
+                                       f"not what the writer submitted")
+        except BKError as e:
+            hist.recovery[f"tail failed: {type(e).__name__}"] += 1
+            hist.fail("tail read", e, lid)
+            return
+        finally:
+            self.busy_since = None
+        with hist.lock:
+            rec.reader_lacs.append((time.monotonic(), lac))
+
+
+# --- the nemesis --------------------------------------------------------------------------
+class Nemesis(threading.Thread):
+    def __init__(self, cluster, hist, rng_seed, stop, max_down, interval):
+        super().__init__(name="nemesis", daemon=True)
+        self.cluster, self.hist, self.stop = cluster, hist, stop
+        self.rng = random.Random(rng_seed)
+        self.max_down = max_down
+        self.interval = interval
+        self.lock = threading.Lock()
+        self.down: dict[str, str] = {}      # bookie id -> "killed" / "paused" / "stopped"
+        self.busy_since = None
+        self.doing = ""
+
+    def run(self):
+        while not self.stop.wait(self.rng.uniform(*self.interval)):
+            try:
+                self.one_round()
+            except Exception as e:
+                self.hist.anomaly(f"nemesis: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+                self.heal()
+
+    def one_round(self):
+        rng = self.rng
+        n = 2 if self.max_down >= 2 and rng.random() < 0.15 else 1
+        victims = rng.sample(self.cluster.bookies, n)
+        for b in victims:
+            self.take_down(b, rng.choice(("killed", "killed", "paused", "paused", "stopped")))
+        # Two down at once only briefly: the largest ensembles cannot be repaired then.
+        self.stop.wait(rng.uniform(1, 3) if n == 2 else rng.uniform(2, 8))
+        self.heal()
+
+    def take_down(self, b, how):
+        self.doing, self.busy_since = f"{how} {b.bookie_id}", time.monotonic()
+        self.hist.event(f"nemesis: bookie {b.bookie_id} (pid {b.pid}) to be {how}")
+        try:
+            if how == "killed":
+                b.kill()
+            elif how == "paused":
+                b.kill(signal.SIGSTOP)
+            else:
+                code = b.stop()
+                if code not in (0, None):
+                    self.hist.anomaly(f"bookie {b.bookie_id} exited with {code} on SIGTERM")
+        finally:
+            self.busy_since = None
+        with self.lock:
+            self.down[b.bookie_id] = how
+        self.hist.nemesis[how] += 1
+        self.hist.event(f"nemesis: bookie {b.bookie_id} {how} (pid {b.pid})")
+
+    def heal(self):
+        """Bring back every bookie the nemesis took down (and any that died)."""
+        with self.lock:
+            down = dict(self.down)
+        for b in self.cluster.bookies:
+            how = down.get(b.bookie_id)
+            self.doing, self.busy_since = f"heal {b.bookie_id}", time.monotonic()
+            try:
+                if how == "paused":
+                    b.kill(signal.SIGCONT)
+                    self.hist.event(f"nemesis: bookie {b.bookie_id} resumed (SIGCONT)")
+                    if not b.alive:
+                        self.hist.anomaly(f"bookie {b.bookie_id} died while paused "
+                                          f"(exit {b.proc.returncode})")
+                if not b.alive:
+                    if how is None:
+                        self.hist.anomaly(f"bookie {b.bookie_id} died by itself (exit "
+                                          f"{b.proc.returncode if b.proc else None}); restarting")
+                    self._start(b)
+            finally:
+                self.busy_since = None
+            with self.lock:
+                self.down.pop(b.bookie_id, None)
+
+    def _start(self, b):
+        for attempt in range(5):
+            try:
+                b.start(timeout=60)
+                self.hist.event(f"nemesis: bookie {b.bookie_id} restarted (pid {b.pid})")
+                return
+            except BKError as e:
+                self.hist.anomaly(f"bookie {b.bookie_id} failed to restart (attempt "
+                                  f"{attempt + 1}): {e}")
+                if b.alive:
+                    b.kill()
+                time.sleep(2)
+        raise RuntimeError(f"bookie {b.bookie_id} does not come back")
+
+    def wait_all_registered(self, timeout=60.0):
+        """After heal(): every bookie registered (a resumed one re-registers once its
+        old lease expired); restart one that does not."""
+        want = {b.bookie_id for b in self.cluster.bookies}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            have = set(self.cluster.store.list_bookies())
+            if want <= have:
+                return True
+            time.sleep(0.2)
+        missing = want - set(self.cluster.store.list_bookies())
+        self.hist.anomaly(f"bookies {sorted(missing)} not registered {timeout:.0f}s after heal; "
+                          f"restarting them")
+        for bid in missing:
+            b = self.cluster.bookie(bid)
+            if b.alive:
+                b.kill(signal.SIGCONT)
+                b.kill()
+            self._start(b)
+        return False
+
+
+# --- the check ---------------------------------------------------------------------------
+class Copies:
+    """Which entries of a ledger each bookie holds (GET_LIST_OF_ENTRIES, raw protocol)."""
+
+    def __init__(self, cluster):
+        self.shards = {b.bookie_id: b.num_shards for b in cluster.bookies}
+        self.conns = {}
+
+    def held(self, bid, lid) -> set:
+        key = (bid, lid % self.shards[bid])
+        c = self.conns.get(key)
+        if c is None:
+            c = self.conns[key] = BookieConnection(bid, shard=key[1])
+        r = c.call(P.get_list_of_entries(c.next_rid(), lid))
+        if r[2] == EOK:
+            return set(P.ranges_to_ids(r[4] or []))
+        if r[2] == ENOLEDGER:
+            return set()
+        raise BKError(f"list entries of ledger {lid} on {bid}: status {r[2]}")
+
+    def short(self, md, entries, need):
+        """``[(entry, copies, write set)]`` of the entries with fewer than ``need``
+        copies on the bookies of their write set in ``md``."""
+        held = {b: self.held(b, md.ledger_id) for _, ens in md.ensembles for b in ens}
+        out = []
+        for e in entries:
+            ws = md.write_set(e)
+            n = sum(e in held[b] for b in ws)
+            if n < need:
+                out.append((e, n, ws))
+        return out
+
+    def close(self):
+        for c in self.conns.values():
+            c.close()
+
+
+def check(client, hist: History, progress, copies: Copies):
+    """Open every ledger with recovery and check the history against it."""
+    V = hist.violation
+    total_read = 0
+    lids = sorted(hist.ledgers)
+    for i, lid in enumerate(lids):
+        rec = hist.ledgers[lid]
+        qa = rec.shape[2]
+        if i and i % 50 == 0:
+            progress(f"check: {i}/{len(lids)} ledgers, {total_read} entries read")
+        # (6) What recovery relies on: before it runs, every acknowledged entry has Qa
+        # copies in its write set as the metadata now says (else a recovery may
+        # count Qw - Qa + 1 "no such entry" answers and drop it).
+        md0 = client.ledger_metadata(lid)
+        if md0.state.value != "CLOSED":
+            for e, n, ws in copies.short(md0, sorted(rec.acked), qa):
+                V(f"ledger {lid} ({md0.state.value}, ensembles {md0.ensembles}): acknowledged "
+                  f"entry {e} is on {n} of its write set {ws}, fewer than Qa={qa}: a recovery "
+                  f"could drop it")
+        rh = None
+        for attempt in range(4):
+            try:
+                rh = client.open_ledger(lid, PASSWORD)
+                break
+            except BKError as e:
+                hist.event(f"check: open of ledger {lid} failed (attempt {attempt + 1}): "
+                           f"{fmt_exc(e)}")
+                err = e
+                time.sleep(2)
+        if rh is None:
+            V(f"ledger {lid}: cannot be opened (recovered) on a healed cluster: {fmt_exc(err)}")
+            continue
+        md = rh.metadata
+        last = md.last_entry_id
+        if md.state.value != "CLOSED":
+            V(f"ledger {lid}: state {md.state.value} after a recovery open")
+        acked = sorted(rec.acked)
+        max_acked = acked[-1] if acked else -1
+        # (1) nothing acknowledged lies past the end of the ledger.
+        lost = [e for e in acked if e > last]
+        if lost:
+            V(f"ledger {lid} (E/Qw/Qa={'/'.join(map(str, rec.shape))}): closed at entry {last} "
+              f"but {len(lost)} acknowledged entries lie past it: {_ids(lost)}")
+        # (3) no acknowledgement past where a recovery closed it.
+        for t, rlast in rec.recoveries:
+            late = [e for e in acked if e > rlast]
+            if late:
+                after = [e for e in late if rec.acked[e] > t]
+                V(f"ledger {lid}: recovery closed it at entry {rlast} at +{t - hist.t0:.2f}s, "
+                  f"yet the writer got acknowledgements for {_ids(late)}"
+                  f" ({len(after)} of them after the recovery returned)")
+        # (4) a closed ledger's last entry never changes.
+        closes = [("its writer", rec.writer_closed)] if rec.writer_closed is not None else []
+        closes += [(f"recovery at +{t - hist.t0:.2f}s", rlast) for t, rlast in rec.recoveries]
+        for who, clast in closes:
+            if clast != last:
+                V(f"ledger {lid}: closed by {who} at entry {clast}, but it is now closed at "
+                  f"{last}")
+        # (5) a tailing reader never saw a LAC the ledger did not keep.
+        for t, lac in rec.reader_lacs:
+            if lac > last:
+                V(f"ledger {lid}: a tailing reader saw LAC {lac} at +{t - hist.t0:.2f}s, but the "
+                  f"ledger ends at {last}")
+        # (2) every entry 0..last is intact and is what a writer submitted for it.
+        e = 0
+        while e <= last:
+            end = min(last, e + 999)
+            try:
+                entries = rh.read_entries(e, end)
+            except BKError as exc:
+                missing_acked = [x for x in acked if e <= x <= end]
+                V(f"ledger {lid}: reading entries {e}..{end} (last {last}) failed: {fmt_exc(exc)}"
+                  f"; {len(missing_acked)} acknowledged entries in that range")
+                break
+            for ent in entries:
+                want = rec.submitted.get(ent.entry_id)
+                got = digest_of(ent.data)
+                if want is None:
+                    V(f"ledger {lid}: entry {ent.entry_id} exists ({header_of(ent.data)!r}) but no "
+                      f"writer ever submitted an entry with that id")
+                elif got != want:
+                    kind = "acknowledged" if ent.entry_id in rec.acked else "unacknowledged"
+                    V(f"ledger {lid}: {kind} entry {ent.entry_id} reads back as "
+                      f"{header_of(ent.data)!r} ({len(ent.data)} bytes), not what was submitted")
+            total_read += len(entries)
+            e = end + 1
+        # (6) after: every entry of the closed ledger has Qa copies in its write set.
+        short = copies.short(md, range(0, last + 1), qa)
+        for e, n, ws in short[:20]:
+            V(f"ledger {lid} closed at {last}: entry {e} is on {n} of its write set {ws}, "
+              f"fewer than Qa={qa}")
+        if len(short) > 20:
+            V(f"ledger {lid}: {len(short) - 20} more entries with fewer than Qa copies")
+        unacked_kept = [x for x in range(max_acked + 1, last + 1)]
+        if unacked_kept:
+            hist.event(f"check: ledger {lid} kept {len(unacked_kept)} unacknowledged entries "
+                       f"past the last acknowledged {max_acked} (last {last})")
+    return total_read
+
+
+def _ids(ids, limit=12):
+    ids = sorted(ids)
+    s = ", ".join(map(str, ids[:limit]))
+    return f"[{s}{', ...' if len(ids) > limit else ''}] ({len(ids)})"
+
+
+# --- main ---------------------------------------------------------------------------------
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of chaos (default 60)")
+    p.add_argument("--bookies", type=int, default=5, help="bookie processes (default 5, min 3)")
+    p.add_argument("--writers", type=int, default=3, help="writer threads (default 3)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
+    p.add_argument("--shards", type=int, default=2, help="numShards of each bookie (default 2)")
+    p.add_argument("--nemesis-interval", type=float, nargs=2, default=(1.0, 4.0),
+                   metavar=("MIN", "MAX"), help="seconds between nemesis rounds (default 1 4)")
+    p.add_argument("--recovery-interval", type=float, nargs=2, default=(1.0, 4.0),
+                   metavar=("MIN", "MAX"), help="seconds between recovery opens (default 1 4)")
+    p.add_argument("--no-nemesis", action="store_true", help="no faults (a baseline run)")
+    p.add_argument("--keep", action="store_true", help="keep the cluster directory on PASS")
+    p.add_argument("--dir", help="cluster directory (default: a new temp dir)")
+    a = p.parse_args()
+    if a.bookies < 3:
+        p.error("--bookies must be at least 3")
+    seed = a.seed if a.seed is not None else int(time.time() * 1000) % 1_000_000
+    shapes = [s for s in SHAPES if s[0] <= a.bookies - 1]
+    max_down = 2 if a.bookies >= 5 else 1
+
+    base = os.path.abspath(a.dir) if a.dir else tempfile.mkdtemp(prefix="bk-soak-")
+    os.makedirs(base, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(base, "client.log"))
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(levelname)s [%(name)s] [%(threadName)s] %(message)s"))
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    hist = History(os.path.join(base, "events.log"))
+
+    def say(msg):
+        print(f"[{time.monotonic() - hist.t0:7.1f}s] {msg}", flush=True)
+
+    say(f"soak: seed {seed}, {a.duration:g}s, {a.bookies} bookies x {a.shards} shards, "
+        f"{a.writers} writers, shapes {['/'.join(map(str, s)) for s in shapes]}")
+    say(f"soak: cluster directory {base} (bookie-*/bookie.log, client.log, events.log)")
+    hist.event(f"soak starts: seed {seed} args {vars(a)}")
+    cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards)
+    stop = threading.Event()
+    threads = []
+    clients = []
+    ok = False
+    try:
+        cluster.start()
+        say(f"soak: metadataServiceUri={cluster.metadata_uri}, bookies "
+            f"{[b.bookie_id for b in cluster.bookies]}")
+        wclient = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
+        rclient = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
+        rclient2 = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
+        clients += [wclient, rclient, rclient2]
+        active: dict[int, int] = {}
+        writers = [Writer(i, wclient, hist, shapes, seed * 100 + i, stop, active)
+                   for i in range(a.writers)]
+        recoverer = Recoverer(cluster.metadata_uri, (rclient, rclient2), hist, seed * 100 + 50,
+                              stop, active, a.recovery_interval)
+        nemesis = Nemesis(cluster, hist, seed * 100 + 60, stop, max_down, a.nemesis_interval)
+        threads = writers + [recoverer] + ([] if a.no_nemesis else [nemesis])
+        for t in threads:
+            t.start()
+
+        def status():
+            with hist.lock:
+                n_led = len(hist.ledgers)
+                n_ack = sum(len(r.acked) for r in hist.ledgers.values())
+                n_fail = sum(hist.failures.values())
+            down = ", ".join(f"{k} {v}" for k, v in sorted(nemesis.down.items())) or "none"
+            return (f"{n_led} ledgers, {n_ack} acknowledged, {n_fail} failures, "
+                    f"{hist.recovery['closed']} recovered, down: {down}")
+
+        end = time.monotonic() + a.duration
+        while time.monotonic() < end:
+            time.sleep(min(5.0, max(0.0, end - time.monotonic())))
+            say(status())
+        say("soak: stopping writers, recovery and nemesis")
+        stop.set()
+        # Liveness: a call that never returns is a bug too (each has its own timeouts).
+        deadline = time.monotonic() + 120
+        for t in threads:
+            t.join(max(0.1, deadline - time.monotonic()))
+        stuck = [t for t in threads if t.is_alive()]
+        for t in stuck:
+            since = time.monotonic() - t.busy_since if t.busy_since else float("nan")
+            hist.violation(f"{t.name} is stuck in {t.doing} for {since:.0f}s (stacks in "
+                           f"client.log)")
+        if stuck:
+            buf = []
+            for tid, frame in sys._current_frames().items():
+                name = next((t.name for t in threading.enumerate() if t.ident == tid), tid)
+                buf.append(f"--- thread {name}\n" + "".join(traceback.format_stack(frame)))
+            log.error("stacks of all threads:\n%s", "\n".join(buf))
+        say("soak: healing the cluster")
+        nemesis.heal()
+        nemesis.wait_all_registered()
+        say(status())
+        say("soak: checking every ledger with a fresh client (recovery open + read back)")
+        faulthandler.dump_traceback_later(1800, exit=False,
+                                          file=open(os.path.join(base, "stacks.txt"), "w"))
+        copies = Copies(cluster)
+        try:
+            with bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS) as cclient:
+                n_read = check(cclient, hist, say, copies)
+        finally:
+            copies.close()
+        faulthandler.cancel_dump_traceback_later()
+        ok = True
+    except KeyboardInterrupt:
+        say("soak: interrupted")
+        hist.violation("interrupted before the check finished (not a verdict)")
+    except Exception as e:
+        hist.violation(f"soak aborted: {fmt_exc(e)}\n{traceback.format_exc()}")
+    finally:
+        stop.set()
+        for c in clients:
+            try:
+                c.close()
+            except Exception:
+                pass
+        for b in cluster.bookies:       # a paused bookie cannot drain
+            if b.alive:
+                b.kill(signal.SIGCONT)
+        cluster.stop()
+
+    # --- summary ------------------------------------------------------------------------
+    recs = hist.ledgers.values()
+    n_acked = sum(len(r.acked) for r in recs)
+    n_sub = sum(len(r.submitted) for r in recs)
+    print()
+    print(f"=== soak summary (seed {seed}, {a.duration:g}s, {a.bookies} bookies) ===")
+    print(f"ledgers: {len(recs)} created, {sum(r.writer_closed is not None for r in recs)} "
+          f"closed by their writer, {sum(bool(r.recoveries) for r in recs)} closed by the "
+          f"recovery thread, {sum(r.writer_error is not None for r in recs)} with a writer error")
+    print(f"entries: {n_acked} acknowledged of {n_sub} submitted"
+          + (f", {n_read} read back in the check" if ok else ""))
+    print("shapes: " + ", ".join(f"{'/'.join(map(str, s))} x{c}" for s, c in
+                                 sorted(collections.Counter(r.shape for r in recs).items())))
+    print("failures (legal): " + (", ".join(f"{k} x{v}" for k, v in sorted(hist.failures.items()))
+                                  or "none"))
+    for k, v in sorted(hist.failure_example.items()):
+        print(f"  e.g. {k}: {v}")
+    print("nemesis: " + (", ".join(f"{k} x{v}" for k, v in sorted(hist.nemesis.items()))
+                         or "none"))
+    print("recovery thread: " + (", ".join(f"{k} x{v}" for k, v in sorted(hist.recovery.items()))
+                                 or "none"))
+    if hist.anomalies:
+        print(f"anomalies ({len(hist.anomalies)}, not safety violations):")
+        for m in hist.anomalies:
+            print("  - " + m.replace("\n", "\n    "))
+    failed = bool(hist.violations) or not ok
+    if hist.violations:
+        with open(os.path.join(base, "violations.txt"), "w") as f:
+            f.write("\n".join(hist.violations) + "\n")
+        print(f"violations ({len(hist.violations)}):")
+        for m in hist.violations[:200]:
+            print("  - " + m.replace("\n", "\n    "))
+        if len(hist.violations) > 200:
+            print(f"  ... {len(hist.violations) - 200} more in {base}/violations.txt")
+    hist.close()
+    handler.close()
+    print("FAIL" if failed else "PASS")
+    if failed or a.keep:
+        print(f"cluster directory kept: {base}")
+    elif not a.dir:
+        shutil.rmtree(base, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
