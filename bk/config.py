@@ -147,6 +147,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     # --- client ----------------------------------------------------------------
     _S("addEntryTimeoutSec", float, 10.0, "Seconds before a bookie that has not "
        "acknowledged an add is replaced.", scope=CLIENT, minimum=0.1),
+    _S("bookieQuarantineTimeSeconds", float, 60.0, "Seconds a bookie that failed a ledger "
+       "handle's add is not picked again as a replacement by that handle (a bookie "
+       "that came back after that may be).", scope=CLIENT, minimum=0),
     _S("readEntryTimeoutSec", float, 10.0, "Seconds before a read from one bookie is "
        "abandoned for the next replica.", scope=CLIENT, minimum=0.1),
     _S("clientConnectTimeoutMillis", int, 5000, "Timeout (ms) to connect to a bookie.",

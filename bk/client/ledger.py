@@ -36,7 +36,9 @@ bookie still refusing once the add is ``addEntryTimeoutSec`` old is failed
 (ensemble change). An add acknowledged by Qa other bookies meanwhile stops
 waiting for it, as for a slow bookie. EREADONLY is a failure at once: a
 read-only bookie takes no writes until its disk frees up, and a bookie that
-failed is never picked again as a replacement by this handle.
+failed is not picked again as a replacement by this handle for
+``bookieQuarantineTimeSeconds`` (then, registered and writable again, it may
+be: a long-lived ledger must not run out of bookies).
 
 Reads try the write set's bookies in order and move on when one fails, lacks
 the entry, or returns a copy whose digest does not verify. A reader's length
@@ -352,7 +354,8 @@ class LedgerHandle:
         self._failed_slots: set = set()
         self._change_lock = threading.Lock()
         self._close_lock = threading.Lock()  # close() retries: one metadata write at a time
-        self._excluded: set = set()
+        self._failed_at: dict = {}          # bookie -> monotonic time it failed this handle
+        self._quarantine = float(self._conf.bookieQuarantineTimeSeconds)
         self._throttle = int(self._conf.throttle)
         self._add_timeout = float(self._conf.addEntryTimeoutSec)
         self._cond = threading.Condition()
@@ -617,7 +620,7 @@ class LedgerHandle:
             self._add_busy(op, conn)
             return
         # EREADONLY included: a read-only bookie takes no adds until its disk frees
-        # up, so it is replaced (and, being failed, never picked again by this handle).
+        # up, so it is replaced (and, being failed, quarantined by this handle).
         self._bookie_failed(conn, error_for_status(status, f"bookie {conn.bookie_id}"))
 
     def _add_busy(self, op, conn):
@@ -716,9 +719,14 @@ class LedgerHandle:
             failed_slots = set(self._failed_slots)
         old_ens = md.last_ensemble
         failed = [old_ens[s] for s in sorted(failed_slots)]
-        self._excluded.update(failed)
+        now = time.monotonic()
+        for b in failed:
+            self._failed_at[b] = now
+        self._failed_at = {b: t for b, t in self._failed_at.items()
+                           if now - t < self._quarantine or b in failed}
+        quarantined = set(self._failed_at)
         new_ens, mapping = self._client._place(
-            lambda writable: replace_bookies(writable, old_ens, failed, self._excluded))
+            lambda writable: replace_bookies(writable, old_ens, failed, quarantined))
         if self._recovery:
             # Kept in memory until the recovery closes the ledger with it. Stored
             # now, it would outlive a recovery that then fails: the next recovery

@@ -816,3 +816,33 @@ def test_close_during_an_etcd_outage_can_be_retried(cluster_factory):
         lh.close()                               # closed: nothing more to do
         rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
         assert [e.data for e in rh.read_entries(0, 9)] == data
+
+
+@pytest.mark.parametrize("quarantine", [0.0, 3600.0])
+def test_failed_bookie_that_came_back_is_picked_after_its_quarantine(cluster_factory,
+                                                                      quarantine):
+    """A long-lived ledger on E=3 of 4 bookies: A fails and is replaced by the spare;
+    A comes back; then B fails. Past A's quarantine A replaces B; within it the
+    handle has no bookie left (BookKeeper's bookieQuarantineTimeSeconds)."""
+    cluster = cluster_factory(4)
+    with _client(cluster, bookieQuarantineTimeSeconds=quarantine) as client:
+        lh = client.create_ledger(3, 3, 2, password=PW)
+        data = [b"q%d" % i for i in range(30)]
+        lh.add_entries(data[:10])
+        a, b = lh.metadata.last_ensemble[:2]
+        cluster.bookie(a).kill(signal.SIGKILL)
+        lh.add_entries(data[10:20])                       # A replaced by the spare
+        assert a not in lh.metadata.last_ensemble
+        cluster.bookie(a).start()
+        _wait_for(lambda: a in client._writable_view(), "A registered again")
+        cluster.bookie(b).kill(signal.SIGKILL)
+        if quarantine:
+            with pytest.raises(NotEnoughBookiesError) as ei:
+                lh.add_entries(data[20:])
+            assert a in str(ei.value)                     # named as excluded
+            return
+        lh.add_entries(data[20:])                         # B replaced by A
+        assert a in lh.metadata.last_ensemble and b not in lh.metadata.last_ensemble
+        lh.close()
+        rh = client.open_ledger(lh.ledger_id, password=PW)
+        assert [e.data for e in rh.read_entries(0, 29)] == data
