@@ -845,8 +845,7 @@ class Journal:
         """Total bytes of the record at ``pos`` (no CRC check: for accounting only)."""
         seg = self._segs[pos >> 32]
         if seg is self._active and (pos & _OFF_MASK) >= self._wbase:
-            i = (pos & _OFF_MASK) - self._wbase
-            return 8 + _LEN.unpack_from(self._buf, i + 4)[0]
+            self._write_out()     # still staged: reads see the file, one rule for all
         return 8 + _LEN.unpack_from(seg.mm, (pos & _OFF_MASK) + 4)[0]
 
     def scan_segment(self, seq: int, full: bool = True):
