@@ -96,13 +96,13 @@ class BookiePool:
         addr = self.address(bookie_id)
         n = self._shards.get(bookie_id)
         if n is None:
-            from bk.testing import BookieConnection
+            from bk.rawclient import BookieConnection
             with BookieConnection(addr, -1, timeout=self.timeout) as c:
                 n = self._shards[bookie_id] = int(c.num_shards)
         return n
 
     def conn(self, bookie_id: str, ledger_id: int | None = None, shard: int | None = None):
-        from bk.testing import BookieConnection
+        from bk.rawclient import BookieConnection
         if shard is None:
             shard = ledger_id % self.num_shards(bookie_id)
         key = (bookie_id, shard)

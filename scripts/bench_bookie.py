@@ -24,12 +24,12 @@ def main():
     ap.add_argument("--group-wait", default="2", help="journalMaxGroupWaitMSec of the local bookie")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from bk.bench_bookie import bench_bookie
+    from bk.bench.bookie import bench_bookie
 
     cluster = None
     bookie = a.bookie
     if bookie is None:
-        from bk.testing import LocalCluster
+        from bk.localcluster import LocalCluster
         cluster = LocalCluster(num_bookies=1, num_shards=a.shards, conf_overrides={
             "journalSyncData": a.sync, "journalMaxGroupWaitMSec": a.group_wait,
             "journalPreAllocSizeMB": 256})

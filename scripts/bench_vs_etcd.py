@@ -19,7 +19,7 @@ unique. Several writer counts are tried and the fastest is compared, because
 etcd batches concurrent proposals into one fsync and only goes fast with many
 writers.
 
-bk: ``bk.bench.bench_writes`` (one client, pipelined adds, ``--window``
+bk: ``bk.bench.writes.bench_writes`` (one client, pipelined adds, ``--window``
 outstanding), every add acknowledged by 2 of 3 bookies after their group
 commit (msync). Measured at full speed, and also open-loop at etcd's best
 throughput, so that latencies are compared at the same load too.
@@ -197,9 +197,9 @@ def main():
     p.add_argument("--json", action="store_true", help="print one JSON document at the end")
     a = p.parse_args()
 
-    from bk.bench import bench_writes
+    from bk.bench.writes import bench_writes
     from bk.meta.etcd_server import EtcdCluster
-    from bk.testing import LocalCluster, production_settings
+    from bk.localcluster import LocalCluster
 
     base = a.dir or tempfile.mkdtemp(prefix="bk-vs-etcd-")
     procs = a.procs or max(2, os.cpu_count() or 1)
@@ -213,8 +213,7 @@ def main():
     etcd = EtcdCluster(os.path.join(base, "etcd-cluster"), size=3)
     cluster = LocalCluster(num_bookies=3, base_dir=os.path.join(base, "bk"),
                            num_shards=a.shards,
-                           conf_overrides=dict(production_settings(),
-                                               journalPreAllocSizeMB=256))
+                           conf_overrides={"journalPreAllocSizeMB": 256})
     try:
         say(f"starting a 3-member etcd cluster and 3 bookies in {base} ...")
         etcd.start()

@@ -15,7 +15,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bk.bench import bench_writes  # noqa: E402
+from bk.bench.writes import bench_writes  # noqa: E402
 
 
 def main():
@@ -56,10 +56,9 @@ def main():
     if a.uri:
         res = run(a.uri)
     else:
-        from bk.testing import LocalCluster, production_settings
+        from bk.localcluster import LocalCluster
         with tempfile.TemporaryDirectory(prefix="bk-bench-") as d:
-            with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards,
-                              conf_overrides=production_settings()) as c:
+            with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards) as c:
                 res = run(c.metadata_uri)
     if a.json:
         print(json.dumps(res))

@@ -274,7 +274,7 @@ def localcluster(bookies, base_dir, base_port, etcd_port, shards, settings, smok
     (metadataServiceUri=etcd://127.0.0.1:PORT/ledgers). Data is kept in --dir,
     so a restart finds the ledgers again.
     """
-    from bk.testing import LocalCluster, production_settings
+    from bk.localcluster import LocalCluster
 
     overrides = parse_settings(settings)
     Config.load(None, overrides)         # a bad --set fails here, before anything starts
@@ -282,7 +282,7 @@ def localcluster(bookies, base_dir, base_port, etcd_port, shards, settings, smok
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     cluster = LocalCluster(num_bookies=bookies, base_dir=base_dir, num_shards=shards,
                            base_port=base_port, etcd_port=etcd_port,
-                           conf_overrides={**production_settings(), **overrides})
+                           conf_overrides=overrides)
     cluster.start_etcd()
     click.echo(f"metadataServiceUri={cluster.metadata_uri}", color=False)
     sys.stdout.flush()

@@ -701,7 +701,7 @@ def bench_writes_cmd(c, ensemble, write_quorum, ack_quorum, entry_size, duration
     Example:
       bkshell bench writes --ensemble 3 --write-quorum 3 --ack-quorum 2 --duration 10
     """
-    from bk.bench import bench_writes
+    from bk.bench.writes import bench_writes
     if not ensemble >= write_quorum >= ack_quorum:
         raise click.BadParameter("need --ensemble >= --write-quorum >= --ack-quorum")
     if not as_json:
@@ -738,7 +738,7 @@ def bench_bookie_cmd(c, bookie_id, entry_size, count, window, as_json):
     Example:
       bkshell bench bookie 127.0.0.1:3181 --count 200000
     """
-    from bk.bench_bookie import bench_bookie
+    from bk.bench.bookie import bench_bookie
     addr = bookie_id
     uri = c.metadata or (c.conf.metadataServiceUri if c.conf_file else None) \
         or os.environ.get(ENV_URI)

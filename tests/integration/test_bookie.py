@@ -333,10 +333,11 @@ def test_config_errors_name_the_key(tmp_path):
 
 def test_daemon_start_status_stop(cluster_factory, tmp_path):
     c = cluster_factory(0)
-    from bk.testing import BookieProcess
+    from bk.testing import TEST_DEFAULTS, BookieProcess
     from bk.util import free_port
 
-    b = BookieProcess(c.metadata_uri, str(tmp_path / "d"), free_port(), store=c.store)
+    b = BookieProcess(c.metadata_uri, str(tmp_path / "d"), free_port(), store=c.store,
+                      conf_overrides=TEST_DEFAULTS)
     r = _bookie_cmd("start", "--conf", b.conf_file, "--daemon")
     assert r.returncode == 0, r.stderr
     assert "started" in r.stdout

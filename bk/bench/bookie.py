@@ -15,7 +15,7 @@ from array import array
 
 from bk import protocol as P
 from bk.errors import EOK, BKError, error_for_status
-from bk.testing import BookieConnection
+from bk.rawclient import BookieConnection
 
 MASTER_KEY = b"bench-bookie-key-000"
 

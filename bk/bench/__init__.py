@@ -1,0 +1,1 @@
+"""Benchmarks behind ``bkshell bench`` and ``scripts/bench_*.py``: they print numbers."""
