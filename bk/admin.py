@@ -104,7 +104,7 @@ class BookiePool:
     def conn(self, bookie_id: str, ledger_id: int | None = None, shard: int | None = None):
         from bk.rawclient import BookieConnection
         if shard is None:
-            shard = ledger_id % self.num_shards(bookie_id)
+            shard = P.shard_of(ledger_id, self.num_shards(bookie_id))
         key = (bookie_id, shard)
         c = self._conns.get(key)
         if c is None:

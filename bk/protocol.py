@@ -55,8 +55,20 @@ import msgpack
 
 from bk.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+# 2: ledgers map to shards by shard_of() (1 used ledger_id % shards); a peer of
+# another version is refused at HELLO rather than sent to the wrong shard.
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME_SIZE = 5 * 1024 * 1024  # like nettyMaxFrameSizeBytes
+
+_MIX = 0x9E3779B97F4A7C15   # 2**64 / golden ratio (Fibonacci hashing)
+_MASK64 = (1 << 64) - 1
+
+
+def shard_of(ledger_id: int, num_shards: int) -> int:
+    """The shard of a bookie that owns ``ledger_id``: a multiplicative hash of the
+    id, so consecutive or same-parity ids spread over the shards (``id % n`` put
+    every other id on one shard when ids grow in even steps)."""
+    return (((ledger_id * _MIX) & _MASK64) >> 32) % num_shards
 
 # ops
 HELLO = 0

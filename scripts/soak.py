@@ -527,7 +527,7 @@ class Copies:
         self.conns = {}
 
     def held(self, bid, lid) -> set:
-        key = (bid, lid % self.shards[bid])
+        key = (bid, P.shard_of(lid, self.shards[bid]))
         c = self.conns.get(key)
         if c is None:
             c = self.conns[key] = BookieConnection(bid, shard=key[1])

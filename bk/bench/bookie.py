@@ -51,7 +51,7 @@ def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
     probe = BookieConnection(bookie_id, -1)
     num_shards = probe.num_shards
     probe.close()
-    conn = BookieConnection(bookie_id, ledger_id % num_shards)
+    conn = BookieConnection(bookie_id, P.shard_of(ledger_id, num_shards))
     sock = conn.sock
     sock.settimeout(60)
     payload = os.urandom(entry_size)

@@ -98,7 +98,10 @@ class ShardStorage:
     """Ledger state, entry index and journal of one shard (single-threaded)."""
 
     def __init__(self, journal_dir: str, index_dir: str, *, segment_size: int,
-                 sync_data: bool = True):
+                 sync_data: bool = True, owns=None):
+        # ``owns(ledger_id)``: whether this shard owns a ledger; an ADD or fence of a
+        # ledger it does not own is a misrouted request (EBADREQ), never new state.
+        self._owns = owns
         os.makedirs(journal_dir, exist_ok=True)
         os.makedirs(index_dir, exist_ok=True)
         self.journal_dir = journal_dir
@@ -133,7 +136,7 @@ class ShardStorage:
         EBADREQ (negative or absurdly far entry id, larger than a segment); EIO."""
         st = self._ledgers.get(ledger)
         if st is None:
-            if entry < 0:
+            if entry < 0 or not self._owned(ledger):
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
             if st is None:
@@ -202,9 +205,12 @@ class ShardStorage:
             st.last = entry
 
     def fence(self, ledger: int, master_key: bytes) -> int:
-        """Fence a ledger (creating its state if unknown). EOK, EUA or EIO."""
+        """Fence a ledger (creating its state if unknown). EOK, EUA, EBADREQ (not this
+        shard's ledger) or EIO."""
         st = self._ledgers.get(ledger)
         if st is None:
+            if not self._owned(ledger):
+                return EBADREQ
             st = self._new_ledger(ledger, master_key)
             if st is None:
                 return EIO
@@ -269,6 +275,13 @@ class ShardStorage:
         st.meta_seg = pos >> 32
         self._ledgers[ledger] = st
         return st
+
+    def _owned(self, ledger: int) -> bool:
+        if self._owns is None or self._owns(ledger):
+            return True
+        log.warning("refused a request for ledger %d: another shard owns it (misrouted)",
+                    ledger)
+        return False
 
     def _key_mismatch(self, ledger: int, st: _Ledger, master_key: bytes) -> int:
         """The key presented differs from the ledger's: EUA, unless the ledger has no

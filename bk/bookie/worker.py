@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-The worker owns the ledgers with ``ledger_id % num_shards == shard`` and their
+The worker owns the ledgers with ``protocol.shard_of(ledger_id, num_shards) == shard`` and their
 storage (journal + index). Clients reach it through sockets that the arbiter
 hands over on the control channel after reading their HELLO.
 
@@ -137,9 +137,11 @@ class ShardWorker:
         from bk.bookie.storage import ShardStorage   # imported after fork, in the child
         jdir, idir = layout.shard_dirs(self.conf, self.shard)
         t0 = time.monotonic()
+        shard, n = self.shard, self.num_shards
         self.storage = ShardStorage(jdir, idir,
                                     segment_size=self.conf.journalPreAllocSizeMB << 20,
-                                    sync_data=self.conf.journalSyncData)
+                                    sync_data=self.conf.journalSyncData,
+                                    owns=lambda lid: P.shard_of(lid, n) == shard)
         stats = self.storage.stats()
         log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
                  time.monotonic() - t0, stats.get("ledgers"))

@@ -156,7 +156,7 @@ class BookKeeper:
             n = self._resolve(bookie_id)
             if n is None:
                 return DeadConnection(self._io, bookie_id, "not registered and not reachable")
-        return self._io.conn(bookie_id, ledger_id % n)
+        return self._io.conn(bookie_id, protocol.shard_of(ledger_id, n))
 
     def _resolve(self, bookie_id: str):
         """Learn the address and shard count of a bookie: registration, else HELLO."""

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from bk import protocol as P
-from bk.errors import (EFENCED, ENOENTRY, ENOLEDGER, EOK, EREADONLY, EUA,
+from bk.errors import (EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EREADONLY, EUA,
                        BookieUnavailableError)
 from bk.testing import BookieConnection
 
@@ -21,7 +21,7 @@ OTHER = b"x" * 20
 
 
 def shard_of(lid, b):
-    return lid % b.num_shards
+    return P.shard_of(lid, b.num_shards)
 
 
 def conn(b, lid=0):
@@ -45,14 +45,29 @@ def wait_until(pred, timeout=15.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def test_misrouted_add_and_fence_get_ebadreq(cluster):
+    b = cluster.bookies[0]
+    lid = 10
+    wrong = 1 - shard_of(lid, b)
+    with BookieConnection(b.bookie_id, shard=wrong) as c:
+        assert add(c, lid, 0, b"x")[2] == EBADREQ
+        r = c.call(P.read(c.next_rid(), lid, 0, fence=True, master_key=KEY))
+        assert r[2] == EBADREQ
+    with conn(b, lid) as c:                    # nothing was created on the wrong shard
+        assert add(c, lid, 0, b"x")[2] == EOK
+    with BookieConnection(b.bookie_id, shard=wrong) as c:
+        assert c.call(P.get_list_of_entries(c.next_rid(), lid))[2] == ENOLEDGER
+
+
 def test_adds_then_reads_across_shards(cluster):
     b = cluster.bookies[0]
-    for lid in (10, 11):                       # two ledgers, two shards
+    for lid in (10, 12):                       # two ledgers, two shards
         with conn(b, lid) as c:
             for eid in range(50):
                 resp = add(c, lid, eid, b"entry-%d-%d" % (lid, eid), lac=eid - 1)
                 assert resp[:5] == [P.ADD, resp[1], EOK, lid, eid]
-    for lid in (10, 11):
+    assert {shard_of(lid, b) for lid in (10, 12)} == {0, 1}
+    for lid in (10, 12):
         with conn(b, lid) as c:
             for eid in (0, 17, 49):
                 r = read(c, lid, eid)
@@ -88,7 +103,8 @@ def test_fencing_semantics_and_master_key(cluster):
         assert add(c, lid, 2, b"c", lac=1)[2] == EFENCED            # the old writer is out
         assert add(c, lid, 2, b"c", lac=1, recovery=True)[2] == EOK  # recovery writes go in
         assert read(c, lid, 2)[7] == b"c"
-        # A fencing READ fences too, also a ledger the bookie never saw.
+    # A fencing READ fences too, also a ledger the bookie never saw.
+    with conn(b, lid + 2) as c:
         r = read(c, lid + 2, 0, fence=True, master_key=KEY)
         assert r[2] in (ENOENTRY, ENOLEDGER)
         assert add(c, lid + 2, 0, b"late")[2] == EFENCED

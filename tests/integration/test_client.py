@@ -50,7 +50,7 @@ def _client(cluster, **kw):
 def _raw_add(cluster, bookie_id, lid, eid, lac, length, data):
     """Store an entry of a crc32c ledger (password PW) on one bookie, as its writer would."""
     n = cluster.store.bookie_info(bookie_id)["numShards"]
-    with BookieConnection(bookie_id, shard=lid % n) as c:
+    with BookieConnection(bookie_id, shard=P.shard_of(lid, n)) as c:
         sig = D.EntryDigest(lid, "crc32c", PW).sign(eid, lac, length, data)
         r = c.call(P.add(c.next_rid(), lid, eid, lac, D.master_key(PW), sig, data))
         assert r[2] == bk.errors.EOK, r
@@ -289,7 +289,7 @@ def test_recovery_of_unacknowledged_tail(client, shared):
 
     def raw_add(bid, eid, lac, length, data):
         n = shared.store.bookie_info(bid)["numShards"]
-        with BookieConnection(bid, shard=lid % n) as c:
+        with BookieConnection(bid, shard=P.shard_of(lid, n)) as c:
             r = c.call(P.add(c.next_rid(), lid, eid, lac, D.master_key(PW),
                              dg.sign(eid, lac, length, data), data))
             assert r[2] == 0
@@ -305,7 +305,7 @@ def test_recovery_of_unacknowledged_tail(client, shared):
     # What recovery kept is now on its whole write set.
     for bid in md.write_set(20):
         n = shared.store.bookie_info(bid)["numShards"]
-        with BookieConnection(bid, shard=lid % n) as c:
+        with BookieConnection(bid, shard=P.shard_of(lid, n)) as c:
             r = c.call(P.read(c.next_rid(), lid, 20))
             assert r[2] == 0 and r[7] == b"t20"
 
@@ -350,7 +350,7 @@ def test_read_moves_on_when_a_bookie_lacks_the_entry(client, shared):
         _raw_add(shared, bid, lid, 5, 4, lh.length + 2, b"m5")
     rh = client.open_ledger_no_recovery(lid, password=PW)
     assert [e.data for e in rh.read_unconfirmed_entries(3, 5)] == [b"m3", b"m4", b"m5"]
-    with BookieConnection(ws[0], shard=lid % shared.bookie(ws[0]).num_shards) as c:
+    with BookieConnection(ws[0], shard=P.shard_of(lid, shared.bookie(ws[0]).num_shards)) as c:
         assert c.call(P.read(c.next_rid(), lid, 5))[2] == bk.errors.ENOENTRY
 
 
@@ -364,7 +364,7 @@ def test_delete_ledger_then_bookies_drop_its_entries(client, shared):
     lid = gone.ledger_id
 
     def entries_on(b, ledger):
-        with BookieConnection(b.bookie_id, shard=ledger % b.num_shards) as c:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(ledger, b.num_shards)) as c:
             r = c.call(P.get_list_of_entries(c.next_rid(), ledger))
             return r[2], P.ranges_to_ids(r[4])
 
@@ -387,7 +387,7 @@ def test_delete_ledger_then_bookies_drop_its_entries(client, shared):
         time.sleep(0.2)
     assert [entries_on(b, lid) for b in shared.bookies] == [(bk.errors.ENOLEDGER, [])] * 3
     for b in shared.bookies:
-        with BookieConnection(b.bookie_id, shard=lid % b.num_shards) as c:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
             assert c.call(P.read(c.next_rid(), lid, 0))[2] == bk.errors.ENOLEDGER
         assert entries_on(b, kept.ledger_id) == (bk.errors.EOK, list(range(10)))
     rh = client.open_ledger(kept.ledger_id, password=PW)
@@ -409,7 +409,7 @@ def test_digest_types_and_corruption(client, shared, digest_type):
     bad = D.EntryDigest(lid, digest_type, PW).sign(5, 4, 999, b"d5")  # wrong length/lac
     for i, bid in enumerate(ws):
         n = shared.store.bookie_info(bid)["numShards"]
-        with BookieConnection(bid, shard=lid % n) as c:
+        with BookieConnection(bid, shard=P.shard_of(lid, n)) as c:
             r = c.call(P.add(c.next_rid(), lid, 5, 3, D.master_key(PW), bad, b"EVIL",
                              recovery=True))
             assert r[2] == 0
@@ -482,7 +482,7 @@ def test_add_entries_piggyback_the_lac_of_the_acknowledged_batch(client, shared)
     lid = lh.ledger_id
     dg = D.EntryDigest(lid, "crc32c", PW)
     for b in shared.bookies:
-        with BookieConnection(b.bookie_id, shard=lid % b.num_shards) as c:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
             for eid in range(20):
                 r = c.call(P.read(c.next_rid(), lid, eid))
                 assert r[2] == bk.errors.EOK
@@ -688,7 +688,7 @@ def test_fence_survives_bookie_restarts(cluster_factory):
         # and a raw add (no client-side state) is refused by the bookies themselves
         lid = lh.ledger_id
         for b in cluster.bookies:
-            with BookieConnection(b.bookie_id, shard=lid % b.num_shards) as c:
+            with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
                 dg = D.EntryDigest(lid, "crc32c", PW)
                 r = c.call(P.add(c.next_rid(), lid, 10, 9, D.master_key(PW),
                                  dg.sign(10, 9, 100, b"x"), b"x"))
@@ -771,7 +771,7 @@ def test_read_only_bookie_is_replaced_and_not_picked_again(cluster_factory, capl
                 | {spare}
         with pytest.raises(NotEnoughBookiesError):
             client.create_ledger(4, 3, 3, password=PW)
-        with BookieConnection(victim.bookie_id, shard=lh.ledger_id % victim.num_shards) as c:
+        with BookieConnection(victim.bookie_id, shard=P.shard_of(lh.ledger_id, victim.num_shards)) as c:
             dg = D.EntryDigest(lh.ledger_id, "crc32c", PW)
             r = c.call(P.add(c.next_rid(), lh.ledger_id, 10, 9, D.master_key(PW),
                              dg.sign(10, 9, 100, b"x"), b"x"))

@@ -27,7 +27,7 @@ def shell(uri, *args):
 def entries_on(bookie_id, ledger_id):
     with BookieConnection(bookie_id, -1) as probe:
         n = probe.num_shards
-    with BookieConnection(bookie_id, ledger_id % n) as c:
+    with BookieConnection(bookie_id, P.shard_of(ledger_id, n)) as c:
         r = c.call(P.get_list_of_entries(c.next_rid(), ledger_id))
     if r[2] != EOK:
         return set()

@@ -73,6 +73,6 @@ def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_en
     assert md.ensembles[-1][0] == 10 and B.bookie_id not in md.ensembles[-1][1]
     for bid in md.write_set(10):
         b = cluster.bookie(bid)
-        with BookieConnection(bid, shard=lid % b.num_shards) as c:
+        with BookieConnection(bid, shard=P.shard_of(lid, b.num_shards)) as c:
             r = c.call(P.read(c.next_rid(), lid, 10))
             assert r[2] == EOK and r[7] == b"entry-10", (bid, r[:5])
