@@ -281,8 +281,11 @@ class Admin:
         self.close()
 
     # --- cluster ------------------------------------------------------------------
-    def metaformat(self, force: bool = False) -> None:
+    def metaformat(self, force: bool = False) -> str:
+        """Create the cluster (with ``force``: anew, deleting its metadata); return
+        its new instanceId."""
         self.store.format(force)
+        return self.store.instance_id
 
     def list_bookies(self, readonly: bool = False, all: bool = False) -> list[dict]:  # noqa: A002
         """[{id, address, state}] of registered bookies (writable by default)."""

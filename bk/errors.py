@@ -100,7 +100,16 @@ class TimeoutError(BKError, builtins.TimeoutError):
 
 
 class CookieMismatchError(BKError):
-    """A bookie's directories belong to another bookie id, layout or shard count."""
+    """A bookie's directories belong to another bookie id, cluster, layout or shard count."""
+
+
+class ClusterNotFormattedError(MetadataError):
+    """No bk cluster under the metadata prefix (``bkshell metaformat`` creates one)."""
+
+
+class ClusterIdentityError(MetadataError):
+    """The metadata store is not the cluster a bookie belongs to (another instanceId,
+    its cookie missing), or its layout has a format version this bk cannot read."""
 
 
 # Status codes, in one place. Values follow BookKeeper's BKException codes

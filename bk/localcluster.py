@@ -225,7 +225,8 @@ class LocalCluster:
         os.makedirs(self.base_dir, exist_ok=True)
         self.etcd = EtcdServer(os.path.join(self.base_dir, "etcd"), client_port=self.etcd_port)
         self.etcd.start()
-        self.store.init_layout()
+        if not self.store.is_formatted():    # a restarted cluster keeps its identity
+            self.store.format()
 
     def start_bookies(self) -> None:
         new = [self._new_bookie() for _ in range(self.num_bookies - len(self.bookies))]

@@ -46,7 +46,7 @@ import time
 from bk import protocol as P
 from bk.bookie import control, layout
 from bk.config import Config
-from bk.errors import BKError, EBADREQ, ProtocolError
+from bk.errors import BKError, ClusterIdentityError, EBADREQ, ProtocolError
 
 log = logging.getLogger("bk.bookie")
 
@@ -156,8 +156,8 @@ class Arbiter:
         try:
             self.store = MetadataStore(conf.metadataServiceUri,
                                        timeout=conf.metadataTimeoutMillis / 1000.0)
-            self.store.init_layout()
             self.num_shards = layout.check_cookie(conf, self.store)
+            self.instance_id = self.store.instance_id
         except CookieMismatchError as e:
             raise BookieExit(EXIT_COOKIE, str(e)) from None
         except ValueError as e:
@@ -591,11 +591,20 @@ class Arbiter:
 
     def _gc_check(self, shard: int, local_ids: list[int]):
         # The listing is taken after the worker reported its ledgers, so a ledger the
-        # worker holds and the listing lacks was deleted (ids are never reused).
+        # worker holds and the listing lacks was deleted (ids are never reused). It
+        # comes only from this bookie's cluster while that cluster still holds its
+        # cookie (list_ledgers_as_member raises otherwise): a listing of a wiped or
+        # another cluster lacks every ledger, and acting on it would drop them all.
         if not local_ids:
             self._gc_send(shard, [])
             return
-        live = set(self.store.list_ledgers())
+        try:
+            live = set(self.store.list_ledgers_as_member(self.conf.bookie_id,
+                                                          self.instance_id))
+        except ClusterIdentityError as e:
+            log.error("garbage collection skipped, nothing deleted: %s", e)
+            self._gc_send(shard, [])
+            return
         dead = [lid for lid in local_ids if lid not in live]
         self._gc_send(shard, dead)
 

@@ -3,12 +3,20 @@
 Shard ``i`` keeps its journal segments in ``journalDirectories[i % n]/shard-i``
 and its index checkpoints in ``ledgerDirectories[i % m]/shard-i``.
 
-The cookie binds directories to one bookie: its id, its directories and its
-shard count. It is written into every directory (``bk-cookie.json``) and under
-``cookies/<id>`` in the metadata store when the bookie is first formatted, and
-checked at every start. A mismatch refuses to start with a message that names
-what differs, because starting anyway could serve another bookie's data or
-lose track of entries (a different shard count maps ledgers to other shards).
+The cookie binds directories to one bookie of one cluster: its id, the
+cluster's instanceId, its directories and its shard count. It is written into
+every directory (``bk-cookie.json``) and under ``cookies/<id>`` in the metadata
+store when the bookie is first formatted, and checked at every start. A
+mismatch refuses to start with a message that names what differs, because
+starting anyway could serve another bookie's data or lose track of entries (a
+different shard count maps ledgers to other shards).
+
+Cluster identity: a bookie never creates a cluster (only ``bkshell metaformat``
+does). A bookie with data starts only against the cluster its cookie names and
+only while that cluster still holds its cookie; otherwise (a typo in the
+prefix, a wiped or re-formatted etcd, a decommissioned bookie) it refuses,
+because its garbage collection would compare its ledgers with a listing that
+does not know them and drop them all.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ from bk.errors import CookieMismatchError
 log = logging.getLogger("bk.bookie")
 
 COOKIE_FILE = "bk-cookie.json"
-COOKIE_VERSION = 1
+# 2: carries instanceId; ledgers map to shards by protocol.shard_of (version 1 used
+# ledger_id % shards, so a version-1 bookie's ledgers sit in other shards).
+COOKIE_VERSION = 2
 
 
 def _abs(paths) -> list[str]:
@@ -73,9 +83,10 @@ def disk_space(conf: Config) -> dict:
 
 # --- cookies -------------------------------------------------------------------
 
-def make_cookie(conf: Config, num_shards: int) -> dict:
+def make_cookie(conf: Config, num_shards: int, instance_id: str) -> dict:
     return {
         "version": COOKIE_VERSION,
+        "instanceId": instance_id,
         "bookieId": conf.bookie_id,
         "journalDirectories": _abs(conf.journalDirectories),
         "ledgerDirectories": _abs(conf.ledgerDirectories),
@@ -120,69 +131,106 @@ def _has_data(directory: str) -> bool:
 
 
 def check_cookie(conf: Config, store) -> int:
-    """Verify (or, on empty directories, create) the cookie; return the shard count.
+    """Verify the cookie against the directories and the cluster (or, on empty
+    directories of a formatted cluster, create it); return the shard count.
+    CookieMismatchError, with a message naming what differs, when the bookie must
+    not start."""
+    from bk.errors import ClusterIdentityError, ClusterNotFormattedError
 
-    ``store`` is a MetadataStore, or None to check the local cookies only.
-    """
     dirs = all_dirs(conf)
     local = {d: read_local_cookie(d) for d in dirs}
     present = {d: c for d, c in local.items() if c is not None}
-    remote = None
-    if store is not None:
-        remote, _version = store.read_cookie(conf.bookie_id)
+    first = next(iter(present.values()), None)
+    first_dir = next(iter(present), None)
+    if first is not None and first.get("version") != COOKIE_VERSION:
+        raise CookieMismatchError(
+            f"the cookie in {first_dir} has format version {first.get('version')}; this bk "
+            f"reads version {COOKIE_VERSION} (its ledgers are laid out differently). Move "
+            f"the data off with the bk version that wrote it, or wipe the bookie with "
+            f"'bookie format --force'")
+    busy = [d for d in dirs if _has_data(d)]
+    where = f"prefix {store.prefix} at {store.uri}"
+    try:
+        cluster = store.cluster()
+    except ClusterNotFormattedError:
+        if first is not None or busy:
+            theirs = first.get("instanceId") if first else None
+            raise CookieMismatchError(
+                f"no bk cluster under {where}, but this bookie holds data"
+                + (f" of cluster {theirs}" if theirs else "")
+                + ": is the prefix of metadataServiceUri mistyped, or was etcd wiped? "
+                  "Refusing to start (nothing was changed)") from None
+        raise CookieMismatchError(
+            f"no bk cluster under {where}: create it with 'bkshell --metadata "
+            f"{store.uri} metaformat' before starting bookies (or fix a typo in the "
+            f"prefix)") from None
+    except ClusterIdentityError as e:
+        raise CookieMismatchError(str(e)) from None
+    instance = cluster["instanceId"]
+    remote, _version = store.read_cookie(conf.bookie_id)
 
     if not present:
-        busy = [d for d in dirs if _has_data(d)]
         if busy:
             raise CookieMismatchError(
                 f"directory {busy[0]} holds data but no bookie cookie; refusing to use it "
                 f"(run 'bookie format --force' to wipe it)")
         if remote is not None:
             raise CookieMismatchError(
-                f"bookie {conf.bookie_id} is known to the metadata store (cookie created "
-                f"{time.ctime(remote.get('createdAt', 0))}) but its directories {dirs} are "
-                f"empty: its data was lost. Re-replicate it with 'bkshell recover "
-                f"{conf.bookie_id}', then run 'bookie format --force' to start it empty")
-        cookie = make_cookie(conf, conf.num_shards)
+                f"bookie {conf.bookie_id} is known to the cluster under {where} (cookie "
+                f"created {time.ctime(remote.get('createdAt', 0))}) but its directories "
+                f"{dirs} are empty: its data was lost. Re-replicate it with 'bkshell "
+                f"recover {conf.bookie_id}', then run 'bookie format --force' to start it "
+                f"empty")
+        cookie = make_cookie(conf, conf.num_shards, instance)
         for d in dirs:
             write_local_cookie(d, cookie)
-        if store is not None:
-            store.write_cookie(conf.bookie_id, cookie)
-        log.info("formatted new bookie %s: %d shards in %s", conf.bookie_id,
-                 cookie["numShards"], ", ".join(dirs))
+        store.write_cookie(conf.bookie_id, cookie)    # create-if-absent
+        log.info("formatted new bookie %s of cluster %s: %d shards in %s", conf.bookie_id,
+                 instance, cookie["numShards"], ", ".join(dirs))
         return cookie["numShards"]
 
     missing = [d for d in dirs if local[d] is None]
     if missing:
         raise CookieMismatchError(
-            f"directory {missing[0]} has no cookie while {next(iter(present))} has one: "
+            f"directory {missing[0]} has no cookie while {first_dir} has one: "
             f"a directory was added, replaced or wiped; the bookie refuses to start")
-    first = next(iter(present.values()))
     for d, c in present.items():
         if _comparable(c) != _comparable(first):
-            raise CookieMismatchError(f"the cookies in {next(iter(present))} and {d} differ")
+            raise CookieMismatchError(f"the cookies in {first_dir} and {d} differ")
+    if first.get("instanceId") != instance:
+        raise CookieMismatchError(
+            f"this bookie belongs to cluster {first.get('instanceId')}, but the cluster "
+            f"under {where} is {instance} (re-formatted, or another cluster): refusing to "
+            f"start (nothing was changed). Point metadataServiceUri at the bookie's "
+            f"cluster, or wipe the bookie with 'bookie format --force' to join this one")
     num_shards = first.get("numShards")
     if conf.numShards and conf.numShards != num_shards:
         raise CookieMismatchError(
             f"numShards is {conf.numShards} in the configuration but this bookie was "
             f"formatted with {num_shards}: ledgers would map to other shards. Keep "
             f"numShards={num_shards} (or 0), or wipe it with 'bookie format --force'")
-    expected = make_cookie(conf, num_shards)
+    expected = make_cookie(conf, num_shards, instance)
     for key in ("bookieId", "journalDirectories", "ledgerDirectories"):
         if first.get(key) != expected[key]:
             raise CookieMismatchError(
                 f"cookie mismatch on {key}: the directories belong to {first.get(key)!r} "
                 f"but the configuration says {expected[key]!r}")
-    if store is not None:
-        if remote is None:
-            log.warning("cookie of %s missing from the metadata store; writing it again",
-                        conf.bookie_id)
-            store.write_cookie(conf.bookie_id, first)
-        elif _comparable(remote) != _comparable(first):
+    if remote is None:
+        if busy:
             raise CookieMismatchError(
-                f"the cookie of {conf.bookie_id} in the metadata store differs from the one "
-                f"in {next(iter(present))}: another bookie uses this id, or the directories "
-                f"were copied from another bookie")
+                f"the cluster under {where} has no cookie for bookie {conf.bookie_id}, "
+                f"which holds data (it was decommissioned, or its cookie deleted): "
+                f"refusing to start (nothing was changed). Wipe it with 'bookie format "
+                f"--force' to join again empty")
+        # Cookies written, data not yet: nothing to lose, register it again.
+        log.warning("cookie of %s missing from the cluster; the bookie holds no data yet, "
+                    "writing it again", conf.bookie_id)
+        store.write_cookie(conf.bookie_id, first)
+    elif _comparable(remote) != _comparable(first):
+        raise CookieMismatchError(
+            f"the cookie of {conf.bookie_id} in the cluster under {where} differs from the "
+            f"one in {first_dir}: another bookie uses this id, or the directories were "
+            f"copied from another bookie")
     return num_shards
 
 

@@ -183,11 +183,14 @@ def cli(ctx, metadata, conf_file, timeout, password, log_level):
 @pass_ctx
 @handled
 def metaformat(c, force, yes):
-    """Initialise the metadata layout (ledgers, bookies, cookies) under the prefix.
+    """Create a cluster under the prefix: its layout and a new instanceId.
 
+    Run it once before the first bookie starts: bookies never create a
+    cluster, and a bookie refuses to start against a prefix without one.
     Without --force it refuses when anything exists under the prefix. With
     --force it deletes every ledger's metadata, cookie and registration first
-    (asks unless --yes).
+    (asks unless --yes) and makes a new instanceId: bookies with data of the
+    old cluster then refuse to start until wiped ('bookie format --force').
 
     \b
     Example:
@@ -201,8 +204,9 @@ def metaformat(c, force, yes):
         click.confirm(f"Delete ALL ledger metadata, cookies and registrations under {uri}?",
                       abort=True, err=True)
     with c.admin() as a:
-        a.metaformat(force)
-    click.echo(f"formatted {uri}" + (" (previous content deleted)" if force else ""))
+        instance = a.metaformat(force)
+    click.echo(f"formatted {uri}: cluster instanceId {instance}"
+               + (" (previous content deleted)" if force else ""))
 
 
 @cli.command()

@@ -14,7 +14,8 @@ from bk.client.ledger import LedgerHandle
 from bk.client.placement import choose_ensemble
 from bk.client.recovery import check_password, recover_ledger
 from bk.config import Config
-from bk.errors import BKError, LedgerExistsError, MetadataError, NotEnoughBookiesError
+from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
+                       LedgerExistsError, MetadataError, NotEnoughBookiesError)
 from bk.errors import EOK
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk import protocol
@@ -65,8 +66,12 @@ class BookKeeper:
         self._store_cls = MetadataStore
         self._store = MetadataStore(uri, timeout=conf.metadataTimeoutMillis / 1000.0)
         try:
-            # Touch etcd now so that an unreachable store fails here, naming the URI.
-            self._store.list_bookies()
+            # Touch etcd now so that an unreachable store fails here, naming the URI,
+            # and a prefix with no cluster (a typo) fails before anything is created.
+            self._store.cluster()
+        except (ClusterNotFormattedError, ClusterIdentityError):
+            self._store.close()
+            raise
         except BKError as e:
             self._store.close()
             raise MetadataError(f"connect to metadata store {uri}: {e}") from None

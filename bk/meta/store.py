@@ -8,11 +8,13 @@ Every key lives under ``<prefix>/`` (prefix ``/ledgers`` -> ``/ledgers/...``):
                                       zero padding makes key order = numeric order, so
                                       listings page with plain range requests
 ``idgen``                             touched by every :meth:`new_ledger_id`; the id is
-                                      the etcd revision of that write
+                                      the cluster's id scope (from its instanceId) in the
+                                      high bits, the etcd revision of that write below
 ``bookies/available/<bookie id>``     JSON info of a writable bookie, bound to its lease
 ``bookies/readonly/<bookie id>``      same for a read-only bookie
 ``cookies/<bookie id>``               JSON cookie of a bookie's directories
-``layout``                            JSON layout record; present once formatted
+``layout``                            JSON layout record with the cluster's
+                                      ``instanceId``; written only by ``metaformat``
 (later) ``underreplication/...``, ``auditor``, ``logs/<name>``
 ====================================  ==================================================
 
@@ -39,6 +41,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 import weakref
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
@@ -48,16 +51,29 @@ from pyetcd import exceptions as etcd_exc
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.utils import prefix_range_end
 
-from bk.errors import (BKError, CookieMismatchError, LedgerExistsError, MetadataError,
+from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
+                       CookieMismatchError, LedgerExistsError, MetadataError,
                        MetadataVersionError, NoSuchLedgerError)
 from bk.meta.ledger import LedgerMetadata
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/ledgers"
-LAYOUT_VERSION = 1
+# 2: the layout carries an instanceId, ids are instance-scoped, cookies carry the
+# instanceId, ledgers map to shards by protocol.shard_of. Version 1 is refused.
+LAYOUT_VERSION = 2
 LEDGER_ID_DIGITS = 20
 MAX_LEDGER_ID = 2 ** 63 - 1
+# A ledger id is (scope << REVISION_BITS) | revision: the scope (1..2**15-1) comes
+# from the cluster's instanceId, so a re-created cluster (new instanceId) hands out
+# ids in another range than the one before it, even though etcd revisions restart.
+REVISION_BITS = 48
+SCOPE_COUNT = (1 << (63 - REVISION_BITS)) - 1
+
+
+def id_scope(instance_id: str) -> int:
+    """The high bits of every ledger id of the cluster ``instance_id`` (never 0)."""
+    return int(instance_id.replace("-", ""), 16) % SCOPE_COUNT + 1
 
 
 
@@ -174,6 +190,7 @@ class MetadataStore:
         self._client_obj: MultiEndpointEtcd3Client | None = None
         self._pid = os.getpid()
         self._abandoned: list = []     # clients inherited across fork: never touched again
+        self._cluster: dict | None = None   # the layout record, once read (see cluster())
         self._closed = False
         self._registrations: "weakref.WeakSet[BookieRegistration]" = weakref.WeakSet()
         self._watches: "weakref.WeakSet[_BookieWatch]" = weakref.WeakSet()
@@ -313,20 +330,22 @@ class MetadataStore:
         return self._call(what, "get", run, idempotent=True)
 
     def _range_page(self, what: str, start: bytes, end: bytes, limit: int,
-                    keys_only: bool = False):
+                    keys_only: bool = False, revision: int | None = None):
         def run(c):
             return c.get_range_response(start, end, sort_order="ascend", sort_target="key",
-                                        limit=limit, keys_only=keys_only)
+                                        limit=limit, keys_only=keys_only, revision=revision)
         return self._call(what, "range", run, idempotent=True)
 
-    def _iter_range(self, what: str, rel_prefix: str, page_size: int, keys_only: bool):
-        """Yield kvs under ``rel_prefix`` in key order, ``page_size`` per range request."""
+    def _iter_range(self, what: str, rel_prefix: str, page_size: int, keys_only: bool,
+                    revision: int | None = None):
+        """Yield kvs under ``rel_prefix`` in key order, ``page_size`` per range request
+        (all pages read at ``revision`` when given: one consistent snapshot)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, not {page_size}")
         start = self._key(rel_prefix)
         end = prefix_range_end(start)
         while True:
-            resp = self._range_page(what, start, end, page_size, keys_only)
+            resp = self._range_page(what, start, end, page_size, keys_only, revision)
             for kv in resp.kvs:
                 yield kv
             if not resp.more or not resp.kvs:
@@ -409,15 +428,51 @@ class MetadataStore:
 
     # --- layout ---------------------------------------------------------------
     def init_layout(self) -> bool:
-        """Create ``layout`` if absent (idempotent); True if this call created it."""
+        """Create ``layout`` with a new instanceId if absent (idempotent); True if this
+        call created it. Only ``metaformat`` (:meth:`format`) should call this: a
+        bookie or client never creates a cluster."""
         key = self._key("layout")
         c = self._client()
-        record = {"layoutVersion": LAYOUT_VERSION, "ledgerKeyDigits": LEDGER_ID_DIGITS,
-                  "ledgerIdGenerator": "etcd-revision", "ctime": time.time()}
+        record = {"layoutVersion": LAYOUT_VERSION, "instanceId": str(uuid.uuid4()),
+                  "ledgerKeyDigits": LEDGER_ID_DIGITS,
+                  "ledgerIdGenerator": "instance-scoped-revision", "ctime": time.time()}
         ok, _, _ = self._txn_full(f"initialise the layout under {self.prefix}",
                                   [c.transactions.create(key) == 0],
                                   [c.transactions.put(key, _json_bytes(record))])
         return ok
+
+    def _check_layout(self, raw: bytes | None) -> dict:
+        if raw is None:
+            raise ClusterNotFormattedError(
+                f"no bk cluster under prefix {self.prefix} at {self.uri}: create one with "
+                f"'bkshell --metadata {self.uri} metaformat' (or check the prefix for a typo)")
+        try:
+            rec = json.loads(raw)
+        except ValueError as e:
+            raise ClusterIdentityError(f"the layout under {self.prefix} is not JSON ({e}) "
+                                       f"({self.uri})") from None
+        version = rec.get("layoutVersion") if isinstance(rec, dict) else None
+        if version != LAYOUT_VERSION or not isinstance(rec.get("instanceId"), str):
+            raise ClusterIdentityError(
+                f"the cluster under prefix {self.prefix} at {self.uri} has layout version "
+                f"{version}; this bk reads version {LAYOUT_VERSION} only (it was made by "
+                f"another bk version). Re-create it with 'bkshell metaformat --force' "
+                f"(deletes its metadata) or use the bk version that made it")
+        return rec
+
+    def cluster(self) -> dict:
+        """The layout record (``instanceId``, ``layoutVersion``, ...) of the cluster under
+        the prefix. ClusterNotFormattedError if there is none, ClusterIdentityError if it
+        has another format version. Cached: a cluster's identity never changes."""
+        rec = self._cluster
+        if rec is None:
+            raw, _ = self._get("read the layout", "layout")
+            rec = self._cluster = self._check_layout(raw)
+        return rec
+
+    @property
+    def instance_id(self) -> str:
+        return self.cluster()["instanceId"]
 
     def is_formatted(self) -> bool:
         raw, _ = self._get("read the layout", "layout")
@@ -443,22 +498,28 @@ class MetadataStore:
         else:
             self._call(f"format {self.prefix} (delete everything under it)", "delete",
                        lambda c: c.delete_prefix(start))
+        self._cluster = None
         self.init_layout()
 
     # --- ledger ids -----------------------------------------------------------
     def new_ledger_id(self) -> int:
-        """A ledger id unique across all clients and processes, never reused.
+        """A ledger id unique for the life of the cluster (its instanceId), never reused.
 
         Every write to etcd increments its cluster-wide revision by exactly one,
         so the revision of our write to ``idgen`` belongs to no one else: one
-        round trip, no CAS contention. Ids grow monotonically but are sparse.
+        round trip, no CAS contention. The cluster's id scope fills the high bits,
+        so a cluster made anew on a wiped etcd (revisions restart) does not hand
+        out the ids of the one before. Ids grow monotonically but are sparse.
+        An etcd restored from a snapshot must keep its revisions growing
+        (``etcdutl snapshot restore --bump-revision N --mark-compacted``).
         """
+        scope = id_scope(self.instance_id)
         c = self._client()
         _, rev, _ = self._txn_full("allocate a ledger id", [],
                                    [c.transactions.put(self._key("idgen"), b"")])
-        if not 0 < rev <= MAX_LEDGER_ID:  # pragma: no cover - 2**63 writes away
+        if not 0 < rev < (1 << REVISION_BITS):  # pragma: no cover - 2**48 writes away
             raise MetadataError(f"allocate a ledger id: revision {rev} out of range")
-        return rev
+        return (scope << REVISION_BITS) | rev
 
     # --- ledgers --------------------------------------------------------------
     def create_ledger(self, md: LedgerMetadata) -> int:
@@ -536,6 +597,43 @@ class MetadataStore:
             lid = self._ledger_id_of(kv.key)
             if lid is not None:
                 yield lid
+
+    def list_ledgers_as_member(self, bookie_id: str, instance_id: str,
+                               page_size: int = 1000) -> list[int]:
+        """All ledger ids, but only from the cluster ``instance_id`` while it holds the
+        cookie of ``bookie_id`` (with that instanceId): what a bookie's garbage
+        collection may compare its ledgers with. The check and every page of the
+        listing are read at one etcd revision, so the listing is a snapshot of the
+        cluster that was checked. ClusterIdentityError otherwise: a listing of a
+        mistyped prefix, a wiped or another cluster would make GC drop everything."""
+        _check_bookie_id(bookie_id)
+        c = self._client()
+        _, rev, responses = self._txn_full(
+            "check the cluster before listing ledgers", [],
+            [c.transactions.get(self._key("layout")),
+             c.transactions.get(self._key(f"cookies/{bookie_id}"))])
+        layout_kvs = responses[0].response_range.kvs
+        cookie_kvs = responses[1].response_range.kvs
+        rec = self._check_layout(layout_kvs[0].value if layout_kvs else None)
+        if rec["instanceId"] != instance_id:
+            raise ClusterIdentityError(
+                f"the cluster under {self.prefix} at {self.uri} is instance "
+                f"{rec['instanceId']}, not {instance_id} (bookie {bookie_id}'s cluster)")
+        try:
+            cookie = json.loads(cookie_kvs[0].value) if cookie_kvs else None
+        except ValueError:
+            cookie = None
+        if not isinstance(cookie, dict) or cookie.get("instanceId") != instance_id:
+            raise ClusterIdentityError(
+                f"the cluster under {self.prefix} at {self.uri} holds no cookie of bookie "
+                f"{bookie_id} for instance {instance_id}")
+        out = []
+        for kv in self._iter_range("list ledgers", "ledgers/", page_size, keys_only=True,
+                                   revision=rev):
+            lid = self._ledger_id_of(kv.key)
+            if lid is not None:
+                out.append(lid)
+        return out
 
     def list_ledger_metadata(self, page_size: int = 1000) -> Iterator[tuple[LedgerMetadata, int]]:
         """(metadata, version) of every ledger, ascending by id, paged."""

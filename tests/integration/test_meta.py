@@ -46,6 +46,7 @@ def uri(etcd, request):
 @pytest.fixture
 def store(uri):
     with MetadataStore(uri, timeout=5) as s:
+        s.format()                 # what 'bkshell metaformat' does: a cluster to work in
         yield s
 
 
@@ -158,7 +159,9 @@ def test_layout_init_idempotent_and_concurrent(uri):
         assert results.count(True) == 1
         assert stores[0].init_layout() is False
         assert all(s.is_formatted() for s in stores)
-        assert stores[0].layout()["layoutVersion"] == 1
+        assert stores[0].layout()["layoutVersion"] == 2
+        # One cluster, one identity, whoever won the race.
+        assert len({s.instance_id for s in stores}) == 1
     finally:
         for s in stores:
             s.close()
@@ -175,10 +178,56 @@ def test_format_with_and_without_force(etcd, uri):
             store.format()
         assert "force" in str(ei.value) and uri in str(ei.value)
         assert store.ledger_exists(7)                    # refused: nothing deleted
+        before = store.instance_id
         store.format(force=True)
         assert list(store.list_ledgers()) == []
         assert store.is_formatted()
+        assert store.instance_id != before               # a new cluster, a new identity
         assert other.ledger_exists(7)                    # the sibling prefix is untouched
+
+
+def test_unformatted_and_old_layouts_are_refused(uri):
+    from bk.errors import ClusterIdentityError, ClusterNotFormattedError
+    with MetadataStore(uri) as store:
+        with pytest.raises(ClusterNotFormattedError, match="metaformat") as ei:
+            store.new_ledger_id()
+        assert store.prefix in str(ei.value)
+        store.put_json("layout", {"layoutVersion": 1, "ledgerIdGenerator": "etcd-revision"})
+        with pytest.raises(ClusterIdentityError, match="layout version 1"):
+            store.cluster()
+        with pytest.raises(ClusterIdentityError, match="layout version 1"):
+            store.new_ledger_id()
+
+
+def test_ledger_ids_are_scoped_by_instance(etcd, uri):
+    from bk.meta.store import REVISION_BITS, id_scope
+    with MetadataStore(uri) as store:
+        store.format()
+        first = store.instance_id
+        a = [store.new_ledger_id() for _ in range(3)]
+        assert a == sorted(set(a)) and all(0 < x < 2 ** 63 for x in a)
+        assert {x >> REVISION_BITS for x in a} == {id_scope(first)}
+        store.format(force=True)           # a new cluster on the same etcd
+        b = store.new_ledger_id()
+        assert b >> REVISION_BITS == id_scope(store.instance_id) != id_scope(first)
+        assert b not in a
+
+
+def test_gc_listing_only_from_the_bookies_cluster(uri):
+    from bk.errors import ClusterIdentityError
+    with MetadataStore(uri) as store:
+        store.format()
+        inst = store.instance_id
+        store.create_ledger(md(5))
+        with pytest.raises(ClusterIdentityError, match="no cookie of bookie b:1"):
+            store.list_ledgers_as_member("b:1", inst)
+        store.write_cookie("b:1", {"instanceId": inst, "bookieId": "b:1"})
+        assert store.list_ledgers_as_member("b:1", inst) == [5]
+        with pytest.raises(ClusterIdentityError, match="not other-instance"):
+            store.list_ledgers_as_member("b:1", "other-instance")
+        store.format(force=True)           # wiped: the cookie is gone, the id changed
+        with pytest.raises(ClusterIdentityError):
+            store.list_ledgers_as_member("b:1", inst)
 
 
 # --- ledgers -----------------------------------------------------------------------------
@@ -263,6 +312,7 @@ def test_list_ledgers_pages_in_numeric_order(store):
 
 def test_new_ledger_id_unique_across_threads(uri):
     stores = [MetadataStore(uri) for _ in range(4)]
+    stores[0].format()
     try:
         def grab(i):
             s = stores[i % len(stores)]
