@@ -34,8 +34,16 @@ only after its mark; a missing or corrupt checkpoint (logged) means a replay
 of the whole journal from its first segment. After a replay that found
 records, a new checkpoint is written at once.
 
-Deletion and compaction. :meth:`ShardStorage.delete_ledgers` appends a DELETE
-record per ledger (so even a full replay forgets them) and checkpoints.
+Deletion and compaction. :meth:`ShardStorage.delete_ledgers` first appends
+each ledger's id to the shard's tombstone file (``index_dir/tombstones``,
+fsync'd), then a DELETE record per ledger (so even a full replay forgets
+them) and checkpoints. A tombstone is forever (ids are never reused): an ADD
+to a deleted ledger gets EFENCED, also with the recovery flag, and a fence
+ENOLEDGER, and neither creates state, so a writer that outlived its ledger's
+recovery and deletion is never acknowledged again. The tombstone file lives
+apart from the journal, so compaction and a lost checkpoint cannot lose it;
+a ledger found with state and a tombstone at open (a crash between the two)
+is dropped.
 :meth:`ShardStorage.compact` copies the live ADDs of sparse, non-active
 segments forward (repointing the index), rewrites a STATE record for every
 ledger whose state records may sit in those segments, syncs, checkpoints and
@@ -44,13 +52,12 @@ old checkpoint (whose replay re-applies the copies, both copies being valid)
 or the new one (which no longer points into the old segments): nothing of a
 live ledger is lost.
 
-Known limit: after a *corrupt* checkpoint, a full replay may resurrect a
-deleted ledger whose DELETE record sat in a compacted segment (the GC, which
-compares with the metadata store, deletes it again).
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import logging
 import os
 import sys
@@ -78,6 +85,83 @@ LEDGER_FIELDS = ["ledger", "fenced", "key", "lac", "last", "index", "segment_byt
 MAX_ENTRY_GAP = 1 << 24
 _NO_SEG = 1 << 62
 _FILL = array("q", [-1]) * 4096
+
+
+# --- tombstones of deleted ledgers ----------------------------------------------
+
+TOMBSTONE_FILE = "tombstones"
+TOMBSTONE_MAGIC = b"BKTOMB01"            # then the ids, 8 bytes each, little-endian
+
+
+class Tombstones:
+    """Ids of the ledgers this shard deleted: a sorted ``array('q')`` in memory (8
+    bytes a ledger; lookups by bisection) and an append-only file of 8-byte ids,
+    appended and fsync'd before a deletion is reported. Ledger ids are never
+    reused, so a tombstone is forever; the file outlives journal segments, their
+    compaction and a lost checkpoint."""
+
+    def __init__(self, path: str):
+        self.path = path
+        raw = b""
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            pass
+        if raw[:len(TOMBSTONE_MAGIC)] != TOMBSTONE_MAGIC:
+            if raw:
+                raise JournalError(f"{path} is not a bk tombstone file; refusing to "
+                                   f"overwrite it")
+            self._rewrite(array("q"))
+            raw = TOMBSTONE_MAGIC
+        body = raw[len(TOMBSTONE_MAGIC):]
+        whole = len(body) // 8 * 8
+        ids = array("q")
+        ids.frombytes(body[:whole])
+        if sys.byteorder != "little":
+            ids.byteswap()
+        if whole != len(body):           # a torn append: the ids before it are intact
+            log.warning("%s: dropping a torn tail of %d bytes", path, len(body) - whole)
+            with open(path, "r+b") as f:
+                f.truncate(len(TOMBSTONE_MAGIC) + whole)
+                os.fsync(f.fileno())
+        self._ids = array("q", sorted(set(ids)))
+
+    def _rewrite(self, ids: array) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(TOMBSTONE_MAGIC)
+            f.write(_le_bytes(ids))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        J._fsync_dir(os.path.dirname(self.path))
+
+    def __contains__(self, ledger: int) -> bool:
+        ids = self._ids
+        i = bisect.bisect_left(ids, ledger)
+        return i < len(ids) and ids[i] == ledger
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, ledgers) -> None:
+        """Make these ids tombstones, durably, before returning."""
+        new = sorted({lid for lid in ledgers if lid not in self})
+        if not new:
+            return
+        with open(self.path, "ab") as f:
+            f.write(_le_bytes(array("q", new)))
+            f.flush()
+            os.fsync(f.fileno())
+        self._ids = array("q", heapq.merge(self._ids, new))
+
+
+def _le_bytes(ids: array) -> bytes:
+    if sys.byteorder != "little":
+        ids = array("q", ids)
+        ids.byteswap()
+    return ids.tobytes()
 
 
 class _Ledger:
@@ -112,12 +196,15 @@ class ShardStorage:
         self._ckpt_mark = None
         self.checkpoints = 0
         self.replayed_records = 0
+        self._replayed_deletes: list[int] = []
         self._closed = False
+        self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
         self._journal = Journal(journal_dir, segment_size, sync_data)
         try:
             t0 = time.monotonic()
             mark = self._load_checkpoint()
             self._replay(mark)
+            self._bury()
             self.replay_seconds = time.monotonic() - t0
             if self.replayed_records or mark is None:
                 self.checkpoint()
@@ -136,6 +223,8 @@ class ShardStorage:
         EBADREQ (negative or absurdly far entry id, larger than a segment); EIO."""
         st = self._ledgers.get(ledger)
         if st is None:
+            if ledger in self._tomb:     # deleted: its old writer must never get in again
+                return EFENCED
             if entry < 0 or not self._owned(ledger):
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
@@ -209,6 +298,8 @@ class ShardStorage:
         shard's ledger) or EIO."""
         st = self._ledgers.get(ledger)
         if st is None:
+            if ledger in self._tomb:     # deleted: nothing to fence, nothing to create
+                return ENOLEDGER
             if not self._owned(ledger):
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
@@ -471,6 +562,7 @@ class ShardStorage:
                 if st is not None:
                     self._entries -= len(st.idx) - st.idx.count(-1)
                     del ledgers[lid]
+                self._replayed_deletes.append(lid)
                 continue
             if st is None:
                 st = ledgers[lid] = _Ledger(None)
@@ -508,7 +600,11 @@ class ShardStorage:
 
     # --- maintenance ----------------------------------------------------------
     def delete_ledgers(self, ledger_ids) -> int:
-        """Drop the state and index of these ledgers and checkpoint; return how many."""
+        """Drop the state and index of these ledgers, leaving a durable tombstone for
+        each, and checkpoint; return how many."""
+        # Tombstones first: once a ledger's state is gone, only its tombstone keeps
+        # an old writer's ADD from creating it anew.
+        self._tomb.add(lid for lid in ledger_ids if lid in self._ledgers)
         dropped = 0
         for lid in ledger_ids:
             st = self._ledgers.get(lid)
@@ -521,6 +617,28 @@ class ShardStorage:
         if dropped:
             self.checkpoint()
         return dropped
+
+    def _bury(self) -> None:
+        """After loading: a ledger with a tombstone but state (a crash between the
+        tombstone and its DELETE record) is deleted; so are DELETE records whose
+        tombstone is missing re-tombstoned (see _replay)."""
+        dead = [lid for lid in self._ledgers if lid in self._tomb]
+        for lid in dead:
+            st = self._ledgers.pop(lid)
+            self._entries -= len(st.idx) - st.idx.count(-1)
+        if dead:
+            log.warning("dropped %d ledgers that have tombstones (e.g. %d)", len(dead),
+                        dead[0])
+        if self._replayed_deletes:
+            self._tomb.add(self._replayed_deletes)
+            self._replayed_deletes = []
+
+    @property
+    def tombstones(self) -> int:
+        return len(self._tomb)
+
+    def is_deleted(self, ledger: int) -> bool:
+        return ledger in self._tomb
 
     def live_bytes(self) -> dict[int, int]:
         """Live bytes (referenced by some index) per segment."""
@@ -613,6 +731,7 @@ class ShardStorage:
             "journal_mark": J.format_mark(j.mark),
             "last_mark": J.format_mark(self._ckpt_mark) if self._ckpt_mark else None,
             "checkpoints": self.checkpoints,
+            "tombstones": len(self._tomb),
             "replayed_records": self.replayed_records,
         }
 

@@ -489,3 +489,82 @@ def test_stats(tmp_path):
     assert st["segments"] == 1 and st["journal_bytes"] == SEG
     assert st["journal_mark"].startswith("1:")
     s.close()
+
+
+# --- tombstones ---------------------------------------------------------------------
+
+def test_deleted_ledger_stays_fenced(tmp_path):
+    s = open_storage(tmp_path)
+    for e in range(3):
+        assert add(s, 5, e) == EOK
+    assert s.delete_ledgers([5]) == 1
+    assert add(s, 5, 3) == EFENCED                    # the old writer
+    assert add(s, 5, 3, recovery=True) == EFENCED     # nor a recovery write
+    assert add(s, 5, 0) == EFENCED                    # nor from the start
+    assert s.fence(5, KEY) == ENOLEDGER               # fencing creates nothing
+    assert s.read_entry(5, 0)[0] == ENOLEDGER
+    assert s.read_lac(5)[0] == ENOLEDGER
+    assert 5 not in s.ledgers()
+    assert s.stats()["tombstones"] == 1
+    assert add(s, 6, 0) == EOK                        # other ledgers are untouched
+    s.close()
+
+
+@pytest.mark.parametrize("how", ["close", "crash", "no-checkpoint", "compacted"])
+def test_tombstone_survives_restart_replay_and_compaction(tmp_path, how):
+    s = open_storage(tmp_path)
+    _two_ledgers(s)
+    s.delete_ledgers([7])
+    if how == "compacted":
+        assert s.compact(0.6)["segments_removed"] > 0   # the DELETE record's segment too
+    if how == "crash":
+        del s
+        crash()
+    else:
+        s.close()
+    if how in ("no-checkpoint", "compacted"):
+        (tmp_path / "index" / CHECKPOINT_FILE).unlink()   # a full replay
+    s = open_storage(tmp_path)
+    assert add(s, 7, 10_000) == EFENCED
+    assert s.fence(7, KEY) == ENOLEDGER
+    assert 7 not in s.ledgers()
+    _check_survivor(s)
+    s.close()
+
+
+def test_a_crash_between_tombstone_and_delete_record_deletes(tmp_path, monkeypatch):
+    s = open_storage(tmp_path)
+    for e in range(3):
+        assert add(s, 5, e) == EOK
+    s.sync()
+    s._tomb.add([5])                                  # the tombstone made it, nothing else
+    del s
+    crash()
+    s = open_storage(tmp_path)
+    assert 5 not in s.ledgers() and add(s, 5, 3) == EFENCED
+    s.close()
+
+
+def test_many_tombstones_are_compact(tmp_path):
+    s = open_storage(tmp_path)
+    ids = list(range(1 << 40, (1 << 40) + 200_000, 2))
+    s._tomb.add(ids)
+    assert os.path.getsize(tmp_path / "index" / "tombstones") == 8 + 8 * len(ids)
+    assert s._tomb._ids.itemsize * len(s._tomb._ids) == 8 * len(ids)
+    s.close()
+    s = open_storage(tmp_path)
+    assert s.tombstones == len(ids)
+    assert (1 << 40) + 2 in s._tomb and (1 << 40) + 3 not in s._tomb
+    s.close()
+
+
+def test_torn_tombstone_append_keeps_the_whole_ids(tmp_path):
+    s = open_storage(tmp_path)
+    s._tomb.add([11, 12])
+    s.close()
+    with open(tmp_path / "index" / "tombstones", "ab") as f:
+        f.write(b"\x01\x02\x03")                      # half an id: a torn append
+    s = open_storage(tmp_path)
+    assert s.tombstones == 2 and 11 in s._tomb
+    assert add(s, 11, 0) == EFENCED
+    s.close()
