@@ -119,6 +119,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "false: acknowledged adds survive a process crash but not a power loss."),
     _S("flushInterval", int, 60000, "Interval (ms) between index checkpoints; a restart "
        "replays the journal only from the last checkpoint.", minimum=100),
+    _S("flushIntervalBytes", int, 256 * 1024 * 1024, "Journal bytes written since the last "
+       "index checkpoint after which one is taken at once, also under sustained load (the "
+       "shard pauses for the sync in flight and the checkpoint): bounds what a restart after "
+       "kill -9 replays.", minimum=1 << 20),
     _S("nettyMaxFrameSizeBytes", int, 5 * 1024 * 1024, "Largest frame accepted or sent.",
        scope=BOTH, minimum=1024),
     # --- disk space, GC ----------------------------------------------------------

@@ -84,6 +84,7 @@ class _Worker:
         self.crashes: list[float] = []
         self.waiting: list[tuple[socket.socket, bytes, float]] = []   # hand-overs until ready
         self.gc_ledgers: list[int] = []
+        self.replaying = False          # reported replay progress while booting
         self.lock = threading.Lock()   # ctrl sends come from the loop and the meta thread
 
 
@@ -238,6 +239,7 @@ class Arbiter:
         w.pid = pid
         w.ctrl = a_end
         w.ready = False
+        w.replaying = False
         w.last_hb = time.monotonic()
         a_end.setblocking(True)
         a_end.settimeout(5.0)
@@ -245,10 +247,18 @@ class Arbiter:
         log.debug("forked shard %d as pid %d", w.shard, pid)
 
     def _wait_ready(self):
-        deadline = time.monotonic() + BOOT_TIMEOUT
+        # A worker replaying a long journal reports progress ("replay"), which counts
+        # as a heartbeat: only one that makes no progress for workerTimeoutMSec (at
+        # least BOOT_TIMEOUT before its first report) fails the boot.
+        limit = self.conf.workerTimeoutMSec / 1000.0
+        start = time.monotonic()
         while not all(w.ready for w in self.workers):
-            if time.monotonic() > deadline:
-                raise BookieExit(EXIT_WORKER_BOOT, "shard workers did not become ready in time")
+            now = time.monotonic()
+            stuck = [w.shard for w in self.workers if not w.ready and now - w.last_hb > limit
+                     and (w.replaying or now - start > BOOT_TIMEOUT)]
+            if stuck:
+                raise BookieExit(EXIT_WORKER_BOOT, f"shard {stuck[0]} made no progress "
+                                                   f"booting for {limit:.0f}s")
             self._poll(1.0)
             if self.stopping:
                 raise BookieExit(self.exit_code or EXIT_OK, self.exit_message or "stopped")
@@ -379,6 +389,9 @@ class Arbiter:
         kind = msg[0]
         if kind == "hb":
             w.last_hb = time.monotonic()
+        elif kind == "replay":
+            w.last_hb = time.monotonic()
+            w.replaying = True
         elif kind == "ready":
             w.ready = True
             w.last_hb = time.monotonic()

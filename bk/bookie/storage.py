@@ -182,7 +182,7 @@ class ShardStorage:
     """Ledger state, entry index and journal of one shard (single-threaded)."""
 
     def __init__(self, journal_dir: str, index_dir: str, *, segment_size: int,
-                 sync_data: bool = True, owns=None):
+                 sync_data: bool = True, owns=None, progress=None):
         # ``owns(ledger_id)``: whether this shard owns a ledger; an ADD or fence of a
         # ledger it does not own is a misrouted request (EBADREQ), never new state.
         self._owns = owns
@@ -197,6 +197,8 @@ class ShardStorage:
         self.checkpoints = 0
         self.replayed_records = 0
         self._replayed_deletes: list[int] = []
+        self._ckpt_at = 0          # journal bytes appended when the last checkpoint was taken
+        self._progress = progress  # progress(done_bytes, total_bytes) during a long replay
         self._closed = False
         self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
         self._journal = Journal(journal_dir, segment_size, sync_data)
@@ -500,7 +502,14 @@ class ShardStorage:
         os.rename(tmp, self._ckpt_path)
         J._fsync_dir(self.index_dir)
         self._ckpt_mark = mark
+        self._ckpt_at = self._journal.synced_bytes
         self.checkpoints += 1
+
+    @property
+    def bytes_since_checkpoint(self) -> int:
+        """Journal bytes appended since the last checkpoint (what a restart replays)."""
+        j = self._journal
+        return j.synced_bytes + j._unsynced - self._ckpt_at
 
     def _load_checkpoint(self):
         """Load the checkpoint into memory; return its mark, or None for a full replay."""
@@ -554,8 +563,11 @@ class ShardStorage:
         journal = self._journal
         n = 0
         keyless = set()
+        report = self._replay_reporter(mark)
         for pos, rlen, rtype, f in journal.replay(mark):
             n += 1
+            if not n & 0x3FFF and report is not None:
+                report(pos)
             lid = f[0]
             st = ledgers.get(lid)
             if rtype == J.DELETE:
@@ -597,6 +609,32 @@ class ShardStorage:
         if keyless:
             log.warning("replay found entries but no master key for %d ledgers (e.g. %d); "
                         "the first key presented will be adopted", len(keyless), min(keyless))
+
+    def _replay_reporter(self, mark):
+        """A function of a replay position that calls ``progress(done, total)`` (bytes
+        of journal) at most every half second, or None."""
+        if self._progress is None:
+            return None
+        journal = self._journal
+        seqs = journal.segments()
+        if not seqs:
+            return None
+        start_seq, start_off = J.parse_mark(mark) if mark is not None else (seqs[0], 0)
+        before, total = {}, 0
+        for seq in seqs:
+            if seq >= start_seq:
+                before[seq] = total
+                total += journal.segment_size_of(seq)
+        total -= start_off
+        last = [time.monotonic()]
+
+        def report(pos):
+            now = time.monotonic()
+            if now - last[0] >= 0.5:
+                last[0] = now
+                seq, off = pos >> 32, pos & 0xFFFFFFFF
+                self._progress(before.get(seq, 0) + off - start_off, total)
+        return report
 
     # --- maintenance ----------------------------------------------------------
     def delete_ledgers(self, ledger_ids) -> int:

@@ -89,6 +89,7 @@ class ShardWorker:
         self.max_frame = conf.nettyMaxFrameSizeBytes
         self.group_wait = conf.journalMaxGroupWaitMSec / 1000.0
         self.group_bytes = conf.journalBufferedWritesThreshold
+        self.ckpt_bytes = conf.flushIntervalBytes
         self.readonly = False
         self.stopping = False
         self.sel = selectors.DefaultSelector()
@@ -141,7 +142,8 @@ class ShardWorker:
         self.storage = ShardStorage(jdir, idir,
                                     segment_size=self.conf.journalPreAllocSizeMB << 20,
                                     sync_data=self.conf.journalSyncData,
-                                    owns=lambda lid: P.shard_of(lid, n) == shard)
+                                    owns=lambda lid: P.shard_of(lid, n) == shard,
+                                    progress=self._replay_progress)
         stats = self.storage.stats()
         log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
                  time.monotonic() - t0, stats.get("ledgers"))
@@ -157,6 +159,15 @@ class ShardWorker:
 
     def _on_term(self, signum, frame):
         self.stopping = True
+
+    def _replay_progress(self, done: int, total: int):
+        # A long replay is not a hung boot: the arbiter waits as long as this arrives.
+        log.info("shard %d replaying its journal: %d%% (%d of %d MiB)", self.shard,
+                 100 * done // max(1, total), done >> 20, total >> 20)
+        try:
+            control.send(self.ctrl, "replay", done, total)
+        except OSError:
+            pass
 
     # --- group commit ------------------------------------------------------------
     def _sync_thread(self):
@@ -281,8 +292,18 @@ class ShardWorker:
                     control.send(self.ctrl, "hb")
                 except OSError:
                     return
-            if now >= next_ckpt and not self.held and self.sync_job is None:
-                storage.checkpoint()
+            if now >= next_ckpt or storage.bytes_since_checkpoint >= self.ckpt_bytes:
+                if not self.held and self.sync_job is None:
+                    storage.checkpoint()
+                elif (storage.bytes_since_checkpoint >= self.ckpt_bytes
+                      or now >= next_ckpt + self.conf.flushInterval / 1000.0):
+                    # Under sustained load the loop is never idle: force it, or a
+                    # restart after kill -9 would replay the whole run. The pause is
+                    # the sync in flight plus the checkpoint's write.
+                    self._quiesce()
+                    storage.checkpoint()
+                else:
+                    continue          # due: take it at the next idle moment
                 next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
 
     def _on_control(self):
