@@ -151,6 +151,7 @@ class Arbiter:
         if not conf.metadataServiceUri:
             raise BookieExit(EXIT_CONFIG, "metadataServiceUri is not set (conf file, "
                                           "BK_metadataServiceUri or --metadata)")
+        self._check_segment_size()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
@@ -184,6 +185,21 @@ class Arbiter:
                  " (read-only)" if self.readonly else "", os.getpid())
         if self.on_ready:
             self.on_ready(None)
+
+    def _check_segment_size(self):
+        """Every entry a frame can carry must fit one journal segment: otherwise such
+        an ADD gets EBADREQ, and a client replaces this healthy bookie for it."""
+        from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
+
+        conf = self.conf
+        need = conf.nettyMaxFrameSizeBytes + ADD_OVERHEAD + HEADER_SIZE
+        if conf.journalPreAllocSizeMB << 20 < need:
+            raise BookieExit(EXIT_CONFIG, (
+                f"journalPreAllocSizeMB={conf.journalPreAllocSizeMB} is too small for "
+                f"nettyMaxFrameSizeBytes={conf.nettyMaxFrameSizeBytes}: a journal segment must "
+                f"hold the largest entry a frame can carry ({need} bytes with the record and "
+                f"segment headers). Raise journalPreAllocSizeMB to at least "
+                f"{-(-need >> 20)} or lower nettyMaxFrameSizeBytes"))
 
     def _registration_info(self) -> dict:
         return {"address": self.conf.advertisedAddress, "port": self.port,
@@ -598,7 +614,7 @@ class Arbiter:
                 elif task[0] == "gc_check":
                     self._gc_check(task[1], task[2])
             except Exception as e:   # keep the thread alive: the next cycle retries
-                log.warning("metadata task %s failed: %s", task[0], e)
+                log.warning("metadata task %s failed (retried): %s", task[0], e)
                 if task[0] == "gc_check":
                     self._gc_send(task[1], [])
 

@@ -58,11 +58,12 @@ from bk import protocol
 from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection
 from bk.client.placement import replace_bookies
-from bk.errors import (BadPasswordError, BKError, BookieUnavailableError, DigestMismatchError,
+from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
+                       DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataError,
                        MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
-from bk.errors import EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
+from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 
 log = logging.getLogger("bk.client")
@@ -618,6 +619,17 @@ class LedgerHandle:
             return
         if status == ETOOMANYREQUESTS:
             self._add_busy(op, conn)
+            return
+        if status == EBADREQ:
+            # The bookie is fine; the request was wrong (malformed, or sent to a shard
+            # that does not own the ledger): replacing the bookie would not help and
+            # would cost a metadata write. Entries are acknowledged in order, so the
+            # handle cannot go on past this entry.
+            self._error_out(BadRequestError, (
+                f"bookie {conn.bookie_id} refused entry {op.entry_id} as a bad request "
+                f"(EBADREQ): the client sent a malformed or misrouted request (a client "
+                f"bug, or a client and bookie that disagree on protocol or shard count); "
+                f"the bookie was not replaced"))
             return
         # EREADONLY included: a read-only bookie takes no adds until its disk frees
         # up, so it is replaced (and, being failed, quarantined by this handle).

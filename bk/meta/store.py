@@ -810,6 +810,11 @@ class BookieRegistration:
     than the TTL) or the key vanished (a forced format), the thread registers
     again as soon as etcd answers. ``alive`` is True while the key is believed
     to be in place (last confirmation younger than the TTL).
+
+    The mode asked for last (:meth:`set_readonly`) is the truth: the key may sit
+    in the other mode for a while (the move failed because etcd was down), and
+    the thread moves it at its next round with etcd, so the registration
+    always ends up matching the bookie's state.
     """
 
     def __init__(self, store: MetadataStore, bookie_id: str, info: dict, readonly: bool,
@@ -818,7 +823,8 @@ class BookieRegistration:
         self.bookie_id = bookie_id
         self.info = info
         self.ttl = ttl
-        self._readonly = readonly
+        self._readonly = readonly          # the mode wanted
+        self._reg_ro: bool | None = None   # the mode our key is in (None: no key)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -869,6 +875,7 @@ class BookieRegistration:
             [c.transactions.get(rw), c.transactions.get(ro)])
         if ok:
             self._lease_id, self._create_rev = lease_id, rev
+            self._reg_ro = self._readonly
             self._confirmed = time.monotonic()
             return True, None
         for r in responses:
@@ -950,12 +957,14 @@ class BookieRegistration:
                                   lambda c: list(c.refresh_lease(lease_id)))
                 resp = answers[0] if answers else None
                 if resp is not None and resp.TTL > 0:
-                    key = self._key()
+                    key = self._key(self._reg_ro)
                     kv = s._call(f"check the registration of bookie {self.bookie_id}",
                                  "get", lambda c: c.get_response(key), idempotent=True).kvs
                     if kv and kv[0].lease == lease_id:
                         self._create_rev = kv[0].create_revision
                         self._confirmed = time.monotonic()
+                        if self._reg_ro != self._readonly:
+                            self._move()      # a mode change that failed earlier
                         return
                     if kv:   # someone else holds our id now
                         self._log_conflict(kv[0].lease)
@@ -997,35 +1006,42 @@ class BookieRegistration:
                 log.exception("bookie %s: registration keepalive failed", self.bookie_id)
                 wait = min(0.5, interval)
 
+    def _move(self) -> None:
+        """Move our key to the wanted mode in one transaction (lock held)."""
+        s = self.store
+        readonly = self._readonly
+        if self._lease_id is not None and self._create_rev is not None \
+                and self._reg_ro is not None:
+            old, new = self._key(self._reg_ro), self._key(readonly)
+            c = s._client()
+            ok, rev, _ = s._txn_full(
+                f"mark bookie {self.bookie_id} {'read-only' if readonly else 'writable'}",
+                [c.transactions.create(old) == self._create_rev,
+                 c.transactions.create(new) == 0],
+                [c.transactions.delete(old),
+                 c.transactions.put(new, _json_bytes(self.info), lease=self._lease_id)])
+            if ok:
+                self._create_rev, self._reg_ro = rev, readonly
+                self._confirmed = time.monotonic()
+                return
+        # our key was gone (lease lost): register afresh in the wanted mode now
+        self._lease_id = None
+        self._reg_ro = None
+        self._keepalive_once()
+
     # --- public -------------------------------------------------------------------
     def set_readonly(self, readonly: bool) -> None:
-        """Move the key between available/ and readonly/ in one transaction."""
+        """Register under readonly/ (or available/) from now on. The key moves in one
+        transaction; if etcd cannot be reached (MetadataError is raised) the mode is
+        still recorded and the keepalive thread moves the key once etcd answers."""
         readonly = bool(readonly)
-        s = self.store
         with self._lock:
             if self._closed:
                 raise BKError(f"registration of bookie {self.bookie_id} is closed")
-            if readonly == self._readonly:
+            self._readonly = readonly
+            if self._reg_ro == readonly and self._lease_id is not None:
                 return
-            old, new = self._key(self._readonly), self._key(readonly)
-            c = s._client()
-            if self._lease_id is not None and self._create_rev is not None:
-                ok, rev, _ = s._txn_full(
-                    f"mark bookie {self.bookie_id} {'read-only' if readonly else 'writable'}",
-                    [c.transactions.create(old) == self._create_rev,
-                     c.transactions.create(new) == 0],
-                    [c.transactions.delete(old),
-                     c.transactions.put(new, _json_bytes(self.info), lease=self._lease_id)])
-                self._readonly = readonly
-                if ok:
-                    self._create_rev = rev
-                    self._confirmed = time.monotonic()
-                    return
-            else:
-                self._readonly = readonly
-            # our key was gone (lease lost): register afresh in the new mode now
-            self._lease_id = None
-            self._keepalive_once()
+            self._move()
 
     def close(self) -> None:
         """Revoke the lease (the key disappears at once) and stop the thread."""

@@ -1,5 +1,7 @@
 """Fixtures: real etcd and real bookie processes on loopback, in temp dirs."""
 
+import subprocess
+
 import pytest
 
 from bk.testing import LocalCluster
@@ -26,3 +28,15 @@ def cluster_factory(tmp_path):
 def cluster(cluster_factory):
     """Three bookies with two shards each."""
     return cluster_factory(3)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 64 MiB tmpfs, so that disk usage can be driven across thresholds."""
+    mnt = tmp_path / "smallfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"this test needs to mount a tmpfs (as root): {r.stderr}"
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -263,7 +263,8 @@ def test_gc_gives_space_back_and_keeps_live_ledgers(cluster_factory):
     from bk.meta.ledger import LedgerMetadata
 
     c = cluster_factory(1, num_shards=1, conf_overrides={
-        "gcWaitTime": 300, "journalPreAllocSizeMB": 1, "compactionThreshold": 0.5})
+        "gcWaitTime": 300, "journalPreAllocSizeMB": 1, "compactionThreshold": 0.5,
+        "nettyMaxFrameSizeBytes": 512 * 1024})
     b, store = c.bookies[0], c.store
     payload = os.urandom(4000)
     lids = []
@@ -292,22 +293,11 @@ def test_gc_gives_space_back_and_keeps_live_ledgers(cluster_factory):
         assert read(conn0, lids[0], 0)[2] == ENOLEDGER
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 64 MiB tmpfs, so that disk usage can be driven across thresholds."""
-    mnt = tmp_path / "smallfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, f"this test needs to mount a tmpfs (as root): {r.stderr}"
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def test_read_only_mode(cluster_factory, small_fs):
     c = cluster_factory(0)
     b = c.add_bookie(journalDirectories=str(small_fs / "journal"),
                      ledgerDirectories=str(small_fs / "ledgers"), journalPreAllocSizeMB=4,
+                     nettyMaxFrameSizeBytes=2 << 20,
                      diskUsageThreshold=0.6, diskUsageLwmThreshold=0.5, diskCheckInterval=200)
     with conn(b, 0) as w:
         assert add(w, 0, 0, b"before")[2] == EOK
