@@ -11,7 +11,7 @@ from bk.meta.ledger import LedgerMetadata, LedgerState
 __version__ = "0.1.0"
 
 __all__ = ["BookKeeper", "LedgerHandle", "LedgerEntry", "errors", "LedgerMetadata",
-           "LedgerState", "__version__"]
+           "LedgerState", "Position", "LogRecord", "__version__"]
 
 
 def __getattr__(name):
@@ -21,4 +21,7 @@ def __getattr__(name):
     if name in ("LedgerHandle", "LedgerEntry"):
         from bk.client import ledger
         return getattr(ledger, name)
+    if name in ("Position", "LogRecord"):
+        from bk.log import records
+        return getattr(records, name)
     raise AttributeError(f"module 'bk' has no attribute {name!r}")
