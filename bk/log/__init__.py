@@ -17,7 +17,6 @@ from typing import NamedTuple
 from bk.errors import BKError, MetadataVersionError, NoSuchLedgerError
 from bk.log import metadata
 from bk.log.records import LogRecord, Position, check_log_name
-from bk.meta.ledger import LedgerState
 
 __all__ = ["Position", "LogRecord", "LogInfo", "create_log", "list_logs", "log_info",
            "truncate_log", "delete_log"]
@@ -64,24 +63,20 @@ def list_logs(client) -> list[str]:
 
 
 def _segment_now(client, seg: dict) -> tuple[dict, int]:
-    """A copy of ``seg`` with its current totals, and the slots of its last entry."""
+    """A copy of ``seg`` with its totals now (the open one's up to its LAC), and the
+    number of records in its last entry that has any."""
     from bk.log.writer import segment_tail
     out = dict(seg)
     try:
-        if seg["state"] == metadata.CLOSED:
-            h = client.open_ledger_no_recovery(seg["ledger_id"])
-        else:
-            h = client.open_ledger_no_recovery(seg["ledger_id"])
-            if h.metadata.state != LedgerState.CLOSED:
-                h.read_last_add_confirmed()
+        h = client.open_ledger_no_recovery(seg["ledger_id"])
         try:
-            last, slots, records, nbytes = segment_tail(client, h)
+            last, data_last, slots, records, nbytes = segment_tail(client, h)
         finally:
             h.close()
     except NoSuchLedgerError:
-        return out, 0
+        return out, (-1, 0)
     out.update(last_entry_id=last, records=records, bytes=nbytes)
-    return out, slots
+    return out, (data_last, slots)
 
 
 def log_info(client, name: str) -> LogInfo:
@@ -92,18 +87,18 @@ def log_info(client, name: str) -> LogInfo:
     records = nbytes = 0
     for seg in rec["segments"]:
         if seg["state"] == metadata.CLOSED and seg["last_entry_id"] < 0:
-            s, slots = dict(seg), 0
+            s, (data_last, slots) = dict(seg), (-1, 0)
         else:
-            s, slots = _segment_now(client, seg)
+            s, (data_last, slots) = _segment_now(client, seg)
         segs.append(s)
         records += s["records"]
         nbytes += s["bytes"]
-        if s["last_entry_id"] >= 0 and s["records"]:
+        if data_last >= 0 and slots:
             if first is None:
                 first = Position(s["segment"], 0, 0)
                 if trunc and trunc > first:
                     first = trunc
-            last = Position(s["segment"], s["last_entry_id"], max(slots - 1, 0))
+            last = Position(s["segment"], data_last, slots - 1)
     return LogInfo(name, segs, first, last, records, nbytes, int(rec["epoch"]), trunc)
 
 

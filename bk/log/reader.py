@@ -15,7 +15,8 @@ new writer's recovery fenced it) then reads on to its final last entry — which
 may include entries a recovery found past the old LAC — and the reader moves
 to the next segment number, which it looks up in the log record. Only a
 reader waiting for a segment that does not exist yet polls the log record
-(with back-off).
+(with back-off). A roll is quicker: the writer ends the old segment with a
+marker entry (``END_OF_SEGMENT``), and the reader moves on when it reads it.
 
 Truncation deletes whole ledgers after recording ``truncated_before`` by CAS:
 the reader checks that point whenever it consults the record (opening a
@@ -154,15 +155,13 @@ class LogReader:
                 except (NoSuchLedgerError, NoSuchEntryError):
                     self._check_truncated(refresh=True)
                     raise
-                self._take(seg, entries)
+                if self._take(seg, entries) or closed and self._next.entry_id > limit:
+                    self._next_segment(seg)
                 if self._pending:
                     return True
                 continue
             if closed:
-                # Read to its last entry: on to the next segment of the log.
-                self._next = Position(seg + 1, 0, 0)
-                self._lh = None
-                self._refresh_record()
+                self._next_segment(seg)   # read to its last entry
                 continue
             left = self._left(deadline)
             if left <= 0 and not once:
@@ -175,11 +174,13 @@ class LogReader:
                 self._check_truncated(refresh=True)
                 raise
             if entry is not None:
-                self._take(seg, [entry])
+                if self._take(seg, [entry]):
+                    self._next_segment(seg)
                 if self._pending:
                     return True
 
-    def _take(self, seg, entries):
+    def _take(self, seg, entries) -> bool:
+        """Queue the records of ``entries``; True at the segment's end marker."""
         nxt = self._next
         for ent in entries:
             rs = decode_record_set(ent.data)
@@ -187,7 +188,17 @@ class LogReader:
                 pos = Position(seg, ent.entry_id, slot)
                 if pos >= nxt:
                     self._pending.append(LogRecord(pos, data))
+            if rs.end_of_segment:
+                return True
         self._next = Position(seg, entries[-1].entry_id + 1, 0)
+        return False
+
+    def _next_segment(self, seg):
+        """Done with segment ``seg``: on to the next one of the log."""
+        self._next = Position(seg + 1, 0, 0)
+        self._lh.close()
+        self._lh = None
+        self._refresh_record()
 
     # --- segments and the log record --------------------------------------------------
     def _refresh_record(self):

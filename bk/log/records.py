@@ -2,7 +2,8 @@
 
 A log writer packs several records into one ledger entry, a *record set*::
 
-    header  version (1 byte) | count (u32) | records_before (u64) | bytes_before (u64)
+    header  version (1 byte) | flags (1 byte) | count (u32) | records_before (u64)
+            | bytes_before (u64)
     count x length (u32) | data
 
 ``records_before`` / ``bytes_before`` are the number and total size of the
@@ -22,9 +23,10 @@ import struct
 from typing import NamedTuple
 
 VERSION = 1
-_HEADER = struct.Struct(">BIQQ")
+_HEADER = struct.Struct(">BBIQQ")
 _LEN = struct.Struct(">I")
-HEADER_SIZE = _HEADER.size           # 21
+HEADER_SIZE = _HEADER.size           # 22
+END_OF_SEGMENT = 0x01
 RECORD_OVERHEAD = _LEN.size          # 4 per record
 MAX_NAME_BYTES = 200
 
@@ -79,6 +81,11 @@ class RecordSet(NamedTuple):
     records: list
     records_before: int
     bytes_before: int
+    flags: int = 0
+
+    @property
+    def end_of_segment(self) -> bool:
+        return bool(self.flags & END_OF_SEGMENT)
 
     @property
     def records_after(self) -> int:
@@ -94,9 +101,10 @@ def encoded_size(record_lengths_total: int, count: int) -> int:
     return HEADER_SIZE + count * RECORD_OVERHEAD + record_lengths_total
 
 
-def encode_record_set(records, records_before: int = 0, bytes_before: int = 0) -> bytes:
+def encode_record_set(records, records_before: int = 0, bytes_before: int = 0,
+                      flags: int = 0) -> bytes:
     """The entry payload for ``records`` (a sequence of bytes)."""
-    parts = [_HEADER.pack(VERSION, len(records), records_before, bytes_before)]
+    parts = [_HEADER.pack(VERSION, flags, len(records), records_before, bytes_before)]
     pack = _LEN.pack
     for r in records:
         parts.append(pack(len(r)))
@@ -110,7 +118,7 @@ def decode_record_set(payload) -> RecordSet:
     n = len(mv)
     if n < HEADER_SIZE:
         raise RecordSetError(f"record set of {n} bytes is shorter than its header")
-    version, count, before, bytes_before = _HEADER.unpack_from(mv, 0)
+    version, flags, count, before, bytes_before = _HEADER.unpack_from(mv, 0)
     if version != VERSION:
         raise RecordSetError(f"record set version {version} is not supported")
     if count > (n - HEADER_SIZE) // RECORD_OVERHEAD:
@@ -129,7 +137,7 @@ def decode_record_set(payload) -> RecordSet:
         off += ln
     if off != n:
         raise RecordSetError(f"{n - off} trailing bytes after {count} records")
-    return RecordSet(out, before, bytes_before)
+    return RecordSet(out, before, bytes_before, flags)
 
 
 def check_log_name(name) -> str:

@@ -46,8 +46,9 @@ from bk.client.ledger import _FRAME_OVERHEAD
 from bk.errors import (BKError, LedgerFencedError, LogFencedError, MetadataVersionError,
                        NoSuchLedgerError, NoSuchLogError)
 from bk.log import metadata
-from bk.log.records import (HEADER_SIZE, RECORD_OVERHEAD, Position, decode_record_set,
-                            encode_record_set)
+from bk.meta.ledger import LedgerState
+from bk.log.records import (END_OF_SEGMENT, HEADER_SIZE, RECORD_OVERHEAD, Position,
+                            decode_record_set, encode_record_set)
 
 log = logging.getLogger("bk.log")
 
@@ -56,14 +57,24 @@ CONF_KEYS = ("logRollBytes", "logRollEntries", "logRollSeconds", "logBatchBytes"
              "logBatchLingerMs")
 
 
-def segment_tail(client, ledger_handle) -> tuple[int, int, int, int]:
-    """(last_entry_id, slots in the last entry, records, bytes) of a closed ledger
-    of a log, from its last entry's record-set header."""
+def segment_tail(client, ledger_handle) -> tuple[int, int, int, int, int]:
+    """(last entry id, last entry with records, its records, records, bytes) of a
+    log's ledger up to its LAC (its last entry once closed), from the record-set
+    headers: the last entry has the totals; the last entry *with records* is a few
+    back when the segment ends with a roll's empty marker entries."""
     last = ledger_handle.last_add_confirmed
+    if ledger_handle.metadata.state == LedgerState.CLOSED:
+        last = ledger_handle.metadata.last_entry_id
     if last < 0:
-        return -1, 0, 0, 0
+        return -1, -1, 0, 0, 0
     rs = decode_record_set(ledger_handle.read_entry(last).data)
-    return last, len(rs.records), rs.records_after, rs.bytes_after
+    records, nbytes, slots = rs.records_after, rs.bytes_after, len(rs.records)
+    e = last
+    while slots == 0 and e > 0 and rs.records_before > 0:
+        e -= 1
+        rs = decode_record_set(ledger_handle.read_entry(e).data)
+        slots = len(rs.records)
+    return last, e, slots, records, nbytes
 
 
 def fence_segment(client, name: str, seg: dict) -> tuple[int, int, int]:
@@ -76,7 +87,7 @@ def fence_segment(client, name: str, seg: dict) -> tuple[int, int, int]:
                     name, seg["ledger_id"], seg["segment"])
         return -1, 0, 0
     try:
-        last, _slots, records, nbytes = segment_tail(client, h)
+        last, _e, _slots, records, nbytes = segment_tail(client, h)
     finally:
         h.close()
     return last, records, nbytes
@@ -354,12 +365,14 @@ class LogWriter:
                 except BKError:
                     _discard_ledger(self._client, lh)
                     raise
-                # Then close the previous ledger (waits for its adds) and its segment.
-                try:
-                    old.close()
-                except LedgerFencedError as e:
-                    raise self._failed(e) from None
                 records, nbytes = self._seg_records, self._seg_bytes
+                # Mark the old segment's end, so that tailing readers move on at
+                # once rather than after a long poll times out; the empty entry
+                # after the marker carries the marker's LAC to the bookies.
+                old.add_entry(encode_record_set([], records, nbytes, flags=END_OF_SEGMENT))
+                old.add_entry(encode_record_set([], records, nbytes))
+                # Then close the previous ledger (waits for its adds) and its segment.
+                old.close()
                 last = old.last_add_confirmed
                 self._cas(lambda rec: metadata.with_segment_closed(
                     rec, old_segment, last, records, nbytes))

@@ -5,7 +5,7 @@ from hypothesis import given, strategies as st
 
 import bk
 from bk.log import metadata
-from bk.log.records import (HEADER_SIZE, RECORD_OVERHEAD, Position, RecordSetError,
+from bk.log.records import (END_OF_SEGMENT, HEADER_SIZE, RECORD_OVERHEAD, Position, RecordSetError,
                             check_log_name, decode_record_set, encode_record_set, encoded_size)
 
 records_st = st.lists(st.binary(max_size=300), max_size=40)
@@ -38,8 +38,14 @@ def test_bad_version_and_absurd_count():
     with pytest.raises(RecordSetError, match="version 9"):
         decode_record_set(bytes(payload))
     with pytest.raises(RecordSetError, match="claims"):
-        decode_record_set(b"\x01\xff\xff\xff\xff" + bytes(16))
-    assert HEADER_SIZE == 21 and RECORD_OVERHEAD == 4
+        decode_record_set(b"\x01\x00\xff\xff\xff\xff" + bytes(16))
+    assert HEADER_SIZE == 22 and RECORD_OVERHEAD == 4
+
+
+def test_end_of_segment_marker():
+    rs = decode_record_set(encode_record_set([], 7, 70, flags=END_OF_SEGMENT))
+    assert rs.end_of_segment and rs.records == [] and rs.records_after == 7
+    assert not decode_record_set(encode_record_set([b"x"], 7, 70)).end_of_segment
 
 
 @given(st.tuples(st.integers(0, 10 ** 12), st.integers(0, 10 ** 12), st.integers(0, 10 ** 6)),
