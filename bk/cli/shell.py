@@ -963,6 +963,56 @@ def bench_bookie_cmd(c, bookie_id, entry_size, count, window, as_json):
     click.echo(f"journal syncs: {r['journal_syncs']} ({r['adds_per_sync']} adds per sync)")
 
 
+@bench.command("log")
+@click.option("--record-size", default=100, show_default=True, type=click.IntRange(min=16))
+@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0.5),
+              help="Seconds of each phase (throughput, then tailing latency).")
+@click.option("--ensemble", "-e", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--write-quorum", "-w", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--ack-quorum", "-a", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-bytes", default=None, type=click.IntRange(min=1),
+              help="logBatchBytes of the writer (default: the registry's).")
+@click.option("--linger-ms", default=None, type=click.IntRange(min=0),
+              help="logBatchLingerMs of the writer (default: the registry's).")
+@click.option("--tail-rate", default=None, type=click.FloatRange(min=1),
+              help="Records/s of the latency phase. Default: half the measured throughput.")
+@_json_opt
+@pass_ctx
+@handled
+def bench_log_cmd(c, record_size, duration, ensemble, write_quorum, ack_quorum, batch_bytes,
+                  linger_ms, tail_rate, as_json):
+    """A log: records/s appended by one writer, then a tailing reader's
+    append-to-read latency at half that rate.
+
+    \b
+    Example:
+      bkshell bench log --record-size 100 --duration 10
+      bkshell bench log --tail-rate 100000
+    """
+    from bk.bench.log import bench_log
+    if not ensemble >= write_quorum >= ack_quorum:
+        raise click.BadParameter("need --ensemble >= --write-quorum >= --ack-quorum")
+    opts = {}
+    if batch_bytes is not None:
+        opts["logBatchBytes"] = batch_bytes
+    if linger_ms is not None:
+        opts["logBatchLingerMs"] = linger_ms
+    if not as_json:
+        click.echo(f"appending {record_size}-byte records for {duration:g}s, then tailing "
+                   f"(E={ensemble} Qw={write_quorum} Qa={ack_quorum})...", err=True)
+    r = bench_log(c.uri(), record_size, duration, ensemble, write_quorum, ack_quorum,
+                  tail_rate=tail_rate, **opts)
+    if as_json:
+        return _json_out(r)
+    t = r["tail"]
+    lat = t["latency_ms"]
+    click.echo(f"append: {r['records']} records in {r['seconds']}s: {r['records_per_sec']} "
+               f"records/s, {r['mb_per_sec']} MB/s, {r['entries']} entries")
+    click.echo(f"tail at {t['achieved_rate']} records/s ({t['records']} read): latency ms "
+               f"p50 {lat['p50']}  p90 {lat['p90']}  p99 {lat['p99']}  p99.9 {lat['p99.9']}  "
+               f"max {t['latency_max_ms']}")
+
+
 def main(argv=None):
     """Console entry point (``bkshell``); ``cli`` is the click group (for CliRunner)."""
     try:

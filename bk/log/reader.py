@@ -182,12 +182,15 @@ class LogReader:
     def _take(self, seg, entries) -> bool:
         """Queue the records of ``entries``; True at the segment's end marker."""
         nxt = self._next
+        push = self._pending.append
         for ent in entries:
             rs = decode_record_set(ent.data)
+            eid = ent.entry_id
+            # Only a start inside an entry skips records of it.
+            skip = nxt.slot if eid == nxt.entry_id else 0
             for slot, data in enumerate(rs.records):
-                pos = Position(seg, ent.entry_id, slot)
-                if pos >= nxt:
-                    self._pending.append(LogRecord(pos, data))
+                if slot >= skip:
+                    push(LogRecord(Position(seg, eid, slot), data))
             if rs.end_of_segment:
                 return True
         self._next = Position(seg, entries[-1].entry_id + 1, 0)

@@ -253,6 +253,18 @@ class LogWriter:
     def append_many(self, records) -> Position | None:
         """Append records pipelined (batched into entries); returns the last
         Position once every one of them is durable (None for no records)."""
+        fut = self.append_many_async(records)
+        if fut is None:
+            return None
+        with self._cond:
+            self._flush()                     # the caller waits: lingering only delays it
+        # Entries of a ledger are acknowledged in order and a failure fails every
+        # later one: the last record's result stands for all of them.
+        return fut.result()
+
+    def append_many_async(self, records) -> concurrent.futures.Future | None:
+        """Append records without waiting (batched, sent within a linger); a Future
+        of the last one's Position (resolved: all are durable), or None for none."""
         fut = None
         it = iter(records)
         while True:
@@ -265,20 +277,17 @@ class LogWriter:
                 break
             with self._cond:
                 self._wait_writable()
+                first = not self._buf
+                add = self._add
                 for data in chunk[:-1]:
-                    self._add(data, None)
+                    add(data, None)
                 fut = concurrent.futures.Future()
-                self._add(chunk[-1], fut)
-                if self._rolling_due():
+                add(chunk[-1], fut)
+                if self._buf and self._linger <= 0:
                     self._flush()
-        if fut is None:
-            return None
-        with self._cond:
-            if self._buf:
-                self._flush()
-        # Entries of a ledger are acknowledged in order and a failure fails every
-        # later one: the last record's result stands for all of them.
-        return fut.result()
+                elif first and self._buf:
+                    self._cond.notify_all()   # the linger clock starts
+        return fut
 
     def flush(self) -> None:
         """Send what is buffered now (appends are otherwise sent within a linger)."""
