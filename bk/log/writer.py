@@ -450,7 +450,9 @@ class LogWriter:
                 try:
                     self._roll()
                 except BKError as e:
-                    log.warning("log %s: roll failed: %s", self.name, e)
+                    # The appends raise it; a writer that was already broken is no news.
+                    log.log(logging.DEBUG if e is self._error else logging.WARNING,
+                            "log %s: roll failed: %s", self.name, e)
                     return
 
     # --- close ---------------------------------------------------------------------
