@@ -451,7 +451,8 @@ class LogWriter:
                     self._roll()
                 except BKError as e:
                     # The appends raise it; a writer that was already broken is no news.
-                    log.log(logging.DEBUG if e is self._error else logging.WARNING,
+                    log.log(logging.DEBUG if e is self._error or self._closed
+                            else logging.WARNING,
                             "log %s: roll failed: %s", self.name, e)
                     return
 
@@ -459,15 +460,16 @@ class LogWriter:
     def close(self) -> None:
         """Send what is buffered, wait for it, close the ledger and its segment.
         The log stays; the next writer continues it."""
-        with self._roll_lock:
-            with self._cond:
-                if self._closed:
-                    return
-                if self._error is None:
-                    self._flush()
-                self._closed = True
-                self._cond.notify_all()
-            self._thread.join(5.0)
+        with self._cond:
+            if self._closed:
+                return
+            if self._error is None:
+                self._flush()
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(10.0)
+        with self._roll_lock:                 # a roll() under way finishes first
             lh = self._lh
             try:
                 lh.close()

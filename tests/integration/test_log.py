@@ -288,3 +288,28 @@ def test_deposed_writer_gets_log_fenced_error(cluster):
         with c.open_log_writer(name) as w:
             with pytest.raises(ValueError, match="entry limit"):
                 w.append(bytes(c.conf.nettyMaxFrameSizeBytes))
+
+
+def test_writer_broken_beyond_repair_fails_clearly_and_a_new_writer_continues(cluster):
+    name = "broken"
+    with _client(cluster) as c:
+        w = c.open_log_writer(name, ensemble_size=3, write_quorum_size=3, ack_quorum_size=3)
+        before = [w.append(b"ok-%d" % i) for i in range(5)]
+        victim = cluster.bookies[0]
+        victim.kill()                     # no replacement: the ensemble cannot be repaired
+        with pytest.raises(bk.errors.BKError) as ei:
+            w.append(b"doomed")
+        assert "open a new writer" in str(ei.value)
+        with pytest.raises(type(ei.value)):
+            w.append(b"still doomed")     # the writer stays broken, with the same error
+        w.close()
+        victim.start()
+        _wait_for(lambda: victim.bookie_id in c.bookies(), "the bookie back")
+        with c.open_log_writer(name, ensemble_size=3, write_quorum_size=3,
+                               ack_quorum_size=3) as w2:
+            after = w2.append(b"after")
+        records = _read_all(c, name)
+        datas = [r.data for r in records]
+        assert datas[:5] == [b"ok-%d" % i for i in range(5)] and datas[-1] == b"after"
+        assert set(datas[5:-1]) <= {b"doomed"}      # may or may not be in, never twice
+        assert [r.position for r in records[:5]] == before and records[-1].position == after
