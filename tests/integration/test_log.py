@@ -2,7 +2,6 @@
 ownership and fencing, crashes of writers and bookies, tailing, truncation."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
