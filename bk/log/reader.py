@@ -182,15 +182,15 @@ class LogReader:
     def _take(self, seg, entries) -> bool:
         """Queue the records of ``entries``; True at the segment's end marker."""
         nxt = self._next
-        push = self._pending.append
+        extend = self._pending.extend
+        new = tuple.__new__         # the named tuples without their Python-level __new__
         for ent in entries:
             rs = decode_record_set(ent.data)
             eid = ent.entry_id
             # Only a start inside an entry skips records of it.
             skip = nxt.slot if eid == nxt.entry_id else 0
-            for slot, data in enumerate(rs.records):
-                if slot >= skip:
-                    push(LogRecord(Position(seg, eid, slot), data))
+            extend([new(LogRecord, (new(Position, (seg, eid, slot)), data))
+                    for slot, data in enumerate(rs.records) if slot >= skip])
             if rs.end_of_segment:
                 return True
         self._next = Position(seg, entries[-1].entry_id + 1, 0)
