@@ -153,6 +153,7 @@ class LogWriter:
         self._closed = False
         self._rolling = False
         self._roll_wanted = False
+        self._nudge_armed = False         # I/O thread only
         self._rec, self._version, lh, segment = take_ownership(client, name, self._shape)
         self._epoch = self._rec["epoch"]
         self._start_segment(lh, segment)
@@ -306,9 +307,14 @@ class LogWriter:
         self._buf, self._waiters, self._buf_bytes, self._buf_size = [], [], 0, HEADER_SIZE
         segment = self._segment
 
+        lh = self._lh
+
         def done(exc, entry_id):
             # On the client's I/O thread: no locks of this writer here.
             if exc is None:
+                if not self._nudge_armed:
+                    self._nudge_armed = True
+                    self._client._io.call_later(max(self._linger, 0.001), self._nudge_lac, lh)
                 for slot, fut in waiters:
                     fut.set_result(Position(segment, entry_id, slot))
                 return
@@ -323,6 +329,15 @@ class LogWriter:
         if self._rolling_due():
             self._roll_wanted = True
             self._cond.notify_all()
+
+    def _nudge_lac(self, lh):
+        """I/O thread, a linger after an acknowledgement: if the ledger is idle now,
+        send its LAC, so that a tailing reader sees the last entry within about a
+        linger plus a round trip. (With adds in flight the next one carries it.)
+        The ledger's own ticker would also send it, but only every 50 ms."""
+        self._nudge_armed = False
+        if not lh._pending and not lh._closed and lh._lac > lh._lac_sent:
+            lh._send_explicit_lac(time.monotonic())
 
     def _failed(self, exc) -> BaseException:
         """The writer's error for a failed add (the first one sticks)."""
