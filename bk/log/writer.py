@@ -22,10 +22,16 @@ entry is acknowledged. The ledger handle's callbacks run on the client's I/O
 thread, so they never take this writer's lock (an appender holding it may be
 waiting for that very thread to free the add window).
 
+*Tailing*: a reader sees an entry once the bookies know it is confirmed
+(its LAC). With adds flowing, the next add carries it; a linger after an
+acknowledgement, a ledger with nothing in flight sends its LAC explicitly.
+
 *Rolling* (size, entry count, age, or ``roll()``): appends pause; the buffer
 is flushed to the old ledger; a new ledger is created and CAS-appended to the
-record; the old ledger is closed (which waits for its outstanding adds) and
-its segment CAS-closed with its totals; appends resume on the new ledger.
+record; the old ledger gets an end-of-segment marker entry (and one empty
+entry that carries the marker's LAC), so tailing readers move on at once; it
+is closed (which waits for its outstanding adds) and its segment CAS-closed
+with its totals; appends resume on the new ledger.
 Pausing keeps the log free of holes: a record of the new segment is never
 acknowledged while an older one could still fail. Any CAS that finds a higher
 epoch means a new writer took over: the writer fails with LogFencedError.
@@ -200,14 +206,16 @@ class LogWriter:
                              f"(nettyMaxFrameSizeBytes minus overheads)")
         return data
 
-    def _wait_writable(self):
-        """Under the lock: raise the writer's error, or wait out a roll."""
+    def _wait_writable(self, for_roll=False):
+        """Under the lock: raise the writer's error, or wait out a roll (also one
+        that is due: appends pause once a segment reached its roll threshold, so
+        a fast appender cannot keep the roll from happening)."""
         while True:
             if self._error is not None:
                 raise self._error
             if self._closed:
                 raise BKError(f"append to log {self.name}: the writer is closed")
-            if not self._rolling:
+            if not self._rolling and (for_roll or not self._roll_wanted):
                 return
             self._cond.wait(0.05)
 
@@ -278,15 +286,22 @@ class LogWriter:
                 break
             with self._cond:
                 self._wait_writable()
-                first = not self._buf
+                wake = False
                 add = self._add
-                for data in chunk[:-1]:
-                    add(data, None)
-                fut = concurrent.futures.Future()
-                add(chunk[-1], fut)
+                last = len(chunk) - 1
+                for i, data in enumerate(chunk):
+                    if self._roll_wanted:
+                        self._wait_writable()     # releases the lock: the roll happens
+                    if not self._buf:
+                        wake = True
+                    if i == last:
+                        fut = concurrent.futures.Future()
+                        add(data, fut)
+                    else:
+                        add(data, None)
                 if self._buf and self._linger <= 0:
                     self._flush()
-                elif first and self._buf:
+                elif wake and self._buf:
                     self._cond.notify_all()   # the linger clock starts
         return fut
 
@@ -373,7 +388,7 @@ class LogWriter:
     def _roll(self):
         with self._roll_lock:
             with self._cond:
-                self._wait_writable()
+                self._wait_writable(for_roll=True)
                 self._flush()
                 self._rolling = True
                 self._roll_wanted = False

@@ -312,3 +312,21 @@ def test_writer_broken_beyond_repair_fails_clearly_and_a_new_writer_continues(cl
         assert datas[:5] == [b"ok-%d" % i for i in range(5)] and datas[-1] == b"after"
         assert set(datas[5:-1]) <= {b"doomed"}      # may or may not be in, never twice
         assert [r.position for r in records[:5]] == before and records[-1].position == after
+
+
+def test_rolls_by_age_and_by_bytes(cluster):
+    with _client(cluster) as c:
+        with c.open_log_writer("age", logRollSeconds=0.3) as w:
+            p0 = w.append(b"first")
+            # An idle segment that holds entries rolls once it is old enough.
+            _wait_for(lambda: len(c.log_info("age").segments) == 2, "a roll by age")
+            p1 = w.append(b"second")
+        assert p1.segment == p0.segment + 1
+        assert [r.data for r in _read_all(c, "age")] == [b"first", b"second"]
+        with c.open_log_writer("size", logRollBytes=1000, logBatchBytes=300) as w:
+            last = w.append_many([bytes(100)] * 50)        # 5000 bytes: about 5 rolls
+            _wait_for(lambda: len(c.log_info("size").segments) >= 5, "rolls by size")
+        info = c.log_info("size")
+        assert info.records == 50 and info.bytes == 5000 and info.last_position == last
+        assert all(s["bytes"] <= 1000 + 300 for s in info.segments)
+        assert len(_read_all(c, "size")) == 50
