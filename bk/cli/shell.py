@@ -976,11 +976,14 @@ def bench_bookie_cmd(c, bookie_id, entry_size, count, window, as_json):
               help="logBatchLingerMs of the writer (default: the registry's).")
 @click.option("--tail-rate", default=None, type=click.FloatRange(min=1),
               help="Records/s of the latency phase. Default: half the measured throughput.")
+@click.option("--gc-off", is_flag=True,
+              help="Disable Python's cyclic GC in writer and reader during the latency "
+                   "phase (shows its share of the tail).")
 @_json_opt
 @pass_ctx
 @handled
 def bench_log_cmd(c, record_size, duration, ensemble, write_quorum, ack_quorum, batch_bytes,
-                  linger_ms, tail_rate, as_json):
+                  linger_ms, tail_rate, gc_off, as_json):
     """A log: records/s appended by one writer, then a tailing reader's
     append-to-read latency at half that rate.
 
@@ -1001,7 +1004,7 @@ def bench_log_cmd(c, record_size, duration, ensemble, write_quorum, ack_quorum, 
         click.echo(f"appending {record_size}-byte records for {duration:g}s, then tailing "
                    f"(E={ensemble} Qw={write_quorum} Qa={ack_quorum})...", err=True)
     r = bench_log(c.uri(), record_size, duration, ensemble, write_quorum, ack_quorum,
-                  tail_rate=tail_rate, **opts)
+                  tail_rate=tail_rate, gc_off=gc_off, **opts)
     if as_json:
         return _json_out(r)
     t = r["tail"]

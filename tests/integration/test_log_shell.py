@@ -96,3 +96,13 @@ def test_tail_follows_and_stops_on_ctrl_c(cluster):
                 proc.kill()
                 proc.wait()
         w.close()
+
+
+def test_bench_log_runs(cluster):
+    r = json.loads(ok("--metadata", cluster.metadata_uri, "bench", "log", "--duration", "0.5",
+                      "--tail-rate", "2000", "--json").stdout)
+    assert r["records"] > 0 and r["records_per_sec"] > 0
+    t = r["tail"]
+    assert t["records"] == t["records_sent"] > 0 and t["latency_ms"]["p50"] >= 0
+    with bk.BookKeeper(cluster.metadata_uri) as c:
+        assert c.list_logs() == []          # the bench cleans up after itself
