@@ -183,7 +183,7 @@ class LogWriter:
     def _start_segment(self, lh, segment):
         # An idle writer must still let readers see its last entry: the ledger
         # sends its LAC explicitly after about a linger (its ticker's period).
-        if not lh._explicit_lac:
+        if not getattr(lh, "_explicit_lac", 1):
             lh._explicit_lac = max(self._linger, 0.001)
         self._lh = lh
         self._segment = segment
@@ -351,8 +351,11 @@ class LogWriter:
         linger plus a round trip. (With adds in flight the next one carries it.)
         The ledger's own ticker would also send it, but only every 50 ms."""
         self._nudge_armed = False
-        if not lh._pending and not lh._closed and lh._lac > lh._lac_sent:
-            lh._send_explicit_lac(time.monotonic())
+        try:
+            if not lh._pending and not lh._closed and lh._lac > lh._lac_sent:
+                lh._send_explicit_lac(time.monotonic())
+        except AttributeError:      # the handle's internals moved: the ticker still sends it
+            log.debug("log %s: cannot send the LAC early", self.name, exc_info=True)
 
     def _failed(self, exc) -> BaseException:
         """The writer's error for a failed add (the first one sticks)."""
