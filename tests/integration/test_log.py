@@ -330,3 +330,13 @@ def test_rolls_by_age_and_by_bytes(cluster):
         assert info.records == 50 and info.bytes == 5000 and info.last_position == last
         assert all(s["bytes"] <= 1000 + 300 for s in info.segments)
         assert len(_read_all(c, "size")) == 50
+        # A reader from "latest" sees only what comes after it opened; a Position
+        # starts exactly there; a reader iterates.
+        latest = c.open_log_reader("size", start="latest")
+        assert latest.read_batch(10, timeout=0.2) == []
+        with c.open_log_writer("size") as w:
+            new = w.append_many([b"new-1", b"new-2"])
+        assert [x.data for x in latest.read_batch(10, timeout=5)] == [b"new-1", b"new-2"]
+        latest.close()
+        with c.open_log_reader("size", start=new) as r:
+            assert next(iter(r)) == bk.LogRecord(new, b"new-2")
