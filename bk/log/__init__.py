@@ -17,6 +17,7 @@ from typing import NamedTuple
 from bk.errors import BKError, MetadataVersionError, NoSuchLedgerError
 from bk.log import metadata
 from bk.log.records import LogRecord, Position, check_log_name
+from bk.meta.ledger import LedgerState
 
 __all__ = ["Position", "LogRecord", "LogInfo", "create_log", "list_logs", "log_info",
            "truncate_log", "delete_log"]
@@ -116,10 +117,15 @@ def truncate_log(client, name: str, before) -> list[int]:
                              f"(next segment {end})")
         new, drop = metadata.truncation(rec, before)
         for s in segs:
-            if s["segment"] == before.segment and s["state"] == metadata.CLOSED and \
-                    before.entry_id > s["last_entry_id"] + 1:
+            if s["segment"] != before.segment:
+                continue
+            # A point past the end would hide records appended later: refuse it.
+            end = s["last_entry_id"]
+            if s["state"] == metadata.OPEN:
+                end = _confirmed_end(client, s["ledger_id"])
+            if before.entry_id > end + 1:
                 raise ValueError(f"truncate log {name} before {before}: segment "
-                                 f"{s['segment']} ends at entry {s['last_entry_id']}")
+                                 f"{s['segment']} ends at entry {end}")
         try:
             store.cas_json(metadata.key(name), new, version)
             break
@@ -132,6 +138,18 @@ def truncate_log(client, name: str, before) -> list[int]:
     for lid in drop:
         _delete_ledger(client, lid)
     return drop
+
+
+def _confirmed_end(client, lid: int) -> int:
+    """The last confirmed entry of an open segment's ledger (its LAC, or its last
+    entry if it was closed meanwhile)."""
+    h = client.open_ledger_no_recovery(lid)
+    try:
+        if h.metadata.state == LedgerState.CLOSED:
+            return h.metadata.last_entry_id
+        return h.last_add_confirmed
+    finally:
+        h.close()
 
 
 def _delete_ledger(client, lid: int) -> None:

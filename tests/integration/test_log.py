@@ -235,6 +235,11 @@ def test_truncation_while_a_reader_is_behind(cluster):
         records = _read_all(c, name)
         assert [r.position for r in records] == acked[7:]
         assert c.log_info(name).first_position == point
+        # A point past the end of the open segment would hide later records.
+        with pytest.raises(ValueError, match="ends at entry"):
+            c.truncate_log(name, before=Position(w._segment, 1000, 0))
+        with pytest.raises(ValueError, match="past the log's end"):
+            c.truncate_log(name, before=Position(w._segment + 1, 5, 0))
         # The open segment is never deleted, whatever the point.
         w.append(b"more")
         c.truncate_log(name, before=Position(w._segment, 0, 0))
