@@ -81,26 +81,32 @@ def _segment_now(client, seg: dict) -> tuple[dict, int]:
 
 
 def log_info(client, name: str) -> LogInfo:
+    """Closed segments from the record (no bookie reads); the open ones up to their
+    LAC, and the last record's position, from their last entries."""
     rec, _ = metadata.read(client._store, name)
     trunc = metadata.truncated_before(rec)
     segs = []
-    first = last = None
-    records = nbytes = 0
+    tails = {}
     for seg in rec["segments"]:
-        if seg["state"] == metadata.CLOSED and seg["last_entry_id"] < 0:
-            s, (data_last, slots) = dict(seg), (-1, 0)
+        if seg["state"] == metadata.OPEN:
+            s, tails[seg["segment"]] = _segment_now(client, seg)
         else:
-            s, (data_last, slots) = _segment_now(client, seg)
+            s = dict(seg)
         segs.append(s)
-        records += s["records"]
-        nbytes += s["bytes"]
+    first = last = None
+    with_records = [s for s in segs if s["records"]]
+    if with_records:
+        first = Position(with_records[0]["segment"], 0, 0)
+        if trunc and trunc > first:
+            first = trunc
+        s = with_records[-1]
+        if s["segment"] not in tails:
+            _, tails[s["segment"]] = _segment_now(client, s)
+        data_last, slots = tails[s["segment"]]
         if data_last >= 0 and slots:
-            if first is None:
-                first = Position(s["segment"], 0, 0)
-                if trunc and trunc > first:
-                    first = trunc
             last = Position(s["segment"], data_last, slots - 1)
-    return LogInfo(name, segs, first, last, records, nbytes, int(rec["epoch"]), trunc)
+    return LogInfo(name, segs, first, last, sum(s["records"] for s in segs),
+                   sum(s["bytes"] for s in segs), int(rec["epoch"]), trunc)
 
 
 def truncate_log(client, name: str, before) -> list[int]:

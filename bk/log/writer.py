@@ -333,7 +333,7 @@ class LogWriter:
                 for slot, fut in waiters:
                     fut.set_result(Position(segment, entry_id, slot))
                 return
-            err = self._failed(exc)
+            err = self._failed(exc, lh)
             for _slot, fut in waiters:
                 fut.set_exception(err)
 
@@ -357,13 +357,13 @@ class LogWriter:
         except AttributeError:      # the handle's internals moved: the ticker still sends it
             log.debug("log %s: cannot send the LAC early", self.name, exc_info=True)
 
-    def _failed(self, exc) -> BaseException:
+    def _failed(self, exc, lh=None) -> BaseException:
         """The writer's error for a failed add (the first one sticks)."""
         if self._error is None:
             if isinstance(exc, LedgerFencedError):
                 err = LogFencedError(f"append to log {self.name}: this writer (epoch "
                                      f"{self._epoch}) was deposed; its ledger "
-                                     f"{self._lh.ledger_id} is fenced ({exc})")
+                                     f"{(lh or self._lh).ledger_id} is fenced ({exc})")
             else:
                 msg = (f"append to log {self.name}: the writer's ledger failed beyond "
                        f"repair; open a new writer to continue ({exc})")
