@@ -2,7 +2,8 @@
 
 ``bk.BookKeeper`` is the client (imported lazily, so that bookie processes do
 not load the client and its etcd binding); ``bk.errors`` holds the one
-exception hierarchy; ``bk.LedgerMetadata`` / ``bk.LedgerState`` describe ledgers.
+exception hierarchy; ``bk.LedgerMetadata`` / ``bk.LedgerState`` describe ledgers;
+``bk.Position`` / ``bk.LogRecord`` name and carry the records of logs (``bk.log``).
 """
 
 from bk import errors
