@@ -165,6 +165,18 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("explicitLacInterval", int, 0, "Interval (ms) at which an idle writer sends its LAC "
        "explicitly. 0: the LAC only travels piggybacked on the next entry.",
        scope=CLIENT, minimum=0),
+    # --- logs (bk.log) ------------------------------------------------------------
+    _S("logRollBytes", int, 256 * 1024 * 1024, "A log writer rolls to a new ledger once its "
+       "segment holds this many record bytes. 0: never by size.", scope=CLIENT, minimum=0),
+    _S("logRollEntries", int, 0, "A log writer rolls to a new ledger once its segment has "
+       "this many entries. 0: never by entry count.", scope=CLIENT, minimum=0),
+    _S("logRollSeconds", float, 3600.0, "A log writer rolls to a new ledger once its segment "
+       "is this old (seconds). 0: never by age.", scope=CLIENT, minimum=0),
+    _S("logBatchBytes", int, 128 * 1024, "A log writer sends a ledger entry (a record set) "
+       "once this many record bytes are buffered.", scope=CLIENT, minimum=1),
+    _S("logBatchLingerMs", int, 2, "Longest time (ms) a log record waits for others to "
+       "share its entry; an idle writer also sends its LAC after it, so that tailing "
+       "readers see the last record.", scope=CLIENT, minimum=0),
 ]}
 
 

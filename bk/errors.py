@@ -99,6 +99,20 @@ class TimeoutError(BKError, builtins.TimeoutError):
     """An operation did not complete within its timeout."""
 
 
+# --- logs (bk.log) -------------------------------------------------------------
+
+class LogFencedError(LedgerFencedError):
+    """A log writer was deposed: another writer took the log over (fencing its ledger)."""
+
+
+class LogTruncatedError(BKError):
+    """A log reader's position lies in a range that was truncated away."""
+
+
+class NoSuchLogError(BKError):
+    """The log does not exist in the metadata store."""
+
+
 class CookieMismatchError(BKError):
     """A bookie's directories belong to another bookie id, cluster, layout or shard count."""
 

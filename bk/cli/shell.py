@@ -677,6 +677,210 @@ def readjournal(c, shard, limit, start, as_json):
 
 # --- benchmarks ---------------------------------------------------------------------------
 
+# --- logs (bk.log) -----------------------------------------------------------------
+class LogPosition(click.ParamType):
+    name = "POS"
+
+    def convert(self, value, param, ctx):
+        from bk.log.records import Position
+        try:
+            return Position.parse(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+LOG_POSITION = LogPosition()
+
+
+def _log_name(value: str) -> str:
+    from bk.log.records import check_log_name
+    try:
+        return check_log_name(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e))
+
+
+def _record_out(rec, fmt, as_json):
+    if as_json:
+        click.echo(json.dumps({"position": str(rec.position), "length": len(rec.data),
+                               "data": base64.b64encode(rec.data).decode("ascii")}))
+    elif fmt == "hex":
+        click.echo(f"--- {rec.position} ({len(rec.data)} bytes) ---")
+        for off in range(0, len(rec.data), 16):
+            chunk = rec.data[off:off + 16]
+            text = "".join(chr(ch) if 32 <= ch < 127 else "." for ch in chunk)
+            click.echo(f"{off:08x}  {chunk.hex(' '):<47}  {text}")
+    else:
+        click.echo(f"{rec.position}\t{_printable(rec.data.decode('utf-8', 'backslashreplace'))}")
+
+
+@cli.command()
+@_json_opt
+@pass_ctx
+@handled
+def listlogs(c, as_json):
+    """List the names of the logs.
+
+    \b
+    Examples:
+      bkshell listlogs
+      bkshell listlogs --json
+    """
+    with c.client() as cl:
+        names = cl.list_logs()
+    if as_json:
+        return _json_out(names)
+    for n in names:
+        click.echo(n)
+
+
+@cli.command()
+@click.argument("name", callback=lambda ctx, p, v: _log_name(v))
+@_json_opt
+@pass_ctx
+@handled
+def loginfo(c, name, as_json):
+    """Show a log: its segments (ledgers), positions, records and bytes.
+
+    \b
+    Examples:
+      bkshell loginfo orders
+      bkshell loginfo orders --json
+    """
+    with c.client() as cl:
+        info = cl.log_info(name)
+    if as_json:
+        return _json_out(info.to_dict())
+    click.echo(f"log {info.name}: epoch {info.epoch}, {info.records} records, "
+               f"{_size(info.bytes)}, first {info.first_position or '-'}, "
+               f"last {info.last_position or '-'}"
+               + (f", truncated before {info.truncated_before}" if info.truncated_before
+                  else ""))
+    for s in info.segments:
+        click.echo(f"  segment {s['segment']}\tledger {s['ledger_id']}\t{s['state']}\t"
+                   f"last entry {s['last_entry_id']}\t{s['records']} records\t"
+                   f"{_size(s['bytes'])}")
+
+
+@cli.command()
+@click.argument("name", callback=lambda ctx, p, v: _log_name(v))
+@click.option("--from", "start", type=LOG_POSITION, default=None,
+              help="First position (segment:entry:slot). Default: the earliest.")
+@click.option("--to", "end", type=LOG_POSITION, default=None,
+              help="Last position (inclusive). Default: the last record now.")
+@click.option("--limit", "-n", type=click.IntRange(min=1), default=None,
+              help="At most this many records.")
+@click.option("--format", "fmt", type=click.Choice(["text", "hex"]), default="text",
+              show_default=True, help="text: position and record on one line; hex: hex dump.")
+@_json_opt
+@pass_ctx
+@handled
+def readlog(c, name, start, end, limit, fmt, as_json):
+    """Print records of a log (never fences its writer); stops at the last record.
+
+    With --json: one JSON object per line (position, length, base64 data).
+
+    \b
+    Examples:
+      bkshell readlog orders
+      bkshell readlog orders --from 2:0:0 --to 2:99:0 --format hex
+      bkshell readlog orders --limit 10 --json
+    """
+    with c.client() as cl:
+        last = cl.log_info(name).last_position
+        if end is None or (last is not None and end > last):
+            end = last
+        n = 0
+        if end is None:
+            return
+        with cl.open_log_reader(name, start=start or "earliest") as r:
+            while limit is None or n < limit:
+                if r.position > end:
+                    break
+                rec = r.read_next(timeout=c.timeout)
+                if rec is None or rec.position > end:
+                    break
+                _record_out(rec, fmt, as_json)
+                n += 1
+
+
+@cli.command()
+@click.argument("name", callback=lambda ctx, p, v: _log_name(v))
+@click.option("--from", "start", type=LOG_POSITION, default=None,
+              help="Start at this position. Default: records appended from now on.")
+@click.option("--earliest", is_flag=True, help="Start at the earliest record.")
+@click.option("--format", "fmt", type=click.Choice(["text", "hex"]), default="text",
+              show_default=True)
+@_json_opt
+@pass_ctx
+@handled
+def tail(c, name, start, earliest, fmt, as_json):
+    """Follow a log: print records as they are appended, until Ctrl-C.
+
+    \b
+    Examples:
+      bkshell tail orders
+      bkshell tail orders --earliest --json
+      bkshell tail orders --from 3:0:0
+    """
+    where = start or ("earliest" if earliest else "latest")
+    with c.client() as cl:
+        r = cl.open_log_reader(name, start=where)
+        try:
+            while True:
+                for rec in r.read_batch(1000, timeout=1.0):
+                    _record_out(rec, fmt, as_json)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass                      # Ctrl-C is how tail ends: not an error
+        finally:
+            r.close()
+
+
+@cli.command()
+@click.argument("name", callback=lambda ctx, p, v: _log_name(v))
+@click.option("--before", required=True, type=LOG_POSITION,
+              help="Drop the records before this position (segment:entry:slot).")
+@_json_opt
+@pass_ctx
+@handled
+def truncatelog(c, name, before, as_json):
+    """Truncate a log: delete the whole ledgers that end before a position
+    (never the open one) and record the truncation point.
+
+    \b
+    Example:
+      bkshell truncatelog orders --before 5:0:0
+    """
+    with c.client() as cl:
+        deleted = cl.truncate_log(name, before=before)
+    if as_json:
+        return _json_out({"name": name, "truncated_before": str(before),
+                          "deleted_ledgers": deleted})
+    click.echo(f"truncated log {name} before {before}; deleted "
+               f"{len(deleted)} ledger(s){': ' if deleted else ''}"
+               f"{' '.join(map(str, deleted))}")
+
+
+@cli.command()
+@click.argument("name", callback=lambda ctx, p, v: _log_name(v))
+@_json_opt
+@pass_ctx
+@handled
+def deletelog(c, name, as_json):
+    """Delete a log and its ledgers.
+
+    \b
+    Example:
+      bkshell deletelog orders
+    """
+    with c.client() as cl:
+        deleted = cl.delete_log(name)
+    if as_json:
+        return _json_out({"name": name, "deleted_ledgers": deleted})
+    click.echo(f"deleted log {name} and {len(deleted)} ledger(s)")
+
+
 @cli.group()
 def bench():
     """Benchmarks: the whole write path, or one bookie."""
@@ -761,6 +965,59 @@ def bench_bookie_cmd(c, bookie_id, entry_size, count, window, as_json):
                f"{r['adds_per_sec']:.0f} adds/s, {r['mb_per_sec']} MB/s")
     click.echo(f"latency ms: p50 {lat['p50']}  p99 {lat['p99']}  p99.9 {lat['p999']}")
     click.echo(f"journal syncs: {r['journal_syncs']} ({r['adds_per_sync']} adds per sync)")
+
+
+@bench.command("log")
+@click.option("--record-size", default=100, show_default=True, type=click.IntRange(min=16))
+@click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0.5),
+              help="Seconds of each phase (throughput, then tailing latency).")
+@click.option("--ensemble", "-e", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--write-quorum", "-w", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--ack-quorum", "-a", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-bytes", default=None, type=click.IntRange(min=1),
+              help="logBatchBytes of the writer (default: the registry's).")
+@click.option("--linger-ms", default=None, type=click.IntRange(min=0),
+              help="logBatchLingerMs of the writer (default: the registry's).")
+@click.option("--tail-rate", default=None, type=click.FloatRange(min=1),
+              help="Records/s of the latency phase. Default: half the measured throughput.")
+@click.option("--gc-off", is_flag=True,
+              help="Disable Python's cyclic GC in writer and reader during the latency "
+                   "phase (shows its share of the tail).")
+@_json_opt
+@pass_ctx
+@handled
+def bench_log_cmd(c, record_size, duration, ensemble, write_quorum, ack_quorum, batch_bytes,
+                  linger_ms, tail_rate, gc_off, as_json):
+    """A log: records/s appended by one writer, then a tailing reader's
+    append-to-read latency at half that rate.
+
+    \b
+    Example:
+      bkshell bench log --record-size 100 --duration 10
+      bkshell bench log --tail-rate 100000
+    """
+    from bk.bench.log import bench_log
+    if not ensemble >= write_quorum >= ack_quorum:
+        raise click.BadParameter("need --ensemble >= --write-quorum >= --ack-quorum")
+    opts = {}
+    if batch_bytes is not None:
+        opts["logBatchBytes"] = batch_bytes
+    if linger_ms is not None:
+        opts["logBatchLingerMs"] = linger_ms
+    if not as_json:
+        click.echo(f"appending {record_size}-byte records for {duration:g}s, then tailing "
+                   f"(E={ensemble} Qw={write_quorum} Qa={ack_quorum})...", err=True)
+    r = bench_log(c.uri(), record_size, duration, ensemble, write_quorum, ack_quorum,
+                  tail_rate=tail_rate, gc_off=gc_off, **opts)
+    if as_json:
+        return _json_out(r)
+    t = r["tail"]
+    lat = t["latency_ms"]
+    click.echo(f"append: {r['records']} records in {r['seconds']}s: {r['records_per_sec']} "
+               f"records/s, {r['mb_per_sec']} MB/s, {r['entries']} entries")
+    click.echo(f"tail at {t['achieved_rate']} records/s ({t['records']} read): latency ms "
+               f"p50 {lat['p50']}  p90 {lat['p90']}  p99 {lat['p99']}  p99.9 {lat['p99.9']}  "
+               f"max {t['latency_max_ms']}")
 
 
 def main(argv=None):

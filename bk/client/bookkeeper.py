@@ -286,3 +286,60 @@ class BookKeeper:
         """Ids of the registered writable (or read-only) bookies."""
         self._check()
         return self._store.list_bookies(readonly=readonly)
+
+    # --- logs (bk.log) ------------------------------------------------------------
+    def open_log_writer(self, name: str, **opts):
+        """Take ownership of log ``name`` (created if absent) and return its writer.
+
+        ``opts``: ``logRollBytes``, ``logRollEntries``, ``logRollSeconds``,
+        ``logBatchBytes``, ``logBatchLingerMs`` (default: this client's conf) and
+        ``ensemble_size``, ``write_quorum_size``, ``ack_quorum_size``."""
+        from bk.log.records import check_log_name
+        from bk.log.writer import CONF_KEYS, SHAPE_KEYS, LogWriter
+        self._check()
+        check_log_name(name)
+        unknown = sorted(set(opts) - set(CONF_KEYS) - set(SHAPE_KEYS))
+        if unknown:
+            raise TypeError(f"open log writer {name}: unknown option(s) {', '.join(unknown)}")
+        conf = self.conf.with_overrides(**{k: v for k, v in opts.items() if k in CONF_KEYS})
+        shape = {"ensemble_size": 3, "write_quorum_size": 2, "ack_quorum_size": 2}
+        shape.update({k: v for k, v in opts.items() if k in SHAPE_KEYS})
+        return LogWriter(self, name, conf, shape)
+
+    def open_log_reader(self, name: str, start="earliest"):
+        """A reader of log ``name`` from ``"earliest"``, ``"latest"`` or a Position."""
+        from bk.log.reader import LogReader
+        from bk.log.records import check_log_name
+        self._check()
+        return LogReader(self, check_log_name(name), start)
+
+    def create_log(self, name: str) -> bool:
+        """Create an empty log (no writer yet); False if it exists."""
+        from bk import log as _log
+        self._check()
+        return _log.create_log(self, name)
+
+    def list_logs(self) -> list[str]:
+        """Names of every log, sorted."""
+        from bk import log as _log
+        self._check()
+        return _log.list_logs(self)
+
+    def log_info(self, name: str):
+        """A LogInfo: name, segments, first/last position, records, bytes."""
+        from bk import log as _log
+        self._check()
+        return _log.log_info(self, name)
+
+    def truncate_log(self, name: str, before) -> list[int]:
+        """Drop the records before Position ``before``: the ledgers that end before it
+        are deleted (never the open one). Returns the deleted ledger ids."""
+        from bk import log as _log
+        self._check()
+        return _log.truncate_log(self, name, before)
+
+    def delete_log(self, name: str) -> list[int]:
+        """Delete the log and its ledgers. Returns the deleted ledger ids."""
+        from bk import log as _log
+        self._check()
+        return _log.delete_log(self, name)

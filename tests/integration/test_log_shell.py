@@ -1,0 +1,108 @@
+"""bkshell's log commands against real etcd and bookies."""
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import bk
+from bk.cli.shell import cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(*args):
+    env = {"BK_METADATA_URI": None, "BK_metadataServiceUri": None, "BK_LEDGER_PASSWORD": None}
+    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
+
+
+def ok(*args):
+    r = run(*args)
+    assert r.exit_code == 0, f"{args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def err(*args, code=1):
+    r = run(*args)
+    assert r.exit_code == code, f"{args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    return r.stderr
+
+
+def test_log_commands(cluster):
+    m = ["--metadata", cluster.metadata_uri]
+    with bk.BookKeeper(cluster.metadata_uri) as c:
+        w = c.open_log_writer("orders", logRollEntries=2)
+        pos = [w.append(b"order-%d" % i) for i in range(6)]       # 3 segments
+        w.close()
+    assert json.loads(ok(*m, "listlogs", "--json").stdout) == ["orders"]
+    assert ok(*m, "listlogs").stdout.split() == ["orders"]
+    info = json.loads(ok(*m, "loginfo", "orders", "--json").stdout)
+    assert info["records"] == 6 and info["last_position"] == str(pos[-1])
+    # The third roll happened after the sixth entry: a fourth, empty segment.
+    assert [s["state"] for s in info["segments"]] == ["closed"] * 4
+    assert [s["records"] for s in info["segments"]] == [2, 2, 2, 0]
+    assert "6 records" in ok(*m, "loginfo", "orders").stdout
+
+    lines = ok(*m, "readlog", "orders").stdout.splitlines()
+    assert lines == [f"{p}\torder-{i}" for i, p in enumerate(pos)]
+    rows = [json.loads(x) for x in ok(*m, "readlog", "orders", "--from", str(pos[1]), "--to",
+                                      str(pos[4]), "--json").stdout.splitlines()]
+    assert [r["position"] for r in rows] == [str(p) for p in pos[1:5]]
+    assert base64.b64decode(rows[0]["data"]) == b"order-1"
+    assert len(ok(*m, "readlog", "orders", "--limit", "2").stdout.splitlines()) == 2
+    assert "6f 72 64 65 72" in ok(*m, "readlog", "orders", "--format", "hex").stdout
+
+    out = json.loads(ok(*m, "truncatelog", "orders", "--before", str(pos[2]),
+                        "--json").stdout)
+    assert len(out["deleted_ledgers"]) == 1
+    assert ok(*m, "readlog", "orders").stdout.splitlines()[0] == f"{pos[2]}\torder-2"
+    assert "truncated" in err(*m, "readlog", "orders", "--from", str(pos[0]))
+
+    assert "does not exist" in err(*m, "loginfo", "nope")
+    assert "log name" in err(*m, "loginfo", "a/b", code=2)
+    assert "segment:entry:slot" in err(*m, "truncatelog", "orders", "--before", "x", code=2)
+    assert "deleted log orders" in ok(*m, "deletelog", "orders").stdout
+    assert ok(*m, "listlogs").stdout == ""
+
+
+def test_tail_follows_and_stops_on_ctrl_c(cluster):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.dirname(bk.__file__)), os.environ.get("PYTHONPATH")])))
+    with bk.BookKeeper(cluster.metadata_uri) as c:
+        w = c.open_log_writer("t")
+        w.append(b"before")
+        proc = subprocess.Popen([sys.executable, "-m", "bk.cli.shell", "--metadata",
+                                 cluster.metadata_uri, "tail", "t", "--earliest", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                text=True)
+        try:
+            got = [json.loads(proc.stdout.readline())]
+            for i in range(3):
+                w.append(b"live-%d" % i)
+                got.append(json.loads(proc.stdout.readline()))
+            assert [base64.b64decode(g["data"]) for g in got] == \
+                [b"before", b"live-0", b"live-1", b"live-2"]
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(20) == 0
+            assert "Traceback" not in proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        w.close()
+
+
+def test_bench_log_runs(cluster):
+    r = json.loads(ok("--metadata", cluster.metadata_uri, "bench", "log", "--duration", "0.5",
+                      "--tail-rate", "2000", "--json").stdout)
+    assert r["records"] > 0 and r["records_per_sec"] > 0
+    t = r["tail"]
+    assert t["records"] == t["records_sent"] > 0 and t["latency_ms"]["p50"] >= 0
+    with bk.BookKeeper(cluster.metadata_uri) as c:
+        assert c.list_logs() == []          # the bench cleans up after itself
