@@ -162,6 +162,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "and of connecting to it.", scope=BOTH, minimum=100),
     _S("throttle", int, 5000, "Most adds a ledger handle keeps outstanding; add_entries "
        "blocks beyond it.", scope=CLIENT, minimum=1),
+    _S("readWindowBytes", int, 64 * 1024 * 1024, "Bytes of entries a read_entries call keeps "
+       "in flight (sized from the entries read so far; at most 1000 entries), so reading "
+       "large entries does not hold hundreds of MB.", scope=CLIENT, minimum=1),
     _S("explicitLacInterval", int, 0, "Interval (ms) at which an idle writer sends its LAC "
        "explicitly. 0: the LAC only travels piggybacked on the next entry.",
        scope=CLIENT, minimum=0),

@@ -22,6 +22,11 @@ committed as soon as N completes. Throughput is then bounded by the larger of
 CPU and disk time per group instead of their sum. At most one sync is in
 flight; its completion is signalled through a pipe the selector watches.
 
+Plain reads are answered at once, but a connection's output is bounded: past
+OUT_HIGH unsent bytes its remaining frames wait in its buffer, unread, until
+the client drains the output (then they are dispatched without waiting for
+more input).
+
 Plain reads are answered at once. Long-poll reads wait in ``_waiters`` until the
 ledger's LAC passes the reader's, checked after every sync, or until they time
 out. A frame that cannot be decoded, is too large or has the wrong shape closes
@@ -56,7 +61,13 @@ log = logging.getLogger("bk.worker")
 
 _frame = P.encode_frame
 RECV_SIZE = 256 * 1024
-MAX_OUTBUF = 16 * 1024 * 1024   # stop reading a client that does not read its answers
+# Bounded output per connection: once a connection's unsent responses pass
+# OUT_HIGH (read responses count their payload), the worker stops dispatching its
+# frames (the rest stay in its FrameBuffer) and stops reading it, until the
+# client drained the output below OUT_LOW. A client pipelining reads of 5 MiB
+# entries without reading the answers costs at most OUT_HIGH + one frame.
+OUT_HIGH = 8 * 1024 * 1024
+OUT_LOW = 1024 * 1024
 HEARTBEAT_INTERVAL = 1.0
 SWITCH_INTERVAL = 0.0002
 
@@ -102,6 +113,7 @@ class ShardWorker:
         self._sync_r = self._sync_w = -1
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
         self._gc_deleted: list[int] = []             # ledger ids of a GC round, in chunks
+        self._resume: list[_Conn] = []               # drained: dispatch their buffered frames
         self.storage = None
         self.ppid = os.getppid()
 
@@ -262,6 +274,8 @@ class ShardWorker:
                 timeout = min(HEARTBEAT_INTERVAL, max(0.0, next_hb - now))
                 if self._waiters:
                     timeout = min(timeout, 0.05)
+            if self._resume:
+                timeout = 0
             events = sel.select(timeout)
             for key, mask in events:
                 conn = key.data
@@ -275,6 +289,11 @@ class ShardWorker:
                     self._on_readable(conn)
                 if mask & selectors.EVENT_WRITE and not conn.closed:
                     self._flush(conn)
+            if self._resume:
+                resume, self._resume = self._resume, []
+                for conn in resume:
+                    if not conn.closed and not conn.paused:
+                        self._dispatch_frames(conn)
             if self.held and self.sync_job is None:
                 now = time.monotonic()
                 if (not events or storage.unsynced_bytes >= self.group_bytes
@@ -383,18 +402,24 @@ class ShardWorker:
         if not data:
             self._close(conn, None)
             return
-        fb = conn.fb
-        fb.feed(data)
+        conn.fb.feed(data)
+        self._dispatch_frames(conn)
+
+    def _dispatch_frames(self, conn: _Conn):
+        """Dispatch the connection's buffered frames until its unsent output passes
+        OUT_HIGH; then pause it (no reading, the rest stays buffered) until _flush
+        drained it below OUT_LOW."""
         try:
-            for msg in fb.frames():
+            for msg in conn.fb.frames():
                 self._dispatch(conn, msg)
+                if len(conn.out) > OUT_HIGH or conn.closed:
+                    if not conn.closed and not conn.paused:
+                        conn.paused = True
+                        self._update_interest(conn)
+                    return
         except (ProtocolError, TypeError, ValueError, IndexError, KeyError,
                 struct.error, OverflowError) as e:
             self._close(conn, f"protocol error: {e}")
-            return
-        if len(conn.out) > MAX_OUTBUF and not conn.paused:
-            conn.paused = True
-            self._update_interest(conn)
 
     def _dispatch(self, conn: _Conn, msg: list):
         op = msg[0]
@@ -559,8 +584,10 @@ class ShardWorker:
         if n:
             del conn.out[:n]
         want_write = bool(conn.out)
-        paused = conn.paused and len(conn.out) > MAX_OUTBUF // 2
+        paused = conn.paused and len(conn.out) > OUT_LOW
         if want_write != conn.writing or paused != conn.paused:
+            if conn.paused and not paused and conn.fb.pending:
+                self._resume.append(conn)      # frames left waiting: dispatch them now
             conn.writing = want_write
             conn.paused = paused
             self._update_interest(conn)

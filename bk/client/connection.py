@@ -19,10 +19,18 @@ counter per loop. Frames queued in one loop pass go out with one ``send`` per
 connection. A broken connection fails all of its requests with
 :class:`BookieUnavailableError` and reconnects lazily on the next request.
 
-Per-request timeouts: requests sent with a timeout are remembered in a FIFO
-per timeout value (deadlines in a FIFO of one timeout value are monotone, so
-expiry is a peek at its head). Adds use no per-request timer: write handles
-watch the age of their oldest pending add instead (see ``bk.client.ledger``).
+Per-request timeouts: requests sent with a timeout are remembered by request
+id in an insertion-ordered map per timeout value (deadlines of one timeout
+value are monotone, so expiry is a peek at its head), holding only the
+deadline and the connection; a request that completes or fails leaves it at
+once, so nothing (least of all a read's payload) is kept alive until its
+deadline. Adds use no per-request timer: write handles watch the age of their
+oldest pending add instead (see ``bk.client.ledger``).
+
+If the I/O thread dies of an unexpected exception, it fails every request in
+flight or handed to it, and every write handle registered with it, with a
+:class:`BKError` naming the cause; later calls raise it at once. Nothing waits
+forever on a thread that is gone.
 
 Fork safety: a child process (multiprocessing, PySpark) must not share the
 parent's sockets or thread. ``os.register_at_fork`` marks every loop, and the
@@ -166,7 +174,7 @@ class Connection:
         """Send ``frame`` (request id ``rid``); ``req`` gets the reply or the error."""
         self.inflight[rid] = req
         if timeout is not None:
-            self.loop._track(timeout, self, rid, req)
+            self.loop._track(timeout, self, rid)
         if self.state == READY:
             self.out.append(frame)
             if not self.dirty:
@@ -263,6 +271,7 @@ class Connection:
         fb = self.fb
         fb.feed(data)
         inflight = self.inflight
+        untrack = self.loop._untrack if self.loop._timeouts else None
         try:
             for msg in fb.frames():
                 if self.state != READY:
@@ -273,6 +282,8 @@ class Connection:
                     continue
                 req = inflight.pop(msg[1], None)
                 if req is not None:
+                    if untrack is not None:
+                        untrack(msg[1])
                     try:
                         req.on_reply(self, msg)
                     except Exception:
@@ -330,6 +341,9 @@ class Connection:
         self.queued = []
         self._wants_write = False
         reqs = list(self.inflight.values())
+        if self.loop._timeouts:
+            for rid in self.inflight:
+                self.loop._untrack(rid)
         self.inflight = {}
         if reqs:
             log.debug("%s failed, failing %d requests: %s", self, len(reqs), exc)
@@ -380,7 +394,10 @@ class IOLoop:
         self._conns: dict[tuple, Connection] = {}
         self._dirty: list[Connection] = []
         self._connecting: set[Connection] = set()
-        self._timeouts: dict[float, collections.deque] = {}
+        # timeout value -> {rid: (deadline, conn)} in deadline order (see _track)
+        self._timeouts: dict[float, collections.OrderedDict] = {}
+        self._dead: BaseException | None = None     # why the I/O thread died
+        self._handles: "weakref.WeakSet" = weakref.WeakSet()   # failed if it dies
         self._timers: list = []
         self._timer_seq = itertools.count()
         self._tickers: list = []
@@ -419,6 +436,8 @@ class IOLoop:
         """Run ``fn(*args)`` on the I/O thread."""
         if self._thread is None or self._forked:
             self._ensure()
+        if self._dead is not None:
+            raise self._death_error()
         if self._stopping:
             raise BookieUnavailableError("the client is closed")
         self._submit.append((fn, args))
@@ -453,7 +472,7 @@ class IOLoop:
 
     def stop(self, timeout=5.0):
         t = self._thread
-        if t is None or self._forked:
+        if t is None or self._forked or self._dead is not None:
             return
         self.call_soon(self._shutdown)
         if t is not threading.current_thread():
@@ -469,11 +488,48 @@ class IOLoop:
     def _add_timer(self, when, fn, args):
         heapq.heappush(self._timers, (when, next(self._timer_seq), fn, args))
 
-    def _track(self, timeout, conn, rid, req):
-        dq = self._timeouts.get(timeout)
-        if dq is None:
-            dq = self._timeouts[timeout] = collections.deque()
-        dq.append((time.monotonic() + timeout, conn, rid, req))
+    def register_handle(self, handle):
+        """``handle._loop_died(reason)`` is called (on this thread) if it dies."""
+        self._handles.add(handle)
+
+    def _death_error(self) -> BKError:
+        return BKError(f"the client's I/O thread died ({self._dead!r}); this client can "
+                       f"do no more I/O: close it and create a new one")
+
+    def _track(self, timeout, conn, rid):
+        od = self._timeouts.get(timeout)
+        if od is None:
+            od = self._timeouts[timeout] = collections.OrderedDict()
+        od[rid] = (time.monotonic() + timeout, conn)
+
+    def _untrack(self, rid):
+        for od in self._timeouts.values():
+            if od.pop(rid, None) is not None:
+                return
+
+    def _die(self, exc: BaseException):
+        """The I/O thread is dying: fail everything that waits on it."""
+        self._dead = exc
+        err = self._death_error()
+        while self._submit:
+            fn, args = self._submit.popleft()
+            if getattr(fn, "__func__", None) is Connection.send:   # a request never sent
+                try:
+                    args[1].on_error(fn.__self__, err)
+                except Exception:
+                    log.exception("error handler failed")
+        # Handles first: a handle that already failed does not start an ensemble
+        # change for each request the connections fail below.
+        for handle in list(self._handles):
+            try:
+                handle._loop_died(str(err))
+            except Exception:
+                log.exception("could not fail %r", handle)
+        for conn in list(self._conns.values()):
+            try:
+                conn._fail(err, fast=True)
+            except Exception:
+                log.exception("could not fail the requests of %r", conn)
 
     def _shutdown(self):
         self._stopping = True
@@ -539,8 +595,9 @@ class IOLoop:
                         conn.dirty = False
                         if conn.state == READY:
                             conn._write()
-        except BaseException:
+        except BaseException as e:
             log.exception("bk I/O thread died")
+            self._die(e)
             raise
         finally:
             try:
@@ -566,17 +623,20 @@ class IOLoop:
                 conn._fail(TimeoutError(
                     f"connect to bookie {conn.bookie_id} timed out after "
                     f"{self.connect_timeout:g}s"))
-        for timeout, dq in list(self._timeouts.items()):
-            while dq and dq[0][0] <= now:
-                _, conn, rid, req = dq.popleft()
-                if conn.inflight.get(rid) is req:
-                    del conn.inflight[rid]
+        for timeout, od in list(self._timeouts.items()):
+            while od:
+                rid, (deadline, conn) = next(iter(od.items()))
+                if deadline > now:
+                    break
+                del od[rid]
+                req = conn.inflight.pop(rid, None)
+                if req is not None:
                     try:
                         req.on_error(conn, TimeoutError(
                             f"bookie {conn.bookie_id} did not answer within {timeout:g}s"))
                     except Exception:
                         log.exception("timeout handler failed for %r", req)
-            if not dq:
+            if not od:
                 del self._timeouts[timeout]
         if self._tickers:
             keep = []

@@ -71,7 +71,8 @@ log = logging.getLogger("bk.client")
 _ADD = protocol.ADD
 _encode = protocol.encode_frame
 _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generously
-_READ_WINDOW = 1000            # reads kept in flight by read_entries
+_READ_WINDOW = 1000            # most reads kept in flight by read_entries
+_FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 
 
@@ -280,6 +281,7 @@ class LedgerHandle:
         self._read_lock = threading.Lock()
         self._closed = False
         self._read_timeout = float(self._conf.readEntryTimeoutSec)
+        self._read_window_bytes = int(self._conf.readWindowBytes)
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
         self._conn_gen = self._loop.generation
@@ -369,6 +371,15 @@ class LedgerHandle:
         self._lac_sent = -1
         self._lac_sent_at = 0.0
         self._set_ensemble(self._md.last_ensemble)
+        self._loop.register_handle(self)
+
+    def _loop_died(self, reason):
+        """The client's I/O thread is dying (called on it): fail every add in flight
+        or still in the outbox, and refuse later ones."""
+        with self._lock:
+            ops, self._outbox = self._outbox, []
+        self._pending.extend(ops)
+        self._error_out(BKError, reason)
 
     def _set_ensemble(self, ensemble):
         conns = self._conns_of(ensemble)
@@ -927,8 +938,12 @@ class LedgerHandle:
         if last < first:
             return out
         e = first
+        nbytes = 0
         while e <= last:
-            end = min(last, e + _READ_WINDOW - 1)
+            # The window is sized in bytes too, from the entries read so far.
+            avg = nbytes // len(out) if out else _FIRST_ENTRY_GUESS
+            window = max(1, min(_READ_WINDOW, self._read_window_bytes // max(1, avg)))
+            end = min(last, e + window - 1)
             ops = self._start_reads(range(e, end + 1))
             for op in ops:
                 if op.result is None:
@@ -940,6 +955,7 @@ class LedgerHandle:
                             return out + self._read_range(op.entry_id, last, retry=False)
                     raise err
                 out.append(op.result)
+                nbytes += len(op.result.data)
             e = end + 1
         return out
 

@@ -27,6 +27,9 @@ class FakeLoop:
     def call_later(self, delay, fn, *args):
         self.timers.append((self.now + delay, fn, args))
 
+    def register_handle(self, handle):
+        pass
+
     def run(self):
         while self.q:
             fn, args = self.q.pop(0)
