@@ -12,6 +12,8 @@ Production code never imports this module.
 
 from __future__ import annotations
 
+import time
+
 from bk import localcluster
 from bk.config import SETTINGS
 from bk.localcluster import BookieProcess  # noqa: F401  (re-exported for tests)
@@ -38,3 +40,14 @@ class LocalCluster(localcluster.LocalCluster):
 
     def __init__(self, *args, conf_overrides: dict | None = None, **kw):
         super().__init__(*args, conf_overrides={**TEST_DEFAULTS, **(conf_overrides or {})}, **kw)
+
+
+def wait_until(pred, timeout: float = 30.0, what: str = "condition", step: float = 0.05):
+    """Poll ``pred()`` until it is true: a test waits for a condition with a
+    deadline, never a bare sleep. AssertionError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")

@@ -14,7 +14,7 @@ import pytest
 from bk import protocol as P
 from bk.errors import (EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EREADONLY, EUA,
                        BookieUnavailableError)
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, wait_until
 
 KEY = b"k" * 20
 OTHER = b"x" * 20
@@ -36,13 +36,6 @@ def read(c, lid, eid, **kw):
     return c.call(P.read(c.next_rid(), lid, eid, **kw))
 
 
-def wait_until(pred, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_misrouted_add_and_fence_get_ebadreq(cluster):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 
@@ -15,19 +14,12 @@ from bk import protocol as P
 from bk.errors import ClusterNotFormattedError, EOK, ENOLEDGER
 from bk.bookie.layout import COOKIE_FILE
 from bk.meta.store import REVISION_BITS, id_scope
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, wait_until
 
 KEY = b"k" * 20
 EXIT_COOKIE = 4
 
 
-def wait_until(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def refused(b, timeout=60.0) -> str:

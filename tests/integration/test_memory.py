@@ -17,20 +17,13 @@ import pytest
 import bk
 from bk import protocol as P
 from bk.errors import BKError, EOK
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, wait_until
 
 BIG = 5 * 1024 * 1024
 FRAME = 6 * 1024 * 1024
 PW = b"pw"
 
 
-def wait_until(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def rss(pid: int) -> int:

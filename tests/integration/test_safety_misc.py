@@ -7,25 +7,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 import bk
 from bk import protocol as P
 from bk.errors import BadRequestError, EOK, EREADONLY
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, wait_until
 
 PW = b"pw"
 
 
-def wait_until(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_segment_smaller_than_a_frame_is_refused(cluster_factory, tmp_path):

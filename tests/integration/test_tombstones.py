@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -13,18 +12,11 @@ import bk
 from bk import protocol as P
 from bk.client.digest import master_key
 from bk.errors import EFENCED, ENOLEDGER, LedgerFencedError
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, wait_until
 
 PW = b"zombie"
 
 
-def wait_until(pred, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def on_bookie(b, lid, msg_fn):
