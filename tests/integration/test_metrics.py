@@ -262,3 +262,30 @@ def test_client_metrics_count_adds_and_reads(cluster_factory):
     assert v("bookkeeper_client_ADD_ENTRY_count", success="true") - before_add == 10
     assert v("bookkeeper_client_ADD_ENTRY_sum", success="true") > 0
     assert v("bookkeeper_client_READ_ENTRY_count", success="true") - before_read >= 1
+
+
+def test_localcluster_serves_and_prints_one_metrics_url_per_bookie(tmp_path):
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
+    p = subprocess.Popen([sys.executable, "-m", "bk.cli.bookie", "localcluster",
+                          "--dir", str(tmp_path / "lc"), "--bookies", "2", "--shards", "1",
+                          "--base-port", "0", "--http-port", "0", "--no-smoke"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+    out = []
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        urls = re.findall(r"metrics (http://\S+/metrics)", "".join(out))
+        assert len(urls) == 2 and len(set(urls)) == 2, "".join(out)
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert r.status == 200 and b"bookie_SERVER_STATUS 1.0" in r.read()
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
