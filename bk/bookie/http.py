@@ -32,6 +32,7 @@ PATHS = ("/heartbeat", "/metrics", "/api/v1/bookie/info", "/api/v1/bookie/state"
 class _Handler(BaseHTTPRequestHandler):
     server_version = "bk-bookie"
     protocol_version = "HTTP/1.1"
+    timeout = 30           # an idle or stalled client's thread does not linger
 
     def log_message(self, fmt, *args):   # access logs would flood the bookie's log
         pass
