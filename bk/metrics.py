@@ -39,6 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
+from bk.errors import status_name
+
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
 # Latency buckets (seconds): from a page-cache read to a slow disk's sync.
@@ -70,7 +72,8 @@ ADD_ENTRY_ERRORS = _m("bookkeeper_server_ADD_ENTRY_ERRORS", COUNTER,
                       "Add requests answered with an error, by status code.", ["status"])
 READ_ENTRY_REQUEST = _m("bookkeeper_server_READ_ENTRY_REQUEST", HISTOGRAM,
                         "Entry reads (not long-poll reads) by outcome, and the time to "
-                        "build the answer (seconds).", ["success"], LATENCY_BUCKETS)
+                        "read the entry and send the answer (seconds).", ["success"],
+                        LATENCY_BUCKETS)
 READ_ENTRY_ERRORS = _m("bookkeeper_server_READ_ENTRY_ERRORS", COUNTER,
                        "Entry reads answered with an error, by status code.", ["status"])
 JOURNAL_SYNC = _m("bookie_journal_JOURNAL_SYNC", HISTOGRAM,
@@ -182,12 +185,13 @@ class ShardMetrics:
         if immediate:           # refused at once (read-only): not part of a group
             self.add_fail.observe(0.0)
 
-    def read(self, ok: bool, latency: float, status_name: str = "") -> None:
-        if ok:
+    def read(self, status: int, latency: float) -> None:
+        if status == 0:
             self.read_ok.observe(latency)
         else:
             self.read_fail.observe(latency)
-            self.read_errors[status_name] = self.read_errors.get(status_name, 0) + 1
+            name = status_name(status)
+            self.read_errors[name] = self.read_errors.get(name, 0) + 1
 
     def synced(self, latency: float) -> None:
         self.sync.observe(latency)
@@ -225,7 +229,7 @@ class NoMetrics(ShardMetrics):
     def add_error(self, status_name, immediate):
         pass
 
-    def read(self, ok, latency, status_name=""):
+    def read(self, status, latency):
         pass
 
     def synced(self, latency):

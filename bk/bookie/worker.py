@@ -492,8 +492,7 @@ class ShardWorker:
                 t0 = time.monotonic()
                 frame = self._read_response(rid, lid, eid)
                 self._send(conn, frame)
-                status = self._last_read_status
-                self.m.read(status == EOK, time.monotonic() - t0, status_name(status))
+                self.m.read(self._last_read_status, time.monotonic() - t0)
         elif op == P.READ_LAC:
             _, _, lid, flags, mk = msg
             if flags & P.FLAG_FENCE:

@@ -7,7 +7,6 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bk import protocol as P
@@ -289,3 +288,50 @@ def test_localcluster_serves_and_prints_one_metrics_url_per_bookie(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_client_metrics_count_ensemble_changes_bookie_errors_and_recoveries(cluster_factory):
+    from bk import BookKeeper
+    from bk.metrics import client_registry
+
+    c = cluster_factory(4)
+    reg = client_registry()
+
+    def v(name, **labels):
+        return reg.get_sample_value(name, labels) or 0
+    changes = v("bookkeeper_client_ENSEMBLE_CHANGES_total")
+    errors = sum(v("bookkeeper_client_BOOKIE_ERRORS_total", kind=k)
+                 for k in ("BookieUnavailableError", "TimeoutError"))
+    recovered = v("bookkeeper_client_LEDGER_RECOVER_total", success="true")
+    with BookKeeper(c.metadata_uri, addEntryTimeoutSec=2) as bk:
+        lh = bk.create_ledger(3, 2, 2, password=b"p")
+        for i in range(5):
+            lh.add_entry(b"a%d" % i)
+        victim = lh.metadata.last_ensemble[0]
+        c.bookie(victim).kill(signal.SIGKILL)
+        for i in range(5):
+            lh.add_entry(b"b%d" % i)
+        assert victim not in lh.metadata.last_ensemble
+        assert v("bookkeeper_client_ENSEMBLE_CHANGES_total") == changes + 1
+        assert sum(v("bookkeeper_client_BOOKIE_ERRORS_total", kind=k)
+                   for k in ("BookieUnavailableError", "TimeoutError")) > errors
+        # Opening the still-open ledger recovers it: one recovery, counted once.
+        rh = bk.open_ledger(lh.ledger_id, password=b"p")
+        assert rh.last_add_confirmed == 9
+        assert v("bookkeeper_client_LEDGER_RECOVER_total", success="true") == recovered + 1
+        bk.open_ledger(lh.ledger_id, password=b"p")      # closed now: nothing to recover
+        assert v("bookkeeper_client_LEDGER_RECOVER_total", success="true") == recovered + 1
+
+
+def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_factory):
+    c = cluster_factory(1, conf_overrides=HTTP)
+    port = http_port(c, c.bookies[0])
+    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    assert st["running"] is False and "not running" in st["message"]
+    c.store.put_json("auditor", {"bookieId": "127.0.0.1:9999"})
+    c.store.put_json("underreplication/ledgers/00000000000000000007", {"lostBookies": []})
+    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    assert st == {"running": True, "enabled": True, "auditor": {"bookieId": "127.0.0.1:9999"},
+                  "underReplicatedLedgers": 1}
+    c.store.put_json("underreplication/disable", {})
+    assert json.loads(get(port, "/api/v1/autorecovery/status")[1])["enabled"] is False

@@ -4,6 +4,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bk import metrics as M
+from bk.errors import ENOENTRY
 
 
 def samples(bm):
@@ -16,7 +17,7 @@ def shard(adds, reads=0, entries=0, stats_bytes=0):
     m = M.ShardMetrics()
     m.add_group(adds, 0, adds, 0.003)
     for _ in range(reads):
-        m.read(True, 0.0002)
+        m.read(0, 0.0002)
     return m.snapshot({"entries": entries, "synced_bytes": stats_bytes, "ledgers": 1}, 0, 1)
 
 
@@ -72,7 +73,7 @@ def test_errors_by_status_and_failed_groups():
     m.add_error("EFENCED", False)
     m.add_error("EREADONLY", True)
     m.add_group(4, 1, 5, 0.001)
-    m.read(False, 0.0001, "ENOENTRY")
+    m.read(ENOENTRY, 0.0001)
     bm = M.BookieMetrics(1)
     bm.update(0, m.snapshot({}, 0, 0))
     s = samples(bm)
@@ -96,5 +97,5 @@ def test_no_metrics_counts_nothing():
     m = M.NoMetrics()
     m.add_group(5, 0, 5, 0.1)
     m.add_error("EFENCED", True)
-    m.read(True, 0.1)
+    m.read(0, 0.1)
     assert not m.enabled and m.add_ok.counts == [0] * len(m.add_ok.counts)
