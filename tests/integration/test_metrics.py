@@ -328,6 +328,13 @@ def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_facto
     port = http_port(c, c.bookies[0])
     st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
     assert st["running"] is False and "not running" in st["message"]
+    # `bkshell listbookies` prints where the HTTP endpoint is.
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata", c.metadata_uri,
+                        "listbookies"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith(f"writable\thttp://127.0.0.1:{port}"), r.stdout
     c.store.put_json("auditor", {"bookieId": "127.0.0.1:9999"})
     c.store.put_json("underreplication/ledgers/00000000000000000007", {"lostBookies": []})
     st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
