@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bk import protocol as P
@@ -342,3 +343,23 @@ def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_facto
                   "underReplicatedLedgers": 1}
     c.store.put_json("underreplication/disable", {})
     assert json.loads(get(port, "/api/v1/autorecovery/status")[1])["enabled"] is False
+
+
+def test_http_answers_while_every_shard_is_stopped_and_a_taken_port_fails_the_boot(
+        cluster_factory):
+    c = cluster_factory(1, conf_overrides=HTTP)
+    b = c.bookies[0]
+    port = http_port(c, b)
+    pids = b.worker_pids()
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:       # served by the arbiter's thread: a stuck shard loop does not block it
+        assert get(port, "/heartbeat")[0] == 200
+        assert val(scrape(port), "bookie_SERVER_STATUS") == 1
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    with pytest.raises(Exception, match="cannot bind httpServerPort"):
+        c.add_bookie(httpServerPort=port)
+    assert c.bookies[-1].last_exit == 6
