@@ -27,6 +27,10 @@ ledger's LAC passes the reader's, checked after every sync, or until they time
 out. A frame that cannot be decoded, is too large or has the wrong shape closes
 that connection only (logged once); the loop and every other client go on.
 
+Metrics (:class:`bk.metrics.ShardMetrics`, plain numbers) are updated once per
+group commit on the add path; the snapshot rides on the heartbeat to the
+arbiter, which sums the shards.
+
 The worker exits when told to stop or SIGTERMed (it drains: syncs, sends what
 is held, checkpoints), and also when the control channel breaks (the arbiter
 died): a worker never outlives its arbiter.
