@@ -57,7 +57,7 @@ class _Handler(BaseHTTPRequestHandler):
         app = self.server.app
         try:
             if path == "/heartbeat":
-                self._reply(200, b"OK\n")
+                self._reply(200, b"OK")
             elif path == "/metrics":
                 app.refresh_metrics()
                 self._reply(200, generate_latest(app.registry), CONTENT_TYPE_LATEST)

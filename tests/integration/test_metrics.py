@@ -169,7 +169,7 @@ def test_http_endpoints_state_and_errors(cluster_factory, small_fs):
                      diskUsageLwmThreshold=0.5, diskCheckInterval=200, **HTTP)
     port = http_port(c, b)
     assert port > 0
-    assert get(port, "/heartbeat")[:2] == (200, "OK\n")
+    assert get(port, "/heartbeat")[:2] == (200, "OK")
     status, body, ctype = get(port, "/api/v1/bookie/info")
     info = json.loads(body)
     assert status == 200 and ctype == "application/json"
