@@ -288,7 +288,8 @@ class Admin:
         return self.store.instance_id
 
     def list_bookies(self, readonly: bool = False, all: bool = False) -> list[dict]:  # noqa: A002
-        """[{id, address, state}] of registered bookies (writable by default)."""
+        """[{id, address, state, shards, pid, httpPort}] of registered bookies (writable by
+        default); httpPort is None unless the bookie serves HTTP."""
         out = []
         for bid, info in self.store.all_bookies().items():
             ro = bool(info.get("readonly"))
@@ -297,7 +298,8 @@ class Admin:
             addr = f"{info['address']}:{info['port']}" if info.get("address") and \
                 info.get("port") else bid
             out.append({"id": bid, "address": addr, "state": "readonly" if ro else "writable",
-                        "shards": info.get("numShards"), "pid": info.get("pid")})
+                        "shards": info.get("numShards"), "pid": info.get("pid"),
+                        "httpPort": info.get("httpPort")})
         return out
 
     def require_bookie(self, bookie_id: str) -> dict:

@@ -148,6 +148,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("logFile", str, "", "Log file. Empty: stderr in the foreground, bookie.log in the "
        "first ledger directory with --daemon."),
     _S("logLevel", str, "INFO", "Log level: DEBUG, INFO, WARNING, ERROR.", scope=BOTH),
+    # --- observability ---------------------------------------------------------
+    _S("httpServerEnabled", bool, False, "Serve HTTP on httpServerPort: /heartbeat, /metrics "
+       "(Prometheus), /api/v1/bookie/info, /api/v1/bookie/state, "
+       "/api/v1/autorecovery/status."),
+    _S("httpServerPort", int, 8000, "Port of the HTTP server (with httpServerEnabled). 0: a "
+       "free port, logged and registered (bkshell listbookies shows it).",
+       minimum=0, maximum=65535),
+    _S("enableStatistics", bool, True, "Count the metrics /metrics serves. false: shard "
+       "workers count nothing (the HTTP endpoints still answer)."),
     # --- client ----------------------------------------------------------------
     _S("addEntryTimeoutSec", float, 10.0, "Seconds before a bookie that has not "
        "acknowledged an add is replaced.", scope=CLIENT, minimum=0.1),

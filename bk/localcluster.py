@@ -158,6 +158,14 @@ class BookieProcess:
         except psutil.NoSuchProcess:
             return []
 
+    @property
+    def metrics_url(self) -> str | None:
+        """http://.../metrics of this bookie when it serves HTTP (httpServerEnabled)."""
+        v = self.conf_overrides.get("httpServerEnabled")
+        if v not in (True, "true") or not self.conf_overrides.get("httpServerPort"):
+            return None
+        return f"http://127.0.0.1:{self.conf_overrides['httpServerPort']}/metrics"
+
     def __repr__(self):
         return f"BookieProcess({self.bookie_id}, pid={self.pid}, alive={self.alive})"
 
@@ -172,11 +180,11 @@ def _wait_group_gone(pgid: int, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def _port_in_conf(path: str) -> int | None:
+def _port_in_conf(path: str, key: str = "bookiePort") -> int | None:
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith("bookiePort="):
+                if line.startswith(key + "="):
                     return int(line.split("=", 1)[1])
     except (OSError, ValueError):
         pass
@@ -191,7 +199,7 @@ class LocalCluster:
 
     def __init__(self, num_bookies: int = 3, base_dir: str | None = None, num_shards: int = 2,
                  base_port: int = 0, etcd_port: int = 0, conf_overrides: dict | None = None,
-                 prefix: str = "ledgers"):
+                 prefix: str = "ledgers", http_port: int | None = None):
         self._own_dir = base_dir is None
         self.base_dir = os.path.abspath(base_dir or tempfile.mkdtemp(prefix="bk-cluster-"))
         self.num_bookies = num_bookies
@@ -200,6 +208,8 @@ class LocalCluster:
         self.etcd_port = etcd_port
         self.conf_overrides = dict(conf_overrides or {})
         self.prefix = prefix
+        # None: no HTTP; else bookie i serves HTTP on http_port + i (0: free ports).
+        self.http_port = http_port
         self.etcd: EtcdServer | None = None
         self.bookies: list[BookieProcess] = []
         self._store = None
@@ -244,6 +254,11 @@ class LocalCluster:
         if port is None:
             port = self.base_port + i if self.base_port else free_port()
         conf = dict(self.conf_overrides)
+        if self.http_port is not None:
+            http = _port_in_conf(os.path.join(directory, "bk_server.conf"), "httpServerPort")
+            if http is None:
+                http = self.http_port + i if self.http_port else free_port()
+            conf.update(httpServerEnabled=True, httpServerPort=http)
         conf.update(overrides)
         b = BookieProcess(self.metadata_uri, directory, port,
                           self.num_shards, conf, store=self.store)

@@ -4,6 +4,7 @@
     scripts/bench_bookie.py                      # starts etcd + 1 bookie in a temp dir
     scripts/bench_bookie.py --bookie 127.0.0.1:3181 --count 500000
     scripts/bench_bookie.py --sync false         # journalSyncData=false, for comparison
+    scripts/bench_bookie.py --stats false        # enableStatistics=false: the metrics' cost
 
 Prints adds/s, MB/s, p50/p99/p99.9 latency and adds per journal sync.
 """
@@ -22,6 +23,8 @@ def main():
     ap.add_argument("--shards", type=int, default=1, help="shards of the local bookie")
     ap.add_argument("--sync", default="true", help="journalSyncData of the local bookie")
     ap.add_argument("--group-wait", default="2", help="journalMaxGroupWaitMSec of the local bookie")
+    ap.add_argument("--stats", default="true", help="enableStatistics of the local bookie "
+                    "(false: to measure what the metrics cost)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     from bk.bench.bookie import bench_bookie
@@ -32,7 +35,7 @@ def main():
         from bk.localcluster import LocalCluster
         cluster = LocalCluster(num_bookies=1, num_shards=a.shards, conf_overrides={
             "journalSyncData": a.sync, "journalMaxGroupWaitMSec": a.group_wait,
-            "journalPreAllocSizeMB": 256})
+            "journalPreAllocSizeMB": 256, "enableStatistics": a.stats})
         cluster.start()
         bookie = cluster.bookies[0].bookie_id
     try:

@@ -28,6 +28,12 @@ than ``workerTimeoutMSec`` is killed and so restarted.
 
 Blocking etcd work (read-only re-registration, the ledger listings of GC)
 runs on one background thread so the loop keeps handing over connections.
+
+Metrics: each worker's heartbeat carries its counts; the loop keeps them in
+:class:`bk.metrics.BookieMetrics`, which sums them over shards and carries a
+dead worker's totals over its restart. With ``httpServerEnabled`` an HTTP
+server thread (:mod:`bk.bookie.http`) serves them and the bookie's state; it
+binds before the workers are forked (they close it) and never blocks the loop.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import struct
 import threading
 import time
 
+from bk import metrics as M
 from bk import protocol as P
 from bk.bookie import control, layout
 from bk.config import Config
@@ -120,6 +127,10 @@ class Arbiter:
         self.gc_pending: set[int] = set()      # shards whose GC round is not done
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
+        self.metrics: M.BookieMetrics | None = None
+        self.registry = None
+        self.http = None
+        self.http_port = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -168,6 +179,9 @@ class Arbiter:
             raise BookieExit(EXIT_METADATA, str(e)) from None
         self._bind()
         self._write_pid_file()
+        self.metrics = M.BookieMetrics(self.num_shards)
+        self.registry = M.bookie_registry(self.metrics)
+        self._bind_http()
         self.workers = [_Worker(i) for i in range(self.num_shards)]
         for w in self.workers:
             self._spawn(w)
@@ -176,6 +190,10 @@ class Arbiter:
         self.readonly = self._over_threshold(space["usage"])
         if self.readonly:
             self._tell_workers("readonly", True)
+        if self.http is not None:
+            self.http.start()
+            log.info("bookie %s: HTTP on port %d (metrics: http://%s:%d/metrics)",
+                     conf.bookie_id, self.http_port, conf.advertisedAddress, self.http_port)
         self.registration = self.store.register_bookie(
             conf.bookie_id, self._registration_info(), readonly=self.readonly,
             ttl=conf.registrationTtlSeconds)
@@ -204,7 +222,20 @@ class Arbiter:
     def _registration_info(self) -> dict:
         return {"address": self.conf.advertisedAddress, "port": self.port,
                 "numShards": self.num_shards, "protocolVersion": P.PROTOCOL_VERSION,
-                "pid": os.getpid(), "startTime": time.time()}
+                "pid": os.getpid(), "startTime": time.time(),
+                **({"httpPort": self.http_port} if self.http is not None else {})}
+
+    def _bind_http(self):
+        if not self.conf.httpServerEnabled:
+            return
+        from bk.bookie.http import HttpServer
+
+        try:
+            self.http = HttpServer(self, self.conf.bind_address, self.conf.httpServerPort)
+        except OSError as e:
+            raise BookieExit(EXIT_BIND, f"cannot bind httpServerPort {self.conf.bind_address}:"
+                                        f"{self.conf.httpServerPort}: {e.strerror}") from None
+        self.http_port = self.http.port
 
     def _bind(self):
         sock = socket.socket(socket.AF_INET6 if ":" in self.conf.bind_address else socket.AF_INET)
@@ -241,6 +272,8 @@ class Arbiter:
                 signal.set_wakeup_fd(-1)
                 a_end.close()
                 self.listener.close()
+                if self.http is not None:
+                    self.http.close_in_child()
                 for other in self.workers:
                     if other.ctrl is not None:
                         other.ctrl.close()
@@ -352,8 +385,11 @@ class Arbiter:
                     break
                 if msg[0] == "error":
                     w.error = msg[1]
+                elif msg[0] == "hb" and len(msg) > 1:   # its last counts
+                    self.metrics.update(w.shard, msg[1])
         except OSError:
             pass
+        self.metrics.worker_died(w.shard)
         try:
             self.sel.unregister(w.ctrl)
         except (KeyError, ValueError):
@@ -383,6 +419,7 @@ class Arbiter:
             self.exit_code, self.exit_message = EXIT_COOKIE, f"shard {w.shard} died ({how}); {e}"
             return
         log.warning("shard %d died with %s; restarting it", w.shard, how)
+        self.metrics.restarted(w.shard)
         self.gc_pending.discard(w.shard)
         self._spawn(w)
 
@@ -405,6 +442,8 @@ class Arbiter:
         kind = msg[0]
         if kind == "hb":
             w.last_hb = time.monotonic()
+            if len(msg) > 1:
+                self.metrics.update(w.shard, msg[1])
         elif kind == "replay":
             w.last_hb = time.monotonic()
             w.replaying = True
@@ -428,6 +467,7 @@ class Arbiter:
             if not self.gc_pending:
                 self.gc_running = False
                 self.last_gc = dict(self.gc_results)
+                self.metrics.gc_done(self.last_gc)
                 log.debug("gc done: %s", self.last_gc)
 
     def _check_heartbeats(self, now: float):
@@ -508,6 +548,7 @@ class Arbiter:
         try:
             with w.lock:
                 control.send(w.ctrl, "conn", body, fds=[sock.fileno()])
+            self.metrics.accepted += 1
         except OSError as e:
             log.warning("could not hand a connection to shard %d: %s", w.shard, e)
         sock.close()
@@ -653,9 +694,64 @@ class Arbiter:
         except OSError as e:
             log.warning("shard %d: cannot send gc results: %s", shard, e)
 
+    # --- HTTP (called on the HTTP server's threads) ----------------------------------
+    def refresh_metrics(self):
+        try:
+            disk = layout.disk_space(self.conf)
+        except OSError:
+            disk = {}
+        with self.metrics.lock:
+            self.metrics.readonly = self.readonly
+            self.metrics.disk = disk
+
+    def http_state(self) -> dict:
+        return {"running": not self.stopping, "readOnly": self.readonly,
+                "shuttingDown": self.stopping,
+                "availableForHighPriorityWrites": not self.stopping,
+                "state": "stopping" if self.stopping else
+                         "readonly" if self.readonly else "writable"}
+
+    def http_info(self) -> dict:
+        totals = self.metrics.totals()
+
+        def total(m):
+            return sum(totals.get(m.name, {}).values())
+        try:
+            disk = layout.disk_space(self.conf)
+        except OSError as e:
+            disk = {"error": str(e)}
+        return {"bookieId": self.conf.bookie_id, "address": self.conf.advertisedAddress,
+                "port": self.port, "httpPort": self.http_port, "pid": os.getpid(),
+                "numShards": self.num_shards, "protocolVersion": P.PROTOCOL_VERSION,
+                "state": self.http_state()["state"], "ledgers": total(M.LEDGERS),
+                "entries": total(M.ENTRIES), "disk": disk,
+                "shards": [{"shard": w.shard, "pid": w.pid, "ready": w.ready,
+                            "restarts": self.metrics.restarts[w.shard]}
+                           for w in self.workers],
+                "lastGc": {str(k): v for k, v in self.last_gc.items()}}
+
+    def http_autorecovery(self) -> dict:
+        # Auto-recovery (the auditor and replication workers) keeps its state in the
+        # metadata store; this only reports what is there.
+        auditor, _ = self.store.get_json("auditor")
+        disabled, _ = self.store.get_json("underreplication/disable")
+        under = sum(1 for _ in self.store.list_json("underreplication/ledgers/"))
+        if auditor is None and disabled is None and not under:
+            return {"running": False, "enabled": None, "auditor": None,
+                    "underReplicatedLedgers": 0,
+                    "message": "auto-recovery is not running in this cluster "
+                               "(no auditor registered)"}
+        return {"running": auditor is not None, "enabled": disabled is None,
+                "auditor": auditor, "underReplicatedLedgers": under}
+
     # --- stop -------------------------------------------------------------------------
     def _shutdown(self):
         self.stopping = True
+        if self.http is not None:
+            try:
+                self.http.stop()
+            except Exception as e:
+                log.warning("could not stop the HTTP server: %s", e)
         if self.listener is not None:
             try:
                 self.sel.unregister(self.listener)

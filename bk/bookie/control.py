@@ -8,8 +8,9 @@ of at most :data:`CHUNK` items.
 
 Arbiter -> worker: ``conn`` (hello body, with one fd), ``readonly`` (flag),
 ``gc_begin``, ``gc_delete`` (ids, last), ``stop``.
-Worker -> arbiter: ``ready`` (stats), ``error`` (message), ``hb``,
-``gc_ledgers`` (ids, last), ``gc_done`` (stats).
+Worker -> arbiter: ``ready`` (stats), ``error`` (message), ``hb`` (with the
+shard's metrics snapshot unless ``enableStatistics`` is off, see
+:mod:`bk.metrics`), ``gc_ledgers`` (ids, last), ``gc_done`` (stats).
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ ledger's LAC passes the reader's, checked after every sync, or until they time
 out. A frame that cannot be decoded, is too large or has the wrong shape closes
 that connection only (logged once); the loop and every other client go on.
 
+Metrics (:class:`bk.metrics.ShardMetrics`, plain numbers) are updated once per
+group commit on the add path; the snapshot rides on the heartbeat to the
+arbiter, which sums the shards.
+
 The worker exits when told to stop or SIGTERMed (it drains: syncs, sends what
 is held, checkpoints), and also when the control channel breaks (the arbiter
 died): a worker never outlives its arbiter.
@@ -55,7 +59,9 @@ import traceback
 from bk import protocol as P
 from bk.bookie import control, layout
 from bk.config import Config
-from bk.errors import (EBADREQ, EBADVERSION, EOK, EREADONLY, EUA, ENOENTRY, ProtocolError)
+from bk.errors import (EBADREQ, EBADVERSION, EOK, EREADONLY, EUA, ENOENTRY, ProtocolError,
+                       status_name)
+from bk.metrics import NoMetrics, ShardMetrics
 
 log = logging.getLogger("bk.worker")
 
@@ -116,6 +122,15 @@ class ShardWorker:
         self._resume: list[_Conn] = []               # drained: dispatch their buffered frames
         self.storage = None
         self.ppid = os.getppid()
+        # Metrics are counted per group commit: the held answers that are not adds
+        # (fences, LAC writes) and the held adds that failed are the only per-entry
+        # counts, and only on those rare paths.
+        self.m = ShardMetrics() if conf.enableStatistics else NoMetrics()
+        self._held_other = 0
+        self._held_failed = 0
+        self._group = None                           # (adds, failed, answers, first held)
+        self._sync_t0 = 0.0
+        self._last_read_status = EOK
 
     # --- life cycle --------------------------------------------------------
     def run(self):
@@ -194,11 +209,15 @@ class ShardWorker:
         """Commit every held response's group: start one sync, or answer at once if
         nothing needs one (e.g. only an already-fenced ledger was fenced)."""
         job = self.storage.begin_sync()
+        group = self._take_group(self.held)
         if job is None:
             self._release(self.held)
             self.held = []
+            self._count_group(group, None)
             return
         self.sync_job = job
+        self._group = group
+        self._sync_t0 = time.monotonic()
         self.inflight, self.held = self.held, []
         if job.path is None:         # journalSyncData=false: nothing to wait for
             self._end_sync()
@@ -210,8 +229,24 @@ class ShardWorker:
         self.storage.end_sync(job)   # raises if the sync failed: nothing is answered
         inflight, self.inflight = self.inflight, []
         self._release(inflight)
+        self._count_group(self._group, None if job.path is None else self._sync_t0)
         if self._waiters:
             self._wake_waiters(time.monotonic())
+
+    def _take_group(self, held) -> tuple:
+        n = len(held)
+        group = (n - self._held_other, self._held_failed, n, self.first_held)
+        self._held_other = self._held_failed = 0
+        return group
+
+    def _count_group(self, group, sync_t0):
+        now = time.monotonic()
+        adds, failed, answers, first = group
+        if not answers:
+            return
+        if sync_t0 is not None:
+            self.m.synced(now - sync_t0)
+        self.m.add_group(adds, failed, answers, now - first)
 
     def _on_sync_done(self):
         try:
@@ -240,7 +275,9 @@ class ShardWorker:
         if self.storage.unsynced_bytes:
             self.storage.sync()
         held, self.held = self.held, []
+        group = self._take_group(held)
         self._release(held)
+        self._count_group(group, None)
 
     def _drain(self):
         if self.storage is None:
@@ -258,6 +295,7 @@ class ShardWorker:
         for c in list(self.conns):
             self._close(c, None)
         self.storage.close()
+        self._send_hb()               # the last counts, so a clean restart loses none
         self.storage = None
 
     # --- the loop ----------------------------------------------------------
@@ -307,9 +345,7 @@ class ShardWorker:
                 if os.getppid() != self.ppid:
                     log.error("shard %d: the arbiter is gone; exiting", self.shard)
                     return
-                try:
-                    control.send(self.ctrl, "hb")
-                except OSError:
+                if not self._send_hb():
                     return
             if now >= next_ckpt or storage.bytes_since_checkpoint >= self.ckpt_bytes:
                 if not self.held and self.sync_job is None:
@@ -324,6 +360,19 @@ class ShardWorker:
                 else:
                     continue          # due: take it at the next idle moment
                 next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
+
+    def _send_hb(self) -> bool:
+        """A heartbeat, carrying this shard's metrics (see bk.metrics)."""
+        try:
+            if self.m.enabled:
+                snap = self.m.snapshot(self.storage.stats(), len(self.held) + len(self.inflight),
+                                       len(self.conns))
+                control.send(self.ctrl, "hb", snap)
+            else:
+                control.send(self.ctrl, "hb")
+        except OSError:
+            return False
+        return True
 
     def _on_control(self):
         try:
@@ -431,9 +480,13 @@ class ShardWorker:
                     or lid < 0 or eid < 0 or type(flags) is not int:
                 raise ProtocolError("ADD with a bad ledger id, entry id, LAC or flags")
             if self.readonly:
+                self.m.add_error("EREADONLY", True)
                 self._send(conn, _frame([P.ADD, rid, EREADONLY, lid, eid]))
                 return
             status = self.storage.add_entry(lid, eid, lac, mk, digest, payload, flags & P.FLAG_RECOVERY)
+            if status:
+                self._held_failed += 1
+                self.m.add_error(status_name(status), False)
             self._hold(conn, _frame([P.ADD, rid, status, lid, eid]))
             return
         op = P.check_request(msg)
@@ -454,6 +507,7 @@ class ShardWorker:
                 if type(mk) is not bytes:
                     raise ProtocolError("fencing READ without a master key")
                 status = st.fence(lid, mk)
+                self._held_other += 1
                 if status != EOK:
                     self._hold(conn, _frame([P.READ, rid, status, lid, eid, -1, None, None, -1]))
                     return
@@ -464,13 +518,17 @@ class ShardWorker:
             elif flags & P.FLAG_LONG_POLL:
                 self._send(conn, self._long_poll_response(msg))
             else:
-                self._send(conn, self._read_response(rid, lid, eid))
+                t0 = time.monotonic()
+                frame = self._read_response(rid, lid, eid)
+                self._send(conn, frame)
+                self.m.read(self._last_read_status, time.monotonic() - t0)
         elif op == P.READ_LAC:
             _, _, lid, flags, mk = msg
             if flags & P.FLAG_FENCE:
                 if type(mk) is not bytes:
                     raise ProtocolError("fencing READ_LAC without a master key")
                 status = st.fence(lid, mk)
+                self._held_other += 1
                 if status != EOK:
                     self._hold(conn, _frame([P.READ_LAC, rid, status, lid, -1, -1]))
                     return
@@ -486,6 +544,7 @@ class ShardWorker:
             if self.readonly:
                 self._send(conn, _frame([P.WRITE_LAC, rid, EREADONLY, lid]))
                 return
+            self._held_other += 1
             self._hold(conn, _frame([P.WRITE_LAC, rid, st.write_lac(lid, mk, lac), lid]))
         elif op == P.GET_BOOKIE_INFO:
             self._send(conn, _frame([P.GET_BOOKIE_INFO, rid, EOK, self._info()]))
@@ -504,8 +563,10 @@ class ShardWorker:
 
     def _read_response(self, rid: int, lid: int, eid: int) -> bytes:
         if eid < 0:
+            self._last_read_status = ENOENTRY
             return _frame([P.READ, rid, ENOENTRY, lid, eid, -1, None, None, self.storage.lac(lid)])
         status, entry_lac, digest, payload = self.storage.read_entry(lid, eid)
+        self._last_read_status = status
         if status != EOK:
             return _frame([P.READ, rid, status, lid, eid, -1, None, None, self.storage.lac(lid)])
         return _frame([P.READ, rid, EOK, lid, eid, entry_lac, digest, payload,

@@ -261,18 +261,22 @@ def format(conf_file, settings, force, **flags):  # noqa: A001 - the command's n
 @click.option("--base-port", default=3181, show_default=True,
               help="Port of the first bookie; the others follow. 0: any free ports.")
 @click.option("--etcd-port", default=0, help="etcd client port (0: a free one).")
+@click.option("--http-port", default=8000, show_default=True,
+              help="HTTP port (metrics) of the first bookie; the others follow. 0: any "
+                   "free ports.")
 @click.option("--shards", default=2, show_default=True, help="Shards per bookie.")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="Configuration override for every bookie; repeatable.")
 @click.option("--smoke/--no-smoke", default=True, show_default=True,
               help="Write and read back a ledger once the cluster is up.")
 @one_line_errors(PROG)
-def localcluster(bookies, base_dir, base_port, etcd_port, shards, settings, smoke):
+def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, settings, smoke):
     """Run an embedded etcd and N bookies in the foreground; Ctrl-C stops all.
 
     The first line printed is the metadata URI
     (metadataServiceUri=etcd://127.0.0.1:PORT/ledgers). Data is kept in --dir,
-    so a restart finds the ledgers again.
+    so a restart finds the ledgers again. Every bookie serves HTTP (/metrics,
+    /heartbeat, /api/v1/...) on its own port; their metrics URLs are printed.
     """
     from bk.localcluster import LocalCluster
 
@@ -282,14 +286,15 @@ def localcluster(bookies, base_dir, base_port, etcd_port, shards, settings, smok
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     cluster = LocalCluster(num_bookies=bookies, base_dir=base_dir, num_shards=shards,
                            base_port=base_port, etcd_port=etcd_port,
-                           conf_overrides=overrides)
+                           conf_overrides=overrides, http_port=http_port)
     cluster.start_etcd()
     click.echo(f"metadataServiceUri={cluster.metadata_uri}", color=False)
     sys.stdout.flush()
     try:
         cluster.start_bookies()
         for b in cluster.bookies:
-            click.echo(f"bookie {b.bookie_id} running (pid {b.pid}, data {b.dir})")
+            click.echo(f"bookie {b.bookie_id} running (pid {b.pid}, data {b.dir})"
+                       + (f", metrics {b.metrics_url}" if b.metrics_url else ""))
         if smoke:
             click.echo(_smoke(cluster.metadata_uri))
         click.echo(f"\nTry:\n  bkshell --metadata {cluster.metadata_uri} listbookies\n"

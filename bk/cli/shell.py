@@ -216,7 +216,8 @@ def metaformat(c, force, yes):
 @pass_ctx
 @handled
 def listbookies(c, mode, as_json):
-    """List registered bookies (writable ones by default): id, address, state.
+    """List registered bookies (writable ones by default): id, address, state, and
+    the HTTP endpoint of a bookie that serves one (httpServerEnabled).
 
     \b
     Example:
@@ -229,7 +230,9 @@ def listbookies(c, mode, as_json):
     if not rows:
         click.echo("no bookies", err=True)
     for r in rows:
-        click.echo(f"{r['id']}\t{r['address']}\t{r['state']}")
+        http = f"\thttp://{r['address'].rsplit(':', 1)[0]}:{r['httpPort']}" \
+            if r.get("httpPort") else ""
+        click.echo(f"{r['id']}\t{r['address']}\t{r['state']}{http}")
 
 
 @cli.command()

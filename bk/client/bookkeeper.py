@@ -82,6 +82,15 @@ class BookKeeper:
             max_workers=4, thread_name_prefix="bk-meta")
 
     @property
+    def metrics_registry(self):
+        """The prometheus_client registry of the client metrics (add/read latency,
+        ensemble changes, recoveries, bookie errors), shared by every client of this
+        process: expose it with ``prometheus_client.generate_latest`` or
+        ``start_http_server(port, registry=...)``."""
+        from bk.metrics import client_registry
+        return client_registry()
+
+    @property
     def _executor(self):
         """Worker threads for metadata work off the I/O thread (ensemble changes)."""
         if os.getpid() != self._pid:

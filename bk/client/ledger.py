@@ -65,6 +65,7 @@ from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavail
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
+from bk.metrics import client_metrics
 
 log = logging.getLogger("bk.client")
 
@@ -284,6 +285,8 @@ class LedgerHandle:
         self._read_window_bytes = int(self._conf.readWindowBytes)
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
+        self._m = client_metrics()
+        self._m_add_ok = self._m.add_ok.observe      # bound once: no label lookup per add
         self._conn_gen = self._loop.generation
         self._prepare_conns(b for _, ens in md.ensembles for b in ens)
         if writable:
@@ -570,6 +573,8 @@ class LedgerHandle:
         pending = self._pending
         qa = self._qa
         n = 0
+        now = self._loop.now
+        observe = self._m_add_ok
         while pending:
             op = pending[0]
             if len(op.acked) < qa:
@@ -577,6 +582,7 @@ class LedgerHandle:
             pending.popleft()
             op.done = True
             op.frame = None
+            observe(now - op.t_sent)
             self._lac = op.entry_id
             self._length = op.length
             n += 1
@@ -598,6 +604,7 @@ class LedgerHandle:
         op.done = True
         op.frame = None
         self._completed += 1
+        self._m.add_fail.observe(self._loop.now - op.t_sent)
         cb = op.cb
         if cb is not None:
             cls, reason = self._error
@@ -672,6 +679,7 @@ class LedgerHandle:
         conn.send(op.rid, op, op.frame)
 
     def _bookie_failed(self, conn, exc):
+        self._m.bookie_errors.labels(type(exc).__name__).inc()
         if self._error is not None:
             return
         if self._client._closed:
@@ -780,6 +788,7 @@ class LedgerHandle:
         log.info("ledger %d: ensemble from entry %d is now %s (replaced %s)%s", self._lid, start,
                  new_ens, mapping, " (recovery: stored when it closes the ledger)"
                  if self._recovery else "")
+        self._m.ensemble_changes.inc()
         self._prepare_conns(new_ens)
         new_conns = {s: self._bconns[new_ens[s]] for s in failed_slots}
         self._loop.call_soon(self._commit_change, new_md, new_version, new_conns)
@@ -896,8 +905,18 @@ class LedgerHandle:
             raise NoSuchEntryError(
                 f"read entries {first}..{last} of ledger {self._lid}: entry {last} is past the "
                 f"last add confirmed ({limit})")
-        out = self._read_range(first, last)
+        out = self._timed_read(first, last)
         self._note_read(out)
+        return out
+
+    def _timed_read(self, first, last):
+        t0 = time.monotonic()
+        try:
+            out = self._read_range(first, last)
+        except BaseException:
+            self._m.read_fail.observe(time.monotonic() - t0)
+            raise
+        self._m.read_ok.observe(time.monotonic() - t0)
         return out
 
     def read_unconfirmed_entries(self, first: int, last: int) -> list:
@@ -908,7 +927,7 @@ class LedgerHandle:
                 self._refresh_metadata()
             except MetadataError:
                 pass
-        out = self._read_range(first, last)
+        out = self._timed_read(first, last)
         self._note_read(out)
         return out
 

@@ -43,6 +43,7 @@ import threading
 import time
 
 from bk import protocol
+from bk.metrics import client_metrics
 from bk.client import digest as _digest
 from bk.client.ledger import LedgerHandle
 from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerRecoveryError,
@@ -97,6 +98,19 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
     read, so the master key suffices for every digest type; without the
     password a ``mac`` ledger's copies are taken from their write set unchecked.
     """
+    started: list = []
+    try:
+        out = _recover_ledger(client, ledger_id, password, master_key, started)
+    except BaseException:
+        if started:
+            client_metrics().recoveries.labels("false").inc()
+        raise
+    if started:          # a ledger found closed was not recovered: not counted
+        client_metrics().recoveries.labels("true").inc()
+    return out
+
+
+def _recover_ledger(client, ledger_id, password, master_key, started):
     what = f"recover ledger {ledger_id}"
     if (password is None) == (master_key is None):
         raise ValueError(f"{what}: give the password or the master key (exactly one)")
@@ -115,6 +129,7 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
     if md.state == LedgerState.CLOSED:
         return md, version
     t0 = time.monotonic()
+    started.append(t0)
     found_md = md
     rh = LedgerHandle(client, md, version, password, writable=False, master_key=master_key)
     lac = _fence(client, rh, what)

@@ -1,0 +1,425 @@
+"""Every metric bk exports, defined once: the bookie's and the client's.
+
+Theory of operation
+-------------------
+A bookie is an arbiter plus one forked shard worker per shard. Each worker
+counts its own work in plain Python numbers (:class:`ShardMetrics`: no locks,
+no label lookups; the add path updates it once per group commit) and sends a
+snapshot of them to the arbiter with every heartbeat (once a second) on the
+control channel. The arbiter (:class:`BookieMetrics`) sums the shards' latest
+snapshots, and when a worker dies it folds that worker's last snapshot into a
+per-shard *carried* total before the restarted worker starts again from zero:
+a bookie's counters and histograms therefore only grow across worker
+restarts, and each restart is visible as ``bookie_worker_restarts``.
+What a killed worker counted after its last heartbeat (at most a second of
+work) is lost; a worker that stops normally sends a last snapshot.
+
+This replaces prometheus_client's multiprocess mode, which would need an
+environment variable set before the library is first imported in every
+process, a directory of mmap files to clean up per bookie, and a lock taken on
+every update: the control channel already exists and already beats once a
+second.
+
+Names follow BookKeeper where the concept exists (``bookie_journal_JOURNAL_SYNC``,
+``bookkeeper_server_ADD_ENTRY_REQUEST``, ``bookie_ledgers_count``, ...);
+latencies are histograms in seconds. Counters are exposed with the
+``_total`` suffix of the Prometheus text format.
+
+Client metrics live in a registry of their own, :func:`client_registry`, that
+an application exposes as it likes (``prometheus_client.generate_latest``).
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+
+from bk.errors import status_name
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+# Latency buckets (seconds): from a page-cache read to a slow disk's sync.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Entries per journal sync.
+GROUP_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str
+    help: str
+    labels: tuple = ()
+    buckets: tuple = ()
+
+
+def _m(name, kind, help, labels=(), buckets=()):
+    return Metric(name, kind, help, tuple(labels), tuple(buckets))
+
+
+# --- bookie: counted by each shard worker, summed by the arbiter ----------------------
+ADD_ENTRY_REQUEST = _m("bookkeeper_server_ADD_ENTRY_REQUEST", HISTOGRAM,
+                       "Add requests by outcome, and the time from receipt to the answer "
+                       "(seconds). Every add of a group commit is charged the wait of the "
+                       "group's oldest add.", ["success"], LATENCY_BUCKETS)
+ADD_ENTRY_ERRORS = _m("bookkeeper_server_ADD_ENTRY_ERRORS", COUNTER,
+                      "Add requests answered with an error, by status code.", ["status"])
+READ_ENTRY_REQUEST = _m("bookkeeper_server_READ_ENTRY_REQUEST", HISTOGRAM,
+                        "Entry reads (not long-poll reads) by outcome, and the time to "
+                        "read the entry and send the answer (seconds).", ["success"],
+                        LATENCY_BUCKETS)
+READ_ENTRY_ERRORS = _m("bookkeeper_server_READ_ENTRY_ERRORS", COUNTER,
+                       "Entry reads answered with an error, by status code.", ["status"])
+JOURNAL_SYNC = _m("bookie_journal_JOURNAL_SYNC", HISTOGRAM,
+                  "Journal group commits: time from the start of the sync to its end "
+                  "(seconds).", (), LATENCY_BUCKETS)
+JOURNAL_BATCH = _m("bookie_journal_JOURNAL_FORCE_WRITE_BATCH_ENTRIES", HISTOGRAM,
+                   "Answers (adds, fences, LAC writes) released by one journal group "
+                   "commit.", (), GROUP_BUCKETS)
+JOURNAL_WRITE_BYTES = _m("bookie_journal_JOURNAL_WRITE_BYTES", COUNTER,
+                         "Bytes written to the journal and made durable.")
+JOURNAL_QUEUE = _m("bookie_journal_JOURNAL_QUEUE_SIZE", GAUGE,
+                   "Answers waiting for a journal sync (held plus in flight), at the last "
+                   "heartbeat.")
+JOURNAL_BYTES = _m("bookie_journal_bytes", GAUGE, "Disk space used by journal segments.")
+LEDGERS = _m("bookie_ledgers_count", GAUGE, "Ledgers stored on this bookie.")
+ENTRIES = _m("bookie_entries_count", GAUGE, "Entries stored on this bookie.")
+CONNECTIONS = _m("bookie_connections", GAUGE, "Open client connections.")
+CHECKPOINTS = _m("bookie_CHECKPOINTS", COUNTER, "Index checkpoints taken.")
+SHARD_METRICS = [ADD_ENTRY_REQUEST, ADD_ENTRY_ERRORS, READ_ENTRY_REQUEST, READ_ENTRY_ERRORS,
+                 JOURNAL_SYNC, JOURNAL_BATCH, JOURNAL_WRITE_BYTES, JOURNAL_QUEUE,
+                 JOURNAL_BYTES, LEDGERS, ENTRIES, CONNECTIONS, CHECKPOINTS]
+
+# --- bookie: kept by the arbiter -----------------------------------------------------
+SERVER_STATUS = _m("bookie_SERVER_STATUS", GAUGE, "1 while the bookie is writable, 0 while "
+                   "it is read-only.")
+DISK_USAGE = _m("bookie_disk_usage_ratio", GAUGE, "Used fraction of the fullest bookie disk "
+                "(read-only at diskUsageThreshold).")
+DISK_FREE = _m("bookie_disk_free_bytes", GAUGE, "Free bytes on the bookie's disks.")
+WORKER_RESTARTS = _m("bookie_worker_restarts", COUNTER, "Shard workers restarted after they "
+                     "died.", ["shard"])
+SHARD_UP = _m("bookie_shard_up", GAUGE, "1 while the shard worker serves.", ["shard"])
+CONNECTIONS_ACCEPTED = _m("bookie_connections_accepted", COUNTER, "Client connections "
+                          "handed to a shard worker.")
+GC_RUNS = _m("bookie_GC_RUNS", COUNTER, "Garbage collection rounds completed (all shards).")
+DELETED_LEDGERS = _m("bookie_DELETED_LEDGER_COUNT", COUNTER, "Ledgers dropped by garbage "
+                     "collection.")
+COMPACTED_SEGMENTS = _m("bookie_COMPACTED_SEGMENTS", COUNTER, "Journal segments removed by "
+                        "compaction.")
+RECLAIMED_BYTES = _m("bookie_RECLAIMED_COMPACTION_SPACE_BYTES", COUNTER, "Bytes of journal "
+                     "segments removed by compaction.")
+ARBITER_METRICS = [SERVER_STATUS, DISK_USAGE, DISK_FREE, WORKER_RESTARTS, SHARD_UP,
+                   CONNECTIONS_ACCEPTED, GC_RUNS, DELETED_LEDGERS, COMPACTED_SEGMENTS,
+                   RECLAIMED_BYTES]
+
+# --- auto-recovery (served by the auditor) ---------------------------------------------
+UNDER_REPLICATED = _m("auditor_NUM_UNDER_REPLICATED_LEDGERS", GAUGE, "Ledgers marked "
+                      "under-replicated, as the auditor last saw them.")
+
+# --- client ------------------------------------------------------------------------------
+CLIENT_ADD = _m("bookkeeper_client_ADD_ENTRY", HISTOGRAM, "Client adds by outcome: time from "
+                "add_entry to its confirmation (seconds).", ["success"], LATENCY_BUCKETS)
+CLIENT_READ = _m("bookkeeper_client_READ_ENTRY", HISTOGRAM, "Client entry reads by outcome "
+                 "(seconds per read call).", ["success"], LATENCY_BUCKETS)
+CLIENT_ENSEMBLE_CHANGES = _m("bookkeeper_client_ENSEMBLE_CHANGES", COUNTER,
+                             "Ensemble changes of this client's writers.")
+CLIENT_RECOVERIES = _m("bookkeeper_client_LEDGER_RECOVER", COUNTER, "Ledger recoveries run "
+                       "by this client, by outcome.", ["success"])
+CLIENT_BOOKIE_ERRORS = _m("bookkeeper_client_BOOKIE_ERRORS", COUNTER, "Errors from bookies "
+                          "(error answers, timeouts, broken connections), by kind.", ["kind"])
+
+ALL = SHARD_METRICS + ARBITER_METRICS + [UNDER_REPLICATED, CLIENT_ADD, CLIENT_READ,
+                                         CLIENT_ENSEMBLE_CHANGES, CLIENT_RECOVERIES,
+                                         CLIENT_BOOKIE_ERRORS]
+
+
+# --- shard worker side ---------------------------------------------------------------
+class _Hist:
+    """Non-cumulative bucket counts (the last one is +Inf) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+
+class ShardMetrics:
+    """One shard worker's numbers: plain attributes the worker updates, and
+    :meth:`snapshot` to send them to the arbiter."""
+
+    enabled = True
+
+    def __init__(self):
+        self.add_ok = _Hist(LATENCY_BUCKETS)
+        self.add_fail = _Hist(LATENCY_BUCKETS)
+        self.read_ok = _Hist(LATENCY_BUCKETS)
+        self.read_fail = _Hist(LATENCY_BUCKETS)
+        self.sync = _Hist(LATENCY_BUCKETS)
+        self.batch = _Hist(GROUP_BUCKETS)
+        self.add_errors: dict[str, int] = {}
+        self.read_errors: dict[str, int] = {}
+
+    def add_group(self, adds: int, failed: int, batch: int, latency: float) -> None:
+        """One group commit answered: ``adds`` ADDs of which ``failed`` got an error,
+        ``batch`` answers in all, the oldest having waited ``latency``."""
+        if adds > failed:
+            self.add_ok.observe(latency, adds - failed)
+        if failed:
+            self.add_fail.observe(latency, failed)
+        self.batch.observe(batch)
+
+    def add_error(self, status_name: str, immediate: bool) -> None:
+        self.add_errors[status_name] = self.add_errors.get(status_name, 0) + 1
+        if immediate:           # refused at once (read-only): not part of a group
+            self.add_fail.observe(0.0)
+
+    def read(self, status: int, latency: float) -> None:
+        if status == 0:
+            self.read_ok.observe(latency)
+        else:
+            self.read_fail.observe(latency)
+            name = status_name(status)
+            self.read_errors[name] = self.read_errors.get(name, 0) + 1
+
+    def synced(self, latency: float) -> None:
+        self.sync.observe(latency)
+
+    def snapshot(self, stats: dict, queue: int, connections: int) -> dict:
+        """Everything as msgpack-able values: {name: [[labels, value], ...]}, a
+        histogram's value being [bucket counts, sum]."""
+        def h(x):
+            return [list(x.counts), x.sum]
+        return {
+            ADD_ENTRY_REQUEST.name: [[["true"], h(self.add_ok)], [["false"], h(self.add_fail)]],
+            READ_ENTRY_REQUEST.name: [[["true"], h(self.read_ok)], [["false"], h(self.read_fail)]],
+            ADD_ENTRY_ERRORS.name: [[[k], v] for k, v in self.add_errors.items()],
+            READ_ENTRY_ERRORS.name: [[[k], v] for k, v in self.read_errors.items()],
+            JOURNAL_SYNC.name: [[[], h(self.sync)]],
+            JOURNAL_BATCH.name: [[[], h(self.batch)]],
+            JOURNAL_WRITE_BYTES.name: [[[], stats.get("synced_bytes", 0)]],
+            CHECKPOINTS.name: [[[], stats.get("checkpoints", 0)]],
+            JOURNAL_QUEUE.name: [[[], queue]],
+            JOURNAL_BYTES.name: [[[], stats.get("journal_bytes", 0)]],
+            LEDGERS.name: [[[], stats.get("ledgers", 0)]],
+            ENTRIES.name: [[[], stats.get("entries", 0)]],
+            CONNECTIONS.name: [[[], connections]],
+        }
+
+
+class NoMetrics(ShardMetrics):
+    """``enableStatistics=false``: the same calls, doing nothing."""
+
+    enabled = False
+
+    def add_group(self, adds, failed, batch, latency):
+        pass
+
+    def add_error(self, status_name, immediate):
+        pass
+
+    def read(self, status, latency):
+        pass
+
+    def synced(self, latency):
+        pass
+
+
+# --- arbiter side --------------------------------------------------------------------
+_BY_NAME = {m.name: m for m in ALL}
+
+
+def _merge(into: dict, snap: dict) -> None:
+    """Add the counters and histograms of ``snap`` (a worker's snapshot, or totals
+    ``{name: {labels: value}}``) into the totals ``into`` (gauges are skipped: a dead
+    worker's gauges are not carried)."""
+    for name, series in snap.items():
+        m = _BY_NAME.get(name)
+        if m is None or m.kind == GAUGE:
+            continue
+        dst = into.setdefault(name, {})
+        for labels, value in (series.items() if isinstance(series, dict) else series):
+            key = tuple(labels)
+            if m.kind == HISTOGRAM:
+                cur = dst.get(key)
+                if cur is None:
+                    dst[key] = [list(value[0]), value[1]]
+                else:
+                    cur[0] = [a + b for a, b in zip(cur[0], value[0])]
+                    cur[1] += value[1]
+            else:
+                dst[key] = dst.get(key, 0) + value
+
+
+class BookieMetrics:
+    """The arbiter's view: the sum over shard workers plus its own numbers, as a
+    prometheus_client collector (the HTTP thread collects, the loop updates)."""
+
+    def __init__(self, num_shards: int):
+        self.lock = threading.Lock()
+        self.num_shards = num_shards
+        self.current: dict[int, dict] = {}     # shard -> latest snapshot of the live worker
+        self.carried: dict[int, dict] = {}     # shard -> totals of its dead workers
+        self.restarts = [0] * num_shards
+        self.up = [0] * num_shards
+        self.accepted = 0
+        self.gc_runs = 0
+        self.deleted_ledgers = 0
+        self.compacted_segments = 0
+        self.reclaimed_bytes = 0
+        self.readonly = False
+        self.disk: dict = {}
+        self.disk_source = None                # callable -> layout.disk_space dict
+
+    # updates, from the arbiter's loop
+    def update(self, shard: int, snap: dict) -> None:
+        with self.lock:
+            self.current[shard] = snap
+            self.up[shard] = 1
+
+    def worker_died(self, shard: int) -> None:
+        with self.lock:
+            snap = self.current.pop(shard, None)
+            if snap:
+                _merge(self.carried.setdefault(shard, {}), snap)
+            self.up[shard] = 0
+
+    def restarted(self, shard: int) -> None:
+        with self.lock:
+            self.restarts[shard] += 1
+
+    def gc_done(self, results: dict) -> None:
+        with self.lock:
+            self.gc_runs += 1
+            for r in results.values():
+                self.deleted_ledgers += r.get("ledgers_deleted", 0)
+                self.compacted_segments += r.get("segments_removed", 0)
+                self.reclaimed_bytes += r.get("bytes_freed", 0)
+
+    # reads, from the HTTP thread
+    def totals(self) -> dict:
+        """{name: {labels: value}} summed over shards (gauges: live workers only)."""
+        with self.lock:
+            out: dict = {}
+            for c in self.carried.values():
+                _merge(out, c)
+            for snap in self.current.values():
+                _merge(out, snap)
+                for name, series in snap.items():
+                    m = _BY_NAME.get(name)
+                    if m is not None and m.kind == GAUGE:
+                        dst = out.setdefault(name, {})
+                        for labels, value in series:
+                            dst[tuple(labels)] = dst.get(tuple(labels), 0) + value
+            return out
+
+    def collect(self):
+        totals = self.totals()
+        for m in SHARD_METRICS:
+            series = totals.get(m.name, {})
+            if m.kind == HISTOGRAM:
+                fam = HistogramMetricFamily(m.name, m.help, labels=m.labels)
+                if m.labels == ("success",):       # both outcomes always present
+                    for v in ("true", "false"):
+                        series.setdefault((v,), [[0] * (len(m.buckets) + 1), 0.0])
+                elif not series:
+                    series[()] = [[0] * (len(m.buckets) + 1), 0.0]
+                for labels, (counts, total) in sorted(series.items()):
+                    acc, buckets = 0, []
+                    for bound, c in zip(list(m.buckets) + [float("inf")], counts):
+                        acc += c
+                        buckets.append((_le(bound), acc))
+                    fam.add_metric(list(labels), buckets, total)
+            else:
+                cls = CounterMetricFamily if m.kind == COUNTER else GaugeMetricFamily
+                fam = cls(m.name, m.help, labels=m.labels)
+                if not m.labels and not series:
+                    series = {(): 0}
+                for labels, value in sorted(series.items()):
+                    fam.add_metric(list(labels), value)
+            yield fam
+        with self.lock:
+            disk = dict(self.disk)
+            yield _gauge(SERVER_STATUS, 0 if self.readonly else 1)
+            yield _gauge(DISK_USAGE, disk.get("usage", 0.0))
+            yield _gauge(DISK_FREE, disk.get("free", 0))
+            fam = CounterMetricFamily(WORKER_RESTARTS.name, WORKER_RESTARTS.help,
+                                      labels=["shard"])
+            for i, n in enumerate(self.restarts):
+                fam.add_metric([str(i)], n)
+            yield fam
+            fam = GaugeMetricFamily(SHARD_UP.name, SHARD_UP.help, labels=["shard"])
+            for i, n in enumerate(self.up):
+                fam.add_metric([str(i)], n)
+            yield fam
+            for m, v in ((CONNECTIONS_ACCEPTED, self.accepted), (GC_RUNS, self.gc_runs),
+                         (DELETED_LEDGERS, self.deleted_ledgers),
+                         (COMPACTED_SEGMENTS, self.compacted_segments),
+                         (RECLAIMED_BYTES, self.reclaimed_bytes)):
+                yield CounterMetricFamily(m.name, m.help, value=v)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def _gauge(m: Metric, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(m.name, m.help, value=value)
+
+
+def bookie_registry(metrics: BookieMetrics) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(metrics)
+    return reg
+
+
+# --- client --------------------------------------------------------------------------
+class ClientMetrics:
+    """The metrics of one client process, in their own registry."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.add = Histogram(CLIENT_ADD.name, CLIENT_ADD.help, CLIENT_ADD.labels,
+                             buckets=CLIENT_ADD.buckets, registry=r)
+        self.add_ok = self.add.labels("true")
+        self.add_fail = self.add.labels("false")
+        self.read = Histogram(CLIENT_READ.name, CLIENT_READ.help, CLIENT_READ.labels,
+                              buckets=CLIENT_READ.buckets, registry=r)
+        self.read_ok = self.read.labels("true")
+        self.read_fail = self.read.labels("false")
+        self.ensemble_changes = Counter(CLIENT_ENSEMBLE_CHANGES.name,
+                                        CLIENT_ENSEMBLE_CHANGES.help, registry=r)
+        self.recoveries = Counter(CLIENT_RECOVERIES.name, CLIENT_RECOVERIES.help,
+                                  CLIENT_RECOVERIES.labels, registry=r)
+        self.bookie_errors = Counter(CLIENT_BOOKIE_ERRORS.name, CLIENT_BOOKIE_ERRORS.help,
+                                     CLIENT_BOOKIE_ERRORS.labels, registry=r)
+
+
+_client: ClientMetrics | None = None
+_client_lock = threading.Lock()
+
+
+def client_metrics() -> ClientMetrics:
+    """The process's client metrics (shared by every BookKeeper client in it)."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            _client = ClientMetrics()
+        return _client
+
+
+def client_registry() -> CollectorRegistry:
+    """The registry of the client metrics, for an application to expose."""
+    return client_metrics().registry

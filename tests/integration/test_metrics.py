@@ -1,0 +1,365 @@
+"""Metrics and the HTTP endpoint of real bookies (bk.metrics, bk.bookie.http)."""
+import json
+import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bk import protocol as P
+from bk.errors import EBADREQ, EOK, EREADONLY
+from bk.testing import BookieConnection
+
+KEY = b"k" * 20
+HTTP = {"httpServerEnabled": "true", "httpServerPort": 0}
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def wait_until(pred, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def http_port(c, b):
+    return c.store.bookie_info(b.bookie_id)["httpPort"]
+
+
+def get(port, path, method="GET"):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode(), r.headers.get("Content-Type")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), e.headers.get("Content-Type")
+
+
+def scrape(port) -> dict:
+    """{(sample name, sorted labels): value} of one /metrics scrape."""
+    status, text, ctype = get(port, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+
+
+def served_names(port) -> set:
+    """Every sample name /metrics serves or declares (a labelled family without
+    series yet has no samples, only its HELP and TYPE)."""
+    text = get(port, "/metrics")[1]
+    names = set()
+    for fam in text_string_to_metric_families(text):
+        names.update(s.name for s in fam.samples)
+        names.update(fam.name + sfx for sfx in SUFFIXES.get(fam.type, ("",)))
+    return names
+
+
+def val(m, name, **labels):
+    return m.get((name, tuple(sorted(labels.items()))), 0)
+
+
+def add(c, lid, eid, data=b"x", lac=-1):
+    return c.call(P.add(c.next_rid(), lid, eid, lac, KEY, b"d%d" % eid, data))
+
+
+def read(c, lid, eid):
+    return c.call(P.read(c.next_rid(), lid, eid))
+
+
+def ledgers_per_shard(num_shards):
+    """One ledger id owned by each shard."""
+    out = {}
+    lid = 1
+    while len(out) < num_shards:
+        out.setdefault(P.shard_of(lid, num_shards), lid)
+        lid += 1
+    return out
+
+
+ADD_OK = ("bookkeeper_server_ADD_ENTRY_REQUEST_count", {"success": "true"})
+READ_OK = ("bookkeeper_server_READ_ENTRY_REQUEST_count", {"success": "true"})
+
+
+def test_counts_are_exact_summed_over_shards_and_survive_a_worker_kill(cluster_factory):
+    c = cluster_factory(1, conf_overrides=HTTP)
+    b = c.bookies[0]
+    port = http_port(c, b)
+    lids = ledgers_per_shard(b.num_shards)
+    adds = {0: 7, 1: 12}
+    reads = {0: 3, 1: 5}
+    for shard, lid in lids.items():
+        with BookieConnection(b.bookie_id, shard=shard) as conn:
+            for eid in range(adds[shard]):
+                assert add(conn, lid, eid, b"e%d" % eid, lac=eid - 1)[2] == EOK
+            for eid in range(reads[shard]):
+                assert read(conn, lid, eid)[7] == b"e%d" % eid
+            assert read(conn, lid, 999)[2] != EOK           # one failed read per shard
+    # A misrouted add is refused by the storage with EBADREQ: counted as an error.
+    with BookieConnection(b.bookie_id, shard=1 - P.shard_of(lids[0], 2)) as conn:
+        assert add(conn, lids[0], 50)[2] == EBADREQ
+    total_adds, total_reads = sum(adds.values()), sum(reads.values())
+
+    def settled():
+        m = scrape(port)
+        return (val(m, ADD_OK[0], **ADD_OK[1]) == total_adds
+                and val(m, READ_OK[0], **READ_OK[1]) == total_reads
+                and val(m, "bookkeeper_server_ADD_ENTRY_ERRORS_total", status="EBADREQ") == 1)
+    wait_until(settled, what="every shard's adds and reads in /metrics")
+    m = scrape(port)
+    assert val(m, "bookkeeper_server_READ_ENTRY_REQUEST_count", success="false") == 2
+    assert val(m, "bookkeeper_server_ADD_ENTRY_REQUEST_count", success="false") == 1
+    assert val(m, "bookkeeper_server_ADD_ENTRY_REQUEST_bucket", success="true",
+               le="+Inf") == total_adds
+    assert val(m, "bookkeeper_server_ADD_ENTRY_REQUEST_sum", success="true") > 0
+    assert val(m, "bookie_journal_JOURNAL_SYNC_count") >= 1
+    assert val(m, "bookie_journal_JOURNAL_FORCE_WRITE_BATCH_ENTRIES_sum") == total_adds + 1
+    assert val(m, "bookie_journal_JOURNAL_WRITE_BYTES_total") > 19 * 2
+    assert val(m, "bookie_ledgers_count") == 2
+    assert val(m, "bookie_entries_count") == total_adds
+    assert val(m, "bookie_SERVER_STATUS") == 1
+    assert 0 < val(m, "bookie_disk_usage_ratio") < 1
+    assert val(m, "bookie_connections_accepted_total") == 3
+    assert val(m, "bookie_worker_restarts_total", shard="0") == 0
+    # A later heartbeat does not count the same work again.
+    with BookieConnection(b.bookie_id, shard=0) as conn:
+        assert read(conn, lids[0], 0)[2] == EOK
+    wait_until(lambda: val(scrape(port), *READ_OK[:1], **READ_OK[1]) == total_reads + 1,
+               what="one more read")
+    assert val(scrape(port), ADD_OK[0], **ADD_OK[1]) == total_adds
+
+    # SIGKILL shard 1's worker: its counts are carried, the restart is visible.
+    with BookieConnection(b.bookie_id, shard=1) as conn:
+        pid = conn.call(P.get_bookie_info(conn.next_rid()))[3]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: val(scrape(port), "bookie_worker_restarts_total", shard="1") == 1,
+               what="restart counted")
+    wait_until(lambda: val(scrape(port), "bookie_shard_up", shard="1") == 1,
+               what="shard 1 up again")
+    m = scrape(port)
+    assert val(m, ADD_OK[0], **ADD_OK[1]) == total_adds          # neither reset nor doubled
+    assert val(m, READ_OK[0], **READ_OK[1]) == total_reads + 1
+    assert val(m, "bookie_entries_count") == total_adds          # gauges: the new worker's
+    # The restarted worker counts on top of its predecessor's totals.
+    with BookieConnection(b.bookie_id, shard=1) as conn:
+        assert add(conn, lids[1], adds[1], b"after", lac=adds[1] - 1)[2] == EOK
+    wait_until(lambda: val(scrape(port), ADD_OK[0], **ADD_OK[1]) == total_adds + 1,
+               what="add after restart")
+    m = scrape(port)
+    assert val(m, READ_OK[0], **READ_OK[1]) == total_reads + 1
+    assert val(m, "bookie_worker_restarts_total", shard="0") == 0
+
+
+def test_http_endpoints_state_and_errors(cluster_factory, small_fs):
+    c = cluster_factory(0)
+    b = c.add_bookie(journalDirectories=str(small_fs / "journal"),
+                     ledgerDirectories=str(small_fs / "ledgers"), journalPreAllocSizeMB=4,
+                     nettyMaxFrameSizeBytes=2 << 20, diskUsageThreshold=0.6,
+                     diskUsageLwmThreshold=0.5, diskCheckInterval=200, **HTTP)
+    port = http_port(c, b)
+    assert port > 0
+    assert get(port, "/heartbeat")[:2] == (200, "OK")
+    status, body, ctype = get(port, "/api/v1/bookie/info")
+    info = json.loads(body)
+    assert status == 200 and ctype == "application/json"
+    assert info["bookieId"] == b.bookie_id and info["httpPort"] == port
+    assert info["numShards"] == 2 and [s["ready"] for s in info["shards"]] == [True, True]
+    state = json.loads(get(port, "/api/v1/bookie/state")[1])
+    assert state["readOnly"] is False and state["state"] == "writable" and state["running"]
+    status, body, _ = get(port, "/api/v1/autorecovery/status")
+    assert status == 200 and json.loads(body)["running"] is False
+    assert get(port, "/nope")[0] == 404
+    assert get(port, "/metrics/extra")[0] == 404
+    assert get(port, "/heartbeat", method="POST")[0] == 405
+    assert get(port, "/metrics", method="DELETE")[0] == 405
+    # `bkshell listbookies` shows the HTTP port.
+    from bk.admin import Admin
+    with Admin(c.metadata_uri) as a:
+        rows = a.list_bookies(all=True)
+    assert rows[0]["httpPort"] == port
+
+    with BookieConnection(b.bookie_id, shard=0) as w:
+        filler = small_fs / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (44 << 20))
+        wait_until(lambda: json.loads(get(port, "/api/v1/bookie/state")[1])["readOnly"],
+                   what="state endpoint says read-only")
+        assert get(port, "/heartbeat")[0] == 200           # still serving
+        wait_until(lambda: val(scrape(port), "bookie_SERVER_STATUS") == 0, what="status 0")
+        wait_until(lambda: add(w, 0, 0)[2] == EREADONLY, what="EREADONLY")
+        wait_until(lambda: val(scrape(port), "bookkeeper_server_ADD_ENTRY_ERRORS_total",
+                               status="EREADONLY") >= 1, what="read-only refusal counted")
+        os.unlink(filler)
+        wait_until(lambda: json.loads(get(port, "/api/v1/bookie/state")[1])["state"]
+                   == "writable", what="writable again")
+
+
+def test_dashboard_queries_only_metrics_a_bookie_serves(cluster_factory):
+    with open(os.path.join(ROOT, "conf", "grafana", "bk.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs
+    names = set()
+    for e in exprs:
+        names.update(n for n in re.findall(r"\b(?:bookie|bookkeeper_server)_[A-Za-z0-9_]+", e))
+    assert names
+    c = cluster_factory(1, conf_overrides=HTTP)
+    served = served_names(http_port(c, c.bookies[0]))
+    missing = sorted(n for n in names if n not in served)
+    assert not missing, f"the dashboard queries metrics no bookie serves: {missing}"
+    with open(os.path.join(ROOT, "conf", "prometheus", "alerts.yml")) as f:
+        exprs = [line.split("expr:", 1)[1] for line in f if line.strip().startswith("expr:")]
+    assert len(exprs) >= 4
+    for n in re.findall(r"\b(?:bookie|bookkeeper_server)_[A-Za-z0-9_]+", " ".join(exprs)):
+        assert n in served, n
+
+
+def test_statistics_off_counts_nothing(cluster_factory):
+    c = cluster_factory(1, conf_overrides=dict(HTTP, enableStatistics="false"))
+    b = c.bookies[0]
+    port = http_port(c, b)
+    with BookieConnection(b.bookie_id, shard=P.shard_of(1, 2)) as conn:
+        for eid in range(5):
+            assert add(conn, 1, eid, lac=eid - 1)[2] == EOK
+    assert get(port, "/heartbeat")[0] == 200
+    m = scrape(port)
+    assert val(m, ADD_OK[0], **ADD_OK[1]) == 0
+    assert val(m, "bookie_SERVER_STATUS") == 1
+
+
+def test_client_metrics_count_adds_and_reads(cluster_factory):
+    from bk import BookKeeper
+    from bk.metrics import client_registry
+
+    c = cluster_factory(3)
+    reg = client_registry()
+
+    def v(name, **labels):
+        return reg.get_sample_value(name, labels) or 0
+    before_add = v("bookkeeper_client_ADD_ENTRY_count", success="true")
+    before_read = v("bookkeeper_client_READ_ENTRY_count", success="true")
+    with BookKeeper(c.metadata_uri) as bk:
+        assert bk.metrics_registry is reg
+        lh = bk.create_ledger(3, 2, 2, password=b"p")
+        for i in range(10):
+            lh.add_entry(b"entry-%d" % i)
+        lh.close()
+        rh = bk.open_ledger(lh.ledger_id, password=b"p")
+        if True:
+            assert [e.data for e in rh.read_entries(0, 9)] == [b"entry-%d" % i
+                                                              for i in range(10)]
+    assert v("bookkeeper_client_ADD_ENTRY_count", success="true") - before_add == 10
+    assert v("bookkeeper_client_ADD_ENTRY_sum", success="true") > 0
+    assert v("bookkeeper_client_READ_ENTRY_count", success="true") - before_read >= 1
+
+
+def test_localcluster_serves_and_prints_one_metrics_url_per_bookie(tmp_path):
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
+    p = subprocess.Popen([sys.executable, "-m", "bk.cli.bookie", "localcluster",
+                          "--dir", str(tmp_path / "lc"), "--bookies", "2", "--shards", "1",
+                          "--base-port", "0", "--http-port", "0", "--no-smoke"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+    out = []
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        urls = re.findall(r"metrics (http://\S+/metrics)", "".join(out))
+        assert len(urls) == 2 and len(set(urls)) == 2, "".join(out)
+        for url in urls:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert r.status == 200 and b"bookie_SERVER_STATUS 1.0" in r.read()
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_client_metrics_count_ensemble_changes_bookie_errors_and_recoveries(cluster_factory):
+    from bk import BookKeeper
+    from bk.metrics import client_registry
+
+    c = cluster_factory(4)
+    reg = client_registry()
+
+    def v(name, **labels):
+        return reg.get_sample_value(name, labels) or 0
+    changes = v("bookkeeper_client_ENSEMBLE_CHANGES_total")
+    errors = sum(v("bookkeeper_client_BOOKIE_ERRORS_total", kind=k)
+                 for k in ("BookieUnavailableError", "TimeoutError"))
+    recovered = v("bookkeeper_client_LEDGER_RECOVER_total", success="true")
+    with BookKeeper(c.metadata_uri, addEntryTimeoutSec=2) as bk:
+        lh = bk.create_ledger(3, 2, 2, password=b"p")
+        for i in range(5):
+            lh.add_entry(b"a%d" % i)
+        victim = lh.metadata.last_ensemble[0]
+        c.bookie(victim).kill(signal.SIGKILL)
+        for i in range(5):
+            lh.add_entry(b"b%d" % i)
+        assert victim not in lh.metadata.last_ensemble
+        assert v("bookkeeper_client_ENSEMBLE_CHANGES_total") == changes + 1
+        assert sum(v("bookkeeper_client_BOOKIE_ERRORS_total", kind=k)
+                   for k in ("BookieUnavailableError", "TimeoutError")) > errors
+        # Opening the still-open ledger recovers it: one recovery, counted once.
+        rh = bk.open_ledger(lh.ledger_id, password=b"p")
+        assert rh.last_add_confirmed == 9
+        assert v("bookkeeper_client_LEDGER_RECOVER_total", success="true") == recovered + 1
+        bk.open_ledger(lh.ledger_id, password=b"p")      # closed now: nothing to recover
+        assert v("bookkeeper_client_LEDGER_RECOVER_total", success="true") == recovered + 1
+
+
+def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_factory):
+    c = cluster_factory(1, conf_overrides=HTTP)
+    port = http_port(c, c.bookies[0])
+    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    assert st["running"] is False and "not running" in st["message"]
+    # `bkshell listbookies` prints where the HTTP endpoint is.
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata", c.metadata_uri,
+                        "listbookies"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith(f"writable\thttp://127.0.0.1:{port}"), r.stdout
+    c.store.put_json("auditor", {"bookieId": "127.0.0.1:9999"})
+    c.store.put_json("underreplication/ledgers/00000000000000000007", {"lostBookies": []})
+    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    assert st == {"running": True, "enabled": True, "auditor": {"bookieId": "127.0.0.1:9999"},
+                  "underReplicatedLedgers": 1}
+    c.store.put_json("underreplication/disable", {})
+    assert json.loads(get(port, "/api/v1/autorecovery/status")[1])["enabled"] is False
+
+
+def test_http_answers_while_every_shard_is_stopped_and_a_taken_port_fails_the_boot(
+        cluster_factory):
+    c = cluster_factory(1, conf_overrides=HTTP)
+    b = c.bookies[0]
+    port = http_port(c, b)
+    pids = b.worker_pids()
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:       # served by the arbiter's thread: a stuck shard loop does not block it
+        assert get(port, "/heartbeat")[0] == 200
+        assert val(scrape(port), "bookie_SERVER_STATUS") == 1
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    with pytest.raises(Exception, match="cannot bind httpServerPort"):
+        c.add_bookie(httpServerPort=port)
+    assert c.bookies[-1].last_exit == 6
