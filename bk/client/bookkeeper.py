@@ -162,6 +162,13 @@ class BookKeeper:
         except NotEnoughBookiesError:
             return choose(self._store.list_bookies())
 
+    @property
+    def max_entry_size(self) -> int:
+        """The largest payload one add takes (nettyMaxFrameSizeBytes less an ADD's
+        header fields and digest)."""
+        from bk.client.ledger import _FRAME_OVERHEAD
+        return int(self.conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
+
     # --- bookie connections ------------------------------------------------
     def _connection(self, bookie_id: str, ledger_id: int):
         """The connection for ``ledger_id``'s shard on ``bookie_id`` (caller thread)."""

@@ -373,6 +373,7 @@ class LedgerHandle:
         self._explicit_lac = float(self._conf.explicitLacInterval) / 1000.0
         self._lac_sent = -1
         self._lac_sent_at = 0.0
+        self._lac_flush_armed = False
         self._set_ensemble(self._md.last_ensemble)
         self._loop.register_handle(self)
 
@@ -519,6 +520,26 @@ class LedgerHandle:
             self._wait_window(len(part))
             self._submit(part, w if i + chunk >= len(payloads) else None)
         return w.wait()
+
+    @property
+    def max_entry_size(self) -> int:
+        """The largest payload one add takes (the frame limit less an ADD's overhead)."""
+        return self._max_payload
+
+    def flush_lac(self, delay: float = 0.0) -> None:
+        """In ``delay`` seconds, if no add is in flight then, send the LAC to the
+        bookies (WRITE_LAC), so that tailing readers see the last entry without
+        waiting for the next add or ``explicitLacInterval``. Calls made while one
+        is pending are merged. Any thread."""
+        if not self._lac_flush_armed:
+            self._lac_flush_armed = True
+            self._loop.call_later(delay, self._flush_lac_io)
+
+    def _flush_lac_io(self):
+        self._lac_flush_armed = False
+        if not self._pending and not self._closed and self._error is None \
+                and self._lac > self._lac_sent:
+            self._send_explicit_lac(self._loop.now)
 
     def add_entry_async(self, data, callback=None):
         """Add one entry without blocking on its acknowledgement.

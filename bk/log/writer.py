@@ -48,7 +48,6 @@ import logging
 import threading
 import time
 
-from bk.client.ledger import _FRAME_OVERHEAD
 from bk.errors import (BKError, LedgerFencedError, LogFencedError, MetadataVersionError,
                        NoSuchLedgerError, NoSuchLogError)
 from bk.log import metadata
@@ -146,7 +145,7 @@ class LogWriter:
         self._roll_entries = int(conf.logRollEntries)
         self._roll_seconds = float(conf.logRollSeconds)
         # An entry is one frame: the ledger's payload limit minus the record set's header.
-        self._max_entry = int(client.conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
+        self._max_entry = client.max_entry_size
         self._max_record = self._max_entry - HEADER_SIZE - RECORD_OVERHEAD
         self._cond = threading.Condition(threading.Lock())
         self._roll_lock = threading.Lock()
@@ -159,7 +158,6 @@ class LogWriter:
         self._closed = False
         self._rolling = False
         self._roll_wanted = False
-        self._nudge_armed = False         # I/O thread only
         self._rec, self._version, lh, segment = take_ownership(client, name, self._shape)
         self._epoch = self._rec["epoch"]
         self._start_segment(lh, segment)
@@ -327,9 +325,11 @@ class LogWriter:
         def done(exc, entry_id):
             # On the client's I/O thread: no locks of this writer here.
             if exc is None:
-                if not self._nudge_armed:
-                    self._nudge_armed = True
-                    self._client._io.call_later(max(self._linger, 0.001), self._nudge_lac, lh)
+                # A linger after the acknowledgement, if the ledger is idle by then,
+                # its LAC goes out: a tailing reader sees the last record within
+                # about a linger plus a round trip (with adds in flight the next
+                # one carries it; the ledger's own ticker only every 50 ms).
+                lh.flush_lac(delay=max(self._linger, 0.001))
                 for slot, fut in waiters:
                     fut.set_result(Position(segment, entry_id, slot))
                 return
@@ -344,18 +344,6 @@ class LogWriter:
         if self._rolling_due():
             self._roll_wanted = True
             self._cond.notify_all()
-
-    def _nudge_lac(self, lh):
-        """I/O thread, a linger after an acknowledgement: if the ledger is idle now,
-        send its LAC, so that a tailing reader sees the last entry within about a
-        linger plus a round trip. (With adds in flight the next one carries it.)
-        The ledger's own ticker would also send it, but only every 50 ms."""
-        self._nudge_armed = False
-        try:
-            if not lh._pending and not lh._closed and lh._lac > lh._lac_sent:
-                lh._send_explicit_lac(time.monotonic())
-        except AttributeError:      # the handle's internals moved: the ticker still sends it
-            log.debug("log %s: cannot send the LAC early", self.name, exc_info=True)
 
     def _failed(self, exc, lh=None) -> BaseException:
         """The writer's error for a failed add (the first one sticks)."""
