@@ -22,6 +22,10 @@ committed as soon as N completes. Throughput is then bounded by the larger of
 CPU and disk time per group instead of their sum. At most one sync is in
 flight; its completion is signalled through a pipe the selector watches.
 
+Garbage collection drops deleted ledgers at once and then compacts in slices
+(COMPACT_STEP_BYTES) between passes of the loop, answering requests between
+them.
+
 Plain reads are answered at once, but a connection's output is bounded: past
 OUT_HIGH unsent bytes its remaining frames wait in its buffer, unread, until
 the client drains the output (then they are dispatched without waiting for
@@ -75,6 +79,12 @@ RECV_SIZE = 256 * 1024
 OUT_HIGH = 8 * 1024 * 1024
 OUT_LOW = 1024 * 1024
 HEARTBEAT_INTERVAL = 1.0
+# A GC round's compaction runs in slices between passes of the loop, so the
+# shard answers requests meanwhile instead of stalling for the whole round
+# (copying 256 MiB took ~1 s): each slice copies about COMPACT_STEP_BYTES (at
+# least one segment's live entries), the round at most COMPACT_ROUND_BYTES.
+COMPACT_STEP_BYTES = 16 << 20
+COMPACT_ROUND_BYTES = 256 << 20
 SWITCH_INTERVAL = 0.0002
 
 
@@ -120,6 +130,7 @@ class ShardWorker:
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
         self._gc_deleted: list[int] = []             # ledger ids of a GC round, in chunks
         self._resume: list[_Conn] = []               # drained: dispatch their buffered frames
+        self._compacting = None                      # [threshold, stats] of a GC round
         self.storage = None
         self.ppid = os.getppid()
         # Metrics are counted per group commit: the held answers that are not adds
@@ -312,7 +323,7 @@ class ShardWorker:
                 timeout = min(HEARTBEAT_INTERVAL, max(0.0, next_hb - now))
                 if self._waiters:
                     timeout = min(timeout, 0.05)
-            if self._resume:
+            if self._resume or self._compacting is not None:
                 timeout = 0
             events = sel.select(timeout)
             for key, mask in events:
@@ -347,6 +358,8 @@ class ShardWorker:
                     return
                 if not self._send_hb():
                     return
+            if self._compacting is not None:
+                self._compact_step()
             if now >= next_ckpt or storage.bytes_since_checkpoint >= self.ckpt_bytes:
                 if not self.held and self.sync_job is None:
                     storage.checkpoint()
@@ -405,10 +418,27 @@ class ShardWorker:
         ids, self._gc_deleted = self._gc_deleted, []
         self._quiesce()
         dropped = self.storage.delete_ledgers(ids) if ids else 0
-        stats = {"ledgers_deleted": dropped}
-        if threshold > 0:
-            stats.update(self.storage.compact(threshold, max_bytes=256 << 20))
-        if dropped or stats.get("segments_removed"):
+        stats = {"ledgers_deleted": dropped, "segments_removed": 0, "bytes_freed": 0,
+                 "entries_moved": 0, "bytes_moved": 0}
+        if threshold > 0 and self._compacting is None:
+            self._compacting = [threshold, stats]       # _compact_step, from the loop
+        else:
+            self._gc_done(stats)
+
+    def _compact_step(self):
+        threshold, stats = self._compacting
+        self._quiesce()
+        step = self.storage.compact(threshold, max_bytes=COMPACT_STEP_BYTES)
+        for k, v in step.items():
+            stats[k] = stats.get(k, 0) + v
+        # Done when a slice removed nothing (no candidate left, or one that keeps
+        # live records: never loop on it) or the round's budget is spent.
+        if not step["segments_removed"] or stats["bytes_moved"] >= COMPACT_ROUND_BYTES:
+            self._compacting = None
+            self._gc_done(stats)
+
+    def _gc_done(self, stats: dict):
+        if stats["ledgers_deleted"] or stats["segments_removed"]:
             log.info("shard %d gc: %s", self.shard, stats)
         control.send(self.ctrl, "gc_done", stats)
 
