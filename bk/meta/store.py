@@ -379,6 +379,16 @@ class MetadataStore:
                                                         lease=lease_id)])
         return rev
 
+    def put_json_if(self, rel: str, value: Any, guards) -> bool:
+        """Write only if every comparison in ``guards`` holds (for example a
+        :meth:`bk.meta.recipes.LeaseLock.guard`: the write of a lock holder that
+        was deposed changes nothing); True if written."""
+        self._check_rel(rel)
+        c = self._client()
+        ok, _, _ = self._txn_full(f"write {rel}", list(guards),
+                                  [c.transactions.put(self._key(rel), _json_bytes(value))])
+        return ok
+
     def cas_json(self, rel: str, value: Any, version: int | None) -> int:
         """Write if the version matches (``None``: only if absent); returns the new
         version or raises MetadataVersionError naming the current version."""

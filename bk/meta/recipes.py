@@ -1,0 +1,205 @@
+"""Coordination recipes on etcd: a lease-bound lock and a leader election, each
+with a fencing token.
+
+Theory of operation
+-------------------
+A :class:`LeaseLock` is one key under the store's prefix, created only if absent
+("create_revision == 0") and bound to a lease that a daemon thread keeps alive
+(every ttl/3). Whoever created the key holds the lock; its ``create_revision``
+is the holder's *fencing token*: it is unique for the life of the cluster and
+grows with every new holder. Releasing deletes the key only if it is still
+ours (same create_revision). A holder that stops refreshing (crashed, paused
+by SIGSTOP, partitioned) loses the key when its lease expires, and someone
+else may take it.
+
+Being told "you hold the lock" is not enough to act safely: a paused holder
+wakes up believing it still holds it. So every write a holder makes on behalf
+of the lock is a transaction that also compares the token
+(:meth:`LeaseLock.guard` gives the comparison), as the auditor's writes compare
+its epoch and a replication worker's ledger CAS compares its lock. A deposed
+holder's writes then change nothing.
+
+An :class:`Election` is a LeaseLock on a well-known key whose value names the
+leader; ``campaign()`` waits (polling with back-off) until it wins, and the
+leader's token is its *epoch*.
+
+Used by auto-recovery (the auditor's election, the replication workers' ledger
+locks); the log writer's ownership is fencing on the bookies instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from bk.errors import BKError, MetadataError
+
+log = logging.getLogger(__name__)
+
+
+class LockLostError(BKError):
+    """The lock's lease expired or its key vanished: the holder must stop acting."""
+
+
+class LeaseLock:
+    """``<prefix>/<rel>`` held while its lease lives; a context manager.
+
+        with LeaseLock(store, "underreplication/locks/42", {"owner": me}, ttl=10) as lock:
+            store.txn_guarded(lock.guard(), ...)    # writes compare lock.token
+    """
+
+    def __init__(self, store, rel: str, value=None, ttl: int = 10):
+        store._check_rel(rel)
+        if ttl < 1:
+            raise ValueError(f"lock {rel}: ttl must be >= 1 second, not {ttl}")
+        self.store = store
+        self.rel = rel
+        self.key = store._key(rel)
+        self.value = value if value is not None else {}
+        self.ttl = int(ttl)
+        self.token: int | None = None        # create_revision of our key while held
+        self._lease_id: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lost = threading.Event()
+
+    def __repr__(self):
+        return f"LeaseLock({self.rel!r}, token={self.token})"
+
+    # --- acquire / release ------------------------------------------------------------
+    def try_acquire(self) -> bool:
+        """Take the lock if nobody holds it; True if we now hold it."""
+        if self.token is not None:
+            return True
+        s = self.store
+        lease = s._call(f"grant a {self.ttl}s lease for {self.rel}", "lease",
+                        lambda c: c.lease(self.ttl))
+        c = s._client()
+        try:
+            ok, rev, _ = s._txn_full(
+                f"take lock {self.rel}", [c.transactions.create(self.key) == 0],
+                [c.transactions.put(self.key, json.dumps(self.value).encode(),
+                                    lease=lease.id)])
+        except BaseException:
+            self._revoke(lease.id)
+            raise
+        if not ok:
+            self._revoke(lease.id)
+            return False
+        self.token, self._lease_id = rev, lease.id
+        self._lost.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._keepalive, daemon=True,
+                                        name=f"bk-lock-{self.rel}")
+        self._thread.start()
+        return True
+
+    def acquire(self, timeout: float | None = None, poll: float = 0.2) -> bool:
+        """Wait until we hold the lock (False if ``timeout`` seconds passed first)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = 0.02
+        while not self.try_acquire():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(wait if deadline is None else
+                       max(0.0, min(wait, deadline - time.monotonic())))
+            wait = min(poll, wait * 2)
+        return True
+
+    def release(self) -> None:
+        """Delete the key if it is still ours, and revoke the lease (idempotent)."""
+        token, lease_id = self.token, self._lease_id
+        self.token = self._lease_id = None
+        self._stop.set()
+        if token is None:
+            return
+        s = self.store
+        c = s._client()
+        try:
+            s._txn_full(f"release lock {self.rel}",
+                        [c.transactions.create(self.key) == token],
+                        [c.transactions.delete(self.key)])
+        except MetadataError as e:
+            log.warning("could not release lock %s (it expires with its lease): %s",
+                        self.rel, e)
+        self._revoke(lease_id)
+
+    def __enter__(self) -> "LeaseLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    # --- while held ----------------------------------------------------------------------
+    @property
+    def held(self) -> bool:
+        """True while we believe we hold it (the lease was refreshed in time)."""
+        return self.token is not None and not self._lost.is_set()
+
+    def guard(self):
+        """The etcd comparison "this lock is still ours": add it to every
+        transaction made on the lock's behalf. LockLostError if already lost."""
+        if self.token is None or self._lost.is_set():
+            raise LockLostError(f"lock {self.rel} is not held")
+        return self.store._client().transactions.create(self.key) == self.token
+
+    def _keepalive(self) -> None:
+        s = self.store
+        interval = max(0.2, self.ttl / 3.0)
+        while not self._stop.wait(interval):
+            lease_id = self._lease_id
+            if lease_id is None:
+                return
+            try:
+                answers = s._call(f"refresh the lease of lock {self.rel}", "lease",
+                                  lambda c: list(c.refresh_lease(lease_id)))
+                resp = answers[0] if answers else None
+                if resp is None or resp.TTL <= 0:
+                    raise LockLostError(f"lease of lock {self.rel} expired")
+            except LockLostError as e:
+                log.warning("%s", e)
+                self._lost.set()
+                return
+            except MetadataError as e:
+                log.warning("lock %s: %s", self.rel, e)
+
+    def _revoke(self, lease_id) -> None:
+        if lease_id is None:
+            return
+        try:
+            self.store._call(f"revoke the lease of lock {self.rel}", "lease",
+                             lambda c: c.revoke_lease(lease_id))
+        except MetadataError:
+            pass
+
+
+class Election:
+    """Leader election on ``<prefix>/<rel>``: the holder of a LeaseLock whose value
+    names it. ``epoch`` (the token) fences the leader's writes."""
+
+    def __init__(self, store, rel: str, identifier: str, ttl: int = 10):
+        self.identifier = identifier
+        self.lock = LeaseLock(store, rel, {"id": identifier, "since": time.time()}, ttl)
+
+    def campaign(self, timeout: float | None = None) -> bool:
+        """Block until this candidate leads (False if ``timeout`` passed first)."""
+        return self.lock.acquire(timeout)
+
+    def leader(self) -> str | None:
+        """Who leads now, as the store says (None: nobody)."""
+        value, _ = self.lock.store.get_json(self.lock.rel)
+        return value.get("id") if isinstance(value, dict) else None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lock.held
+
+    @property
+    def epoch(self) -> int | None:
+        return self.lock.token
+
+    def resign(self) -> None:
+        self.lock.release()
