@@ -549,8 +549,18 @@ class Admin:
         report.seconds = time.monotonic() - t0
         return report
 
+    def replicate_ledger(self, ledger_id: int, bookie_id: str, guards=()) -> RecoveryReport:
+        """Re-replicate the fragments of one ledger that had ``bookie_id`` (closing it
+        first by recovery if its last ensemble holds it); every metadata CAS also
+        compares ``guards`` (a replication worker's lock). BKError on failure."""
+        md, _ = self.store.read_ledger(ledger_id)
+        report = RecoveryReport(bookie_id)
+        self._recover_ledger_fragments(md, bookie_id, report, self.store.list_bookies(),
+                                       False, False, False, guards)
+        return report
+
     def _recover_ledger_fragments(self, md, bookie_id, report, writable, dry_run, skip_open,
-                                  alive):
+                                  alive, guards=()):
         lid = md.ledger_id
         if not md.is_closed and bookie_id in md.last_ensemble:
             if skip_open:
@@ -579,7 +589,7 @@ class Admin:
             if dry_run:
                 continue
             self._copy_fragment(md, ens, bookie_id, target, mine, mk, fr, alive)
-            self._swap_bookie(lid, first, bookie_id, target)
+            self._swap_bookie(lid, first, bookie_id, target, guards)
             fr.done = True
 
     def _copy_fragment(self, md, ens, bookie_id, target, entries, mk, fr, alive):
@@ -635,7 +645,7 @@ class Admin:
                     raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to {target}")
             fr.copied += len(batch)
 
-    def _swap_bookie(self, ledger_id, first, bookie_id, target):
+    def _swap_bookie(self, ledger_id, first, bookie_id, target, guards=()):
         for _ in range(50):
             md, version = self.store.read_ledger(ledger_id)
             ensembles = [(f, list(ens)) for f, ens in md.ensembles]
@@ -652,7 +662,7 @@ class Admin:
             ens[ens.index(bookie_id)] = target
             ensembles[i] = (f, ens)
             try:
-                self.store.write_ledger(md.replace(ensembles=ensembles), version)
+                self.store.write_ledger(md.replace(ensembles=ensembles), version, guards)
                 return
             except MetadataVersionError:
                 continue

@@ -141,6 +141,20 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     # --- process ---------------------------------------------------------------
     _S("registrationTtlSeconds", int, 10, "TTL of the bookie's registration lease in etcd; "
        "a dead bookie disappears within it.", minimum=2),
+    _S("autoRecoveryDaemonEnabled", bool, False, "Run auto-recovery in this bookie: an "
+       "auditor candidate (the elected one marks the ledgers of lost bookies "
+       "under-replicated) and a replication worker (re-replicates them)."),
+    _S("lostBookieRecoveryDelay", int, 0, "Seconds a bookie may be gone before the auditor "
+       "marks its ledgers (at once when more than one is gone); bkshell "
+       "lostbookierecoverydelay overrides it cluster-wide.", minimum=0),
+    _S("openLedgerRereplicationGracePeriod", int, 30000, "Milliseconds a replication worker "
+       "leaves an open ledger whose last ensemble lost a bookie to its writer (which "
+       "replaces the bookie itself) before it fences and closes it.", minimum=0),
+    _S("lockReleaseOfFailedLedgerGracePeriod", int, 300000, "Milliseconds before a ledger "
+       "that could not be re-replicated (no surviving replica, too few bookies) is tried "
+       "again.", minimum=0),
+    _S("rwRereplicateBackoffMs", int, 5000, "Milliseconds a replication worker with nothing "
+       "to do waits before looking again (at most 500 ms between looks).", minimum=10),
     _S("workerTimeoutMSec", int, 30000, "A shard worker whose heartbeat is older than this "
        "is killed and restarted.", minimum=1000),
     _S("pidFile", str, "", "Pid file of the bookie. Empty: bookie.pid in the first ledger "

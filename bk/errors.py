@@ -117,6 +117,10 @@ class CookieMismatchError(BKError):
     """A bookie's directories belong to another bookie id, cluster, layout or shard count."""
 
 
+class LockLostError(BKError):
+    """A lease-bound lock (or leadership) was lost: its holder must stop acting."""
+
+
 class ClusterNotFormattedError(MetadataError):
     """No bk cluster under the metadata prefix (``bkshell metaformat`` creates one)."""
 

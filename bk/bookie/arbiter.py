@@ -131,6 +131,7 @@ class Arbiter:
         self.registry = None
         self.http = None
         self.http_port = 0
+        self.autorecovery = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -198,6 +199,9 @@ class Arbiter:
             conf.bookie_id, self._registration_info(), readonly=self.readonly,
             ttl=conf.registrationTtlSeconds)
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
+        if conf.autoRecoveryDaemonEnabled:
+            from bk.autorecovery import AutoRecovery
+            self.autorecovery = AutoRecovery(conf, conf.bookie_id).start()
         log.info("bookie %s serving on %s:%d with %d shards%s (pid %d)", conf.bookie_id,
                  conf.bind_address, self.port, self.num_shards,
                  " (read-only)" if self.readonly else "", os.getpid())
@@ -747,6 +751,11 @@ class Arbiter:
     # --- stop -------------------------------------------------------------------------
     def _shutdown(self):
         self.stopping = True
+        if self.autorecovery is not None:
+            try:
+                self.autorecovery.stop()
+            except Exception as e:
+                log.warning("could not stop auto-recovery: %s", e)
         if self.http is not None:
             try:
                 self.http.stop()

@@ -277,10 +277,11 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
     (metadataServiceUri=etcd://127.0.0.1:PORT/ledgers). Data is kept in --dir,
     so a restart finds the ledgers again. Every bookie serves HTTP (/metrics,
     /heartbeat, /api/v1/...) on its own port; their metrics URLs are printed.
+    The bookies run auto-recovery (--set autoRecoveryDaemonEnabled=false: not).
     """
     from bk.localcluster import LocalCluster
 
-    overrides = parse_settings(settings)
+    overrides = {"autoRecoveryDaemonEnabled": "true", **parse_settings(settings)}
     Config.load(None, overrides)         # a bad --set fails here, before anything starts
     stop = []
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
@@ -317,6 +318,49 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         click.echo("stopping the local cluster (the bookies drain first)...", err=True)
         cluster.stop()
+
+
+@main.command()
+@_conf_options
+@_override_options
+@one_line_errors(PROG)
+def autorecovery(conf_file, settings, **flags):
+    """Run auto-recovery alone, in the foreground: an auditor candidate and a
+    replication worker (as a bookie with autoRecoveryDaemonEnabled=true runs).
+    SIGTERM or Ctrl-C stops it (exit 0).
+
+    \b
+    Example:
+      bookie autorecovery --conf conf/bk_server.conf
+    """
+    import socket as _socket
+
+    from bk.autorecovery import AutoRecovery
+    from bk.errors import BKError
+    from bk.meta.store import MetadataStore
+
+    conf = load_conf(conf_file, settings, **flags)
+    if not conf.metadataServiceUri:
+        fail(PROG, "metadataServiceUri is not set (in the conf file, BK_metadataServiceUri "
+                   "or --metadata)", 2)
+    setup_logging(conf.logLevel, conf.logFile or None)
+    try:
+        with MetadataStore(conf.metadataServiceUri,
+                           timeout=conf.metadataTimeoutMillis / 1000.0) as store:
+            store.cluster()              # no cluster under the prefix: say so, exit 5
+    except ValueError as e:
+        fail(PROG, f"metadataServiceUri: {e}", 2)
+    except BKError as e:
+        fail(PROG, str(e), 5)
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *a: stop.append(1))
+    ar = AutoRecovery(conf, f"autorecovery-{_socket.gethostname()}-{os.getpid()}").start()
+    try:
+        while not stop:
+            time.sleep(0.2)
+    finally:
+        ar.stop()
 
 
 def _smoke(uri: str) -> str:

@@ -34,13 +34,11 @@ import logging
 import threading
 import time
 
-from bk.errors import BKError, MetadataError
+from bk.errors import LockLostError, MetadataError
 
 log = logging.getLogger(__name__)
 
-
-class LockLostError(BKError):
-    """The lock's lease expired or its key vanished: the holder must stop acting."""
+__all__ = ["LeaseLock", "Election", "LockLostError"]
 
 
 class LeaseLock:

@@ -52,7 +52,7 @@ from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.utils import prefix_range_end
 
 from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
-                       CookieMismatchError, LedgerExistsError, MetadataError,
+                       CookieMismatchError, LedgerExistsError, LockLostError, MetadataError,
                        MetadataVersionError, NoSuchLedgerError)
 from bk.meta.ledger import LedgerMetadata
 
@@ -389,15 +389,16 @@ class MetadataStore:
                                   [c.transactions.put(self._key(rel), _json_bytes(value))])
         return ok
 
-    def cas_json(self, rel: str, value: Any, version: int | None) -> int:
-        """Write if the version matches (``None``: only if absent); returns the new
-        version or raises MetadataVersionError naming the current version."""
+    def cas_json(self, rel: str, value: Any, version: int | None, guards=()) -> int:
+        """Write if the version matches (``None``: only if absent) and every
+        comparison in ``guards`` holds; returns the new version or raises
+        MetadataVersionError naming the current version."""
         self._check_rel(rel)
         key = self._key(rel)
         c = self._client()
         cmp = (c.transactions.create(key) == 0 if version is None
                else c.transactions.mod(key) == int(version))
-        ok, rev, responses = self._txn_full(f"write {rel}", [cmp],
+        ok, rev, responses = self._txn_full(f"write {rel}", [cmp, *guards],
                                             [c.transactions.put(key, _json_bytes(value))],
                                             [c.transactions.get(key)])
         if not ok:
@@ -557,24 +558,29 @@ class MetadataStore:
             raise NoSuchLedgerError(f"read ledger {lid}: no such ledger ({self.uri})")
         return self._parse_ledger(lid, raw), ver
 
-    def write_ledger(self, md: LedgerMetadata, version: int) -> int:
+    def write_ledger(self, md: LedgerMetadata, version: int, guards=()) -> int:
         """CAS on the version (mod_revision); returns the new version.
 
         MetadataVersionError if someone else wrote since ``version`` (nothing is
-        overwritten), NoSuchLedgerError if the ledger was deleted.
+        overwritten), NoSuchLedgerError if the ledger was deleted. ``guards``:
+        more comparisons that must hold (a lock's :meth:`~bk.meta.recipes.LeaseLock.guard`:
+        a replication worker whose lock expired changes nothing); LockLostError
+        if only they failed.
         """
         lid = _check_ledger_id(md.ledger_id)
         key = self._key(ledger_key_name(lid))
         c = self._client()
         what = f"write ledger {lid} at version {version}"
-        ok, rev, responses = self._txn_full(what, [c.transactions.mod(key) == int(version)],
-                                            [c.transactions.put(key, md.to_json())],
-                                            [c.transactions.get(key)])
+        ok, rev, responses = self._txn_full(
+            what, [c.transactions.mod(key) == int(version), *guards],
+            [c.transactions.put(key, md.to_json())], [c.transactions.get(key)])
         if ok:
             return rev
         kvs = responses[0].response_range.kvs
         if not kvs:
             raise NoSuchLedgerError(f"{what}: no such ledger ({self.uri})")
+        if guards and kvs[0].mod_revision == int(version):
+            raise LockLostError(f"{what}: the lock it was written under is no longer held")
         raise MetadataVersionError(f"{what}: lost to another writer, the version is now "
                                    f"{kvs[0].mod_revision}")
 

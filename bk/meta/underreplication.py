@@ -1,0 +1,105 @@
+"""Under-replication records and auto-recovery settings in etcd.
+
+Keys under the store's prefix (every write a transaction):
+
+``underreplication/ledgers/<id, 20 digits>``  ``{"missing": [bookie ids], "ctime": t}``:
+                                             the ledger has fragments on bookies that
+                                             were lost; merged by CAS (``mark``). A
+                                             failed repair adds ``"error"`` and
+                                             ``"retryAt"`` (back-off, listed by
+                                             ``bkshell listunderreplicated``).
+``underreplication/locks/<id>``              a replication worker's LeaseLock
+``auditor``                                  the elected auditor (an Election)
+``autorecovery``                             ``{"enabled": bool, "lostBookieRecoveryDelay":
+                                             s or null, "trigger": n}``: what
+                                             ``bkshell autorecovery`` and friends set
+
+Writes made on behalf of the auditor or a worker carry its guard (epoch or
+lock token, see :mod:`bk.meta.recipes`), so a deposed one changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from bk.errors import MetadataVersionError
+
+LEDGERS = "underreplication/ledgers/"
+LOCKS = "underreplication/locks/"
+AUDITOR = "auditor"
+SETTINGS = "autorecovery"
+
+
+def ledger_rel(ledger_id: int) -> str:
+    return f"{LEDGERS}{ledger_id:020d}"
+
+
+def lock_rel(ledger_id: int) -> str:
+    return f"{LOCKS}{ledger_id:020d}"
+
+
+def mark(store, ledger_id: int, missing, guards=()) -> bool:
+    """Add ``missing`` bookies to the ledger's record (creating it); True if it
+    changed. A failed repair's back-off is cleared: there is news."""
+    rel = ledger_rel(ledger_id)
+    while True:
+        cur, version = store.get_json(rel)
+        old = set(cur.get("missing", ())) if cur else set()
+        new = old | set(missing)
+        if cur is not None and new == old:
+            return False
+        rec = {"missing": sorted(new), "ctime": cur.get("ctime") if cur else time.time()}
+        try:
+            store.cas_json(rel, rec, version, guards=guards)
+            return True
+        except MetadataVersionError:
+            continue
+
+
+def list_marked(store) -> Iterator[tuple[int, dict, int]]:
+    """``(ledger id, record, version)`` of every under-replicated ledger, by id."""
+    for rel, rec, version in store.list_json(LEDGERS):
+        try:
+            yield int(rel[len(LEDGERS):]), rec, version
+        except ValueError:
+            continue
+
+
+def unmark(store, ledger_id: int, version: int) -> bool:
+    """Remove the record if it is still at ``version`` (marked again since: kept)."""
+    try:
+        return store.delete_json(ledger_rel(ledger_id), version)
+    except MetadataVersionError:
+        return False
+
+
+def record_failure(store, ledger_id: int, version: int, reason: str, retry_in: float,
+                   guards=()) -> None:
+    """Note why the ledger could not be repaired now and when to try again."""
+    cur, v = store.get_json(ledger_rel(ledger_id))
+    if cur is None or v != version:
+        return
+    cur.update(error=reason, retryAt=time.time() + retry_in)
+    try:
+        store.cas_json(ledger_rel(ledger_id), cur, version, guards=guards)
+    except MetadataVersionError:
+        pass
+
+
+def settings(store) -> dict:
+    value, _ = store.get_json(SETTINGS)
+    return value if isinstance(value, dict) else {}
+
+
+def update_settings(store, **changes) -> dict:
+    """Change auto-recovery settings by CAS; returns them."""
+    while True:
+        value, version = store.get_json(SETTINGS)
+        value = dict(value) if isinstance(value, dict) else {}
+        value.update(changes)
+        try:
+            store.cas_json(SETTINGS, value, version)
+            return value
+        except MetadataVersionError:
+            continue
