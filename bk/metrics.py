@@ -279,6 +279,7 @@ class BookieMetrics:
         self.compacted_segments = 0
         self.reclaimed_bytes = 0
         self.readonly = False
+        self.under_replicated = None           # set while this bookie is the auditor
         self.disk: dict = {}
         self.disk_source = None                # callable -> layout.disk_space dict
 
@@ -368,6 +369,8 @@ class BookieMetrics:
                          (COMPACTED_SEGMENTS, self.compacted_segments),
                          (RECLAIMED_BYTES, self.reclaimed_bytes)):
                 yield CounterMetricFamily(m.name, m.help, value=v)
+            if self.under_replicated is not None:
+                yield _gauge(UNDER_REPLICATED, self.under_replicated)
 
 
 def _le(bound: float) -> str:

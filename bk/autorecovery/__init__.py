@@ -52,9 +52,10 @@ log = logging.getLogger("bk.autorecovery")
 class AutoRecovery:
     """The auditor candidate and the replication worker of one process."""
 
-    def __init__(self, conf, identifier: str):
+    def __init__(self, conf, identifier: str, metrics=None):
         self.conf = conf
         self.identifier = identifier
+        self.metrics = metrics      # bk.metrics.BookieMetrics: the auditor reports there
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._admin = None
@@ -112,13 +113,19 @@ class AutoRecovery:
                 log.warning("auditor %s deposed: %s", self.identifier, e)
             finally:
                 election.resign()
+                if self.metrics is not None:
+                    self.metrics.under_replicated = None     # only the auditor reports
 
     def _lead(self, election):
         store = self.store
         missing_since: dict[str, float] = {}
         audited: set[str] = set()
         trigger = UR.settings(store).get("trigger", 0)
+        next_count = 0.0
         while not self._stop.wait(0.25) and election.is_leader:
+            if self.metrics is not None and time.monotonic() >= next_count:
+                next_count = time.monotonic() + 5.0
+                self.metrics.under_replicated = sum(1 for _ in UR.list_marked(store))
             s = UR.settings(store)
             if s.get("enabled", True) is False:
                 continue

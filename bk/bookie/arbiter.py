@@ -201,7 +201,7 @@ class Arbiter:
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
         if conf.autoRecoveryDaemonEnabled:
             from bk.autorecovery import AutoRecovery
-            self.autorecovery = AutoRecovery(conf, conf.bookie_id).start()
+            self.autorecovery = AutoRecovery(conf, conf.bookie_id, self.metrics).start()
         log.info("bookie %s serving on %s:%d with %d shards%s (pid %d)", conf.bookie_id,
                  conf.bind_address, self.port, self.num_shards,
                  " (read-only)" if self.readonly else "", os.getpid())
@@ -736,17 +736,19 @@ class Arbiter:
 
     def http_autorecovery(self) -> dict:
         # Auto-recovery (the auditor and replication workers) keeps its state in the
-        # metadata store; this only reports what is there.
-        auditor, _ = self.store.get_json("auditor")
-        disabled, _ = self.store.get_json("underreplication/disable")
-        under = sum(1 for _ in self.store.list_json("underreplication/ledgers/"))
-        if auditor is None and disabled is None and not under:
-            return {"running": False, "enabled": None, "auditor": None,
-                    "underReplicatedLedgers": 0,
-                    "message": "auto-recovery is not running in this cluster "
-                               "(no auditor registered)"}
-        return {"running": auditor is not None, "enabled": disabled is None,
-                "auditor": auditor, "underReplicatedLedgers": under}
+        # metadata store (bk.meta.underreplication); this reports what is there.
+        from bk.meta import underreplication as UR
+
+        auditor, _ = self.store.get_json(UR.AUDITOR)
+        enabled = UR.settings(self.store).get("enabled", True) is not False
+        under = sum(1 for _ in UR.list_marked(self.store))
+        out = {"running": auditor is not None, "enabled": enabled,
+               "auditor": auditor.get("id") if isinstance(auditor, dict) else None,
+               "underReplicatedLedgers": under,
+               "here": self.autorecovery is not None}
+        if auditor is None:
+            out["message"] = "no auditor is elected: auto-recovery runs nowhere"
+        return out
 
     # --- stop -------------------------------------------------------------------------
     def _shutdown(self):

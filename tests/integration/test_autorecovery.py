@@ -136,3 +136,24 @@ def test_ledger_without_a_surviving_replica_is_reported_not_retried(cluster_fact
         assert row["ledger_id"] == lh.ledger_id and row["missing"] == [holder.bookie_id]
         assert "no reachable replica" in row["error"]
         assert row["retryAt"] > time.time() + 60            # backed off, not a tight loop
+
+
+def test_the_auditor_serves_the_under_replicated_count(cluster_factory):
+    import urllib.request
+    c = cluster_factory(2, conf_overrides={**AR, "httpServerEnabled": True,
+                                           "httpServerPort": 0})
+    from bk.meta.recipes import Election
+    probe = Election(c.store, UR.AUDITOR, "probe")
+    wait_until(lambda: probe.leader() is not None, what="an auditor elected")
+    UR.mark(c.store, 12345, ["127.0.0.1:1"])           # a deleted ledger: it is unmarked
+    auditor = c.bookie(probe.leader())
+    port = c.store.bookie_info(auditor.bookie_id)["httpPort"]
+
+    def gauge():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        for line in text.decode().splitlines():
+            if line.startswith("auditor_NUM_UNDER_REPLICATED_LEDGERS "):
+                return float(line.split()[1])
+    wait_until(lambda: gauge() is not None, what="the gauge served by the auditor")
+    wait_until(lambda: not list(UR.list_marked(c.store)), what="the deleted ledger unmarked")
+    wait_until(lambda: gauge() == 0, timeout=30, what="the gauge back to 0")

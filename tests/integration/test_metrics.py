@@ -328,7 +328,7 @@ def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_facto
     c = cluster_factory(1, conf_overrides=HTTP)
     port = http_port(c, c.bookies[0])
     st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
-    assert st["running"] is False and "not running" in st["message"]
+    assert st["running"] is False and "no auditor" in st["message"] and not st["here"]
     # `bkshell listbookies` prints where the HTTP endpoint is.
     import subprocess
     import sys
@@ -336,13 +336,17 @@ def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_facto
                         "listbookies"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith(f"writable\thttp://127.0.0.1:{port}"), r.stdout
-    c.store.put_json("auditor", {"bookieId": "127.0.0.1:9999"})
-    c.store.put_json("underreplication/ledgers/00000000000000000007", {"lostBookies": []})
+    from bk.meta import underreplication as UR
+    from bk.meta.recipes import Election
+    auditor = Election(c.store, UR.AUDITOR, "autorecovery-elsewhere-1")
+    assert auditor.campaign(timeout=10)
+    UR.mark(c.store, 7, ["127.0.0.1:9999"])
     st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
-    assert st == {"running": True, "enabled": True, "auditor": {"bookieId": "127.0.0.1:9999"},
-                  "underReplicatedLedgers": 1}
-    c.store.put_json("underreplication/disable", {})
+    assert st == {"running": True, "enabled": True, "auditor": "autorecovery-elsewhere-1",
+                  "underReplicatedLedgers": 1, "here": False}
+    UR.update_settings(c.store, enabled=False)      # bkshell autorecovery --disable
     assert json.loads(get(port, "/api/v1/autorecovery/status")[1])["enabled"] is False
+    auditor.resign()
 
 
 def test_http_answers_while_every_shard_is_stopped_and_a_taken_port_fails_the_boot(
