@@ -195,16 +195,38 @@ class Arbiter:
             self.http.start()
             log.info("bookie %s: HTTP on port %d (metrics: http://%s:%d/metrics)",
                      conf.bookie_id, self.http_port, conf.advertisedAddress, self.http_port)
-        self.registration = self.store.register_bookie(
-            conf.bookie_id, self._registration_info(), readonly=self.readonly,
-            ttl=conf.registrationTtlSeconds)
+        log.info("bookie %s serving on %s:%d with %d shards%s (pid %d)", conf.bookie_id,
+                 conf.bind_address, self.port, self.num_shards,
+                 " (read-only)" if self.readonly else "", os.getpid())
+        # Registering may wait for the lease of a killed predecessor to expire (up to
+        # registrationTtlSeconds): the loop serves meanwhile, so clients that know this
+        # bookie (their ledgers' ensembles) are served at once after a restart.
+        threading.Thread(target=self._register, name="bk-register", daemon=True).start()
+
+    def _register(self):
+        conf = self.conf
+        try:
+            reg = self.store.register_bookie(
+                conf.bookie_id, self._registration_info(), readonly=self.readonly,
+                ttl=conf.registrationTtlSeconds)
+        except BKError as e:
+            self.exit_code, self.exit_message = EXIT_ERROR, str(e)
+            self.stopping = True
+            os.write(self._wake_w, b"r")
+            if self.on_ready:
+                self.on_ready(str(e))
+            return
+        self.registration = reg
+        if self.stopping:
+            reg.close()
+            return
+        if reg.readonly != self.readonly:     # the disks changed while it registered
+            self.tasks.put(("readonly", self.readonly))
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
         if conf.autoRecoveryDaemonEnabled:
             from bk.autorecovery import AutoRecovery
             self.autorecovery = AutoRecovery(conf, conf.bookie_id, self.metrics).start()
-        log.info("bookie %s serving on %s:%d with %d shards%s (pid %d)", conf.bookie_id,
-                 conf.bind_address, self.port, self.num_shards,
-                 " (read-only)" if self.readonly else "", os.getpid())
+        log.info("bookie %s registered", conf.bookie_id)
         if self.on_ready:
             self.on_ready(None)
 
