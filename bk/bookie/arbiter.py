@@ -208,9 +208,10 @@ class Arbiter:
         try:
             reg = self.store.register_bookie(
                 conf.bookie_id, self._registration_info(), readonly=self.readonly,
-                ttl=conf.registrationTtlSeconds)
+                ttl=conf.registrationTtlSeconds, member=True)
         except BKError as e:
-            self.exit_code, self.exit_message = EXIT_ERROR, str(e)
+            self.exit_code = EXIT_COOKIE if isinstance(e, ClusterIdentityError) else EXIT_ERROR
+            self.exit_message = str(e)
             self.stopping = True
             os.write(self._wake_w, b"r")
             if self.on_ready:

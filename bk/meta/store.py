@@ -665,18 +665,31 @@ class MetadataStore:
         return f"bookies/{'readonly' if readonly else 'available'}/{bookie_id}"
 
     def register_bookie(self, bookie_id: str, info: dict, readonly: bool = False,
-                        ttl: int = 10) -> "BookieRegistration":
+                        ttl: int = 10, member: bool = False) -> "BookieRegistration":
         """Register a bookie under a lease kept alive by a daemon thread.
 
         If the id is registered already, wait while the holder's lease runs out
         (a bookie restarted right after a crash finds its old key still there,
         as with ZooKeeper's ephemeral nodes); if the holder keeps its lease
-        alive, raise BKError "bookie <id> is already registered".
+        alive, raise BKError "bookie <id> is already registered". ``member``:
+        every (re-)registration also requires that the cluster is still the one
+        read now (same layout key) and still holds the bookie's cookie, so a
+        running bookie does not join a cluster re-formatted or wiped under it.
         """
         _check_bookie_id(bookie_id)
         if int(ttl) < 1:
             raise ValueError(f"registration ttl must be >= 1 second, not {ttl}")
-        reg = BookieRegistration(self, bookie_id, dict(info), readonly, int(ttl))
+        guards = None
+        if member:
+            c = self._client()
+            resp = self._call("read the layout", "get",
+                              lambda cl: cl.get_response(self._key("layout")), idempotent=True)
+            if not resp.kvs:
+                self._check_layout(None)
+            layout_rev = resp.kvs[0].create_revision
+            guards = lambda cl: [cl.transactions.create(self._key("layout")) == layout_rev,
+                                 cl.transactions.version(self._key(f"cookies/{bookie_id}")) > 0]
+        reg = BookieRegistration(self, bookie_id, dict(info), readonly, int(ttl), guards)
         reg._register_first()
         with self._lock:
             self._registrations.add(reg)
@@ -834,8 +847,9 @@ class BookieRegistration:
     """
 
     def __init__(self, store: MetadataStore, bookie_id: str, info: dict, readonly: bool,
-                 ttl: int):
+                 ttl: int, guards=None):
         self.store = store
+        self._guards = guards          # client -> extra comparisons of every registration
         self.bookie_id = bookie_id
         self.info = info
         self.ttl = ttl
@@ -884,9 +898,10 @@ class BookieRegistration:
         c = s._client()
         rw, ro = self._key(False), self._key(True)
         value = _json_bytes(self.info)
+        extra = self._guards(c) if self._guards is not None else []
         ok, rev, responses = s._txn_full(
             f"register bookie {self.bookie_id}",
-            [c.transactions.create(rw) == 0, c.transactions.create(ro) == 0],
+            [c.transactions.create(rw) == 0, c.transactions.create(ro) == 0, *extra],
             [c.transactions.put(self._key(), value, lease=lease_id)],
             [c.transactions.get(rw), c.transactions.get(ro)])
         if ok:
@@ -898,6 +913,11 @@ class BookieRegistration:
             kvs = r.response_range.kvs
             if kvs:
                 return False, kvs[0].lease
+        if extra:
+            raise ClusterIdentityError(
+                f"bookie {self.bookie_id} does not register: the cluster under "
+                f"{s.prefix} was re-formatted or wiped, or no longer holds its cookie "
+                f"({s.uri})")
         return False, None  # vanished meanwhile: caller retries
 
     def _holder_ttl(self, lease_id: int) -> int:
@@ -994,7 +1014,11 @@ class BookieRegistration:
                             self.bookie_id, lease_id)
                 self._lease_id = None
             new_lease = self._grant()
-            created, holder = self._try_create(new_lease)
+            try:
+                created, holder = self._try_create(new_lease)
+            except BaseException:
+                self._revoke(new_lease)
+                raise
             if created:
                 log.info("bookie %s registered again (lease %x)", self.bookie_id, new_lease)
             else:
@@ -1014,6 +1038,9 @@ class BookieRegistration:
         while not self._stop.wait(wait):
             try:
                 self._keepalive_once()
+                wait = interval
+            except ClusterIdentityError as e:
+                log.error("%s", e)
                 wait = interval
             except MetadataError as e:
                 log.warning("bookie %s: %s", self.bookie_id, e)

@@ -130,3 +130,14 @@ def test_ids_are_instance_scoped_and_spread_over_shards(cluster):
     for i in ids:
         shards[P.shard_of(i, 2)] += 1
     assert 450 <= shards[0] <= 550, shards
+
+
+def test_running_bookie_does_not_join_a_cluster_reformatted_under_it(cluster_factory):
+    c = cluster_factory(1)
+    b = c.bookies[0]
+    assert b.bookie_id in c.store.list_bookies()
+    c.store.format(force=True)          # its registration and cookie are gone
+    wait_until(lambda: "does not register" in open(b.log_file).read(),
+               what="the refusal to re-register in the log")
+    assert b.bookie_id not in c.store.all_bookies()
+    assert c.store.read_cookie(b.bookie_id)[0] is None
