@@ -167,6 +167,7 @@ class FragmentReport:
     replacement: str | None
     entries: int = 0            # entries the lost bookie should hold
     copied: int = 0
+    bytes_copied: int = 0       # payload bytes of the entries copied
     already: int = 0            # already on the replacement
     done: bool = False
     error: str | None = None
@@ -644,6 +645,7 @@ class Admin:
                 if resp[2] != EOK:
                     raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to {target}")
             fr.copied += len(batch)
+            fr.bytes_copied += sum(len(got[e][2]) for e in batch)
 
     def _swap_bookie(self, ledger_id, first, bookie_id, target, guards=()):
         for _ in range(50):

@@ -121,6 +121,16 @@ ARBITER_METRICS = [SERVER_STATUS, DISK_USAGE, DISK_FREE, WORKER_RESTARTS, SHARD_
 # --- auto-recovery (served by the auditor) ---------------------------------------------
 UNDER_REPLICATED = _m("auditor_NUM_UNDER_REPLICATED_LEDGERS", GAUGE, "Ledgers marked "
                       "under-replicated, as the auditor last saw them.")
+UNDER_REPLICATED_AGE = _m("auditor_UNDER_REPLICATED_OLDEST_AGE_SECONDS", GAUGE, "Age of the "
+                          "oldest under-replicated mark, as the auditor last saw it.")
+AUDITOR_ELECTED = _m("auditor_ELECTED", GAUGE, "1 while this process is the elected auditor "
+                     "(served by processes that run auto-recovery).")
+REPLICATED_ENTRIES = _m("replication_REREPLICATED_ENTRIES", COUNTER, "Entries copied to a "
+                        "replacement bookie by this process's replication worker.")
+REPLICATED_BYTES = _m("replication_REREPLICATED_BYTES", COUNTER, "Payload bytes copied by "
+                      "this process's replication worker (rate(): bytes/s replicated).")
+AUTORECOVERY_METRICS = [UNDER_REPLICATED, UNDER_REPLICATED_AGE, AUDITOR_ELECTED,
+                        REPLICATED_ENTRIES, REPLICATED_BYTES]
 
 # --- client ------------------------------------------------------------------------------
 CLIENT_ADD = _m("bookkeeper_client_ADD_ENTRY", HISTOGRAM, "Client adds by outcome: time from "
@@ -134,7 +144,7 @@ CLIENT_RECOVERIES = _m("bookkeeper_client_LEDGER_RECOVER", COUNTER, "Ledger reco
 CLIENT_BOOKIE_ERRORS = _m("bookkeeper_client_BOOKIE_ERRORS", COUNTER, "Errors from bookies "
                           "(error answers, timeouts, broken connections), by kind.", ["kind"])
 
-ALL = SHARD_METRICS + ARBITER_METRICS + [UNDER_REPLICATED, CLIENT_ADD, CLIENT_READ,
+ALL = SHARD_METRICS + ARBITER_METRICS + AUTORECOVERY_METRICS + [CLIENT_ADD, CLIENT_READ,
                                          CLIENT_ENSEMBLE_CHANGES, CLIENT_RECOVERIES,
                                          CLIENT_BOOKIE_ERRORS]
 
@@ -280,6 +290,10 @@ class BookieMetrics:
         self.reclaimed_bytes = 0
         self.readonly = False
         self.under_replicated = None           # set while this bookie is the auditor
+        self.under_replicated_age = 0.0
+        self.auditor = None                    # 0/1 once this bookie runs auto-recovery
+        self.replicated_entries = 0
+        self.replicated_bytes = 0
         self.disk: dict = {}
         self.disk_source = None                # callable -> layout.disk_space dict
 
@@ -371,6 +385,13 @@ class BookieMetrics:
                 yield CounterMetricFamily(m.name, m.help, value=v)
             if self.under_replicated is not None:
                 yield _gauge(UNDER_REPLICATED, self.under_replicated)
+                yield _gauge(UNDER_REPLICATED_AGE, self.under_replicated_age)
+            if self.auditor is not None:
+                yield _gauge(AUDITOR_ELECTED, self.auditor)
+                yield CounterMetricFamily(REPLICATED_ENTRIES.name, REPLICATED_ENTRIES.help,
+                                          value=self.replicated_entries)
+                yield CounterMetricFamily(REPLICATED_BYTES.name, REPLICATED_BYTES.help,
+                                          value=self.replicated_bytes)
 
 
 def _le(bound: float) -> str:

@@ -66,6 +66,8 @@ class AutoRecovery:
 
         self._admin = Admin(self.conf.metadataServiceUri,
                             timeout=self.conf.metadataTimeoutMillis / 1000.0)
+        if self.metrics is not None:
+            self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
             t = threading.Thread(target=self._guarded, args=(target,), daemon=True,
                                  name=f"bk-{name}")
@@ -107,6 +109,8 @@ class AutoRecovery:
             if not election.campaign(timeout=1.0):
                 continue
             log.info("%s is the auditor (epoch %d)", self.identifier, election.epoch)
+            if self.metrics is not None:
+                self.metrics.auditor = 1
             try:
                 self._lead(election)
             except LockLostError as e:
@@ -115,6 +119,7 @@ class AutoRecovery:
                 election.resign()
                 if self.metrics is not None:
                     self.metrics.under_replicated = None     # only the auditor reports
+                    self.metrics.auditor = 0
 
     def _lead(self, election):
         store = self.store
@@ -125,7 +130,10 @@ class AutoRecovery:
         while not self._stop.wait(0.25) and election.is_leader:
             if self.metrics is not None and time.monotonic() >= next_count:
                 next_count = time.monotonic() + 5.0
-                self.metrics.under_replicated = sum(1 for _ in UR.list_marked(store))
+                ctimes = [rec.get("ctime", 0) for _, rec, _ in UR.list_marked(store)]
+                self.metrics.under_replicated = len(ctimes)
+                self.metrics.under_replicated_age = \
+                    max(0.0, time.time() - min(ctimes)) if ctimes else 0.0
             s = UR.settings(store)
             if s.get("enabled", True) is False:
                 continue
@@ -202,7 +210,11 @@ class AutoRecovery:
                 return                        # an active writer replaces it itself
         try:
             for b in missing:
-                self._admin.replicate_ledger(lid, b, guards=[lock.guard()])
+                report = self._admin.replicate_ledger(lid, b, guards=[lock.guard()])
+                if self.metrics is not None:
+                    self.metrics.replicated_entries += report.entries_copied
+                    self.metrics.replicated_bytes += sum(f.bytes_copied
+                                                         for f in report.fragments)
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)
             return

@@ -149,11 +149,18 @@ def test_the_auditor_serves_the_under_replicated_count(cluster_factory):
     auditor = c.bookie(probe.leader())
     port = c.store.bookie_info(auditor.bookie_id)["httpPort"]
 
-    def gauge():
+    def gauge(name="auditor_NUM_UNDER_REPLICATED_LEDGERS", bookie=auditor, port=port):
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         for line in text.decode().splitlines():
-            if line.startswith("auditor_NUM_UNDER_REPLICATED_LEDGERS "):
+            if line.startswith(name + " "):
                 return float(line.split()[1])
     wait_until(lambda: gauge() is not None, what="the gauge served by the auditor")
     wait_until(lambda: not list(UR.list_marked(c.store)), what="the deleted ledger unmarked")
     wait_until(lambda: gauge() == 0, timeout=30, what="the gauge back to 0")
+    assert gauge("auditor_ELECTED") == 1
+    assert gauge("auditor_UNDER_REPLICATED_OLDEST_AGE_SECONDS") == 0
+    other = next(b for b in c.bookies if b is not auditor)
+    other_port = c.store.bookie_info(other.bookie_id)["httpPort"]
+    assert gauge("auditor_ELECTED", port=other_port) == 0
+    assert gauge("auditor_NUM_UNDER_REPLICATED_LEDGERS", port=other_port) is None
+    assert gauge("replication_REREPLICATED_BYTES_total", port=other_port) == 0
