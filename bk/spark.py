@@ -72,6 +72,10 @@ _READ_BATCH = 64                 # entries per read request of a task
 _ARROW_ROWS = 4096               # rows per Arrow record batch
 _ENTRY_BYTES = 256 * 1024        # a writer's record set (one ledger entry)
 _ENTRY_RECORDS = 4096
+# Rows as Arrow record batches (the default), or as plain tuples when
+# BK_SPARK_ARROW=0 in the workers' environment: only for comparing the two
+# (scripts/bench_spark.py).
+_ARROW = os.environ.get("BK_SPARK_ARROW", "1") != "0"
 _SPARK_OPTIONS = {"path", "paths", "checkpointlocation", "queryname"}
 
 
@@ -416,6 +420,9 @@ def _ledger_rows(opts: Options, p: LedgerPartition):
 
 def _read(opts: Options, partition):
     import pyarrow as pa
+    if not _ARROW:
+        return (_ledger_rows if isinstance(partition, LedgerPartition) else _log_rows)(
+            opts, partition)
     if isinstance(partition, LedgerPartition):
         return _arrow_batches(_ledger_rows(opts, partition),
                               ["ledger_id", "entry_id", "data"],
