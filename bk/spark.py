@@ -176,8 +176,24 @@ def parse_options(raw) -> Options:
         kw["fail_on_data_loss"] = v == "true"
     cp = {k.lower(): v for k, v in dict(raw).items()}.get("checkpointlocation")
     if cp:
-        kw["sink"] = "spark:" + os.path.abspath(cp)
+        kw["sink"] = _sink_id(cp)
     return Options(**kw)
+
+
+def _sink_id(checkpoint: str) -> str:
+    """The id under which a streaming sink's batch ids are kept in the log record:
+    its checkpoint location, with the query's id when the checkpoint is local
+    (so a checkpoint deleted and made anew at the same path, whose batch ids
+    start again at 0, is a new sink rather than one that committed them all)."""
+    path = checkpoint[len("file:"):] if checkpoint.startswith("file:") else checkpoint
+    if "://" in path:
+        return "spark:" + checkpoint
+    path = os.path.abspath(path)
+    try:
+        with open(os.path.join(path, "metadata")) as f:
+            return f"spark:{path}:{json.load(f)['id']}"
+    except (OSError, ValueError, KeyError):
+        return "spark:" + path
 
 
 def _client(opts: Options):

@@ -4,6 +4,7 @@ One SparkSession and one cluster for the module (a Spark JVM takes seconds to
 start); each test uses its own logs.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -170,7 +171,10 @@ def test_streaming_exactly_once_across_restarts_and_replays(spark, shared, clien
     assert [r.data for r in _read(client, "sout")] == first + more
     assert len(client.log_info("sout").segments) == segments
     rec, _ = metadata.read(client._store, "sout")
-    assert metadata.committed_batch(rec, "spark:" + cp) == last
+    # One sink across the runs: the checkpoint and its query's id.
+    with open(os.path.join(cp, "metadata")) as f:
+        qid = json.load(f)["id"]
+    assert rec["sinks"] == {f"spark:{cp}:{qid}": last}
     # And new data after the replay still flows.
     _append(client, "sin", [b"c0"])
     _stream(spark, shared, "sin", "sout", cp)
@@ -228,3 +232,27 @@ def test_check_ledgers_finds_missing_entries_then_clean_after_recover(spark, sha
             if p.ledger_id == lid] == []
     md = client.ledger_metadata(lid)
     assert md.is_closed and ens[2] not in md.ensembles[-1][1]
+
+
+def test_continuous_micro_batches_see_appends_while_running(spark, shared, client, tmp_path):
+    _append(client, "cin", [b"first"])
+    q = (spark.readStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+         .option("log", "cin").load().select("data").writeStream.format("bookkeeper")
+         .option("metadataServiceUri", shared.metadata_uri).option("log", "cout")
+         .option("checkpointLocation", str(tmp_path / "cp"))
+         .trigger(processingTime="500 milliseconds").start())
+    try:
+        def out():
+            try:
+                return [r.data for r in _read(client, "cout")]
+            except bk.errors.NoSuchLogError:
+                return []
+        wait_until(lambda: out() == [b"first"], 60, "the first record in the output")
+        with client.open_log_writer("cin") as w:      # a writer that stays open
+            for i in range(3):
+                w.append(b"live-%d" % i)
+                wait_until(lambda: out()[-1:] == [b"live-%d" % i], 60, f"live-{i} in the output")
+        assert out() == [b"first", b"live-0", b"live-1", b"live-2"]
+        assert q.exception() is None
+    finally:
+        q.stop()
