@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     if args._child:
         print(json.dumps(_read_once(args._child[0], args._child[1], args.master,
                                     args.min_partitions)))

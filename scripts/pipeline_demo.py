@@ -28,7 +28,6 @@ import random
 import sys
 import tempfile
 
-import bk
 
 
 T0 = 1_700_000_000 - 1_700_000_000 % 60      # a minute boundary
@@ -95,6 +94,7 @@ def main(argv=None) -> int:
     import bk.spark
     # Spark's Python workers are children of this process: give them this bk.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     spark = (SparkSession.builder.master("local[2]").appName("bk pipeline demo")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.shuffle.partitions", "2").getOrCreate())

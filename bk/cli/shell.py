@@ -907,8 +907,12 @@ def checkledgers(c, master, partitions, as_json):
         import bk.spark
     except ImportError as e:
         fail(PROG, f"checkledgers needs PySpark (pip install 'bk[spark]'): {e}", 2)
+    if master.startswith("local"):
+        # Local Python workers: this interpreter (with bk and its dependencies).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     spark = (SparkSession.builder.master(master).appName("bkshell checkledgers")
-             .config("spark.ui.enabled", "false").getOrCreate())
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
     try:
         spark.sparkContext.setLogLevel("ERROR")
         rows = [r.asDict() for r in bk.spark.check_ledgers(spark, uri, partitions).collect()]

@@ -39,6 +39,7 @@ def spark(shared):
     from pyspark.sql import SparkSession
     # Python workers are children of this process: they must import this bk too.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     s = (SparkSession.builder.master("local[2]").appName("bk-test")
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
          .config("spark.python.worker.reuse", "true").getOrCreate())
@@ -81,6 +82,12 @@ def _df(spark, shared, **opts):
     for k, v in opts.items():
         rd = rd.option(k, v)
     return rd.load()
+
+
+def test_workers_import_this_bk(spark):
+    files = spark.sparkContext.parallelize([0, 1], 2).map(
+        lambda _: __import__("bk").__file__).collect()
+    assert files == [bk.__file__] * 2
 
 
 def test_batch_read_of_a_rolled_log(spark, shared, client):
