@@ -105,6 +105,10 @@ def test_batch_read_of_a_rolled_log(spark, shared, client):
     part = _df(spark, shared, log="br", startingPosition=str(pos[50]),
                endingPosition=str(pos[150])).collect()
     assert [bytes(r.data) for r in part] == recs[50:150]
+    # minPartitions splits the segments by entry range; the rows stay the same.
+    split = _df(spark, shared, log="br", minPartitions=12)
+    assert split.rdd.getNumPartitions() >= 12
+    assert [bytes(r.data) for r in split.collect()] == recs
 
 
 def test_ledger_read_with_min_partitions(spark, shared, client):
@@ -170,6 +174,7 @@ def test_streaming_exactly_once_across_restarts_and_replays(spark, shared, clien
     # Spark replays a batch whose commit it did not record: not appended twice.
     commits = tmp_path / "cp" / "commits"
     last = max(int(f) for f in os.listdir(commits) if f.isdigit())
+    assert last == 4            # maxRecordsPerTrigger: 120 then 60 records in batches of 40
     os.remove(commits / str(last))
     if (commits / f".{last}.crc").exists():
         os.remove(commits / f".{last}.crc")
@@ -199,8 +204,14 @@ def test_streaming_fails_on_truncated_start(spark, shared, client, tmp_path):
          .option("log", "strunc").load().select("data").writeStream.format("bookkeeper")
          .option("metadataServiceUri", shared.metadata_uri).option("log", "strunc-out")
          .option("checkpointLocation", cp).trigger(availableNow=True).start())
-    with pytest.raises(Exception, match="truncated"):
+    with pytest.raises(Exception, match="the log is truncated before"):
         q.awaitTermination(120)
+    # failOnDataLoss=false: the query skips to the truncation point (every y is
+    # before it: the last segment was the empty one after the last roll).
+    _append(client, "strunc", [b"z0", b"z1"])
+    _stream(spark, shared, "strunc", "strunc-out", cp, failOnDataLoss="false")
+    assert [r.data for r in _read(client, "strunc-out")] == \
+        [b"x%d" % i for i in range(30)] + [b"z0", b"z1"]
 
 
 PW = b"checkpw"
