@@ -1016,6 +1016,59 @@ def deletelog(c, name, as_json):
     click.echo(f"deleted log {name} and {len(deleted)} ledger(s)")
 
 
+@cli.command()
+@click.option("--spark", "master", default="local[2]", show_default=True, metavar="MASTER",
+              help="The Spark master to run the check on.")
+@click.option("--partitions", type=click.IntRange(min=1), default=None,
+              help="Parallel partitions of ledgers (default: twice Spark's parallelism).")
+@_json_opt
+@pass_ctx
+@handled
+def checkledgers(c, master, partitions, as_json):
+    """Check, as a Spark job, that every entry of every ledger is on each bookie of
+    its write set (closed ledgers to their last entry, open ones to their LAC).
+
+    Prints a summary (with --json: every problem); exits 1 when a problem is
+    found. Needs the 'spark' extra (PySpark, Java 17).
+
+    \b
+    Examples:
+      bkshell checkledgers
+      bkshell checkledgers --spark spark://master:7077 --json
+    """
+    uri = c.uri()
+    try:
+        from pyspark.sql import SparkSession
+        import bk.spark
+    except ImportError as e:
+        fail(PROG, f"checkledgers needs PySpark (pip install 'bk[spark]'): {e}", 2)
+    if master.startswith("local"):
+        # Local Python workers: this interpreter (with bk and its dependencies).
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    spark = (SparkSession.builder.master(master).appName("bkshell checkledgers")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .getOrCreate())
+    try:
+        spark.sparkContext.setLogLevel("ERROR")
+        rows = [r.asDict() for r in bk.spark.check_ledgers(spark, uri, partitions).collect()]
+    finally:
+        spark.stop()
+    rows.sort(key=lambda r: (r["ledger_id"], r["entry_id"], r["bookie"]))
+    if as_json:
+        _json_out({"problems": len(rows), "rows": rows})
+    else:
+        ledgers = sorted({r["ledger_id"] for r in rows})
+        for r in rows[:50]:
+            click.echo(f"ledger {r['ledger_id']} entry {r['entry_id']} on {r['bookie']}: "
+                       f"{r['problem']}")
+        if len(rows) > 50:
+            click.echo(f"... and {len(rows) - 50} more")
+        click.echo(f"{len(rows)} problems in {len(ledgers)} ledgers" if rows
+                   else "every ledger's entries are on every bookie of their write sets")
+    if rows:
+        sys.exit(1)
+
+
 @cli.group()
 def bench():
     """Benchmarks: the whole write path, or one bookie."""

@@ -20,7 +20,7 @@ from bk.log.records import LogRecord, Position, check_log_name
 from bk.meta.ledger import LedgerState
 
 __all__ = ["Position", "LogRecord", "LogInfo", "create_log", "list_logs", "log_info",
-           "truncate_log", "delete_log"]
+           "truncate_log", "delete_log", "append_ledgers"]
 
 log = logging.getLogger("bk.log")
 
@@ -165,6 +165,34 @@ def _delete_ledger(client, lid: int) -> None:
         pass
     except BKError as e:
         log.warning("could not delete ledger %d: %s", lid, e)
+
+
+def append_ledgers(client, name: str, ledgers, sink: str | None = None,
+                   batch_id: int | None = None) -> bool:
+    """Append closed ledgers written elsewhere (record sets, ``bk.log.records``) to log
+    ``name`` as its next closed segments, by CAS (the log is created if absent).
+
+    ``ledgers``: dicts with ``ledger_id``, ``last_entry_id``, ``records``, ``bytes``.
+    With ``sink`` and ``batch_id`` (an exactly-once sink, such as ``bk.spark``'s),
+    the append happens only if that sink's last committed batch id is lower, and
+    is recorded with it in the same CAS: returns False (nothing appended) for a
+    batch already committed, so a replayed batch is never appended twice."""
+    if (sink is None) != (batch_id is None):
+        raise ValueError(f"append ledgers to log {name}: give both sink and batch_id, or neither")
+    store = client._store
+    for _ in range(50):
+        rec, version = metadata.read_or_create(store, name)
+        if sink is not None:
+            last = metadata.committed_batch(rec, sink)
+            if last is not None and last >= batch_id:
+                return False
+        new = metadata.with_ledgers_appended(rec, ledgers, sink, batch_id)
+        try:
+            store.cas_json(metadata.key(name), new, version)
+            return True
+        except MetadataVersionError:
+            continue
+    raise MetadataVersionError(f"append ledgers to log {name}: too many concurrent changes")
 
 
 def delete_log(client, name: str) -> list[int]:

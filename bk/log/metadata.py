@@ -120,3 +120,31 @@ def truncation(rec: dict, before: Position) -> tuple[dict, list[int]]:
     out["segments"] = keep
     out["truncated_before"] = str(point)
     return out, drop
+
+
+def committed_batch(rec: dict, sink: str) -> int | None:
+    """The last batch id that ``sink`` committed to this log (None: none yet)."""
+    b = rec.get("sinks", {}).get(sink)
+    return None if b is None else int(b)
+
+
+def with_ledgers_appended(rec: dict, ledgers, sink: str | None = None,
+                          batch_id: int | None = None) -> dict:
+    """The record with already-written, closed ledgers appended as closed segments
+    (``ledgers``: dicts with ``ledger_id``, ``last_entry_id``, ``records``, ``bytes``),
+    in order, after every segment there; with ``sink``, ``batch_id`` is remembered as
+    that sink's last committed batch (``sinks`` in the record), so that a caller can
+    refuse to append the same batch twice (see ``bk.log.append_ledgers``)."""
+    out = copy.deepcopy(rec)
+    seg = next_segment_number(rec)
+    now = time.time()
+    for led in ledgers:
+        out["segments"].append({
+            "segment": seg, "ledger_id": int(led["ledger_id"]), "state": CLOSED,
+            "first_position": str(Position(seg, 0, 0)),
+            "last_entry_id": int(led["last_entry_id"]), "records": int(led["records"]),
+            "bytes": int(led["bytes"]), "ctime": now})
+        seg += 1
+    if sink is not None:
+        out.setdefault("sinks", {})[sink] = int(batch_id)
+    return out

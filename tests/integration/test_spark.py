@@ -1,0 +1,276 @@
+"""bk.spark: the ``bookkeeper`` data source on a real local Spark, real etcd and bookies.
+
+One SparkSession and one cluster for the module (a Spark JVM takes seconds to
+start); each test uses its own logs.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import bk
+from bk import protocol as P
+from bk.client import digest as D
+from bk.log import metadata
+from bk.rawclient import BookieConnection
+from bk.testing import LocalCluster, wait_until
+
+pyspark = pytest.importorskip("pyspark")
+if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+    pytest.skip("Spark needs Java", allow_module_level=True)
+
+import bk.spark  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    c = LocalCluster(num_bookies=4, base_dir=str(tmp_path_factory.mktemp("spark-cluster")))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def spark(shared):
+    from pyspark.sql import SparkSession
+    # Python workers are children of this process: they must import this bk too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    s = (SparkSession.builder.master("local[2]").appName("bk-test")
+         .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
+         .config("spark.python.worker.reuse", "true").getOrCreate())
+    bk.spark.register(s)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(shared):
+    with bk.BookKeeper(shared.metadata_uri) as cl:
+        yield cl
+
+
+def _append(client, name, records, roll_every=None):
+    with client.open_log_writer(name) as w:
+        positions = []
+        for i, r in enumerate(records):
+            positions.append(w.append(r))
+            if roll_every and (i + 1) % roll_every == 0:
+                w.roll()
+    return positions
+
+
+def _read(client, name):
+    info = client.log_info(name)
+    if not info.records:
+        return []
+    out = []
+    with client.open_log_reader(name) as r:
+        while len(out) < info.records:
+            batch = r.read_batch(1000, timeout=5)
+            assert batch, f"log {name}: reader stalled after {len(out)} records"
+            out.extend(batch)
+    return out
+
+
+def _df(spark, shared, **opts):
+    rd = spark.read.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+    for k, v in opts.items():
+        rd = rd.option(k, v)
+    return rd.load()
+
+
+def test_workers_import_this_bk(spark):
+    files = spark.sparkContext.parallelize([0, 1], 2).map(
+        lambda _: __import__("bk").__file__).collect()
+    assert files == [bk.__file__] * 2
+
+
+def test_batch_read_of_a_rolled_log(spark, shared, client):
+    recs = [b"rec-%04d" % i for i in range(230)]
+    pos = _append(client, "br", recs, roll_every=70)
+    df = _df(spark, shared, log="br")
+    assert df.schema.simpleString() == ("struct<log:string,position:string,segment:bigint,"
+                                        "ledger_id:bigint,entry_id:bigint,slot:int,data:binary>")
+    assert df.rdd.getNumPartitions() >= 4       # one per segment
+    rows = df.collect()
+    assert [bytes(r.data) for r in rows] == recs
+    assert [r.position for r in rows] == [str(p) for p in pos]
+    assert {r.log for r in rows} == {"br"}
+    # A range: [startingPosition, endingPosition).
+    part = _df(spark, shared, log="br", startingPosition=str(pos[50]),
+               endingPosition=str(pos[150])).collect()
+    assert [bytes(r.data) for r in part] == recs[50:150]
+    # minPartitions splits the segments by entry range; the rows stay the same.
+    split = _df(spark, shared, log="br", minPartitions=12)
+    assert split.rdd.getNumPartitions() >= 12
+    assert [bytes(r.data) for r in split.collect()] == recs
+
+
+def test_ledger_read_with_min_partitions(spark, shared, client):
+    lh = client.create_ledger(3, 2, 2)
+    data = [b"e%03d" % i for i in range(100)]
+    lh.add_entries(data)
+    lh.close()
+    df = _df(spark, shared, ledgers=f"{lh.ledger_id}", minPartitions=4)
+    assert df.columns == ["ledger_id", "entry_id", "data"]
+    assert df.rdd.getNumPartitions() == 4
+    rows = df.collect()
+    assert [(r.ledger_id, r.entry_id, bytes(r.data)) for r in rows] == \
+        [(lh.ledger_id, i, d) for i, d in enumerate(data)]
+
+
+def test_misspelt_option_is_named(spark, shared):
+    with pytest.raises(Exception, match="(?i)unknown option 'startposition'"):
+        _df(spark, shared, log="br", startPosition="earliest").collect()
+    with pytest.raises(Exception, match="(?i)option minPartitions: 'x' is not an integer"):
+        _df(spark, shared, log="br", minPartitions="x").collect()
+
+
+def test_batch_write_then_read_back(spark, shared, client):
+    rows = [(f"v{i}".encode(),) for i in range(500)]
+    df = spark.createDataFrame(rows, "data binary").repartition(3)
+    (df.write.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+     .option("log", "bw").mode("append").save())
+    got = [bytes(r.data) for r in _df(spark, shared, log="bw").collect()]
+    assert sorted(got) == sorted(r[0] for r in rows) and len(got) == 500
+    # The log reader of bk.log sees the appended segments, positions increasing.
+    recs = _read(client, "bw")
+    assert [r.data for r in recs] == got
+    assert all(a.position < b.position for a, b in zip(recs, recs[1:]))
+    # A writer can continue the log after the appended segments.
+    _append(client, "bw", [b"after"])
+    assert [r.data for r in _read(client, "bw")][-1] == b"after"
+
+
+def _stream(spark, shared, src, dst, cp, **opts):
+    rd = (spark.readStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+          .option("log", src))
+    for k, v in opts.items():
+        rd = rd.option(k, v)
+    q = (rd.load().select("data").writeStream.format("bookkeeper")
+         .option("metadataServiceUri", shared.metadata_uri).option("log", dst)
+         .option("checkpointLocation", cp).trigger(availableNow=True).start())
+    q.awaitTermination(120)
+    assert q.exception() is None, q.exception()
+    return q
+
+
+def test_streaming_exactly_once_across_restarts_and_replays(spark, shared, client, tmp_path):
+    cp = str(tmp_path / "cp")
+    first = [b"a%03d" % i for i in range(120)]
+    _append(client, "sin", first, roll_every=50)
+    _stream(spark, shared, "sin", "sout", cp, maxRecordsPerTrigger=40)
+    assert [r.data for r in _read(client, "sout")] == first
+    # More appends; the same checkpoint continues where it stopped.
+    more = [b"b%03d" % i for i in range(60)]
+    _append(client, "sin", more)
+    _stream(spark, shared, "sin", "sout", cp, maxRecordsPerTrigger=40)
+    assert [r.data for r in _read(client, "sout")] == first + more
+    # Spark replays a batch whose commit it did not record: not appended twice.
+    commits = tmp_path / "cp" / "commits"
+    last = max(int(f) for f in os.listdir(commits) if f.isdigit())
+    assert last == 4            # maxRecordsPerTrigger: 120 then 60 records in batches of 40
+    os.remove(commits / str(last))
+    if (commits / f".{last}.crc").exists():
+        os.remove(commits / f".{last}.crc")
+    segments = len(client.log_info("sout").segments)
+    _stream(spark, shared, "sin", "sout", cp, maxRecordsPerTrigger=40)
+    assert [r.data for r in _read(client, "sout")] == first + more
+    assert len(client.log_info("sout").segments) == segments
+    rec, _ = metadata.read(client._store, "sout")
+    # One sink across the runs: the checkpoint and its query's id.
+    with open(os.path.join(cp, "metadata")) as f:
+        qid = json.load(f)["id"]
+    assert rec["sinks"] == {f"spark:{cp}:{qid}": last}
+    # And new data after the replay still flows.
+    _append(client, "sin", [b"c0"])
+    _stream(spark, shared, "sin", "sout", cp)
+    assert [r.data for r in _read(client, "sout")] == first + more + [b"c0"]
+
+
+def test_streaming_fails_on_truncated_start(spark, shared, client, tmp_path):
+    _append(client, "strunc", [b"x%d" % i for i in range(30)], roll_every=10)
+    cp = str(tmp_path / "cp")
+    _stream(spark, shared, "strunc", "strunc-out", cp)
+    _append(client, "strunc", [b"y%d" % i for i in range(30)], roll_every=10)
+    info = client.log_info("strunc")
+    client.truncate_log("strunc", info.segments[-1]["first_position"])
+    q = (spark.readStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+         .option("log", "strunc").load().select("data").writeStream.format("bookkeeper")
+         .option("metadataServiceUri", shared.metadata_uri).option("log", "strunc-out")
+         .option("checkpointLocation", cp).trigger(availableNow=True).start())
+    with pytest.raises(Exception, match="the log is truncated before"):
+        q.awaitTermination(120)
+    # failOnDataLoss=false: the query skips to the truncation point (every y is
+    # before it: the last segment was the empty one after the last roll).
+    _append(client, "strunc", [b"z0", b"z1"])
+    _stream(spark, shared, "strunc", "strunc-out", cp, failOnDataLoss="false")
+    assert [r.data for r in _read(client, "strunc-out")] == \
+        [b"x%d" % i for i in range(30)] + [b"z0", b"z1"]
+
+
+PW = b"checkpw"
+
+
+def test_check_ledgers_finds_missing_entries_then_clean_after_recover(spark, shared, client):
+    lh = client.create_ledger(3, 3, 3, password=PW)
+    lid = lh.ledger_id
+    ens = lh.metadata.ensembles[0][1]
+    # Entries 0..5 on all three bookies, 6..9 on two only (as if the third lost them).
+    length = 0
+    for eid in range(10):
+        data = b"entry-%d" % eid
+        length += len(data)
+        for b in (ens if eid < 6 else ens[:2]):
+            n = shared.store.bookie_info(b)["numShards"]
+            with BookieConnection(b, shard=P.shard_of(lid, n)) as c:
+                sig = D.EntryDigest(lid, "crc32c", PW).sign(eid, eid - 1, length, data)
+                r = c.call(P.add(c.next_rid(), lid, eid, eid - 1, D.master_key(PW), sig, data))
+                assert r[2] == bk.errors.EOK, r
+    probs = [p for p in bk.spark.check_ledgers(spark, shared.metadata_uri).collect()
+             if p.ledger_id == lid]
+    # The ledger is open: checked to its LAC, 8 (entry 9 says so).
+    assert sorted((p.entry_id, p.bookie, p.problem) for p in probs) == \
+        [(e, ens[2], "missing") for e in range(6, 9)]
+    out = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",
+                          shared.metadata_uri, "checkledgers", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert '"missing"' in out.stdout
+    r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",
+                        shared.metadata_uri, "recover", ens[2]],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert [p for p in bk.spark.check_ledgers(spark, shared.metadata_uri).collect()
+            if p.ledger_id == lid] == []
+    md = client.ledger_metadata(lid)
+    assert md.is_closed and ens[2] not in md.ensembles[-1][1]
+
+
+def test_continuous_micro_batches_see_appends_while_running(spark, shared, client, tmp_path):
+    _append(client, "cin", [b"first"])
+    q = (spark.readStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+         .option("log", "cin").load().select("data").writeStream.format("bookkeeper")
+         .option("metadataServiceUri", shared.metadata_uri).option("log", "cout")
+         .option("checkpointLocation", str(tmp_path / "cp"))
+         .trigger(processingTime="500 milliseconds").start())
+    try:
+        def out():
+            try:
+                return [r.data for r in _read(client, "cout")]
+            except bk.errors.NoSuchLogError:
+                return []
+        wait_until(lambda: out() == [b"first"], 60, "the first record in the output")
+        with client.open_log_writer("cin") as w:      # a writer that stays open
+            for i in range(3):
+                w.append(b"live-%d" % i)
+                wait_until(lambda: out()[-1:] == [b"live-%d" % i], 60, f"live-{i} in the output")
+        assert out() == [b"first", b"live-0", b"live-1", b"live-2"]
+        assert q.exception() is None
+    finally:
+        q.stop()
