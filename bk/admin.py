@@ -186,6 +186,7 @@ class RecoveryReport:
     failed: dict = field(default_factory=dict)           # ledger id -> error
     fragments: list = field(default_factory=list)        # FragmentReport
     seconds: float = 0.0
+    by_autorecovery: bool = False      # the cluster's replication workers did the copying
 
     @property
     def entries_copied(self) -> int:
@@ -206,6 +207,7 @@ class RecoveryReport:
             "entries_copied": self.entries_copied,
             "entries_already_there": sum(f.already for f in self.fragments),
             "seconds": round(self.seconds, 3),
+            "by_autorecovery": self.by_autorecovery,
             "fragment_details": [f.to_dict() for f in self.fragments],
         }
 
@@ -218,6 +220,12 @@ class RecoveryReport:
                     f"{len(self.closed)} open ledgers to close"
                     + (f", {len(self.skipped_open)} open ledgers skipped"
                        if self.skipped_open else ""))
+        if self.by_autorecovery:
+            s = (f"bookie {self.bookie_id}: {d['ledgers']} ledgers re-replicated by "
+                 f"auto-recovery")
+            if self.failed:
+                s += f", {len(self.failed)} ledgers FAILED"
+            return s + f" in {self.seconds:.1f}s"
         s = (f"recovered bookie {self.bookie_id}: {d['ledgers']} ledgers, "
              f"{d['fragments_replicated']}/{d['fragments']} fragments, "
              f"{d['entries_copied']} entries copied"
@@ -247,11 +255,16 @@ class Admin:
     """The cluster administration behind ``bkshell``."""
 
     def __init__(self, uri: str, timeout: float = 5.0, bookie_timeout: float = 10.0,
-                 password: bytes | None = None):
+                 password: bytes | None = None, rate_bytes: int = -1):
         self.uri = uri
         self.store = MetadataStore(uri, timeout=timeout)
         self.bookies = BookiePool(self.store, bookie_timeout)
         self.password = password
+        # replicationRateByBytes: copies pace themselves to this many bytes/s (<= 0: no
+        # limit). A token bucket of one second's worth: a burst never exceeds it.
+        self.rate_bytes = rate_bytes
+        self._rate_t = time.monotonic()
+        self._rate_debt = 0.0
         self._timeout = timeout
         self._bookie_timeout = bookie_timeout
         self._client = None
@@ -471,13 +484,14 @@ class Admin:
             e += 1
 
     # --- recovery of one ledger -----------------------------------------------------
-    def recover_ledger(self, ledger_id: int) -> LedgerMetadata:
+    def recover_ledger(self, ledger_id: int, guards=()) -> LedgerMetadata:
         """Fence and close a ledger as a reader (recovery open); returns the CLOSED
         metadata. The old writer's next add fails with LedgerFencedError.
 
         This is the client's recovery (:func:`bk.client.recovery.recover_ledger`)
         with the master key from the metadata, or, for older metadata without
-        one, with the admin's password."""
+        one, with the admin's password. ``guards`` are compared by its metadata
+        CASes (a replication worker's lock)."""
         from bk.client import recovery
         md = self.ledger_metadata(ledger_id)
         if md.is_closed:
@@ -489,7 +503,7 @@ class Admin:
         else:
             raise BadPasswordError(f"ledger {ledger_id}: its metadata has no master key "
                                    f"(created by an older bk); give the ledger's password")
-        return recovery.recover_ledger(self.client, ledger_id, **cred)[0]
+        return recovery.recover_ledger(self.client, ledger_id, guards=guards, **cred)[0]
 
     # --- bookie recovery ------------------------------------------------------------
     def ledgers_of(self, bookie_id: str) -> list[LedgerMetadata]:
@@ -569,7 +583,7 @@ class Admin:
                 return
             report.closed.append(lid)
             if not dry_run:
-                md = self.recover_ledger(lid)
+                md = self.recover_ledger(lid, guards)
         report.ledgers.append(lid)
         mk = None if dry_run else self.master_key(md)
         for index, (first, ens) in enumerate(md.ensembles):
@@ -645,7 +659,47 @@ class Admin:
                 if resp[2] != EOK:
                     raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to {target}")
             fr.copied += len(batch)
-            fr.bytes_copied += sum(len(got[e][2]) for e in batch)
+            nbytes = sum(len(got[e][2]) for e in batch)
+            fr.bytes_copied += nbytes
+            self._throttle(nbytes)
+
+    def _throttle(self, nbytes: int) -> None:
+        """Pace copies to ``rate_bytes`` per second (replicationRateByBytes)."""
+        rate = self.rate_bytes
+        if rate is None or rate <= 0:
+            return
+        now = time.monotonic()
+        self._rate_debt = max(0.0, self._rate_debt - (now - self._rate_t) * rate) + nbytes
+        self._rate_t = now
+        if self._rate_debt > rate:          # more than a second's worth ahead: wait
+            time.sleep((self._rate_debt - rate) / rate)
+
+    def repair_in_place(self, ledger_id: int, bookie_id: str,
+                        last: int | None = None) -> RecoveryReport:
+        """Copy back to ``bookie_id`` (registered, writable) the entries of its write
+        sets it lacks, from the other replicas (recovery adds; the ensembles do not
+        change): a bookie that lost entries but not its place, as the auditor's
+        periodic checks find. Open ledgers: up to ``last`` (else the complete
+        fragments only). Nothing here needs a lock's guard: the metadata does not
+        change, and a late copy of an entry's own bytes to its own bookie is
+        harmless."""
+        from bk.autorecovery.checker import expected_entries, _owned
+        md, _ = self.store.read_ledger(ledger_id)
+        report = RecoveryReport(bookie_id)
+        report.ledgers.append(ledger_id)
+        frags = expected_entries(md, last).get(bookie_id, [])
+        if not frags:
+            return report
+        mk = self.master_key(md)
+        for index, lo, hi in frags:
+            mine = _owned(md, bookie_id, lo, hi)
+            fr = FragmentReport(ledger_id, lo, hi, list(md.ensembles[index][1]), bookie_id,
+                                len(mine))
+            report.fragments.append(fr)
+            self._copy_fragment(md, md.ensembles[index][1], bookie_id, bookie_id, mine, mk,
+                                fr, False)
+            fr.done = True
+        return report
 
     def _swap_bookie(self, ledger_id, first, bookie_id, target, guards=()):
         for _ in range(50):
@@ -670,17 +724,74 @@ class Admin:
                 continue
         raise MetadataError(f"ledger {ledger_id}: too many CAS conflicts replacing {bookie_id}")
 
-    def decommission_bookie(self, bookie_id: str, progress=None) -> RecoveryReport:
+    def autorecovery_running(self) -> bool:
+        """True if auto-recovery is enabled and an auditor is elected (so replication
+        workers run: every auto-recovery process runs one)."""
+        from bk.meta import underreplication as UR
+        if UR.settings(self.store).get("enabled", True) is False:
+            return False
+        value, _ = self.store.get_json(UR.AUDITOR)
+        return isinstance(value, dict) and bool(value.get("id"))
+
+    def decommission_bookie(self, bookie_id: str, progress=None,
+                            use_autorecovery: bool | None = None,
+                            poll: float = 0.5) -> RecoveryReport:
         """Recover everything of a bookie that is no longer running, then delete its
-        cookie. Refuses while it is registered (alive)."""
+        cookie. Refuses while it is registered (alive).
+
+        When auto-recovery runs (``use_autorecovery`` None: if an auditor is
+        elected), its ledgers are marked under-replicated and the cluster's
+        replication workers copy them (paced, spread over workers, open ledgers
+        given their grace period); this waits until none is left, calling
+        ``progress(done, total, report)``. Ledgers a worker reports it cannot
+        repair end the wait as failures. Otherwise this process copies."""
         if self.store.bookie_info(bookie_id) is not None:
             raise BKError(f"bookie {bookie_id} is still registered (running); stop it first, "
                           f"then decommission it")
-        report = self.recover_bookie(bookie_id, progress=progress)
+        if use_autorecovery is None:
+            use_autorecovery = self.autorecovery_running()
+        if use_autorecovery:
+            report = self._decommission_by_autorecovery(bookie_id, progress, poll)
+        else:
+            report = self.recover_bookie(bookie_id, progress=progress)
         if report.ok and not report.skipped_open:
             cookie, version = self.store.read_cookie(bookie_id)
             if cookie is not None:
                 self.store.delete_cookie(bookie_id)
+        return report
+
+    def _decommission_by_autorecovery(self, bookie_id, progress, poll) -> RecoveryReport:
+        from bk.meta import underreplication as UR
+        t0 = time.monotonic()
+        report = RecoveryReport(bookie_id, by_autorecovery=True)
+        if not self.bookie_known(bookie_id) and not self.ledgers_of(bookie_id):
+            raise BKError(f"bookie {bookie_id} not found: not registered, no cookie, and "
+                          f"in no ledger's ensemble ({self.uri})")
+        total: set[int] = set()
+        while True:
+            todo = {md.ledger_id for md in self.ledgers_of(bookie_id)}
+            if not todo:
+                break
+            for lid in sorted(todo):         # again for any a worker let go unrepaired
+                UR.mark(self.store, lid, [bookie_id])
+            total |= todo
+            report.ledgers = sorted(total)
+            # Wait for the workers: a record disappears once its ledger is repaired
+            # (or deleted); one with an error is a ledger they cannot repair now.
+            while True:
+                left = {lid: rec for lid, rec, _ in UR.list_marked(self.store)
+                        if lid in total}
+                if progress:
+                    progress(len(total) - len(left), len(total), report)
+                if not left:
+                    break
+                failed = {lid: rec["error"] for lid, rec in left.items() if rec.get("error")}
+                if failed and len(failed) == len(left):
+                    report.failed = failed
+                    report.seconds = time.monotonic() - t0
+                    return report
+                time.sleep(poll)
+        report.seconds = time.monotonic() - t0
         return report
 
 
@@ -752,7 +863,7 @@ def describe_record(rec) -> dict:
         ledger, entry, lac, digest, payload = f[:5]
         d.update(ledger=ledger, entry=entry, lac=lac, digest_bytes=len(digest),
                  payload_bytes=len(payload))
-    elif t in (J.FENCE, J.DELETE):
+    elif t in (J.FENCE, J.DELETE, J.DROP):
         d.update(ledger=f[0])
     elif t == J.MASTER_KEY:
         d.update(ledger=f[0], key_bytes=len(f[1]))

@@ -153,6 +153,25 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("lockReleaseOfFailedLedgerGracePeriod", int, 300000, "Milliseconds before a ledger "
        "that could not be re-replicated (no surviving replica, too few bookies) is tried "
        "again.", minimum=0),
+    _S("auditorPeriodicCheckInterval", int, 604800, "Seconds between the auditor's checks "
+       "of every ledger: the first and last entry each bookie of a fragment should hold "
+       "are read; a bookie that answers without one gets the ledger marked. 0 disables.",
+       minimum=0),
+    _S("auditorPeriodicBookieCheckInterval", int, 86400, "Seconds between the auditor's "
+       "re-audits of every lost bookie (its ledgers marked again, e.g. after a mark was "
+       "removed by hand). 0 disables.", minimum=0),
+    _S("auditorReplicasCheckInterval", int, 0, "Seconds between the auditor's replica "
+       "checks: GET_LIST_OF_ENTRIES on every bookie of each write quorum of the closed "
+       "ledgers; a bookie lacking an entry gets the ledger marked and a worker copies the "
+       "entry back to it. 0 disables (BookKeeper's default).", minimum=0),
+    _S("auditorMaxNumberOfConcurrentOpenLedgerOperations", int, 8, "Ledgers the auditor's "
+       "periodic checks examine at once (each a few bookie requests).", minimum=1),
+    _S("replicationRateByBytes", int, -1, "Bytes per second a replication worker (and "
+       "bkshell recover) copies at most; -1: no limit.", minimum=-1),
+    _S("gcOverreplicatedLedgerWaitTime", int, 86400000, "Milliseconds between a bookie's "
+       "scans for ledgers it holds but is no longer in any ensemble of (re-replicated "
+       "elsewhere while it was away); such a closed ledger is dropped once every bookie of "
+       "its write quorums is found to hold its entries. 0 disables.", minimum=0),
     _S("rwRereplicateBackoffMs", int, 5000, "Milliseconds a replication worker with nothing "
        "to do waits before looking again (at most 500 ms between looks).", minimum=10),
     _S("workerTimeoutMSec", int, 30000, "A shard worker whose heartbeat is older than this "

@@ -16,22 +16,41 @@ or ``bookie autorecovery``) runs two threads:
   a bookie back before that is forgotten) is *lost*: every ledger with a
   fragment on it is marked under ``underreplication/ledgers/<id>`` with the
   lost bookies (:mod:`bk.meta.underreplication`). ``bkshell triggeraudit``
-  skips the delay. Another candidate takes over within the lease TTL when the
-  leader dies.
+  skips the delay; every ``auditorPeriodicBookieCheckInterval`` the lost
+  bookies are audited again. Another candidate takes over within the lease TTL
+  when the leader dies.
+* **Periodic checks** (a thread of the leader, :mod:`bk.autorecovery.checker`).
+  Every ``auditorPeriodicCheckInterval`` the first and last entry each bookie
+  of each fragment should hold are read on it; every
+  ``auditorReplicasCheckInterval`` every bookie of each closed ledger lists its
+  entries (GET_LIST_OF_ENTRIES) and the lists are compared with the write sets.
+  A *registered* bookie that answers without an entry gets the ledger marked
+  with it (an unreachable one is left to the lost-bookie audit). At most
+  ``auditorMaxNumberOfConcurrentOpenLedgerOperations`` ledgers are examined at
+  once, the metadata is read in pages, and when each check last finished is
+  kept in ``underreplication/checks``, so a new auditor does not redo a check
+  that is not due.
 * **Replication worker**. It walks the marked ledgers; for each it takes the
   ledger's LeaseLock (so two workers never repair one ledger at once), and for
   each missing bookie copies that bookie's entries of each fragment from a
   surviving replica to a writable bookie outside the fragment's ensemble and
   CASes the fragment's ensemble (:meth:`bk.admin.Admin.replicate_ledger`);
   every metadata CAS also compares the lock's token, so a worker paused past
-  its lease changes nothing. Then it removes the record (only if nobody marked
-  the ledger again meanwhile). A ledger still open whose *last* ensemble holds
-  a lost bookie waits ``openLedgerRereplicationGracePeriod`` ms (an active
-  writer replaces the bookie itself by ensemble change), then is recovery-opened
-  (fenced and closed) and repaired. A deleted ledger is unmarked. A ledger that
-  cannot be repaired now (no surviving replica, too few bookies) gets its
-  reason and a retry time (``lockReleaseOfFailedLedgerGracePeriod`` ms) in its
-  record and is skipped until then: no tight loop.
+  its lease changes nothing (a recovery-open's first CAS, to IN_RECOVERY, comes
+  before any fence). A marked bookie that is registered and writable lost
+  entries, not its place: what it lacks is copied back to it
+  (:meth:`bk.admin.Admin.repair_in_place`), the ensembles unchanged. Copies are
+  paced to ``replicationRateByBytes``. Then the worker removes the record (only
+  if nobody marked the ledger again meanwhile). A ledger still open whose
+  *last* ensemble holds a lost bookie is left to its writer for
+  ``openLedgerRereplicationGracePeriod`` ms from the mark (an active writer
+  replaces the bookie itself by ensemble change, after which only complete
+  fragments need copying; the worker does not even take the lock meanwhile),
+  then is recovery-opened (fenced and closed) and repaired. A deleted ledger is
+  unmarked. A ledger that cannot be repaired now (no surviving replica, too few
+  bookies) gets its reason and a retry time
+  (``lockReleaseOfFailedLedgerGracePeriod`` ms) in its record and is skipped
+  until then: no tight loop.
 
 ``bkshell autorecovery --disable`` pauses both (the ``autorecovery`` key).
 """
@@ -41,8 +60,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from bk.errors import BKError, LockLostError, NoSuchLedgerError
+from bk.autorecovery import checker
+from bk.errors import BKError, LockLostError, MetadataError, NoSuchLedgerError
 from bk.meta import underreplication as UR
 from bk.meta.recipes import Election, LeaseLock
 
@@ -59,13 +80,15 @@ class AutoRecovery:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._admin = None
+        self._not_before: dict[int, float] = {}   # open ledgers left to their writer
 
     # --- life cycle ---------------------------------------------------------------------
     def start(self) -> "AutoRecovery":
         from bk.admin import Admin
 
         self._admin = Admin(self.conf.metadataServiceUri,
-                            timeout=self.conf.metadataTimeoutMillis / 1000.0)
+                            timeout=self.conf.metadataTimeoutMillis / 1000.0,
+                            rate_bytes=self.conf.replicationRateByBytes)
         if self.metrics is not None:
             self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
@@ -122,11 +145,22 @@ class AutoRecovery:
                     self.metrics.auditor = 0
 
     def _lead(self, election):
+        checks = threading.Thread(target=self._guarded_checks, args=(election,), daemon=True,
+                                  name="bk-auditor-checks")
+        checks.start()
+        try:
+            self._watch_bookies(election)
+        finally:
+            checks.join(10.0)
+
+    def _watch_bookies(self, election):
         store = self.store
         missing_since: dict[str, float] = {}
         audited: set[str] = set()
         trigger = UR.settings(store).get("trigger", 0)
         next_count = 0.0
+        bookie_check = self.conf.auditorPeriodicBookieCheckInterval
+        next_bookie_check = time.monotonic() + bookie_check
         while not self._stop.wait(0.25) and election.is_leader:
             if self.metrics is not None and time.monotonic() >= next_count:
                 next_count = time.monotonic() + 5.0
@@ -154,7 +188,10 @@ class AutoRecovery:
             trigger = s.get("trigger", 0)
             due = {b for b, t in missing_since.items()
                    if triggered or len(missing_since) > 1 or now - t >= delay}
-            if due - audited or (triggered and due):
+            periodic = bookie_check > 0 and now >= next_bookie_check
+            if periodic:
+                next_bookie_check = now + bookie_check
+            if due - audited or (triggered and due) or (periodic and due):
                 self._audit(due, election)
                 audited |= due
 
@@ -168,57 +205,170 @@ class AutoRecovery:
         log.warning("auditor: bookies %s lost; %d ledgers marked under-replicated",
                     ", ".join(sorted(lost)), marked)
 
+    # --- periodic checks (while leading) --------------------------------------------------
+    def _guarded_checks(self, election):
+        try:
+            self._checks_loop(election)
+        except LockLostError:
+            pass
+        except Exception:
+            log.exception("auditor periodic checks failed; the next leader retries")
+
+    def _checks_loop(self, election):
+        """Run each periodic check when its interval has passed since its last run
+        (kept in etcd, so a new auditor does not start them all over)."""
+        kinds = (("ledgers", self.conf.auditorPeriodicCheckInterval, checker.fragment_problems,
+                  False),
+                 ("replicas", self.conf.auditorReplicasCheckInterval, checker.replica_problems,
+                  True))
+        while not self._stop.wait(0.5) and election.is_leader:
+            if not self._enabled():
+                continue
+            done, _ = self.store.get_json(UR.CHECKS)
+            done = done if isinstance(done, dict) else {}
+            for name, interval, fn, closed_only in kinds:
+                if interval <= 0 or self._stop.is_set() or not election.is_leader:
+                    continue
+                last = done.get(name) or {}
+                if time.time() - last.get("at", 0) < interval:
+                    continue
+                self._run_check(election, name, fn, closed_only)
+
+    def _run_check(self, election, name, fn, closed_only):
+        from bk.admin import BookiePool
+        store = self.store
+        t0 = time.time()
+        pools: dict[int, BookiePool] = {}
+        lock = threading.Lock()
+
+        def one(md):
+            if self._stop.is_set() or not election.is_leader:
+                return None
+            tid = threading.get_ident()
+            with lock:
+                pool = pools.get(tid)
+                if pool is None:
+                    pool = pools[tid] = BookiePool(store, timeout=10.0)
+            return fn(pool, md)
+
+        (writable, readonly), _ = store._bookie_sets()
+        registered = writable | readonly
+        marked = set(lid for lid, _, _ in UR.list_marked(store))
+        n = found = 0
+        window = self.conf.auditorMaxNumberOfConcurrentOpenLedgerOperations
+        try:
+            with ThreadPoolExecutor(max_workers=window,
+                                    thread_name_prefix=f"bk-check-{name}") as ex:
+                batch = []
+
+                def drain():
+                    nonlocal found
+                    for res in ex.map(one, batch):
+                        if res is None:
+                            continue
+                        # Only bookies that answered "I lack it" and are registered: a
+                        # lost one is the lost-bookie audit's.
+                        bad = sorted(b for b in res.missing if b in registered)
+                        if bad and UR.mark(store, res.ledger_id, bad,
+                                           guards=[election.lock.guard()]):
+                            found += 1
+                            log.warning("auditor %s check: ledger %d lacks entries on %s "
+                                        "(e.g. %s); marked", name, res.ledger_id,
+                                        ", ".join(bad), res.missing[bad[0]][:5])
+                    batch.clear()
+
+                for md, _version in store.list_ledger_metadata():
+                    if self._stop.is_set() or not election.is_leader:
+                        return
+                    if md.ledger_id in marked or (closed_only and not md.is_closed):
+                        continue
+                    batch.append(md)
+                    n += 1
+                    if len(batch) >= window * 4:
+                        drain()
+                drain()
+        finally:
+            for p in pools.values():
+                p.close()
+        record = {"at": time.time(), "started": t0, "seconds": round(time.time() - t0, 3),
+                  "ledgers": n, "marked": found, "by": self.identifier}
+        UR.record_check(store, name, record, guards=[election.lock.guard()])
+        log.info("auditor %s check: %d ledgers in %.1fs, %d marked", name, n,
+                 record["seconds"], found)
+
     # --- replication worker ----------------------------------------------------------------
     def _worker_loop(self):
         backoff = self.conf.rwRereplicateBackoffMs / 1000.0
         while not self._stop.is_set():
             busy = False
             if self._enabled():
+                now = time.time()
                 for lid, rec, version in list(UR.list_marked(self.store)):
                     if self._stop.is_set():
                         return
-                    if rec.get("retryAt", 0) > time.time():
+                    if rec.get("retryAt", 0) > now or self._not_before.get(lid, 0) > now:
                         continue
-                    busy |= self._take(lid, rec, version)
+                    try:
+                        busy |= self._take(lid, rec, version)
+                    except LockLostError as e:
+                        log.warning("replication of ledger %d abandoned: %s", lid, e)
             self._stop.wait(0.05 if busy else min(backoff, 0.5))
 
     def _take(self, lid: int, rec: dict, version: int) -> bool:
-        lock = LeaseLock(self.store, UR.lock_rel(lid), {"owner": self.identifier},
-                         ttl=max(1, int(self.conf.registrationTtlSeconds)))
-        if not lock.try_acquire():
-            return False              # another worker repairs it
-        try:
-            self._replicate(lid, rec, version, lock)
-        finally:
-            lock.release()
-        return True
-
-    def _replicate(self, lid: int, rec: dict, version: int, lock):
+        """Repair one marked ledger under its lock; True if work was done."""
         store = self.store
         try:
             md, _ = store.read_ledger(lid)
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)        # deleted: nothing to repair
-            return
+            return True
+        (writable, _readonly), _ = store._bookie_sets()
         missing = [b for b in rec.get("missing", ()) if any(b in e for _, e in md.ensembles)]
-        if not missing:
-            UR.unmark(store, lid, version)
-            return
-        if not md.is_closed and any(b in md.last_ensemble for b in missing):
-            grace = self.conf.openLedgerRereplicationGracePeriod / 1000.0
-            if time.time() - rec.get("ctime", 0) < grace:
-                return                        # an active writer replaces it itself
+        # An open ledger whose last ensemble lost a bookie belongs to its writer for
+        # the grace period (an active writer replaces the bookie by ensemble change,
+        # after which only closed fragments need copying); then it is fenced and closed.
+        if (not md.is_closed and
+                any(b in md.last_ensemble and b not in writable for b in missing)):
+            until = rec.get("ctime", 0) + self.conf.openLedgerRereplicationGracePeriod / 1000.0
+            if time.time() < until:
+                self._not_before[lid] = until
+                return False
+        self._not_before.pop(lid, None)
+        lock = LeaseLock(store, UR.lock_rel(lid), {"owner": self.identifier},
+                         ttl=max(1, int(self.conf.registrationTtlSeconds)))
+        if not lock.try_acquire():
+            return False              # another worker repairs it
         try:
-            for b in missing:
-                report = self._admin.replicate_ledger(lid, b, guards=[lock.guard()])
-                if self.metrics is not None:
-                    self.metrics.replicated_entries += report.entries_copied
-                    self.metrics.replicated_bytes += sum(f.bytes_copied
-                                                         for f in report.fragments)
+            self._replicate(lid, rec, version, lock, writable)
+        finally:
+            lock.release()
+        return True
+
+    def _replicate(self, lid: int, rec: dict, version: int, lock, writable: set):
+        store = self.store
+        admin = self._admin
+        try:
+            md, _ = store.read_ledger(lid)     # under the lock: what we repair is current
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)
             return
-        except LockLostError:
+        missing = [b for b in rec.get("missing", ()) if any(b in e for _, e in md.ensembles)]
+        try:
+            for b in missing:
+                if not lock.held:
+                    raise LockLostError(f"lock {lock.rel} lost")
+                if b in writable:
+                    # Registered and writable: it lost entries, not its place (a
+                    # periodic check found it, or it came back after being marked).
+                    # Copy back what it lacks; the ensembles stay as they are.
+                    report = admin.repair_in_place(lid, b)
+                else:
+                    report = admin.replicate_ledger(lid, b, guards=[lock.guard()])
+                self._count(report)
+        except NoSuchLedgerError:
+            UR.unmark(store, lid, version)
+            return
+        except (LockLostError, MetadataError):
             raise
         except BKError as e:
             retry = self.conf.lockReleaseOfFailedLedgerGracePeriod / 1000.0
@@ -226,4 +376,10 @@ class AutoRecovery:
             UR.record_failure(store, lid, version, str(e), retry, guards=[lock.guard()])
             return
         UR.unmark(store, lid, version)
-        log.info("ledger %d re-replicated (lost bookies %s)", lid, ", ".join(missing))
+        log.info("ledger %d re-replicated by %s (bookies %s)", lid, self.identifier,
+                 ", ".join(missing))
+
+    def _count(self, report):
+        if self.metrics is not None:
+            self.metrics.replicated_entries += report.entries_copied
+            self.metrics.replicated_bytes += sum(f.bytes_copied for f in report.fragments)

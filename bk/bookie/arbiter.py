@@ -127,6 +127,9 @@ class Arbiter:
         self.gc_pending: set[int] = set()      # shards whose GC round is not done
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
+        self.next_overrep: dict[int, float] = {}     # shard -> when to scan next
+        self.last_overrep: dict[int, dict] = {}      # shard -> what its last scan found
+        self.dropped: dict[int, threading.Event] = {}  # shard -> gc_drop answered
         self.metrics: M.BookieMetrics | None = None
         self.registry = None
         self.http = None
@@ -447,6 +450,9 @@ class Arbiter:
             return
         log.warning("shard %d died with %s; restarting it", w.shard, how)
         self.metrics.restarted(w.shard)
+        ev = self.dropped.get(w.shard)
+        if ev is not None:              # its gc_drop will never be answered
+            ev.set()
         self.gc_pending.discard(w.shard)
         self._spawn(w)
 
@@ -488,6 +494,10 @@ class Arbiter:
             if msg[2]:
                 ids, w.gc_ledgers = w.gc_ledgers, []
                 self.tasks.put(("gc_check", w.shard, ids))
+        elif kind == "gc_dropped":
+            ev = self.dropped.get(w.shard)
+            if ev is not None:
+                ev.set()
         elif kind == "gc_done":
             self.gc_results[w.shard] = msg[1]
             self.gc_pending.discard(w.shard)
@@ -703,7 +713,50 @@ class Arbiter:
             self._gc_send(shard, [])
             return
         dead = [lid for lid in local_ids if lid not in live]
+        self._gc_overreplicated(shard, [lid for lid in local_ids if lid in live])
         self._gc_send(shard, dead)
+
+    def _gc_overreplicated(self, shard: int, ledger_ids: list[int]):
+        """Drop the entries of ledgers this bookie holds but was replaced in (it was
+        away while they were re-replicated), once every bookie of their write
+        sets holds them; at start and every gcOverreplicatedLedgerWaitTime. The
+        under-replication locks of those ledgers are held until the worker has
+        dropped them (see bk.autorecovery.checker.claim_overreplicated)."""
+        interval = self.conf.gcOverreplicatedLedgerWaitTime / 1000.0
+        now = time.monotonic()
+        if interval <= 0 or now < self.next_overrep.get(shard, 0.0):
+            return
+        self.next_overrep[shard] = now + interval
+        from bk.admin import BookiePool
+        from bk.autorecovery.checker import claim_overreplicated
+        pool = BookiePool(self.store, timeout=10.0)
+        stats = {"at": time.time(), "ledgers": len(ledger_ids)}
+        try:
+            claimed = claim_overreplicated(self.store, pool, self.conf.bookie_id, ledger_ids,
+                                           ttl=max(2, int(self.conf.registrationTtlSeconds)),
+                                           stats=stats)
+        finally:
+            pool.close()
+            self.last_overrep[shard] = stats
+        if not claimed:
+            return
+        w = self.workers[shard]
+        ev = self.dropped[shard] = threading.Event()
+        try:
+            with w.lock:
+                control.send(w.ctrl, "gc_drop", [lid for lid, _ in claimed])
+            if not ev.wait(60.0):
+                log.warning("shard %d did not confirm dropping %d over-replicated ledgers",
+                            shard, len(claimed))
+            else:
+                log.info("shard %d: dropped %d over-replicated ledgers (e.g. %d)", shard,
+                         len(claimed), claimed[0][0])
+        except (OSError, AttributeError) as e:
+            log.warning("shard %d: cannot send gc_drop: %s", shard, e)
+        finally:
+            self.dropped.pop(shard, None)
+            for _, lock in claimed:
+                lock.release()
 
     def _gc_send(self, shard: int, dead: list[int]):
         w = self.workers[shard]
@@ -755,7 +808,8 @@ class Arbiter:
                 "shards": [{"shard": w.shard, "pid": w.pid, "ready": w.ready,
                             "restarts": self.metrics.restarts[w.shard]}
                            for w in self.workers],
-                "lastGc": {str(k): v for k, v in self.last_gc.items()}}
+                "lastGc": {str(k): v for k, v in self.last_gc.items()},
+                "lastOverreplicatedScan": {str(k): v for k, v in self.last_overrep.items()}}
 
     def http_autorecovery(self) -> dict:
         # Auto-recovery (the auditor and replication workers) keeps its state in the

@@ -35,10 +35,13 @@ itself), so a corrupted length is caught too. Bodies (``q`` = i64, ``H`` = u16):
     WRITE_LAC  ledger:q lac:q
     STATE      ledger:q fenced:u8 lac:q key_len:i32 key[key_len]   (key_len -1: no key)
     DELETE     ledger:q
+    DROP       ledger:q
 
 STATE carries a ledger's whole non-entry state (written by compaction before
 it removes a segment holding that ledger's FENCE / MASTER_KEY / WRITE_LAC
-records); DELETE records a dropped ledger. Segments are zero-filled, so a
+records); DELETE records a deleted ledger; DROP a ledger whose entries this bookie no
+longer needs (re-replicated elsewhere: over-replicated GC), which stays fenced
+with its key and no entries. Segments are zero-filled, so a
 zero ``length`` means "no record written here yet": the end of the data.
 
 Positions. A record is addressed by ``seq << 32 | offset`` (segments are at
@@ -133,15 +136,16 @@ MASTER_KEY = 3
 WRITE_LAC = 4
 STATE = 5
 DELETE = 6
+DROP = 7
 
 TYPE_NAMES = {ADD: "ADD", FENCE: "FENCE", MASTER_KEY: "MASTER_KEY",
-              WRITE_LAC: "WRITE_LAC", STATE: "STATE", DELETE: "DELETE"}
+              WRITE_LAC: "WRITE_LAC", STATE: "STATE", DELETE: "DELETE", DROP: "DROP"}
 
 _PREFIX = struct.Struct("<II")            # crc, length
 _ADD_HDR = struct.Struct("<IIBqqqH")      # crc, length, type, ledger, entry, lac, dlen
 ADD_OVERHEAD = _ADD_HDR.size              # record bytes of an ADD besides digest + payload
 _ADD_FIELDS = struct.Struct("<qqqH")
-_LEDGER_HDR = struct.Struct("<IIBq")      # FENCE, DELETE; prefix of MASTER_KEY
+_LEDGER_HDR = struct.Struct("<IIBq")      # FENCE, DELETE, DROP; prefix of MASTER_KEY
 _WLAC_HDR = struct.Struct("<IIBqq")
 _STATE_HDR = struct.Struct("<IIBqBqi")
 _Q = struct.Struct("<q")
@@ -288,9 +292,9 @@ def _decode(mv, off: int, length: int, full: bool):
         if d + dlen > b + blen:
             raise ValueError("ADD digest runs past the record")
         return rtype, (ledger, entry, lac, bytes(mv[d:d + dlen]), bytes(mv[d + dlen:b + blen]))
-    if rtype == FENCE or rtype == DELETE:
+    if rtype == FENCE or rtype == DELETE or rtype == DROP:
         if blen != 8:
-            raise ValueError("bad FENCE/DELETE length")
+            raise ValueError("bad FENCE/DELETE/DROP length")
         return rtype, _Q.unpack_from(mv, b)
     if rtype == MASTER_KEY:
         if blen < 8:
@@ -710,7 +714,7 @@ class Journal:
         """Append one record of any type (fields as :func:`iter_records` decodes them)."""
         if rtype == ADD:
             return self.append_add(*fields)
-        if rtype == FENCE or rtype == DELETE:
+        if rtype == FENCE or rtype == DELETE or rtype == DROP:
             (ledger,) = fields
             return self._append_raw(_LEDGER_HDR, (rtype, ledger))
         if rtype == MASTER_KEY:

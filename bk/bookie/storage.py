@@ -34,6 +34,11 @@ only after its mark; a missing or corrupt checkpoint (logged) means a replay
 of the whole journal from its first segment. After a replay that found
 records, a new checkpoint is written at once.
 
+Over-replicated ledgers. :meth:`ShardStorage.drop_ledgers` forgets a ledger's
+entries (a DROP record, then a checkpoint) but keeps its state fenced, with its
+key and without a tombstone: the ledger lives on elsewhere, an old writer is
+still refused, and this bookie may be picked to hold it again.
+
 Deletion and compaction. :meth:`ShardStorage.delete_ledgers` first appends
 each ledger's id to the shard's tombstone file (``index_dir/tombstones``,
 fsync'd), then a DELETE record per ledger (so even a full replay forgets
@@ -576,6 +581,11 @@ class ShardStorage:
                     del ledgers[lid]
                 self._replayed_deletes.append(lid)
                 continue
+            if rtype == J.DROP:
+                if st is not None:
+                    self._forget_entries(st)
+                    self._meta(st, pos)
+                continue
             if st is None:
                 st = ledgers[lid] = _Ledger(None)
                 keyless.add(lid)
@@ -655,6 +665,36 @@ class ShardStorage:
         if dropped:
             self.checkpoint()
         return dropped
+
+    def drop_ledgers(self, ledger_ids) -> int:
+        """Forget the entries of these ledgers but keep each fenced, with its key and
+        no tombstone (over-replicated GC: the ledger lives on, re-replicated to
+        other bookies). Fenced, so an old writer's ADD is refused (EFENCED) where
+        an absent ledger would have been created anew; no tombstone, so recovery
+        adds (this bookie picked again to hold it) are accepted. Checkpoints;
+        returns how many had entries."""
+        dropped = 0
+        for lid in ledger_ids:
+            st = self._ledgers.get(lid)
+            if st is None:
+                continue
+            pos = self._journal.append(J.DROP, lid)
+            if self._forget_entries(st):
+                dropped += 1
+            self._meta(st, pos)
+        if ledger_ids:
+            self.checkpoint()
+        return dropped
+
+    def _forget_entries(self, st: _Ledger) -> bool:
+        n = len(st.idx) - st.idx.count(-1)
+        self._entries -= n
+        st.idx = array("q")
+        st.segb = {}
+        st.base = 0
+        st.last = -1
+        st.fenced = True
+        return n > 0
 
     def _bury(self) -> None:
         """After loading: a ledger with a tombstone but state (a crash between the

@@ -407,6 +407,15 @@ class ShardWorker:
             log.info("shard %d is now %s", self.shard, "read-only" if self.readonly else "writable")
         elif kind == "gc_begin":
             control.send_chunked(self.ctrl, "gc_ledgers", self.storage.ledgers())
+        elif kind == "gc_drop":
+            # Over-replicated ledgers: the arbiter holds their under-replication
+            # locks until this answer, so no re-replication to us races the drop.
+            self._quiesce()
+            n = self.storage.drop_ledgers(msg[1])
+            if n:
+                log.info("shard %d gc: dropped the entries of %d over-replicated ledgers",
+                         self.shard, n)
+            control.send(self.ctrl, "gc_dropped", n)
         elif kind == "gc_delete":
             self._gc_deleted.extend(msg[1])
             if msg[2]:

@@ -544,11 +544,18 @@ def _print_plan(report):
         click.echo(f"ledger {lid}: open, skipped (--skip-open)")
 
 
-def _run_recover(c, bookie_id, dry_run, skip_open, as_json, decommission=False):
+def _run_recover(c, bookie_id, dry_run, skip_open, as_json, decommission=False,
+                 use_autorecovery=None):
     with c.admin() as a:
         cb = None if as_json else _progress(f"recovering {bookie_id}: ledgers")
         if decommission:
-            report = a.decommission_bookie(bookie_id, progress=cb)
+            if use_autorecovery is None:
+                use_autorecovery = a.autorecovery_running()
+            if use_autorecovery and not as_json:
+                click.echo(f"auto-recovery is running: its replication workers re-replicate "
+                           f"the ledgers of {bookie_id}", err=True)
+            report = a.decommission_bookie(bookie_id, progress=cb,
+                                           use_autorecovery=use_autorecovery)
         else:
             report = a.recover_bookie(bookie_id, dry_run=dry_run, skip_open=skip_open,
                                       progress=cb)
@@ -596,20 +603,28 @@ def recover(c, bookie_id, dry_run, skip_open, as_json):
 
 @cli.command()
 @click.argument("bookie_id")
+@click.option("--autorecovery/--no-autorecovery", "use_ar", default=None,
+              help="Let the cluster's replication workers copy (default when an auditor "
+                   "is elected and auto-recovery is enabled), or copy from this process.")
 @_json_opt
 @pass_ctx
 @handled
-def decommissionbookie(c, bookie_id, as_json):
+def decommissionbookie(c, bookie_id, use_ar, as_json):
     """Retire a stopped bookie: recover all its fragments, then delete its cookie.
 
-    Refuses while the bookie is registered (running).
+    Refuses while the bookie is registered (running). When auto-recovery runs,
+    its ledgers are marked under-replicated and the replication workers copy
+    them (open ledgers after openLedgerRereplicationGracePeriod); this waits,
+    showing progress, until none is left. A ledger the workers cannot repair
+    ends it with an error; the cookie is then kept.
 
     \b
     Example:
       bookie stop --conf /etc/bk/bk_server.conf
       bkshell decommissionbookie 127.0.0.1:3181
     """
-    report = _run_recover(c, bookie_id, False, False, as_json, decommission=True)
+    report = _run_recover(c, bookie_id, False, False, as_json, decommission=True,
+                          use_autorecovery=use_ar)
     if not as_json:
         click.echo(f"bookie {bookie_id} decommissioned (cookie deleted)")
     return report

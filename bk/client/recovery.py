@@ -62,14 +62,14 @@ def check_password(md: LedgerMetadata, password: bytes, what: str) -> None:
         raise BadPasswordError(f"{what}: wrong password")
 
 
-def _cas_state(store, md, version, to_state, what, accept=()):
+def _cas_state(store, md, version, to_state, what, accept=(), guards=()):
     """CAS the state of ``md``; returns (md, version) as stored afterwards."""
     for _ in range(50):
         if md.state == to_state or md.state in accept:
             return md, version
         try:
             new = md.replace(state=to_state)
-            return new, store.write_ledger(new, version)
+            return new, store.write_ledger(new, version, guards)
         except MetadataVersionError:
             md, version = store.read_ledger(md.ledger_id)
     raise MetadataError(f"{what}: too many CAS conflicts")
@@ -86,7 +86,7 @@ def check_master_key(md: LedgerMetadata, master_key: bytes, what: str) -> None:
 
 
 def recover_ledger(client, ledger_id: int, password: bytes | None = None,
-                   master_key: bytes | None = None) -> tuple[LedgerMetadata, int]:
+                   master_key: bytes | None = None, guards=()) -> tuple[LedgerMetadata, int]:
     """Fence, recover and close ``ledger_id``; returns the CLOSED metadata and version.
 
     The one implementation of recovery: ``BookKeeper.open_ledger`` calls it
@@ -97,10 +97,13 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
     anything changes). Entries are written back with their digest bytes as
     read, so the master key suffices for every digest type; without the
     password a ``mac`` ledger's copies are taken from their write set unchecked.
+    ``guards`` (a replication worker's lock) are compared by both metadata CASes
+    (to IN_RECOVERY, before anything is fenced, and to CLOSED): a worker that
+    lost its lock fences nothing and closes nothing.
     """
     started: list = []
     try:
-        out = _recover_ledger(client, ledger_id, password, master_key, started)
+        out = _recover_ledger(client, ledger_id, password, master_key, started, guards)
     except BaseException:
         if started:
             client_metrics().recoveries.labels("false").inc()
@@ -110,7 +113,7 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
     return out
 
 
-def _recover_ledger(client, ledger_id, password, master_key, started):
+def _recover_ledger(client, ledger_id, password, master_key, started, guards=()):
     what = f"recover ledger {ledger_id}"
     if (password is None) == (master_key is None):
         raise ValueError(f"{what}: give the password or the master key (exactly one)")
@@ -125,7 +128,7 @@ def _recover_ledger(client, ledger_id, password, master_key, started):
     if md.state == LedgerState.CLOSED:
         return md, version
     md, version = _cas_state(store, md, version, LedgerState.IN_RECOVERY, what,
-                             accept=(LedgerState.CLOSED,))
+                             accept=(LedgerState.CLOSED,), guards=guards)
     if md.state == LedgerState.CLOSED:
         return md, version
     t0 = time.monotonic()
@@ -175,7 +178,7 @@ def _recover_ledger(client, ledger_id, password, master_key, started):
             return md, version
         new = md.replace(state=LedgerState.CLOSED, last_entry_id=last, length=length)
         try:
-            version = store.write_ledger(new, version)
+            version = store.write_ledger(new, version, guards)
             log.info("%s: closed at entry %d, length %d (%.0f ms)", what, last, length,
                      (time.monotonic() - t0) * 1000)
             return new, version

@@ -392,7 +392,8 @@ class MetadataStore:
     def cas_json(self, rel: str, value: Any, version: int | None, guards=()) -> int:
         """Write if the version matches (``None``: only if absent) and every
         comparison in ``guards`` holds; returns the new version or raises
-        MetadataVersionError naming the current version."""
+        MetadataVersionError naming the current version (LockLostError if only
+        a guard failed)."""
         self._check_rel(rel)
         key = self._key(rel)
         c = self._client()
@@ -404,6 +405,9 @@ class MetadataStore:
         if not ok:
             kvs = responses[0].response_range.kvs
             now = kvs[0].mod_revision if kvs else None
+            if guards and (now == version or (version is None and not kvs)):
+                raise LockLostError(f"write {rel}: the lock it was written under is no "
+                                    f"longer held ({self.uri})")
             raise MetadataVersionError(
                 f"write {rel} at version {version}: the version is now {now} ({self.uri})")
         return rev

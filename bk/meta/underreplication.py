@@ -8,7 +8,11 @@ Keys under the store's prefix (every write a transaction):
                                              failed repair adds ``"error"`` and
                                              ``"retryAt"`` (back-off, listed by
                                              ``bkshell listunderreplicated``).
-``underreplication/locks/<id>``              a replication worker's LeaseLock
+``underreplication/locks/<id>``              a replication worker's LeaseLock (also
+                                             taken by a bookie's over-replicated GC)
+``underreplication/checks``                  ``{"ledgers": {...}, "replicas": {...}}``:
+                                             when each periodic check last finished,
+                                             how many ledgers it saw and marked
 ``auditor``                                  the elected auditor (an Election)
 ``autorecovery``                             ``{"enabled": bool, "lostBookieRecoveryDelay":
                                              s or null, "trigger": n}``: what
@@ -29,6 +33,7 @@ LEDGERS = "underreplication/ledgers/"
 LOCKS = "underreplication/locks/"
 AUDITOR = "auditor"
 SETTINGS = "autorecovery"
+CHECKS = "underreplication/checks"
 
 
 def ledger_rel(ledger_id: int) -> str:
@@ -103,3 +108,22 @@ def update_settings(store, **changes) -> dict:
             return value
         except MetadataVersionError:
             continue
+
+
+def record_check(store, name: str, record: dict, guards=()) -> None:
+    """Keep when the periodic check ``name`` last finished (and what it found)."""
+    while True:
+        value, version = store.get_json(CHECKS)
+        value = dict(value) if isinstance(value, dict) else {}
+        value[name] = record
+        try:
+            store.cas_json(CHECKS, value, version, guards=guards)
+            return
+        except MetadataVersionError:
+            continue
+
+
+def checks(store) -> dict:
+    """The last run of each periodic check (see :func:`record_check`)."""
+    value, _ = store.get_json(CHECKS)
+    return value if isinstance(value, dict) else {}
