@@ -353,6 +353,9 @@ class AutoRecovery:
             UR.unmark(store, lid, version)
             return
         missing = [b for b in rec.get("missing", ()) if any(b in e for _, e in md.ensembles)]
+        if not missing:                     # repaired meanwhile (by another worker)
+            UR.unmark(store, lid, version)
+            return
         try:
             for b in missing:
                 if not lock.held:
@@ -375,9 +378,12 @@ class AutoRecovery:
             log.warning("replication of ledger %d failed (retry in %.0fs): %s", lid, retry, e)
             UR.record_failure(store, lid, version, str(e), retry, guards=[lock.guard()])
             return
-        UR.unmark(store, lid, version)
-        log.info("ledger %d re-replicated by %s (bookies %s)", lid, self.identifier,
-                 ", ".join(missing))
+        if UR.unmark(store, lid, version):
+            log.info("ledger %d re-replicated by %s (bookies %s)", lid, self.identifier,
+                     ", ".join(missing))
+        else:
+            log.info("ledger %d: its record changed while %s repaired it; looked at again",
+                     lid, self.identifier)
 
     def _count(self, report):
         if self.metrics is not None:

@@ -1,0 +1,218 @@
+"""Replication workers against real etcd, bookies and standalone `bookie
+autorecovery` processes: open ledgers and their grace period, two workers and
+a SIGSTOPped one, decommissioning through auto-recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import bk
+from bk import protocol as P
+from bk.errors import EOK, LedgerFencedError
+from bk.meta import underreplication as UR
+from bk.testing import BookieConnection, wait_until
+
+PW = b"workers"
+AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
+
+
+def entries_on(cluster, bookie_id, lid):
+    n = cluster.store.bookie_info(bookie_id)["numShards"]
+    with BookieConnection(bookie_id, shard=P.shard_of(lid, n)) as c:
+        r = c.call(P.get_list_of_entries(c.next_rid(), lid))
+    return set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
+
+
+def fully_replicated(cluster, md):
+    last = md.last_entry_id
+    return all(e in entries_on(cluster, b, md.ledger_id)
+               for e in range(last + 1) for b in md.write_set(e))
+
+
+def test_open_ledgers_active_writer_keeps_going_idle_one_fenced_after_grace(cluster_factory):
+    grace_ms = 8000
+    c = cluster_factory(4, conf_overrides={**AR,
+                                           "openLedgerRereplicationGracePeriod": grace_ms})
+    with bk.BookKeeper(c.metadata_uri) as client:
+        active = client.create_ledger(3, 2, 2, password=PW)
+        idle = client.create_ledger(3, 2, 2, password=PW)
+        for lh in (active, idle):
+            lh.add_entries([b"before-%d" % i for i in range(10)])
+        both = set(active.metadata.ensembles[-1][1]) & set(idle.metadata.ensembles[-1][1])
+        victim = c.bookie(sorted(both)[0])
+        written, errors, stop = [], [], threading.Event()
+
+        def writer():
+            i = 0
+            while not stop.is_set():
+                try:
+                    active.add_entry(b"during-%d" % i)
+                    written.append(i)
+                except Exception as e:       # recorded, asserted on below
+                    errors.append(e)
+                    return
+                i += 1
+                stop.wait(0.02)
+        t = threading.Thread(target=writer)
+        victim.kill()
+        t.start()
+        try:
+            wait_until(lambda: {lid for lid, _, _ in UR.list_marked(c.store)} >=
+                       {active.ledger_id, idle.ledger_id}, timeout=30,
+                       what="both ledgers marked")
+            # Within the grace period the idle ledger is left to its writer.
+            assert client.ledger_metadata(idle.ledger_id).state.name == "OPEN"
+            wait_until(lambda: client.ledger_metadata(idle.ledger_id).is_closed,
+                       timeout=grace_ms / 1000 + 60, what="the idle ledger fenced and closed")
+            wait_until(lambda: not list(UR.list_marked(c.store)), timeout=60,
+                       what="both ledgers repaired")
+        finally:
+            stop.set()
+            t.join(10)
+        assert errors == []
+        assert len(written) > 0
+        # The active writer changed its ensemble itself and was never fenced.
+        md = client.ledger_metadata(active.ledger_id)
+        assert md.state.name == "OPEN"
+        assert all(victim.bookie_id not in ens for _, ens in md.ensembles)
+        active.add_entry(b"after")
+        active.close()
+        rh = client.open_ledger(active.ledger_id, password=PW)
+        got = [e.data for e in rh.read_entries(0, rh.last_add_confirmed)]
+        assert got == ([b"before-%d" % i for i in range(10)] +
+                       [b"during-%d" % i for i in written] + [b"after"])
+        assert fully_replicated(c, client.ledger_metadata(active.ledger_id))
+        # The idle one: closed with every acknowledged entry, its writer fenced.
+        md = client.ledger_metadata(idle.ledger_id)
+        assert md.last_entry_id == 9
+        assert all(victim.bookie_id not in ens for _, ens in md.ensembles)
+        assert fully_replicated(c, md)
+        with pytest.raises(LedgerFencedError):
+            idle.add_entry(b"zombie")
+
+
+def _start_worker(uri, log_file, **settings):
+    args = [sys.executable, "-m", "bk.cli.bookie", "autorecovery", "--metadata", uri,
+            "--log-file", str(log_file)]
+    for k, v in settings.items():
+        args += ["--set", f"{k}={v}"]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _locks(store):
+    return {int(rel.rsplit("/", 1)[1]): v.get("owner")
+            for rel, v, _ in store.list_json(UR.LOCKS) if isinstance(v, dict)}
+
+
+def test_two_workers_and_one_sigstopped_past_its_lease(cluster_factory, tmp_path):
+    c = cluster_factory(4, conf_overrides={"lostBookieRecoveryDelay": 0})
+    settings = {"registrationTtlSeconds": 3, "lostBookieRecoveryDelay": 0,
+                "replicationRateByBytes": 40000, "rwRereplicateBackoffMs": 100}
+    logs = [tmp_path / "w1.log", tmp_path / "w2.log"]
+    procs = [_start_worker(c.metadata_uri, logs[0], **settings)]
+    try:
+        with bk.BookKeeper(c.metadata_uri) as client:
+            lids = []
+            for i in range(6):
+                lh = client.create_ledger(3, 2, 2, password=PW)
+                lh.add_entries([bytes([65 + i]) * 1024] * 60)
+                lh.close()
+                lids.append(lh.ledger_id)
+            victim = c.bookie(client.ledger_metadata(lids[0]).ensembles[0][1][0])
+            mine = [lid for lid in lids if any(victim.bookie_id in ens for _, ens in
+                                               client.ledger_metadata(lid).ensembles)]
+            w1 = procs[0].pid
+            wait_until(lambda: c.store.get_json(UR.AUDITOR)[0] is not None,
+                       what="the first worker elected auditor")
+            procs.append(_start_worker(c.metadata_uri, logs[1], **settings))
+            victim.kill()
+            # Catch the first worker holding a ledger's lock, mid-copy (paced to 40 kB/s),
+            # and freeze it there.
+            owner = f"-{w1}"
+            wait_until(lambda: any(o and o.endswith(owner) for o in _locks(c.store).values()),
+                       timeout=60, what="the first worker holding a lock")
+            os.kill(w1, signal.SIGSTOP)
+            held = [lid for lid, o in _locks(c.store).items() if o and o.endswith(owner)]
+            assert len(held) == 1
+            # The second worker takes over once the lease has expired, and finishes.
+            wait_until(lambda: not list(UR.list_marked(c.store)) and
+                       all(victim.bookie_id not in ens for lid in mine
+                           for _, ens in client.ledger_metadata(lid).ensembles),
+                       timeout=120, what="the second worker finishing everything")
+            versions = {lid: c.store.read_ledger(lid)[1] for lid in lids}
+
+            def said():
+                return len(re.findall(rf"ledger {held[0]}\b", logs[0].read_text()))
+            before = said()
+            os.kill(w1, signal.SIGCONT)
+            # The resumed worker finishes its step with a stale lock: it changes nothing.
+            wait_until(lambda: said() > before, timeout=60,
+                       what="the resumed worker to report on its ledger")
+            wait_until(lambda: _locks(c.store).get(held[0]) is None,
+                       what="the resumed worker's lock gone")
+            assert {lid: c.store.read_ledger(lid)[1] for lid in lids} == versions
+            # Each ledger was repaired by one worker, never by both.
+            done = {}
+            for i, f in enumerate(logs):
+                for m in re.finditer(r"ledger (\d+) re-replicated by (\S+)", f.read_text()):
+                    done.setdefault(int(m.group(1)), set()).add(m.group(2))
+            for lid in mine:
+                if lid != held[0]:
+                    assert len(done.get(lid, ())) == 1, (lid, done)
+            for lid in lids:
+                assert fully_replicated(c, client.ledger_metadata(lid))
+                rh = client.open_ledger(lid, password=PW)
+                assert len(list(rh.read_entries(0, 59))) == 60
+    finally:
+        for p in procs:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+                p.wait(30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                p.kill()
+
+
+def test_decommissionbookie_goes_through_autorecovery(cluster_factory):
+    # The auditor would wait an hour: decommissioning marks the ledgers itself.
+    c = cluster_factory(4, conf_overrides={**AR, "lostBookieRecoveryDelay": 3600})
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lids = []
+        for i in range(4):
+            lh = client.create_ledger(3, 2, 2, password=PW)
+            lh.add_entries([b"d%d" % e for e in range(30)])
+            lh.close()
+            lids.append(lh.ledger_id)
+        victim = c.bookie(client.ledger_metadata(lids[0]).ensembles[0][1][0])
+        wait_until(lambda: c.store.get_json(UR.AUDITOR)[0] is not None, what="an auditor")
+        victim.stop()
+        wait_until(lambda: victim.bookie_id not in c.store.all_bookies(),
+                   what="its registration gone")
+        r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata", c.metadata_uri,
+                            "decommissionbookie", victim.bookie_id, "--json"],
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        report = json.loads(r.stdout)
+        assert report["by_autorecovery"] is True
+        assert report["ledgers"] >= 1 and report["failed"] == {}
+        assert c.store.read_cookie(victim.bookie_id)[0] is None
+        for lid in lids:
+            md = client.ledger_metadata(lid)
+            assert all(victim.bookie_id not in ens for _, ens in md.ensembles)
+            assert fully_replicated(c, md)
+        assert not list(UR.list_marked(c.store))
+        # A bookie that is still running is refused.
+        alive = c.bookies[1] if c.bookies[1] is not victim else c.bookies[2]
+        r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata", c.metadata_uri,
+                            "decommissionbookie", alive.bookie_id],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "still registered" in r.stderr
