@@ -821,7 +821,7 @@ class Arbiter:
         under = sum(1 for _ in UR.list_marked(self.store))
         out = {"running": auditor is not None, "enabled": enabled,
                "auditor": auditor.get("id") if isinstance(auditor, dict) else None,
-               "underReplicatedLedgers": under,
+               "underReplicatedLedgers": under, "checks": UR.checks(self.store),
                "here": self.autorecovery is not None}
         if auditor is None:
             out["message"] = "no auditor is elected: auto-recovery runs nowhere"

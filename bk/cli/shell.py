@@ -855,13 +855,22 @@ def autorecovery(c, mode, as_json):
             s = UR.settings(a.store)
         auditor, _ = a.store.get_json(UR.AUDITOR)
         marked = sum(1 for _ in UR.list_marked(a.store))
+        checks = UR.checks(a.store)
     out = {"enabled": s.get("enabled", True) is not False,
            "auditor": auditor.get("id") if isinstance(auditor, dict) else None,
-           "underReplicatedLedgers": marked}
+           "underReplicatedLedgers": marked, "checks": checks}
     if as_json:
         return _json_out(out)
     click.echo(f"auto-recovery {'enabled' if out['enabled'] else 'DISABLED'}; auditor "
                f"{out['auditor'] or 'none'}; {marked} under-replicated ledgers")
+    for name in ("ledgers", "replicas"):
+        r = checks.get(name)
+        if r:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["at"]))
+            click.echo(f"last {name} check: {when}, {r['ledgers']} ledgers in "
+                       f"{r['seconds']:.1f}s, {r['marked']} marked")
+        else:
+            click.echo(f"last {name} check: never")
 
 
 @cli.command()

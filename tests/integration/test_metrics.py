@@ -343,7 +343,10 @@ def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_facto
     UR.mark(c.store, 7, ["127.0.0.1:9999"])
     st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
     assert st == {"running": True, "enabled": True, "auditor": "autorecovery-elsewhere-1",
-                  "underReplicatedLedgers": 1, "here": False}
+                  "underReplicatedLedgers": 1, "checks": {}, "here": False}
+    UR.record_check(c.store, "replicas", {"at": 1.0, "ledgers": 3, "marked": 0})
+    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    assert st["checks"] == {"replicas": {"at": 1.0, "ledgers": 3, "marked": 0}}
     UR.update_settings(c.store, enabled=False)      # bkshell autorecovery --disable
     assert json.loads(get(port, "/api/v1/autorecovery/status")[1])["enabled"] is False
     auditor.resign()
