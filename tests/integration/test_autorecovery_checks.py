@@ -125,6 +125,9 @@ def test_returning_bookie_drops_what_was_rereplicated_but_stays_fenced(cluster_f
         # Its copies are no longer needed: every bookie of each write set has them.
         wait_until(lambda: all(not entries_on(c, victim.bookie_id, lid) for lid in held),
                    timeout=60, what="the returning bookie's stale copies dropped")
+        victim.kill()                 # kill -9 after the drop: it stays dropped and fenced
+        victim.start()
+        assert all(not entries_on(c, victim.bookie_id, lid) for lid in held)
         shard_of = P.shard_of
         for lid in held:
             md = client.ledger_metadata(lid)

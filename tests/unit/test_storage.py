@@ -568,3 +568,38 @@ def test_torn_tombstone_append_keeps_the_whole_ids(tmp_path):
     assert s.tombstones == 2 and 11 in s._tomb
     assert add(s, 11, 0) == EFENCED
     s.close()
+
+
+# --- over-replicated ledgers (dropped entries, no tombstone) -----------------------------
+
+@pytest.mark.parametrize("how", ["live", "close", "crash", "no-checkpoint"])
+def test_dropped_ledger_stays_fenced_without_a_tombstone(tmp_path, monkeypatch, how):
+    s = open_storage(tmp_path)
+    for e in range(5):
+        assert add(s, 5, e) == EOK
+    assert add(s, 6, 0) == EOK
+    if how == "no-checkpoint":
+        # A crash after the DROP record, before its checkpoint: the replay applies it.
+        monkeypatch.setattr(s, "checkpoint", lambda: s._journal.sync())
+    assert s.drop_ledgers([5]) == 1
+    if how == "close":
+        s.close()
+    elif how in ("crash", "no-checkpoint"):
+        monkeypatch.undo()
+        del s
+        crash()
+    if how != "live":
+        s = open_storage(tmp_path)
+    assert s.read_entry(5, 0)[0] == ENOENTRY          # its entries are gone
+    assert s.list_entries(5)[1] == []
+    assert add(s, 5, 5) == EFENCED                    # an old writer is still refused
+    assert s.tombstones == 0                          # but nothing is buried:
+    assert add(s, 5, 2, recovery=True) == EOK         # re-replication to it is taken
+    assert_entry(s, 5, 2)
+    assert_entry(s, 6, 0)                             # other ledgers untouched
+    s.close()
+    s = open_storage(tmp_path)                        # and that survives a restart
+    assert_entry(s, 5, 2)
+    assert s.read_entry(5, 0)[0] == ENOENTRY
+    assert add(s, 5, 6) == EFENCED
+    s.close()
