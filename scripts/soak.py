@@ -661,6 +661,53 @@ def _ids(ids, limit=12):
     return f"[{s}{', ...' if len(ids) > limit else ''}] ({len(ids)})"
 
 
+# --- auto-recovery ------------------------------------------------------------------------
+AUTORECOVERY = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 3,
+                "openLedgerRereplicationGracePeriod": 5000,
+                "lockReleaseOfFailedLedgerGracePeriod": 5000, "rwRereplicateBackoffMs": 200,
+                "auditorPeriodicCheckInterval": 15, "auditorReplicasCheckInterval": 15,
+                "gcWaitTime": 2000, "gcOverreplicatedLedgerWaitTime": 3000}
+
+
+def wait_for_autorecovery(cluster, hist, say, timeout=240.0):
+    """After healing, every mark must be repaired: the under-replicated list empties."""
+    from bk.meta import underreplication as UR
+    say("soak: waiting for auto-recovery to empty the under-replicated list")
+    deadline = time.monotonic() + timeout
+    rows = []
+    while time.monotonic() < deadline:
+        rows = list(UR.list_marked(cluster.store))
+        if not rows:
+            say("soak: under-replicated list empty")
+            return
+        time.sleep(1.0)
+    hist.violation(f"auto-recovery left {len(rows)} ledgers under-replicated after "
+                   f"{timeout:.0f}s: " + "; ".join(f"{lid}: {rec}" for lid, rec, _ in rows[:5]))
+
+
+def autorecovery_activity(base) -> str:
+    """What auto-recovery did, from the bookies' logs."""
+    import glob
+    import re
+    counts = collections.Counter()
+    pats = {"ledgers re-replicated": r"re-replicated by",
+            "repairs failed (retried)": r"replication of ledger \d+ failed",
+            "lost-bookie audits": r"auditor: bookies .* lost",
+            "periodic checks": r"auditor (ledgers|replicas) check:",
+            "ledgers marked by checks": r"lacks entries on",
+            "over-replicated ledgers dropped": r"dropped \d+ over-replicated",
+            "open ledgers fenced": r"recover ledger \d+: closed"}
+    for path in glob.glob(os.path.join(base, "bookie-*", "bookie.log")):
+        with open(path, errors="replace") as f:
+            for line in f:
+                for name, pat in pats.items():
+                    m = re.search(pat, line)
+                    if m:
+                        n = re.search(r"dropped (\d+) over", line)
+                        counts[name] += int(n.group(1)) if n else 1
+    return ", ".join(f"{k} x{counts[k]}" for k in pats) or "nothing"
+
+
 # --- main ---------------------------------------------------------------------------------
 def main():
     p = argparse.ArgumentParser(description=__doc__,
@@ -675,6 +722,11 @@ def main():
     p.add_argument("--recovery-interval", type=float, nargs=2, default=(1.0, 4.0),
                    metavar=("MIN", "MAX"), help="seconds between recovery opens (default 1 4)")
     p.add_argument("--no-nemesis", action="store_true", help="no faults (a baseline run)")
+    p.add_argument("--autorecovery", action="store_true",
+                   help="bookies run auto-recovery with short delays (lost after 3 s, "
+                        "checks every 15 s, over-replicated GC every 3 s), so the nemesis's "
+                        "victims get re-replicated, come back and drop their stale copies; "
+                        "after healing, the under-replicated list must empty")
     p.add_argument("--keep", action="store_true", help="keep the cluster directory on PASS")
     p.add_argument("--dir", help="cluster directory (default: a new temp dir)")
     a = p.parse_args()
@@ -700,7 +752,8 @@ def main():
         f"{a.writers} writers, shapes {['/'.join(map(str, s)) for s in shapes]}")
     say(f"soak: cluster directory {base} (bookie-*/bookie.log, client.log, events.log)")
     hist.event(f"soak starts: seed {seed} args {vars(a)}")
-    cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards)
+    cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards,
+                           conf_overrides=AUTORECOVERY if a.autorecovery else None)
     stop = threading.Event()
     threads = []
     clients = []
@@ -757,6 +810,8 @@ def main():
         nemesis.heal()
         nemesis.wait_all_registered()
         say(status())
+        if a.autorecovery:
+            wait_for_autorecovery(cluster, hist, say)
         say("soak: checking every ledger with a fresh client (recovery open + read back)")
         faulthandler.dump_traceback_later(1800, exit=False,
                                           file=open(os.path.join(base, "stacks.txt"), "w"))
@@ -806,6 +861,8 @@ def main():
                          or "none"))
     print("recovery thread: " + (", ".join(f"{k} x{v}" for k, v in sorted(hist.recovery.items()))
                                  or "none"))
+    if a.autorecovery:
+        print("auto-recovery: " + autorecovery_activity(base))
     if hist.anomalies:
         print(f"anomalies ({len(hist.anomalies)}, not safety violations):")
         for m in hist.anomalies:

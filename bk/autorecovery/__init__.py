@@ -207,12 +207,15 @@ class AutoRecovery:
 
     # --- periodic checks (while leading) --------------------------------------------------
     def _guarded_checks(self, election):
-        try:
-            self._checks_loop(election)
-        except LockLostError:
-            pass
-        except Exception:
-            log.exception("auditor periodic checks failed; the next leader retries")
+        while not self._stop.is_set() and election.is_leader:
+            try:
+                self._checks_loop(election)
+                return
+            except LockLostError:
+                return
+            except Exception:
+                log.exception("auditor periodic checks failed; retrying in 10 s")
+                self._stop.wait(10.0)
 
     def _checks_loop(self, election):
         """Run each periodic check when its interval has passed since its last run
