@@ -51,3 +51,14 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition", step: float
             return
         time.sleep(step)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def entries_held(store, bookie_id: str, ledger_id: int) -> set[int]:
+    """The entry ids of ``ledger_id`` that ``bookie_id`` holds (GET_LIST_OF_ENTRIES on
+    the shard that owns the ledger); empty if it has none."""
+    from bk import protocol as P
+    from bk.errors import EOK
+    n = store.bookie_info(bookie_id)["numShards"]
+    with BookieConnection(bookie_id, shard=P.shard_of(ledger_id, n)) as c:
+        r = c.call(P.get_list_of_entries(c.next_rid(), ledger_id))
+    return set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()

@@ -4,20 +4,15 @@ re-replicated by the elected auditor and the replication workers."""
 from __future__ import annotations
 
 import bk
-from bk import protocol as P
-from bk.errors import EOK
 from bk.meta import underreplication as UR
-from bk.testing import BookieConnection, wait_until
+from bk.testing import entries_held, wait_until
 
 PW = b"ar"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
 
 
 def entries_on(cluster, bookie_id, lid):
-    n = cluster.store.bookie_info(bookie_id)["numShards"]
-    with BookieConnection(bookie_id, shard=P.shard_of(lid, n)) as c:
-        r = c.call(P.get_list_of_entries(c.next_rid(), lid))
-    return set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
+    return entries_held(cluster.store, bookie_id, lid)
 
 
 def test_lost_bookie_is_rereplicated_then_a_second_loss_loses_nothing(cluster_factory):

@@ -13,7 +13,7 @@ import bk
 from bk import protocol as P
 from bk.errors import EFENCED, EOK
 from bk.meta import underreplication as UR
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, entries_held, wait_until
 
 PW = b"checks"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 3600,
@@ -21,10 +21,7 @@ AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 3600,
 
 
 def entries_on(cluster, bookie_id, lid):
-    n = cluster.store.bookie_info(bookie_id)["numShards"]
-    with BookieConnection(bookie_id, shard=P.shard_of(lid, n)) as c:
-        r = c.call(P.get_list_of_entries(c.next_rid(), lid))
-    return set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
+    return entries_held(cluster.store, bookie_id, lid)
 
 
 def remove_entry_by_hand(bookie, lid: int, entry: int) -> None:

@@ -15,20 +15,16 @@ import threading
 import pytest
 
 import bk
-from bk import protocol as P
-from bk.errors import EOK, LedgerFencedError
+from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
-from bk.testing import BookieConnection, wait_until
+from bk.testing import entries_held, wait_until
 
 PW = b"workers"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
 
 
 def entries_on(cluster, bookie_id, lid):
-    n = cluster.store.bookie_info(bookie_id)["numShards"]
-    with BookieConnection(bookie_id, shard=P.shard_of(lid, n)) as c:
-        r = c.call(P.get_list_of_entries(c.next_rid(), lid))
-    return set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
+    return entries_held(cluster.store, bookie_id, lid)
 
 
 def fully_replicated(cluster, md):
