@@ -79,6 +79,22 @@ def _metric(port, name: str) -> float | None:
     return None
 
 
+def _cpu_seconds(pids) -> float:
+    """User + system CPU of these processes and their children (a bookie's arbiter
+    and shard workers), 0 for those gone."""
+    import psutil
+    total = 0.0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            for q in [p] + p.children(recursive=True):
+                t = q.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
 def entries_on(store, bookie_id: str, ledger_id: int) -> set:
     """Entry ids of a ledger a bookie holds (GET_LIST_OF_ENTRIES on its shard)."""
     n = store.bookie_info(bookie_id)["numShards"]
@@ -263,6 +279,8 @@ def bench_recovery(size: int = 1 << 30, entry_size: int = 1024, ledgers: int = 1
                     f"killing {vid} in {baseline:g}s (it holds {held_entries} entries of "
                     f"{len(affected)} ledgers; auditor {auditor})")
                 time.sleep(baseline)
+                survivors = [b.pid for b in cluster.bookies if b is not victim]
+                cpu0 = None
                 t_kill = time.perf_counter()
                 victim.kill()
                 t_mark = t_empty = None
@@ -276,12 +294,14 @@ def bench_recovery(size: int = 1 << 30, entry_size: int = 1024, ledgers: int = 1
                     marked = list(UR.list_marked(store))
                     if marked and t_mark is None:
                         t_mark = now
+                        cpu0 = _cpu_seconds(survivors)
                     failures = {lid: rec["error"] for lid, rec, _ in marked
                                 if rec.get("error")}
                     if t_mark is not None and not marked:
                         if all(vid not in ens for lid in affected
                                for _, ens in client.ledger_metadata(lid).ensembles):
                             t_empty = now
+                            cpu1 = _cpu_seconds(survivors)
                             break
                     if now - last >= 1.0:
                         last = now
@@ -324,6 +344,12 @@ def bench_recovery(size: int = 1 << 30, entry_size: int = 1024, ledgers: int = 1
         "seconds_kill_to_empty": round(t_empty - t_kill, 2),
         "mb_per_sec": round(held_bytes / repl / 1e6, 2) if repl > 0 else None,
         "mb_per_sec_from_kill": round(held_bytes / (t_empty - t_kill) / 1e6, 2),
+        # CPU the surviving bookies (replication workers, shard workers, the writers'
+        # adds too) spent from the first mark to the empty list: less noisy than MB/s
+        # on a shared machine.
+        "bookie_cpu_seconds_during_recovery": round(cpu1 - cpu0, 2),
+        "bookie_cpu_us_per_lost_entry": round((cpu1 - cpu0) / held_entries * 1e6, 1)
+        if held_entries else None,
         "writers": writers, "writer_rate": writer_rate,
         "writer_latency_ms_before_kill": _percentiles(before),
         "writer_latency_ms_during_recovery": _percentiles(during),

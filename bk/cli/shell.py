@@ -1283,6 +1283,8 @@ def bench_recovery_cmd(size, entry_size, ledgers, writers, writer_rate, registra
                    f"{r['seconds_marked_to_empty']}s: {r['mb_per_sec']} MB/s "
                    f"(kill -> empty {r['seconds_kill_to_empty']}s, "
                    f"{r['mb_per_sec_from_kill']} MB/s)")
+        click.echo(f"surviving bookies' CPU meanwhile: {r['bookie_cpu_seconds_during_recovery']}s "
+                   f"({r['bookie_cpu_us_per_lost_entry']} us per entry re-replicated)")
         if r["writers"]:
             click.echo(f"writers ({r['writers']} x {r['writer_rate']:g}/s) add latency ms: "
                        f"before the kill p50 {b['p50']} p99 {b['p99']}; during the "
