@@ -311,7 +311,7 @@ def bench_recovery(size: int = 1 << 30, entry_size: int = 1024, ledgers: int = 1
                             f"under-replicated, {done / 2**20:.0f} of "
                             f"{held_entries * entry_size / 2**20:.0f} MiB copied"
                             + (f", {len(failures)} failing" if failures else ""))
-                    time.sleep(0.02)
+                    time.sleep(0.1)     # light: the writers share this process
                 for w in ws:
                     w.stop.set()
                 for w in ws:
