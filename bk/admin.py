@@ -45,6 +45,7 @@ of requests at a time.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -61,6 +62,11 @@ from bk.meta.store import MetadataStore
 log = logging.getLogger("bk.admin")
 
 BATCH = 256            # requests pipelined per round trip
+# Re-replication (Admin._copy_fragment): entries per batch, batches whose reads are
+# in flight ahead of their adds, batches of adds awaiting the target's journal.
+COPY_BATCH = 256
+READ_AHEAD = 2
+ADD_WINDOW = 2
 
 
 def _digest_mod():
@@ -79,6 +85,7 @@ class BookiePool:
         self._conns: dict = {}
         self._shards: dict[str, int] = {}
         self._addr: dict[str, str] = {}
+        self._stash: dict = {}     # connection -> {rid: response} received ahead of its recv
 
     def address(self, bookie_id: str) -> str:
         addr = self._addr.get(bookie_id)
@@ -117,27 +124,59 @@ class BookiePool:
 
     def drop(self, bookie_id: str) -> None:
         for key in [k for k in self._conns if k[0] == bookie_id]:
+            c = self._conns.pop(key)
+            self._stash.pop(c, None)
             try:
-                self._conns.pop(key).close()
+                c.close()
             except OSError:
                 pass
+
+    def send(self, bookie_id: str, ledger_id: int, msgs: list):
+        """Send ``msgs`` pipelined on one connection without waiting; returns the
+        ticket :meth:`recv` takes. Several tickets may be outstanding on one
+        connection (and on several bookies) at once: that is how a copy keeps
+        reads and adds in flight together. BookieUnavailableError (and the
+        bookie's connections dropped) if the bookie fails."""
+        try:
+            c = self.conn(bookie_id, ledger_id)
+            c.send_raw(b"".join(P.encode_frame(m) for m in msgs))
+        except (OSError, BookieUnavailableError) as e:
+            self.drop(bookie_id)
+            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+        return bookie_id, c, [m[1] for m in msgs]
+
+    def recv(self, ticket) -> list:
+        """The responses to a :meth:`send`, in its order. Responses to other
+        requests on the connection met on the way are kept for their own recv."""
+        bookie_id, c, rids = ticket
+        if not rids:
+            return []
+        stash = self._stash.setdefault(c, {})
+        out = []
+        try:
+            for rid in rids:
+                r = stash.pop(rid, None)
+                while r is None:
+                    resp = c.recv()
+                    if resp[1] == rid:
+                        r = resp
+                    else:
+                        stash[resp[1]] = resp
+                out.append(r)
+        except (OSError, BookieUnavailableError, IndexError, TypeError) as e:
+            self._stash.pop(c, None)
+            self.drop(bookie_id)
+            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+        if not stash:
+            del self._stash[c]
+        return out
 
     def calls(self, bookie_id: str, ledger_id: int, msgs: list) -> list:
         """Send ``msgs`` pipelined on one connection; their responses in order.
         BookieUnavailableError (and the connection dropped) if the bookie fails."""
         if not msgs:
             return []
-        try:
-            c = self.conn(bookie_id, ledger_id)
-            c.send_raw(b"".join(P.encode_frame(m) for m in msgs))
-            byrid = {}
-            for _ in msgs:
-                r = c.recv()
-                byrid[r[1]] = r
-            return [byrid[m[1]] for m in msgs]
-        except (OSError, BookieUnavailableError, KeyError) as e:
-            self.drop(bookie_id)
-            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+        return self.recv(self.send(bookie_id, ledger_id, msgs))
 
     def call(self, bookie_id: str, ledger_id: int, build, *args) -> list:
         c = self.conn(bookie_id, ledger_id)
@@ -154,6 +193,7 @@ class BookiePool:
             except OSError:
                 pass
         self._conns.clear()
+        self._stash.clear()
 
 
 # --- reports -----------------------------------------------------------------------
@@ -576,6 +616,7 @@ class Admin:
 
     def _recover_ledger_fragments(self, md, bookie_id, report, writable, dry_run, skip_open,
                                   alive, guards=()):
+        from bk.autorecovery.checker import owned_entries
         lid = md.ledger_id
         if not md.is_closed and bookie_id in md.last_ensemble:
             if skip_open:
@@ -592,7 +633,7 @@ class Admin:
             if not md.is_closed and index == len(md.ensembles) - 1:
                 continue   # dry run of an open ledger: its last fragment's end is unknown
             lo, hi = fragment_bounds(md, index)
-            mine = [e for e in range(lo, hi + 1) if bookie_id in md.write_set(e)]
+            mine = owned_entries(md, bookie_id, lo, hi)
             try:
                 target = self._pick_replacement(md, index, ens, bookie_id, writable)
             except NotEnoughBookiesError as e:
@@ -608,60 +649,153 @@ class Admin:
             fr.done = True
 
     def _copy_fragment(self, md, ens, bookie_id, target, entries, mk, fr, alive):
+        """Copy ``entries`` of a fragment (those whose write set holds ``bookie_id``)
+        to ``target`` with recovery adds, skipping those it already holds.
+
+        Each entry is read from its sources in order: its surviving replicas
+        (write-set order), then ``bookie_id`` itself if it is alive; an entry on
+        no reachable source raises BKError naming it. The copy is a pipeline of
+        batches of COPY_BATCH entries: the reads of the next READ_AHEAD batches
+        are in flight (on every source at once) while the adds of up to
+        ADD_WINDOW batches wait for the target's journal, so neither the sources'
+        reads nor the target's group commits wait for the other."""
         lid = md.ledger_id
         if not entries:
             return
-        r = self.bookies.call(target, lid, P.get_list_of_entries, lid)
+        pool = self.bookies
+        r = pool.call(target, lid, P.get_list_of_entries, lid)
         have = set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
         todo = [e for e in entries if e not in have]
         fr.already = len(entries) - len(todo)
-        for i in range(0, len(todo), BATCH):
-            batch = todo[i:i + BATCH]
-            got: dict[int, tuple] = {}
-            pending = list(batch)
-            # Surviving replicas first; the bookie itself last (if it is alive).
-            tried: set = set()
-            while pending:
-                by_src: dict[str, list] = {}
-                left = []
-                for e in pending:
-                    srcs = [b for b in md.write_set(e) if b != bookie_id]
-                    if alive:
-                        srcs.append(bookie_id)
-                    src = next((b for b in srcs if (b, e) not in tried), None)
-                    if src is None:
-                        left.append(e)
+        if not todo:
+            return
+        # An entry's sources depend only on entry % E within a fragment.
+        by_slot: dict[int, list] = {}
+        width = len(ens)
+
+        def sources(e):
+            srcs = by_slot.get(e % width)
+            if srcs is None:
+                srcs = [b for b in md.write_set(e) if b != bookie_id]
+                if alive:
+                    srcs.append(bookie_id)
+                by_slot[e % width] = srcs
+            return srcs
+
+        batches = [todo[i:i + COPY_BATCH] for i in range(0, len(todo), COPY_BATCH)]
+        tried: set = set()
+        reads: collections.deque = collections.deque()     # (batch, [(src, es, ticket)])
+        adds: collections.deque = collections.deque()      # (batch, ticket, payload bytes)
+        nxt = 0
+        try:
+            while nxt < len(batches) or reads:
+                while nxt < len(batches) and len(reads) < READ_AHEAD:
+                    reads.append(self._send_reads(lid, batches[nxt], sources, tried))
+                    nxt += 1
+                batch, sent = reads.popleft()
+                got = self._collect_reads(lid, target, sent, sources, tried)
+                while len(adds) >= ADD_WINDOW:
+                    self._collect_adds(lid, target, adds.popleft(), fr)
+                rids = pool.rids(target, lid, len(batch))
+                msgs = []
+                nbytes = 0
+                for rid, e in zip(rids, batch):
+                    lac, digest, payload = got[e]
+                    nbytes += len(payload)
+                    msgs.append(P.add(rid, lid, e, lac, mk, digest, payload, True))
+                self._throttle(nbytes)
+                adds.append((batch, pool.send(target, lid, msgs), nbytes))
+            while adds:
+                self._collect_adds(lid, target, adds.popleft(), fr)
+        except BaseException:
+            # Responses still due would be stale on these connections: drop them.
+            for _, sent in reads:
+                for src, _, ticket in sent:
+                    if ticket is not None:
+                        pool.drop(src)
+            if adds:
+                pool.drop(target)
+            raise
+
+    def _send_reads(self, lid, batch, sources, tried):
+        """Send the reads of a batch, each entry to its first source (one pipelined
+        send per source); (batch, [(source, entries, ticket or None if the send failed)])."""
+        by_src: dict[str | None, list] = {}
+        for e in batch:
+            srcs = sources(e)
+            by_src.setdefault(srcs[0] if srcs else None, []).append(e)
+        sent = []
+        for src, es in by_src.items():
+            if src is None:            # no source at all: _collect_reads reports them
+                sent.append((None, es, None))
+                continue
+            for e in es:
+                tried.add((src, e))
+            try:
+                rids = self.bookies.rids(src, lid, len(es))
+                ticket = self.bookies.send(src, lid, [P.read(rid, lid, e)
+                                                      for rid, e in zip(rids, es)])
+            except BKError:
+                ticket = None
+            sent.append((src, es, ticket))
+        return batch, sent
+
+    def _collect_reads(self, lid, target, sent, sources, tried) -> dict:
+        """{entry: (lac, digest, payload)} of a batch sent by _send_reads; entries
+        a source failed are read from their next sources, synchronously."""
+        got: dict[int, tuple] = {}
+        pending = []
+        for src, es, ticket in sent:
+            if ticket is None:
+                pending.extend(es)
+                continue
+            try:
+                resps = self.bookies.recv(ticket)
+            except BKError:
+                pending.extend(es)
+                continue
+            for e, resp in zip(es, resps):
+                if resp[2] == EOK:
+                    got[e] = (resp[5], resp[6], resp[7])
+                else:
+                    pending.append(e)
+        while pending:
+            by_src: dict[str, list] = {}
+            left = []
+            for e in pending:
+                src = next((b for b in sources(e) if (b, e) not in tried), None)
+                if src is None:
+                    left.append(e)
+                else:
+                    by_src.setdefault(src, []).append(e)
+            if left:
+                raise BKError(f"ledger {lid}: entries {sorted(left)[:5]} are on no reachable "
+                              f"replica; cannot copy them to {target}")
+            pending = []
+            for src, es in by_src.items():
+                for e in es:
+                    tried.add((src, e))
+                try:
+                    rids = self.bookies.rids(src, lid, len(es))
+                    resps = self.bookies.calls(src, lid,
+                                               [P.read(rid, lid, e) for rid, e in zip(rids, es)])
+                except BKError:
+                    pending.extend(es)
+                    continue
+                for e, resp in zip(es, resps):
+                    if resp[2] == EOK:
+                        got[e] = (resp[5], resp[6], resp[7])
                     else:
-                        by_src.setdefault(src, []).append(e)
-                if left:
-                    raise BKError(f"ledger {lid}: entries {left[:5]} are on no reachable "
-                                  f"replica; cannot copy them to {target}")
-                pending = []
-                for src, es in by_src.items():
-                    for e in es:
-                        tried.add((src, e))
-                    try:
-                        rids = self.bookies.rids(src, lid, len(es))
-                        resps = self.bookies.calls(src, lid,
-                                                   [P.read(rid, lid, e) for rid, e in zip(rids, es)])
-                    except BKError:
-                        pending.extend(es)
-                        continue
-                    for e, resp in zip(es, resps):
-                        if resp[2] == EOK:
-                            got[e] = (resp[5], resp[6], resp[7])
-                        else:
-                            pending.append(e)
-            rids = self.bookies.rids(target, lid, len(batch))
-            adds = [P.add(rid, lid, e, got[e][0], mk, got[e][1], got[e][2], True)
-                    for rid, e in zip(rids, batch)]
-            for e, resp in zip(batch, self.bookies.calls(target, lid, adds)):
-                if resp[2] != EOK:
-                    raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to {target}")
-            fr.copied += len(batch)
-            nbytes = sum(len(got[e][2]) for e in batch)
-            fr.bytes_copied += nbytes
-            self._throttle(nbytes)
+                        pending.append(e)
+        return got
+
+    def _collect_adds(self, lid, target, item, fr):
+        batch, ticket, nbytes = item
+        for e, resp in zip(batch, self.bookies.recv(ticket)):
+            if resp[2] != EOK:
+                raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to {target}")
+        fr.copied += len(batch)
+        fr.bytes_copied += nbytes
 
     def _throttle(self, nbytes: int) -> None:
         """Pace copies to ``rate_bytes`` per second (replicationRateByBytes)."""
@@ -683,7 +817,7 @@ class Admin:
         fragments only). Nothing here needs a lock's guard: the metadata does not
         change, and a late copy of an entry's own bytes to its own bookie is
         harmless."""
-        from bk.autorecovery.checker import expected_entries, _owned
+        from bk.autorecovery.checker import expected_entries, owned_entries
         md, _ = self.store.read_ledger(ledger_id)
         report = RecoveryReport(bookie_id)
         report.ledgers.append(ledger_id)
@@ -692,7 +826,7 @@ class Admin:
             return report
         mk = self.master_key(md)
         for index, lo, hi in frags:
-            mine = _owned(md, bookie_id, lo, hi)
+            mine = owned_entries(md, bookie_id, lo, hi)
             fr = FragmentReport(ledger_id, lo, hi, list(md.ensembles[index][1]), bookie_id,
                                 len(mine))
             report.fragments.append(fr)

@@ -34,7 +34,7 @@ from bk import protocol as P
 from bk.errors import EOK, ENOENTRY, ENOLEDGER, BKError
 
 __all__ = ["expected_entries", "fragment_problems", "replica_problems", "CheckResult",
-           "claim_overreplicated"]
+           "claim_overreplicated", "owned_entries"]
 
 
 class CheckResult:
@@ -81,7 +81,7 @@ def expected_entries(md, last: int | None = None) -> dict[str, list[tuple[int, i
     return out
 
 
-def _owned(md, bookie: str, lo: int, hi: int) -> list[int]:
+def owned_entries(md, bookie: str, lo: int, hi: int) -> list[int]:
     """Entry ids of [lo, hi] whose write set holds ``bookie``."""
     ens = md.ensemble_for(lo)
     n, qw = len(ens), md.write_quorum_size
@@ -100,7 +100,7 @@ def fragment_problems(pool, md, last: int | None = None) -> CheckResult:
     for bookie, frags in sorted(expected_entries(md, last).items()):
         probes = []
         for _, lo, hi in frags:
-            mine = _owned(md, bookie, lo, hi)
+            mine = owned_entries(md, bookie, lo, hi)
             if mine:
                 probes.extend({mine[0], mine[-1]})
         if not probes:
@@ -136,7 +136,7 @@ def replica_problems(pool, md, last: int | None = None) -> CheckResult:
             res.unreachable[bookie] = f"GET_LIST_OF_ENTRIES answered status {r[2]}"
             continue
         have = set(have)
-        lacks = [e for _, lo, hi in frags for e in _owned(md, bookie, lo, hi)
+        lacks = [e for _, lo, hi in frags for e in owned_entries(md, bookie, lo, hi)
                  if e not in have]
         if lacks:
             res.missing[bookie] = lacks

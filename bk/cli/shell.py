@@ -1232,6 +1232,94 @@ def bench_log_cmd(c, record_size, duration, ensemble, write_quorum, ack_quorum, 
                f"max {t['latency_max_ms']}")
 
 
+class _Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        from bk.bench.recovery import parse_size
+        try:
+            n = parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        if n <= 0:
+            self.fail(f"{value!r}: the size must be positive", param, ctx)
+        return n
+
+
+@bench.command("recovery")
+@click.option("--size", default="1G", show_default=True, type=_Size(),
+              help="Bytes written before the kill (1G, 256M, 512K or bytes); the killed "
+                   "bookie holds about half of them (E3 Qw2 over 4 bookies).")
+@click.option("--entry-size", default=1024, show_default=True, type=click.IntRange(min=1))
+@click.option("--ledgers", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Ledgers the data is spread over (written concurrently, then closed).")
+@click.option("--writers", default=2, show_default=True, type=click.IntRange(min=0),
+              help="Background writers adding to their own ledgers during the recovery.")
+@click.option("--writer-rate", default=500.0, show_default=True,
+              type=click.FloatRange(min=1), help="Entries/s of each background writer.")
+@click.option("--registration-ttl", default=None, type=click.IntRange(min=1),
+              help="registrationTtlSeconds of the bookies (how long the loss takes to be "
+                   "noticed). Default: the registry's.")
+@click.option("--dir", "base_dir", default=None, type=click.Path(file_okay=False),
+              help="Where the cluster's data goes (default: a temp dir, removed after).")
+@_json_opt
+@handled
+def bench_recovery_cmd(size, entry_size, ledgers, writers, writer_rate, registration_ttl,
+                       base_dir, as_json):
+    """Auto-recovery: how fast a lost bookie is re-replicated, and writers' latency meanwhile.
+
+    Starts its own local cluster (etcd + 4 bookies, production defaults, auto-recovery
+    in every bookie with lostBookieRecoveryDelay=0; needs no --metadata), writes
+    --size bytes of --entry-size entries E3 Qw2 Qa2 over --ledgers closed ledgers, starts
+    --writers writers on other ledgers (their ensembles avoid the bookie to be killed)
+    at --writer-rate entries/s each, kill -9s one bookie (not the auditor), and times:
+
+    \b
+      kill -> first ledger marked   noticing the loss (the registration lease expires)
+      marked -> list empty          the re-replication; MB/s = what the lost bookie
+                                    held / this time
+    and the writers' add latency before the kill and during the re-replication. At the
+    end every entry must be on every bookie of its write set (GET_LIST_OF_ENTRIES);
+    exits 1 otherwise. Progress goes to stderr.
+
+    \b
+    Example:
+      bkshell bench recovery                       # 1 GiB written, ~512 MiB re-replicated
+      bkshell bench recovery --size 256M --json
+    """
+    from bk.bench.recovery import bench_recovery
+
+    def say(msg):
+        click.echo(msg, err=True)
+    r = bench_recovery(size=size, entry_size=entry_size, ledgers=ledgers, writers=writers,
+                       writer_rate=writer_rate, registration_ttl=registration_ttl,
+                       base_dir=base_dir, progress=say)
+    if as_json:
+        _json_out(r)
+    else:
+        b, d = r["writer_latency_ms_before_kill"], r["writer_latency_ms_during_recovery"]
+        click.echo(f"wrote {r['bytes_written'] / 2**20:.0f} MiB ({r['entries']} entries, "
+                   f"{r['ledgers']} ledgers) at {r['write_mb_per_sec']} MB/s")
+        click.echo(f"killed {r['killed']}: it held {r['lost_bytes'] / 2**20:.1f} MiB "
+                   f"({r['lost_entries']} entries) of {r['affected_ledgers']} ledgers; "
+                   f"the workers copied {r['rereplicated_bytes_by_workers'] / 2**20:.1f} MiB")
+        click.echo(f"kill -> marked {r['seconds_kill_to_marked']}s, marked -> empty "
+                   f"{r['seconds_marked_to_empty']}s: {r['mb_per_sec']} MB/s "
+                   f"(kill -> empty {r['seconds_kill_to_empty']}s, "
+                   f"{r['mb_per_sec_from_kill']} MB/s)")
+        click.echo(f"surviving bookies' CPU meanwhile: {r['bookie_cpu_seconds_during_recovery']}s "
+                   f"({r['bookie_cpu_us_per_lost_entry']} us per entry re-replicated)")
+        if r["writers"]:
+            click.echo(f"writers ({r['writers']} x {r['writer_rate']:g}/s) add latency ms: "
+                       f"before the kill p50 {b['p50']} p99 {b['p99']}; during the "
+                       f"re-replication p50 {d['p50']} p99 {d['p99']} max {d['max']} "
+                       f"({d['count']} adds, {r['writer_errors']} errors)")
+        click.echo("verified: every entry on every bookie of its write set" if r["verified"]
+                   else f"VERIFICATION FAILED: {'; '.join(r['problems'][:5])}")
+    if not r["verified"]:
+        sys.exit(1)
+
+
 def main(argv=None):
     """Console entry point (``bkshell``); ``cli`` is the click group (for CliRunner)."""
     try:
