@@ -134,11 +134,20 @@ def test_two_workers_and_one_sigstopped_past_its_lease(cluster_factory, tmp_path
             # Catch the first worker holding a ledger's lock, mid-copy (paced to 40 kB/s),
             # and freeze it there.
             owner = f"-{w1}"
-            wait_until(lambda: any(o and o.endswith(owner) for o in _locks(c.store).values()),
-                       timeout=60, what="the first worker holding a lock")
-            os.kill(w1, signal.SIGSTOP)
-            held = [lid for lid, o in _locks(c.store).items() if o and o.endswith(owner)]
-            assert len(held) == 1
+            held = []
+
+            def frozen_holding_a_lock():
+                if not any(o and o.endswith(owner) for o in _locks(c.store).values()):
+                    return False
+                os.kill(w1, signal.SIGSTOP)
+                held[:] = [lid for lid, o in _locks(c.store).items() if o and o.endswith(owner)]
+                if held:
+                    return True
+                os.kill(w1, signal.SIGCONT)     # it let go just before: try again
+                return False
+            wait_until(frozen_holding_a_lock, timeout=60,
+                       what="the first worker frozen while holding a lock")
+            assert len(held) == 1, held
             # The second worker takes over once the lease has expired, and finishes.
             wait_until(lambda: not list(UR.list_marked(c.store)) and
                        all(victim.bookie_id not in ens for lid in mine
