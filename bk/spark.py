@@ -8,10 +8,11 @@ Theory of operation
 (``bk.log.metadata``) and cuts the range [start, end) of Positions into input
 partitions, one per segment (and per entry range of a large segment when
 ``minPartitions`` asks for more): each :class:`LogPartition` names a ledger,
-the entries to read and the Positions to keep. A task opens its own client,
-reads its entries without recovery (a reader never fences a writer), decodes
-the record sets and yields Arrow record batches in Position order. The end of
-what can be read is, segment by segment, the last entry of a closed segment,
+the entries to read and the Positions to keep. A task reads its entries
+without recovery (a reader never fences a writer), decodes the record sets
+and yields Arrow record batches in Position order (without a Python object
+per record: the length prefixes are walked, the bytes gathered by Arrow).
+The end of what can be read is, segment by segment, the last entry of a closed segment,
 and the LAC of the first *open* one — never beyond it: a writer rolls by
 appending a new segment before closing the old one, so entries of the old one
 may still become readable; stopping at the first open segment keeps every
@@ -28,18 +29,52 @@ as Kafka's source does) or, with false, skips to that point.
 *Writing, exactly once.* Each task writes its rows' ``data`` into a new
 *staging* ledger as record sets and closes it; its commit message names the
 ledger. The driver's commit appends the staged ledgers, in partition order, to
-the log record as closed segments in one CAS (``bk.log.append_ledgers``),
-together with the batch id under the sink's id (its checkpoint location): a
-batch that Spark replays after a failure finds its id already there and only
-deletes its new staging ledgers. Abort deletes them too. Readers see the
-appended segments like any other closed segments.
+the log record as closed segments in one CAS (``bk.log.append_ledgers``). For
+a streaming query the same CAS records the batch id under the sink's id; a
+commit whose id is not above the one recorded appends nothing and deletes its
+new staging ledgers. Why this is exactly once:
+
+1. Spark runs a micro-batch's commit only after every task of it succeeded,
+   and records the batch in the checkpoint's commit log only after our commit
+   returned. Between the two, a crash makes Spark replay the batch on restart
+   (same id, same offsets, so the same rows); the log record already holds
+   that id, and the replay's CAS is refused: nothing is appended twice.
+2. The append and the batch id are one CAS on one etcd key: there is no
+   moment at which the records are in the log but the id is not, or the other
+   way round. A lost CAS (another writer, a truncation, another sink) re-reads
+   and decides again, so a commit racing other writers of the log never
+   overwrites them; segments only get new numbers after the existing ones.
+3. The sink's id is ``spark:<query id>``: the id that Spark keeps in the
+   checkpoint (the same across restarts from it, a new one for a new
+   checkpoint, whose batch ids restart at 0). Tasks read it, and the batch id,
+   from their TaskContext (``sql.streaming.queryId``, ``streaming.sql.batchId``),
+   so it does not matter how the checkpoint was given (``checkpointLocation``
+   or ``spark.sql.streaming.checkpointLocation``) or where it lives.
+4. Rows are appended only as whole staging ledgers that their task closed:
+   a task that failed half-way contributes nothing, and its retry writes a
+   new ledger.
+
+Staging ledgers never outlive their use. A task registers its ledger before
+creating it (``bk.log.staging``: the id is allocated, recorded with the sink
+and batch or the batch job's write id, then the ledger is created under that
+id). Abort deletes the ledgers its messages name; commit and abort then
+collect every registered ledger of the same job, or of the same sink up to
+this batch id, that is not in the log: those of tasks that died before
+reporting (an executor lost), of zombie attempts, of replays. A streaming
+batch whose every task died names no sink to its abort: the sink's next
+commit collects its ledgers. ``bkshell cleanstaging`` collects what drivers
+that died too left behind.
+
+*Clients.* The driver side of a query runs in long-lived Python processes and
+Spark reuses its Python workers, so each process keeps one client per
+metadata URI (closed at exit) rather than one per call.
 
 *Checking.* ``check_ledgers`` lists the ledgers on the driver and checks them
 in parallel partitions: each asks every bookie of each write set which entries
 it holds (GET_LIST_OF_ENTRIES) and reports what is missing.
 
 Only plain options travel to the executors (the reader and writer objects are
-pickled); every client is opened inside a task and closed there.
+pickled); clients are made in the process that uses them.
 """
 
 from __future__ import annotations
@@ -204,8 +239,20 @@ _clients: dict = {}
 _clients_lock = threading.Lock()
 
 
+# BK_SPARK_CLIENT_PER_CALL=1 in the environment: a new client per call instead
+# (closed at exit): only to measure what reuse is worth (scripts/bench_spark.py).
+_PER_CALL = os.environ.get("BK_SPARK_CLIENT_PER_CALL", "0") == "1"
+
+
 def _client(opts: Options):
     key = (os.getpid(), opts.uri)
+    if _PER_CALL:
+        from bk.client.bookkeeper import BookKeeper
+        with _clients_lock:
+            if not _clients:
+                atexit.register(_close_clients)
+            c = _clients[(*key, len(_clients))] = BookKeeper(opts.uri)
+        return c
     c = _clients.get(key)
     if c is not None and not c._closed:
         return c
