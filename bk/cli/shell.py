@@ -1093,6 +1093,47 @@ def checkledgers(c, master, partitions, as_json):
         sys.exit(1)
 
 
+@cli.command()
+@click.argument("names", nargs=-1, callback=lambda ctx, p, v: [_log_name(n) for n in v])
+@click.option("--older-than", type=click.FloatRange(min=0), default=24 * 3600.0,
+              show_default=True, metavar="SECONDS",
+              help="Also delete staging ledgers registered this long ago (a batch job "
+                   "still running after that long would lose its output).")
+@click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@_json_opt
+@pass_ctx
+@handled
+def cleanstaging(c, names, older_than, dry_run, as_json):
+    """Delete the staging ledgers of exactly-once sinks (bk.spark) that no commit
+    can take any more: not in their log, and of a streaming batch that its sink
+    has committed since, or older than --older-than. A sink collects its own at
+    each commit and abort; this is for those whose driver died too.
+
+    \b
+    Examples:
+      bkshell cleanstaging --dry-run
+      bkshell cleanstaging orders --older-than 3600
+    """
+    from bk.log import staging
+    with c.client() as cl:
+        logs = list(names) or sorted({e["log"] for e in staging.pending(cl)})
+        result = {}
+        for name in logs:
+            result[name] = staging.collect(cl, name, older_than=older_than, dry_run=dry_run)
+        left = len(staging.pending(cl)) if not names else \
+            sum(len(staging.pending(cl, n)) for n in names)
+    if as_json:
+        return _json_out({"dry_run": dry_run, "deleted": result, "still_pending": left})
+    verb = "would delete" if dry_run else "deleted"
+    for name, lids in result.items():
+        if lids:
+            click.echo(f"log {name}: {verb} {len(lids)} staging ledger(s): "
+                       f"{', '.join(map(str, lids))}")
+    total = sum(map(len, result.values()))
+    click.echo(f"{verb} {total} staging ledger(s); {left} registered staging ledger(s) left "
+               f"(in flight, or not old enough)")
+
+
 @cli.group()
 def bench():
     """Benchmarks: the whole write path, or one bookie."""

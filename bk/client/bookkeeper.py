@@ -208,8 +208,14 @@ class BookKeeper:
     # --- ledgers -------------------------------------------------------------
     def create_ledger(self, ensemble_size: int = 3, write_quorum_size: int = 2,
                       ack_quorum_size: int = 2, digest_type: str = "crc32c",
-                      password: bytes = b"", custom_metadata: dict | None = None) -> LedgerHandle:
-        """Create a ledger and return its write handle."""
+                      password: bytes = b"", custom_metadata: dict | None = None,
+                      ledger_id: int | None = None) -> LedgerHandle:
+        """Create a ledger and return its write handle.
+
+        ``ledger_id`` (BookKeeper's ``createLedgerAdv(ledgerId, ...)``): create the
+        ledger under this id, allocated beforehand with :meth:`new_ledger_id` (so that
+        the caller can record the id somewhere before the ledger exists);
+        LedgerExistsError if it is taken."""
         self._check()
         for name, v in (("ensemble_size", ensemble_size), ("write_quorum_size", write_quorum_size),
                         ("ack_quorum_size", ack_quorum_size)):
@@ -238,8 +244,8 @@ class BookKeeper:
             raise NotEnoughBookiesError(f"create ledger with ensemble size {ensemble_size}: {e}") \
                 from None
         pw = bytes(password)
-        for _ in range(10):
-            lid = self._store.new_ledger_id()
+        for _ in range(10 if ledger_id is None else 1):
+            lid = self._store.new_ledger_id() if ledger_id is None else int(ledger_id)
             md = LedgerMetadata(ledger_id=lid, ensemble_size=ensemble_size,
                                 write_quorum_size=write_quorum_size,
                                 ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
@@ -251,10 +257,17 @@ class BookKeeper:
                 version = self._store.create_ledger(md)
                 break
             except LedgerExistsError:
+                if ledger_id is not None:
+                    raise
                 continue
         else:
             raise MetadataError("create ledger: could not allocate a free ledger id")
         return LedgerHandle(self, md, version, pw, writable=True)
+
+    def new_ledger_id(self) -> int:
+        """A ledger id no ledger has or will be given (for ``create_ledger(ledger_id=)``)."""
+        self._check()
+        return self._store.new_ledger_id()
 
     def open_ledger(self, ledger_id: int, password: bytes = b"") -> LedgerHandle:
         """Open with recovery: fence the ledger, recover its tail, close it.

@@ -3,12 +3,13 @@
 Theory of operation
 -------------------
 *Ownership* (:func:`take_ownership`, the steps of BookKeeper's "Ledgers to
-logs"): read the log record; recovery-open (fence) the ledgers of the last two
-segments, which closes them at their final last entry; create a new ledger;
+logs"): read the log record; recovery-open (fence) the ledgers of the open
+segments (the last two at most, though a sink may have appended closed
+segments after them), which closes them at their final last entry; create a new ledger;
 CAS-append it as a new open segment with ``epoch + 1``. A lost CAS means
 someone else changed the log meanwhile: the new ledger is deleted and the
-steps start over. No append is served before the CAS succeeded. Why the last
-two: a writer rolls by appending the new segment *before* closing the old
+steps start over. No append is served before the CAS succeeded. Why two: a
+writer rolls by appending the new segment *before* closing the old
 one, so a writer that dies (or is deposed) mid-roll leaves two open segments.
 Fencing is what deposes the previous writer: its next add gets EFENCED from
 the bookies, which this module turns into :class:`bk.errors.LogFencedError`.
@@ -104,9 +105,12 @@ def take_ownership(client, name: str, shape: dict):
     while True:
         # 1. Read the log record (an absent log is created empty).
         rec, version = metadata.read_or_create(store, name)
-        # 2. Recovery-open (fence) the ledgers of the last two segments: the previous
+        # 2. Recovery-open (fence) the ledgers of the open segments: the previous
         #    writer can add nothing more, and each segment closes at its final entry.
-        for seg in rec["segments"][-2:]:
+        #    A writer leaves at most two (mid-roll), normally the last two; but an
+        #    exactly-once sink (bk.log.append_ledgers) may have appended closed
+        #    segments after them, so every open one is fenced, wherever it is.
+        for seg in rec["segments"]:
             if seg["state"] == metadata.OPEN:
                 last, records, nbytes = fence_segment(client, name, seg)
                 rec = metadata.with_segment_closed(rec, seg["segment"], last, records, nbytes)

@@ -345,3 +345,48 @@ def test_rolls_by_age_and_by_bytes(cluster):
         latest.close()
         with c.open_log_reader("size", start=new) as r:
             assert next(iter(r)) == bk.LogRecord(new, b"new-2")
+
+
+_DIES_AFTER_ONE_APPEND = textwrap.dedent("""
+    import os, sys, bk
+    c = bk.BookKeeper(sys.argv[1])
+    w = c.open_log_writer("sunk")
+    print(w.append(b"from-the-dead-writer"), flush=True)
+    os._exit(0)                  # its segment stays open, as after a crash
+""")
+
+
+def _staged_ledger(client, records):
+    from bk.log.records import encode_record_set
+    lh = client.create_ledger(3, 2, 2)
+    lh.add_entry(encode_record_set(records))
+    lh.close()
+    return {"ledger_id": lh.ledger_id, "last_entry_id": lh.last_add_confirmed,
+            "records": len(records), "bytes": sum(map(len, records))}
+
+
+def test_new_writer_fences_an_open_segment_that_a_sink_appended_after(cluster):
+    """append_ledgers (an exactly-once sink's commit) racing a writer that then dies:
+    the closed segments it appended come after the dead writer's open one, and the
+    next writer must still fence and close that one (not only the last two)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        os.path.dirname(os.path.dirname(bk.__file__)), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", _DIES_AFTER_ONE_APPEND, cluster.metadata_uri],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    dead_pos = Position.parse(out.stdout.split()[0])
+    with _client(cluster) as c:
+        for batch in range(2):
+            assert bk.log.append_ledgers(c, "sunk", [_staged_ledger(c, [b"sink-%d" % batch])],
+                                         "a-sink", batch)
+        segs = c.log_info("sunk").segments
+        assert [s["state"] for s in segs] == ["open", "closed", "closed"]
+        with c.open_log_writer("sunk") as w:
+            after = w.append(b"after")
+        segs = c.log_info("sunk").segments
+        assert [s["state"] for s in segs] == ["closed"] * 4
+        assert segs[0]["records"] == 1
+        records = _read_all(c, "sunk")
+        assert [(r.position, r.data) for r in records] == [
+            (dead_pos, b"from-the-dead-writer"), (Position(1, 0, 0), b"sink-0"),
+            (Position(2, 0, 0), b"sink-1"), (after, b"after")]

@@ -106,3 +106,38 @@ def test_bench_log_runs(cluster):
     assert t["records"] == t["records_sent"] > 0 and t["latency_ms"]["p50"] >= 0
     with bk.BookKeeper(cluster.metadata_uri) as c:
         assert c.list_logs() == []          # the bench cleans up after itself
+
+
+def test_cleanstaging_deletes_what_no_commit_can_take(cluster):
+    """Staging ledgers left by dead tasks whose driver died too: bkshell cleanstaging
+    deletes those of a batch its sink committed since and those older than
+    --older-than; it keeps one that a commit may still take, and the log's own."""
+    from bk.log import staging
+    from bk.log.records import encode_record_set
+    m = ["--metadata", cluster.metadata_uri]
+    with bk.BookKeeper(cluster.metadata_uri) as c:
+        def staged(**who):
+            lh = staging.create(c, "sunk", **who)
+            lh.add_entry(encode_record_set([b"r"]))
+            lh.close()
+            return lh.ledger_id
+        committed = staged(sink="q1", batch=3)
+        assert bk.log.append_ledgers(c, "sunk", [{"ledger_id": committed, "last_entry_id": 0,
+                                                  "records": 1, "bytes": 1}], "q1", 3)
+        dead_of_committed_batch = staged(sink="q1", batch=3)   # a dead attempt of batch 3
+        in_flight = staged(sink="q1", batch=4)                 # batch 4 may still commit
+        old_job = staged(write="job-1")
+        out = json.loads(ok(*m, "cleanstaging", "--dry-run", "--json").stdout)
+        assert out["deleted"] == {"sunk": [dead_of_committed_batch]}
+        assert len(staging.pending(c, "sunk")) == 4            # a dry run changes nothing
+        ok(*m, "cleanstaging")
+        assert sorted(e["ledger_id"] for e in staging.pending(c, "sunk")) == \
+            sorted([in_flight, old_job])
+        with pytest.raises(bk.errors.NoSuchLedgerError):
+            c.ledger_metadata(dead_of_committed_batch)
+        # Old enough: no job runs that long. The committed ledger stays in the log.
+        assert "deleted 2 staging" in ok(*m, "cleanstaging", "sunk", "--older-than",
+                                         "0").stdout
+        assert staging.pending(c, "sunk") == []
+        assert [s["ledger_id"] for s in c.log_info("sunk").segments] == [committed]
+        assert c.ledger_metadata(committed).custom_metadata["bk.spark.sink"] == b"q1"

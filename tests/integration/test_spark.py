@@ -4,18 +4,20 @@ One SparkSession and one cluster for the module (a Spark JVM takes seconds to
 start); each test uses its own logs.
 """
 
+import concurrent.futures
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
 import bk
 from bk import protocol as P
 from bk.client import digest as D
-from bk.log import metadata
+from bk.log import metadata, staging
 from bk.rawclient import BookieConnection
 from bk.testing import LocalCluster, wait_until
 
@@ -62,6 +64,24 @@ def _append(client, name, records, roll_every=None):
             if roll_every and (i + 1) % roll_every == 0:
                 w.roll()
     return positions
+
+
+def _staging_left(client, name):
+    """Staging ledgers of log ``name`` that exist and are not in the log: registered
+    (bk.log.staging) or found by their custom metadata in every ledger's."""
+    try:
+        in_log = {sg["ledger_id"] for sg in metadata.read(client._store, name)[0]["segments"]}
+    except bk.errors.NoSuchLogError:
+        in_log = set()
+    found = {e["ledger_id"] for e in staging.pending(client, name)}
+    for lid in client.list_ledgers():
+        try:
+            cm = client.ledger_metadata(lid).custom_metadata
+        except bk.errors.NoSuchLedgerError:
+            continue
+        if cm.get("bk.spark") == b"staging" and cm.get("bk.log") == name.encode():
+            found.add(lid)
+    return sorted(found - in_log)
 
 
 def _read(client, name):
@@ -124,11 +144,20 @@ def test_ledger_read_with_min_partitions(spark, shared, client):
         [(lh.ledger_id, i, d) for i, d in enumerate(data)]
 
 
-def test_misspelt_option_is_named(spark, shared):
+def test_misspelt_or_misplaced_option_is_named(spark, shared, client):
     with pytest.raises(Exception, match="(?i)unknown option 'startposition'"):
         _df(spark, shared, log="br", startPosition="earliest").collect()
     with pytest.raises(Exception, match="(?i)option minPartitions: 'x' is not an integer"):
         _df(spark, shared, log="br", minPartitions="x").collect()
+    with pytest.raises(Exception, match="option maxRecordsPerTrigger does not apply to a "
+                                        "batch read"):
+        _df(spark, shared, log="br", maxRecordsPerTrigger="5").collect()
+    # An option of reads given to a write is not silently ignored.
+    df = spark.createDataFrame([(b"x",)], "data binary")
+    with pytest.raises(Exception, match="option startingPosition does not apply to a write"):
+        (df.write.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+         .option("log", "never").option("startingPosition", "earliest").mode("append").save())
+    assert "never" not in client.list_logs()
 
 
 def test_batch_write_then_read_back(spark, shared, client):
@@ -183,10 +212,11 @@ def test_streaming_exactly_once_across_restarts_and_replays(spark, shared, clien
     assert [r.data for r in _read(client, "sout")] == first + more
     assert len(client.log_info("sout").segments) == segments
     rec, _ = metadata.read(client._store, "sout")
-    # One sink across the runs: the checkpoint and its query's id.
+    # One sink across the runs: the query's id, which the checkpoint keeps.
     with open(os.path.join(cp, "metadata")) as f:
         qid = json.load(f)["id"]
-    assert rec["sinks"] == {f"spark:{cp}:{qid}": last}
+    assert rec["sinks"] == {f"spark:{qid}": last}
+    assert _staging_left(client, "sout") == []
     # And new data after the replay still flows.
     _append(client, "sin", [b"c0"])
     _stream(spark, shared, "sin", "sout", cp)
@@ -274,3 +304,118 @@ def test_continuous_micro_batches_see_appends_while_running(spark, shared, clien
         assert q.exception() is None
     finally:
         q.stop()
+
+
+def _gated_udf(gate, stop_at):
+    """A UDF passing ``data`` through that, on the record ``stop_at``, waits (up to a
+    minute) for the file ``gate``: its task hangs there, mid-write, until released."""
+    from pyspark.sql.functions import udf
+
+    @udf("binary")
+    def gated(data):
+        import os as _os
+        import time as _time
+        if bytes(data) == stop_at:
+            deadline = _time.monotonic() + 60
+            while not _os.path.exists(gate) and _time.monotonic() < deadline:
+                _time.sleep(0.05)
+        return data
+    return gated
+
+
+def _kill_the_writer_of(client, name, gate, done):
+    """Wait for a staging ledger of log ``name`` to be registered, SIGKILL the
+    Python worker that registered it (an executor dying mid-write), open the gate.
+    ``done()``: whether the job ended already (it must not have)."""
+    import signal
+    try:
+        wait_until(lambda: staging.pending(client, name) or done(), 90,
+                   f"a staging ledger of log {name}")
+        if done():
+            return None
+        pending = staging.pending(client, name)
+        os.kill(pending[0]["pid"], signal.SIGKILL)
+        return pending[0]
+    finally:
+        open(gate, "w").close()
+
+
+def test_a_task_killed_mid_write_leaves_no_staging_ledger(spark, shared, client, tmp_path):
+    gate = str(tmp_path / "gate")
+    rows = [(b"k%05d" % i,) for i in range(30000)]     # 10,000 rows reach the writer
+    df = (spark.createDataFrame(rows, "data binary").repartition(1)
+          .select(_gated_udf(gate, b"k29990")("data").alias("data")))
+    # The job runs here (a data source registered with the session is found from
+    # its thread); the killer in another thread.
+    ended = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        killer = pool.submit(_kill_the_writer_of, client, "killed", gate, ended.is_set)
+        try:
+            with pytest.raises(Exception, match="(?i)python worker|crash|exited"):
+                (df.write.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+                 .option("log", "killed").mode("append").save())
+        finally:
+            ended.set()
+        victim = killer.result(120)
+    assert victim, "the job ended before its task could be killed"
+    # The job's abort found the dead task's ledger by its registration.
+    assert _staging_left(client, "killed") == []
+    with pytest.raises(bk.errors.NoSuchLedgerError):
+        client.ledger_metadata(victim["ledger_id"])
+    assert "killed" not in client.list_logs() or client.log_info("killed").records == 0
+
+
+def test_streaming_task_killed_mid_batch_then_restarted(spark, shared, client, tmp_path):
+    gate, cp = str(tmp_path / "gate"), str(tmp_path / "cp")
+    # Spark hands a Python writer its rows in Arrow batches of 10,000: with 30,000
+    # records, the first ones reach the writer while the UDF waits on a later one.
+    recs = [b"s%05d" % i for i in range(30000)]
+    with client.open_log_writer("skin") as w:
+        w.append_many(recs)
+
+    def start():
+        return (spark.readStream.format("bookkeeper")
+                .option("metadataServiceUri", shared.metadata_uri).option("log", "skin").load()
+                .select(_gated_udf(gate, b"s29990")("data").alias("data"))
+                .writeStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
+                .option("log", "skout").option("checkpointLocation", cp)
+                .trigger(availableNow=True).start())
+    q = start()
+    victim = _kill_the_writer_of(client, "skout", gate, lambda: not q.isActive)
+    assert victim, f"the query ended before its task could be killed: {q.exception()}"
+    with pytest.raises(Exception):
+        q.awaitTermination(120)
+    assert victim["sink"] == f"spark:{q.id}" and victim["batch"] == 0
+    # The restart replays batch 0 and commits it; the commit collects the dead
+    # task's ledger (its sink's, of a batch now committed).
+    q = start()
+    q.awaitTermination(120)
+    assert q.exception() is None, q.exception()
+    assert [r.data for r in _read(client, "skout")] == recs
+    assert _staging_left(client, "skout") == []
+    assert staging.pending(client, "skout") == []
+
+
+def test_checkpoint_from_the_session_conf_identifies_the_sink(spark, shared, client, tmp_path):
+    """A query whose checkpoint comes from spark.sql.streaming.checkpointLocation (no
+    option on the writer) is still one exactly-once sink: its query id."""
+    _append(client, "confin", [b"c%d" % i for i in range(10)])
+    spark.conf.set("spark.sql.streaming.checkpointLocation", str(tmp_path / "cps"))
+    try:
+        ids = set()
+        for more in ([], [b"d0", b"d1"]):
+            _append(client, "confin", more)
+            q = (spark.readStream.format("bookkeeper")
+                 .option("metadataServiceUri", shared.metadata_uri).option("log", "confin")
+                 .load().select("data").writeStream.format("bookkeeper")
+                 .queryName("confq").option("metadataServiceUri", shared.metadata_uri)
+                 .option("log", "confout").trigger(availableNow=True).start())
+            q.awaitTermination(120)
+            assert q.exception() is None, q.exception()
+            ids.add(q.id)
+    finally:
+        spark.conf.unset("spark.sql.streaming.checkpointLocation")
+    assert len(ids) == 1            # the same query (checkpoint <conf>/confq) both times
+    assert [r.data for r in _read(client, "confout")] == \
+        [b"c%d" % i for i in range(10)] + [b"d0", b"d1"]
+    assert set(metadata.read(client._store, "confout")[0]["sinks"]) == {f"spark:{ids.pop()}"}
