@@ -267,6 +267,102 @@ class ShardStorage:
             self._index_put(st, entry, lac, pos, ADD_OVERHEAD + len(digest) + len(payload))
         return EOK
 
+    def add_batch(self, recs: list, records, master_key: bytes, recovery: bool,
+                  acked: list, errors: list) -> int:
+        """Append the entries of one ADD_BATCH (``recs`` from
+        ``protocol.split_add_batch``; each body is appended from ``records`` as
+        received). Each entry goes into the runs ``acked`` or, with its status,
+        into ``errors`` (see ``protocol.add_ack``), with the same checks and
+        statuses as :meth:`add_entry` entry by entry: a fenced ledger refuses
+        every entry that is not a recovery add. Returns how many failed."""
+        src = memoryview(records)
+        ledgers = self._ledgers
+        append = self._journal.append_add_body
+        failed = 0
+        cur = -1
+        st = None
+        idx = None
+        try:
+            for lid, eid, lac, start, end in recs:
+                if lid != cur:
+                    cur = lid
+                    st = ledgers.get(lid)
+                    # Only an existing ledger with this key that takes adds is fast.
+                    if st is not None and (st.key != master_key or (st.fenced and not recovery)):
+                        st = None
+                    idx = None if st is None else st.idx
+                if st is not None and idx and eid - st.base == len(idx) and eid >= 0:
+                    try:
+                        pos = append(src, start, end)
+                    except RecordTooLargeError as e:
+                        log.warning("add entry %d of ledger %d refused: %s", eid, lid, e)
+                        status = EBADREQ
+                    except (JournalError, OSError) as e:
+                        log.error("add entry %d of ledger %d failed: %s", eid, lid, e)
+                        status = EIO
+                    else:
+                        idx.append(pos)
+                        self._entries += 1
+                        seq = pos >> 32
+                        sb = st.segb
+                        sb[seq] = sb.get(seq, 0) + 9 + end - start
+                        if lac > st.lac:
+                            st.lac = lac
+                        if eid > st.last:
+                            st.last = eid
+                        if acked and acked[-1] == eid - 1 and acked[-3] == lid:
+                            acked[-1] = eid
+                        else:
+                            acked += (lid, eid, eid)
+                        continue
+                else:
+                    status = self._add_slow(lid, eid, lac, master_key, recovery, src, start, end)
+                    cur = -1           # the ledger's state may have changed (created)
+                    if status == EOK:
+                        if acked and acked[-1] == eid - 1 and acked[-3] == lid:
+                            acked[-1] = eid
+                        else:
+                            acked += (lid, eid, eid)
+                        continue
+                errors += (lid, eid, status)
+                failed += 1
+        finally:
+            src.release()
+        return failed
+
+    def _add_slow(self, ledger, entry, lac, master_key, recovery, src, start, end) -> int:
+        """:meth:`add_entry` for a record body of an ADD_BATCH (every case but the
+        next entry of a known ledger)."""
+        st = self._ledgers.get(ledger)
+        if st is None:
+            if ledger in self._tomb:
+                return EFENCED
+            if entry < 0 or not self._owned(ledger):
+                return EBADREQ
+            st = self._new_ledger(ledger, master_key)
+            if st is None:
+                return EIO
+        elif st.key != master_key:
+            status = self._key_mismatch(ledger, st, master_key)
+            if status != EOK:
+                return status
+        if st.fenced and not recovery:
+            return EFENCED
+        n = len(st.idx)
+        i = entry - (st.base if n else entry)
+        if entry < 0 or i - n > MAX_ENTRY_GAP or -i > MAX_ENTRY_GAP:
+            return EBADREQ
+        try:
+            pos = self._journal.append_add_body(src, start, end)
+        except RecordTooLargeError as e:
+            log.warning("add entry %d of ledger %d refused: %s", entry, ledger, e)
+            return EBADREQ
+        except (JournalError, OSError) as e:
+            log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
+            return EIO
+        self._index_put(st, entry, lac, pos, 9 + end - start)
+        return EOK
+
     def _index_put(self, st: _Ledger, entry: int, lac: int, pos: int, rlen: int) -> None:
         """Point ``entry`` at ``pos`` in the ledger's index, growing it either way."""
         idx = st.idx
@@ -439,6 +535,49 @@ class ShardStorage:
                       entry, ledger, re_, rl)
             return EIO, -1, b"", b""
         return EOK, lac, digest, payload
+
+    def read_range(self, ledger: int, first: int, last: int, max_bytes: int, stride: int = 1,
+                   offset: int = 0, max_count: int = 10000) -> tuple[int, int, list]:
+        """``(status, next, entries)`` for READ_RANGE: the entries ``first..last``
+        whose id is ``offset`` mod ``stride`` that this shard holds, as a flat list
+        ``[entry, entry_lac, digest, payload, ...]``, up to ``max_bytes`` of payload
+        (at least one entry) or ``max_count`` entries; ``next`` is the first entry
+        id not looked at. ENOLEDGER for an unknown ledger; a corrupt copy ends the
+        range before it (EIO if it is the first)."""
+        st = self._ledgers.get(ledger)
+        if st is None:
+            return ENOLEDGER, first, []
+        idx = st.idx
+        base = st.base
+        hi = min(last, base + len(idx) - 1)
+        e = first + (offset - first) % stride
+        if e < base:
+            e += (base - e + stride - 1) // stride * stride
+        out = []
+        total = 0
+        read_add = self._journal.read_add
+        while e <= hi:
+            pos = idx[e - base]
+            if pos >= 0:
+                try:
+                    rl, re_, lac, digest, payload = read_add(pos)
+                except CorruptRecordError as err:
+                    log.error("read of entry %d of ledger %d: %s", e, ledger, err)
+                    rl = re_ = -1
+                if rl != ledger or re_ != e:
+                    if rl != -1:
+                        log.error("read of entry %d of ledger %d: index points elsewhere",
+                                  e, ledger)
+                    return (EIO if not out else EOK), e, out
+                n = len(payload)
+                if out and total + n > max_bytes:
+                    return EOK, e, out
+                out += (e, lac, digest, payload)
+                total += n
+                if total >= max_bytes or len(out) >= 4 * max_count:
+                    return EOK, e + 1, out
+            e += stride
+        return EOK, max(first, last + 1), out
 
     def read_lac(self, ledger: int) -> tuple[int, int, int]:
         """``(status, lac, last_entry_id)``; ENOLEDGER with ``-1, -1``."""

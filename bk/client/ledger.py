@@ -98,32 +98,53 @@ class LedgerEntry:
 
 
 class PendingAdd:
-    """One add in flight (I/O-thread state after submission)."""
+    """One add in flight (I/O-thread state after submission).
 
-    __slots__ = ("handle", "entry_id", "rid", "frame", "length", "acked", "nfenced",
-                 "done", "cb", "t_sent", "backoff")
+    ``head`` is the entry's ADD_BATCH record head (ids, LAC, digest) and ``data``
+    its payload: the two buffers every bookie of its write quorum is sent.
+    ``acked`` has bit ``1 << slot`` set for each ensemble slot that confirmed it,
+    ``nacks`` counts them. ``frame`` (a single ADD, for a bookie without batches)
+    is made only when needed."""
 
-    def __init__(self, handle, entry_id, rid, frame, length, cb):
+    __slots__ = ("handle", "entry_id", "rid", "head", "data", "wlen", "lac", "digest",
+                 "frame", "length", "acked", "nacks", "nfenced", "done", "cb", "t_sent",
+                 "backoff")
+
+    def __init__(self, handle, entry_id, rid, head, data, lac, digest, length, cb):
         self.handle = handle
         self.entry_id = entry_id
         self.rid = rid
-        self.frame = frame
+        self.head = head
+        self.data = data
+        self.wlen = len(head) + len(data)
+        self.lac = lac
+        self.digest = digest
+        self.frame = None
         self.length = length
-        self.acked = set()
+        self.acked = 0
+        self.nacks = 0
         self.nfenced = 0
         self.done = False
         self.cb = cb
         self.t_sent = 0.0
         self.backoff = None     # {conn: next back-off} once a bookie said ETOOMANYREQUESTS
 
+    def single_frame(self) -> bytes:
+        """This entry as a single ADD frame (made once, for bookies without batches)."""
+        h = self.handle
+        f = self.frame = _encode([_ADD, self.rid, h._lid, self.entry_id, self.lac,
+                                  h._master_key, h._flags, self.digest, self.data])
+        return f
+
     def on_reply(self, conn, msg):
         h = self.handle
         if msg[2] == EOK:
-            if self.done or conn not in h._ack_ok:
+            bit = h._ack_bits.get(conn, 0)
+            if self.done or not bit or self.acked & bit:
                 return
-            acked = self.acked
-            acked.add(conn)
-            if len(acked) >= h._qa:
+            self.acked |= bit
+            self.nacks += 1
+            if self.nacks >= h._qa:
                 pending = h._pending
                 if pending and pending[0] is self:
                     h._advance()
@@ -352,7 +373,12 @@ class LedgerHandle:
         self._next_entry = self._lac + 1
         self._pushed_length = self._length
         self._submitted = 0
-        self._outbox = []
+        # Lists of ops for the I/O thread, in entry order. Submitters append under
+        # self._lock; the I/O thread pops without it (deque operations are atomic),
+        # so it never waits for a submitter signing entries.
+        self._outbox = collections.deque()
+        self._flush_armed = False
+        self._rec = protocol.add_record_struct(self._digest.size).pack
         self._completed = 0                 # I/O thread only
         self._pending = collections.deque()  # I/O thread only
         self._error = None                  # (exception class, reason) once the handle is broken
@@ -368,6 +394,7 @@ class LedgerHandle:
         self._waiting = 0
         self._ticker_on = False
         self._flags = protocol.FLAG_RECOVERY if self._recovery else 0
+        self._bkey = (self._master_key, self._flags)   # adds batch per (key, flags)
         # explicitLacInterval > 0: an idle writer sends its LAC (WRITE_LAC) so that
         # readers see the last entry without waiting for the next add.
         self._explicit_lac = float(self._conf.explicitLacInterval) / 1000.0
@@ -380,16 +407,18 @@ class LedgerHandle:
     def _loop_died(self, reason):
         """The client's I/O thread is dying (called on it): fail every add in flight
         or still in the outbox, and refuse later ones."""
-        with self._lock:
-            ops, self._outbox = self._outbox, []
-        self._pending.extend(ops)
+        ob = self._outbox
+        while ob:
+            self._pending.extend(ob.popleft())
         self._error_out(BKError, reason)
 
     def _set_ensemble(self, ensemble):
         conns = self._conns_of(ensemble)
         self._ens_conns = conns
         self._slot_of = {c: i for i, c in enumerate(conns)}
-        self._ack_ok = {c for i, c in enumerate(conns) if i not in self._failed_slots}
+        # conn -> its slot's bit in PendingAdd.acked, for the bookies whose
+        # confirmations count (not failed)
+        self._ack_bits = {c: 1 << i for i, c in enumerate(conns) if i not in self._failed_slots}
 
     def _what_add(self, entry_id):
         return f"add entry {entry_id} to ledger {self._lid}"
@@ -431,25 +460,24 @@ class LedgerHandle:
                 self._waiting -= 1
 
     def _submit(self, payloads, last_cb, each_cb=None):
-        """Assign ids, encode, hand to the I/O thread. Returns the ops."""
-        loop = self._loop
-        rids = loop.rids
+        """Assign ids, sign, hand to the I/O thread. Returns the ops."""
+        rids = self._loop.rids
         lid = self._lid
-        mk = self._master_key
-        flags = self._flags
         sign = self._digest.sign
+        rec = self._rec
         with self._lock:
             self._check_open()
             ops = []
+            append = ops.append
             entry = self._next_entry
             length = self._pushed_length
             lac = self._lac
             for data in payloads:
                 length += len(data)
-                rid = next(rids)
-                frame = _encode([_ADD, rid, lid, entry, lac, mk, flags,
-                                 sign(entry, lac, length, data), data])
-                ops.append(PendingAdd(self, entry, rid, frame, length, each_cb))
+                digest = sign(entry, lac, length, data)
+                append(PendingAdd(self, entry, next(rids),
+                                  rec(len(data), lid, entry, lac, len(digest), digest),
+                                  data, lac, digest, length, each_cb))
                 entry += 1
             if last_cb is not None and ops:
                 ops[-1].cb = last_cb
@@ -460,19 +488,19 @@ class LedgerHandle:
         return ops
 
     def _post(self, ops):
-        # Under self._lock. Ops queue up in the outbox; the I/O thread is asked
-        # once per batch, not once per entry.
-        if self._outbox:
-            self._outbox.extend(ops)
-        else:
-            self._outbox = ops
+        # Under self._lock (keeps the outbox in entry order). The I/O thread is
+        # asked once per batch, not once per entry (see _io_flush for the race).
+        self._outbox.append(ops)
+        if not self._flush_armed:
+            self._flush_armed = True
             self._loop.call_soon(self._io_flush)
 
     def _io_flush(self):
-        with self._lock:
-            ops, self._outbox = self._outbox, []
-        if ops:
-            self._io_send(ops)
+        # Disarm first, then drain: an op posted after the drain re-arms.
+        self._flush_armed = False
+        ob = self._outbox
+        while ob:
+            self._io_send(ob.popleft())
 
     def _not_on_io_thread(self, what):
         if threading.current_thread() is self._loop._thread:
@@ -487,10 +515,9 @@ class LedgerHandle:
             if self._error is not None:
                 return
             assert entry_id == self._next_entry, (entry_id, self._next_entry)
-            rid = next(self._loop.rids)
-            frame = _encode([_ADD, rid, self._lid, entry_id, entry_lac, self._master_key,
-                             self._flags, digest, data])
-            op = PendingAdd(self, entry_id, rid, frame, length, None)
+            head = protocol.add_record_head(self._lid, entry_id, entry_lac, digest, len(data))
+            op = PendingAdd(self, entry_id, next(self._loop.rids), head, data, entry_lac,
+                            digest, length, None)
             self._next_entry = entry_id + 1
             self._pushed_length = length
             self._submitted += 1
@@ -570,23 +597,25 @@ class LedgerHandle:
             self._loop._tickers.append(self._tick)
         if self._explicit_lac:
             self._lac_sent_at = self._loop.now
-        pending = self._pending
+        now = self._loop.now
+        for op in ops:
+            op.t_sent = now
+        self._pending.extend(ops)
         conns = self._ens_conns
         E = self._E
         qw = self._qw
         failed = self._failed_slots
-        now = self._loop.now
-        for op in ops:
-            pending.append(op)
-            op.t_sent = now
-            e = op.entry_id
-            rid = op.rid
-            frame = op.frame
-            for i in range(qw):
-                s = (e + i) % E
-                if failed and s in failed:
-                    continue
-                conns[s].send(rid, op, frame)
+        if E == qw:                  # every bookie gets every entry
+            for s, conn in enumerate(conns):
+                if not failed or s not in failed:
+                    conn.send_adds(ops)
+            return
+        for s, conn in enumerate(conns):
+            if failed and s in failed:
+                continue
+            mine = [op for op in ops if (s - op.entry_id) % E < qw]
+            if mine:
+                conn.send_adds(mine)
 
     def _advance(self):
         if self._changing:
@@ -598,11 +627,10 @@ class LedgerHandle:
         observe = self._m_add_ok
         while pending:
             op = pending[0]
-            if len(op.acked) < qa:
+            if op.nacks < qa:
                 break
             pending.popleft()
             op.done = True
-            op.frame = None
             observe(now - op.t_sent)
             self._lac = op.entry_id
             self._length = op.length
@@ -623,7 +651,6 @@ class LedgerHandle:
         if op.done:
             return
         op.done = True
-        op.frame = None
         self._completed += 1
         self._m.add_fail.observe(self._loop.now - op.t_sent)
         cb = op.cb
@@ -678,7 +705,7 @@ class LedgerHandle:
         """ETOOMANYREQUESTS: the bookie is alive but overloaded. Replacing it would
         move load around and cost a metadata write, so resend to it after a back-off
         doubling from 2 ms; fail it only once the add is addEntryTimeoutSec old."""
-        if self._error is not None or conn not in self._ack_ok:
+        if self._error is not None or conn not in self._ack_bits:
             return
         left = op.t_sent + self._add_timeout - self._loop.now
         if left <= 0:
@@ -695,9 +722,9 @@ class LedgerHandle:
     def _resend_busy(self, op, conn):
         # Acknowledged meanwhile (Qa others have it), or the bookie was replaced:
         # nothing left to do.
-        if op.done or self._error is not None or conn not in self._ack_ok:
+        if op.done or self._error is not None or conn not in self._ack_bits:
             return
-        conn.send(op.rid, op, op.frame)
+        conn.send_adds([op])
 
     def _bookie_failed(self, conn, exc):
         self._m.bookie_errors.labels(type(exc).__name__).inc()
@@ -713,7 +740,7 @@ class LedgerHandle:
                     conn.bookie_id, exc)
         with self._change_lock:
             self._failed_slots.add(slot)
-        self._ack_ok.discard(conn)
+        self._ack_bits.pop(conn, None)
         if not self._changing:
             self._changing = True
             self._client._executor.submit(self._change_ensemble)
@@ -733,8 +760,9 @@ class LedgerHandle:
             return
         e = op.entry_id
         for i in range(self._qw):
-            conn = self._ens_conns[(e + i) % self._E]
-            if conn not in op.acked:
+            s = (e + i) % self._E
+            conn = self._ens_conns[s]
+            if not op.acked & (1 << s):
                 self._bookie_failed(conn, TimeoutError(
                     f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
                     f"{self._add_timeout:g}s"))
@@ -823,18 +851,24 @@ class LedgerHandle:
         if self._error is None:
             E, qw = self._E, self._qw
             still_failed = self._failed_slots
+            resend = {}
             for op in self._pending:
                 e = op.entry_id
                 resent = False
                 for i in range(qw):
                     s = (e + i) % E
                     if s in new_conns:
-                        op.acked.discard(old_conns[s])
+                        bit = 1 << s
+                        if op.acked & bit:
+                            op.acked &= ~bit
+                            op.nacks -= 1
                         if s not in still_failed:
-                            self._ens_conns[s].send(op.rid, op, op.frame)
+                            resend.setdefault(s, []).append(op)
                             resent = True
                 if resent:
                     op.t_sent = self._loop.now
+            for s, ops in resend.items():
+                self._ens_conns[s].send_adds(ops)
         if self._failed_slots and self._error is None:
             self._client._executor.submit(self._change_ensemble)
             return
