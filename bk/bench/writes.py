@@ -142,7 +142,23 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             if count else None,
             "ensemble": ensemble, "write_quorum": write_quorum, "ack_quorum": ack_quorum,
             "entry_size": entry_size, "window": window, "ledgers": ledgers, "rate": rate,
+            "batching": bool(client.conf.frameBatching),
         }
     finally:
         if own:
             client.close()
+
+
+def compare_writes(uri, **kw) -> dict:
+    """The same benchmark with the single-entry path (``frameBatching=false``), then
+    with batched frames, in one run; returns both and their ratios."""
+    single = bench_writes(uri, frameBatching=False, **kw)
+    batched = bench_writes(uri, frameBatching=True, **kw)
+
+    def ratio(a, b):
+        return round(a / b, 2) if a and b else None
+    return {"single": single, "batched": batched, "ratio": {
+        "entries_per_sec": ratio(batched["entries_per_sec"], single["entries_per_sec"]),
+        "client_cpu_us_per_entry": ratio(batched["client_cpu_us_per_entry"],
+                                         single["client_cpu_us_per_entry"]),
+        "p99": ratio(batched["latency_ms"]["p99"], single["latency_ms"]["p99"])}}

@@ -65,7 +65,7 @@ from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavail
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
-from bk.metrics import client_metrics
+from bk.metrics import client_metrics, observe_many
 
 log = logging.getLogger("bk.client")
 
@@ -307,7 +307,7 @@ class LedgerHandle:
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
         self._m = client_metrics()
-        self._m_add_ok = self._m.add_ok.observe      # bound once: no label lookup per add
+        self._m_add_ok = self._m.add_ok               # bound once: no label lookup per add
         self._conn_gen = self._loop.generation
         self._prepare_conns(b for _, ens in md.ensembles for b in ens)
         if writable:
@@ -499,8 +499,13 @@ class LedgerHandle:
         # Disarm first, then drain: an op posted after the drain re-arms.
         self._flush_armed = False
         ob = self._outbox
-        while ob:
-            self._io_send(ob.popleft())
+        ops = ob.popleft() if ob else None
+        if ob:                             # one send_adds per bookie for all of them
+            ops = list(ops)
+            while ob:
+                ops += ob.popleft()
+        if ops:
+            self._io_send(ops)
 
     def _not_on_io_thread(self, what):
         if threading.current_thread() is self._loop._thread:
@@ -624,7 +629,8 @@ class LedgerHandle:
         qa = self._qa
         n = 0
         now = self._loop.now
-        observe = self._m_add_ok
+        lats = []
+        observe = lats.append
         while pending:
             op = pending[0]
             if op.nacks < qa:
@@ -642,6 +648,7 @@ class LedgerHandle:
                 except Exception:
                     log.exception("add callback failed")
         if n:
+            observe_many(self._m_add_ok, lats)
             self._completed += n
             if self._waiting:
                 with self._cond:
