@@ -164,6 +164,9 @@ class DeadConnection:
         for op in ops:
             self.loop.call_soon(op.on_error, self, exc)
 
+    def send_featured(self, feature, rid, req, frame, timeout=None):
+        self.send(rid, req, frame, timeout)
+
     def __repr__(self):
         return f"<DeadConnection {self.bookie_id}: {self.reason}>"
 
@@ -173,7 +176,7 @@ class Connection:
 
     __slots__ = ("loop", "bookie_id", "shard", "addr", "state", "sock", "inflight",
                  "queued", "out", "wq", "fb", "dirty", "num_shards", "down_until",
-                 "adds", "addq", "features", "_connect_deadline", "_wants_write",
+                 "adds", "addq", "features", "waiting", "_connect_deadline", "_wants_write",
                  "__weakref__")
 
     def __init__(self, loop, bookie_id, shard, addr):
@@ -190,6 +193,7 @@ class Connection:
         self.adds = {}           # ledger -> {entry: op, or a list of ops (two handles)}
         self.addq = []           # lists of ops to send at the next write
         self.features = 0        # what the bookie announced at HELLO
+        self.waiting = []        # send_featured requests until HELLO tells the features
         self.fb = None
         self.dirty = False
         self.num_shards = None
@@ -246,6 +250,23 @@ class Connection:
             else:
                 self._connect()
 
+    def send_featured(self, feature, rid, req, frame, timeout=None):
+        """Send a request that needs ``feature`` of the bookie (e.g. READ_RANGE);
+        a bookie without it never sees it: ``req.unsupported(conn)`` runs instead
+        (once HELLO told, if the connection is not up yet)."""
+        if self.state == READY:
+            if self.features & feature:
+                self.send(rid, req, frame, timeout)
+            else:
+                req.unsupported(self)
+            return
+        self.waiting.append((feature, rid, req, frame, timeout))
+        if self.state == IDLE:
+            if self.down_until and time.monotonic() < self.down_until:
+                self.loop.call_soon(self._fail_queued_fast)
+            else:
+                self._connect()
+
     def _take_add(self, d, e, v):
         """``v`` is the list of ops of the same (ledger, entry): the oldest answers."""
         op = v.pop(0)
@@ -253,7 +274,7 @@ class Connection:
         return op
 
     def _fail_queued_fast(self):
-        if self.state == IDLE and (self.inflight or self.adds):
+        if self.state == IDLE and (self.inflight or self.adds or self.waiting):
             self._fail(BookieUnavailableError(
                 f"bookie {self.bookie_id} is unavailable: a connection attempt just failed"),
                 fast=True)
@@ -320,6 +341,13 @@ class Connection:
             if not self.dirty:
                 self.dirty = True
                 self.loop._dirty.append(self)
+        if self.waiting:
+            waiting, self.waiting = self.waiting, []
+            for feature, rid, req, frame, timeout in waiting:
+                try:
+                    self.send_featured(feature, rid, req, frame, timeout)
+                except Exception:
+                    log.exception("request handler failed for %r", req)
 
     # --- I/O events ------------------------------------------------------------
     def _on_readable(self):
@@ -543,6 +571,9 @@ class Connection:
             for rid in self.inflight:
                 self.loop._untrack(rid)
         self.inflight = {}
+        for _f, _r, req, _fr, _t in self.waiting:
+            reqs.append(req)
+        self.waiting = []
         adds, self.adds = self.adds, {}
         for d in adds.values():
             for v in d.values():

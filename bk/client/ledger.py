@@ -269,6 +269,82 @@ class _ReadOp:
         return BookieUnavailableError(f"{what}: no bookie of the write set answered ({detail})")
 
 
+class _RangeRead:
+    """READ_RANGE of the entries of ``ops`` (consecutive reads of one fragment whose
+    first replica is the bookie of ``conn``), on the I/O thread: each entry that
+    comes back with a good digest completes its op; an entry the bookie lacks or
+    sent corrupt, or every op left when the bookie fails, moves on to its next
+    replica by a single READ (``_ReadOp._next``). A bookie without the feature
+    gets single READs. Answers cut by the byte budget are followed up from ``next``."""
+
+    __slots__ = ("h", "conn", "ops", "stride", "offset", "budget", "first", "last")
+
+    def __init__(self, h, conn, ops, stride, offset, budget):
+        self.h = h
+        self.conn = conn
+        self.ops = {op.entry_id: op for op in ops}
+        self.stride = stride
+        self.offset = offset
+        self.budget = budget
+        self.first = ops[0].entry_id
+        self.last = ops[-1].entry_id
+
+    def start(self):
+        h = self.h
+        rid = next(h._loop.rids)
+        self.conn.send_featured(
+            protocol.FEATURE_READ_RANGE, rid, self,
+            _encode(protocol.read_range(rid, h._lid, self.first, self.last, self.budget,
+                                        stride=self.stride, offset=self.offset)),
+            h._read_timeout)
+
+    def unsupported(self, conn):
+        for op in self.ops.values():
+            op.start()
+        self.ops = {}
+
+    def on_reply(self, conn, msg):
+        ops = self.ops
+        status = msg[2]
+        if status == EOK:
+            nxt, entries = msg[4], msg[5]
+            verify = self.h._digest.verify
+            lid = self.h._lid
+            bid = conn.bookie_id
+            for i in range(0, len(entries), 4):
+                e = entries[i]
+                op = ops.pop(e, None)
+                if op is None:
+                    continue
+                try:
+                    length = verify(e, entries[i + 1], entries[i + 2], entries[i + 3])
+                except DigestMismatchError as err:
+                    op.errors.append((bid, err))
+                    op._next()
+                    continue
+                op.result = LedgerEntry(lid, e, entries[i + 3], length)
+                op.batch.one_done()
+            if type(nxt) is int and nxt > self.first:
+                # covered up to nxt - 1: what is missing there, this bookie lacks
+                missing = [e for e in ops if e < nxt]
+                for e in missing:
+                    op = ops.pop(e)
+                    op.errors.append((bid, NoSuchEntryError(f"bookie {bid}: no entry {e}")))
+                    op._next()
+                if ops:
+                    self.first = min(ops)
+                    self.start()
+                return
+        exc = error_for_status(status if status != EOK else ENOENTRY, f"bookie {conn.bookie_id}")
+        self.on_error(conn, exc)
+
+    def on_error(self, conn, exc):
+        ops, self.ops = self.ops, {}
+        for op in ops.values():
+            op.errors.append((conn.bookie_id, exc))
+            op._next()
+
+
 class LedgerHandle:
     """A handle on one ledger: writable (from create_ledger) or read-only (open_*).
 
@@ -1046,13 +1122,46 @@ class LedgerHandle:
         batch = _ReadBatch(len(entry_ids))
         ops = [_ReadOp(self, e, self._conns_of(md.write_set(e)), batch, self._read_timeout)
                for e in entry_ids]
-        if ops:
+        if len(ops) > 1 and self._loop.batching:
+            self._loop.call_soon(self._start_ranged, ops)
+        elif ops:
             self._loop.call_soon(_start_all, ops)
         # generous bound: every replica may time out in turn
         if not batch.event.wait(self._read_timeout * (self._qw + 1) + 5):
             raise TimeoutError(f"read entries {entry_ids[0]}..{entry_ids[-1]} of ledger "
                                f"{self._lid}: no answer")
         return ops
+
+    def _start_ranged(self, ops):
+        """Start consecutive reads as READ_RANGEs (I/O thread): per fragment, each
+        bookie is asked for the entries it is the first replica of (stride E)."""
+        md = self._md
+        frags = md.ensembles
+        budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2))
+        i = 0
+        n = len(ops)
+        while i < n:
+            e = ops[i].entry_id
+            k = len(frags) - 1
+            while k > 0 and frags[k][0] > e:
+                k -= 1
+            end_e = frags[k + 1][0] if k + 1 < len(frags) else None
+            j = i
+            while j < n and (end_e is None or ops[j].entry_id < end_e):
+                j += 1
+            ens = frags[k][1]
+            E = len(ens)
+            by_slot = {}
+            for op in ops[i:j]:
+                by_slot.setdefault(op.entry_id % E, []).append(op)
+            share = max(1, budget // max(1, len(by_slot)))
+            for s, sops in by_slot.items():
+                conn = self._bconns.get(ens[s])
+                if conn is None:
+                    _start_all(sops)
+                else:
+                    _RangeRead(self, conn, sops, E, s, share).start()
+            i = j
 
     def read_entry(self, entry_id: int) -> LedgerEntry:
         return self.read_entries(entry_id, entry_id)[0]

@@ -254,3 +254,22 @@ def test_bookie_killed_mid_batch_loses_nothing_acknowledged(cluster_factory):
         assert rh.last_add_confirmed == 7999
         got = rh.read_entries(0, 7999)
         assert [e.data for e in got] == [payload + b"%d" % i for i in range(8000)]
+
+
+def test_range_reads_of_a_striped_ledger_with_a_dead_bookie(cluster_factory):
+    """E=3 Qw=2: each bookie is asked for the entries it is the first replica of;
+    with one bookie killed, its share comes from the next replica."""
+    cluster = cluster_factory(3)
+    with bk.BookKeeper(cluster.metadata_uri, readEntryTimeoutSec=3) as client:
+        lh = client.create_ledger(3, 2, 2, password=PW)
+        data = [b"s%d" % i * 50 for i in range(3000)]
+        lh.add_entries(data)
+        lh.close()
+        rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
+        assert [e.data for e in rh.read_entries(0, 2999)] == data
+        assert [e.entry_id for e in rh.read_entries(1234, 1300)] == list(range(1234, 1301))
+        assert rh.read_entries(2999, 2999)[0].data == data[2999]
+        cluster.bookie(lh.metadata.last_ensemble[1]).kill(signal.SIGKILL)
+        got = rh.read_entries(0, 2999)
+        assert [e.data for e in got] == data
+        assert got[-1].length == sum(len(d) for d in data)
