@@ -15,6 +15,25 @@ committed with ONE sync and only then are its responses sent. So an
 acknowledged ADD or a confirmed fence is on disk, and a burst of adds from many
 connections shares one sync.
 
+Batched adds (``ADD_BATCH``, see ``bk.protocol``): every entry of a batch is
+checked and appended at once, straight from the received frame (the records
+are journal-shaped, one copy each into the journal's staging buffer), with
+the same per-entry rules as a single ADD (a fenced ledger refuses each entry
+that is not a recovery add, EFENCED). Their answers are not frames per entry:
+each connection has at most one *group acknowledgement* per group, held like
+any response, into which the batches it sends during that group put their
+entries (runs ``ledger, first, last``; per-entry errors only where one
+occurred). When the group's sync completes, that is ONE frame per connection
+for every batched entry of the group. Single ADDs keep their own answers, so a
+client that never sends ADD_BATCH sees the protocol as before; HELLO's answer
+announces the features (``frameBatching``).
+
+Input is received with ``recv_into`` the connection's reusable FrameBuffer and
+decoded in place; a connection's held answers go out with one ``sendmsg`` of
+the frames (no join, no copy into the output buffer unless the socket is full).
+``READ_RANGE`` answers many entries of a ledger in one frame, up to a byte
+budget (at most half the frame limit).
+
 The sync itself runs on a second thread (``fdatasync`` releases the GIL), as
 BookKeeper's journal has its own sync thread: while group N is being made
 durable the loop already reads, appends and holds group N+1, which is

@@ -4,12 +4,17 @@ Theory of operation (write path)
 --------------------------------
 A user thread turns payloads into :class:`PendingAdd` objects under the
 handle's lock: it assigns the entry id, the cumulative length, signs the
-digest (carrying the LAC known at that moment: the piggybacked LAC) and
-encodes the ADD frame once. The ops are handed, in entry-id order, to the I/O
-thread, which from then on owns every piece of mutable write state: the
-``_pending`` deque, the acknowledgements, the LAC, the ensemble. It sends
-each frame to the entry's write set (the Qw bookies starting at slot
-``entry % E``) and counts confirmations per op. The head of ``_pending`` is
+digest (carrying the LAC known at that moment: the piggybacked LAC) and packs
+the entry's ADD_BATCH record head once (the payload is never copied). The ops
+are handed, in entry-id order, to the I/O thread through a deque it drains
+without taking that lock (so the I/O thread never waits while a submitter
+signs), and which from then on owns every piece of mutable write state: the
+``_pending`` deque, the acknowledgements, the LAC, the ensemble. It hands
+each bookie of the ensemble, with one ``send_adds`` per drain, the ops whose
+write set (the Qw bookies starting at slot ``entry % E``) it is in; the
+connection batches them (``bk.client.connection``) and a group
+acknowledgement confirms many at once, each confirmation setting the slot's
+bit in the op (no per-entry sets); the handle then advances once. The head of ``_pending`` is
 acknowledged once Qa bookies confirmed it; acknowledging pops every complete
 op from the head, so acknowledgement (and the LAC) follows entry-id order
 whatever order bookies answer in.

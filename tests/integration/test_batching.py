@@ -273,3 +273,44 @@ def test_range_reads_of_a_striped_ledger_with_a_dead_bookie(cluster_factory):
         got = rh.read_entries(0, 2999)
         assert [e.data for e in got] == data
         assert got[-1].length == sum(len(d) for d in data)
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_recovery_reads_a_long_tail_by_ranges(cluster_factory, batching):
+    """600 entries beyond any LAC on all three bookies (one of which takes no
+    batches) and entry 600 on one bookie only: recovery fences, reads the tail
+    (READ_RANGE windows, single READs from the old bookie) and closes at 599, or
+    at 600 if it saw that copy before two bookies said they lack it (both are
+    BookKeeper's semantics: 600 was never acknowledged, but the writer sent it)."""
+    cluster = cluster_factory(2)
+    old = cluster.add_bookie(frameBatching=False)
+    with bk.BookKeeper(cluster.metadata_uri) as w:
+        lh = w.create_ledger(3, 3, 2, password=PW)
+        lid = lh.ledger_id
+        ens = lh.metadata.last_ensemble
+        sign = D.EntryDigest(lid, "crc32c", PW).sign
+        ents, length = [], 0
+        for e in range(601):
+            data = b"tail-%d" % e * 10
+            length += len(data)
+            ents.append((lid, e, -1, sign(e, -1, length, data), data))
+        for b in ens:
+            n = cluster.store.bookie_info(b)["numShards"]
+            with BookieConnection(b, shard=P.shard_of(lid, n)) as c:
+                mine = ents if b == ens[0] else ents[:600]
+                if b == old.bookie_id:
+                    for x in mine:
+                        assert c.call(P.add(c.next_rid(), x[0], x[1], x[2], MK, x[3], x[4]))[2] == EOK
+                else:
+                    c.send_raw(P.encode_add_batch(c.next_rid(), MK, 0, mine))
+                    acked, errors, _ = _recv_acks(c, len(mine))
+                    assert len(acked) == len(mine) and not errors
+        with bk.BookKeeper(cluster.metadata_uri, frameBatching=batching) as r:
+            rh = r.open_ledger(lid, password=PW)
+            last = rh.last_add_confirmed
+            assert rh.is_closed and last in (599, 600)
+            got = rh.read_entries(0, last)
+            assert [e.data for e in got] == [x[4] for x in ents[:last + 1]]
+            assert rh.length == sum(len(x[4]) for x in ents[:last + 1])
+        with pytest.raises(LedgerFencedError):
+            lh.add_entry(b"late")
