@@ -65,7 +65,7 @@ record (``bk.bookie.journal``), so a bookie appends each entry from the
 received frame with one copy, and a client sends each entry as two buffers
 (its 30-byte head with the digest, made once when the entry is signed, and
 the caller's payload object) in a ``sendmsg`` without joining them. A record
-that runs past the bin, a count that does not match, or a count over
+that runs past the bin, a negative id, a count that does not match, or a count over
 ``MAX_BATCH_ENTRIES`` is a protocol error (the connection is closed).
 
 A bookie does not answer ADD_BATCH frame by frame: after the group commit
@@ -379,7 +379,7 @@ def split_add_batch(records, count: int) -> list:
     """Check an ADD_BATCH's records and locate them: a list of ``(ledger, entry,
     lac, start, end)`` where ``records[start:end]`` is the journal body of the
     entry (ledger .. payload). Raises ProtocolError for a truncated record, a
-    count that does not match, or too many entries."""
+    count that does not match, too many entries, or a negative id."""
     if type(count) is not int or not 0 < count <= MAX_BATCH_ENTRIES:
         raise ProtocolError(f"ADD_BATCH with a bad entry count {count!r} "
                             f"(1..{MAX_BATCH_ENTRIES})")
@@ -396,6 +396,9 @@ def split_add_batch(records, count: int) -> list:
             if end > size:
                 raise ProtocolError(f"ADD_BATCH record {len(out)} is truncated: it needs "
                                     f"{end - off} bytes, {size - off} are left")
+            if ledger < 0 or entry < 0:
+                raise ProtocolError(f"ADD_BATCH record {len(out)} has a negative ledger or "
+                                    f"entry id")
             append((ledger, entry, lac, off + 4, end))
             off = end
     except struct.error:

@@ -640,9 +640,6 @@ class ShardWorker:
                 self.m.add_error("EREADONLY", True)
             self._send(conn, _frame(P.add_ack(rid, [], errors)))
             return
-        for lid, eid, _lac, _s, _e in recs:
-            if lid < 0 or eid < 0:
-                raise ProtocolError("ADD_BATCH with a negative ledger or entry id")
         ack = conn.ack
         if conn.ack_gen != self._gen:
             ack = conn.ack = [rid, [], []]

@@ -209,6 +209,13 @@ def test_bad_add_batch_records(mangle, match):
         P.split_add_batch(mangle(recs), 2)
 
 
+def test_add_batch_negative_ids():
+    for lid, eid in ((-1, 0), (1, -5)):
+        recs = struct.pack("<IqqqH", 1, lid, eid, -1, 0) + b"x"
+        with pytest.raises(ProtocolError, match="negative"):
+            P.split_add_batch(recs, 1)
+
+
 @pytest.mark.parametrize("count,match", [
     (3, "truncated"),                                      # announces more than it holds
     (1, "carries"),                                        # announces fewer
