@@ -276,58 +276,75 @@ class ShardStorage:
         statuses as :meth:`add_entry` entry by entry: a fenced ledger refuses
         every entry that is not a recovery add. Returns how many failed."""
         src = memoryview(records)
-        ledgers = self._ledgers
-        append = self._journal.append_add_body
-        failed = 0
-        cur = -1
-        st = None
-        idx = None
         try:
-            for lid, eid, lac, start, end in recs:
-                if lid != cur:
-                    cur = lid
-                    st = ledgers.get(lid)
-                    # Only an existing ledger with this key that takes adds is fast.
-                    if st is not None and (st.key != master_key or (st.fenced and not recovery)):
-                        st = None
-                    idx = None if st is None else st.idx
-                if st is not None and idx and eid - st.base == len(idx) and eid >= 0:
-                    try:
-                        pos = append(src, start, end)
-                    except RecordTooLargeError as e:
-                        log.warning("add entry %d of ledger %d refused: %s", eid, lid, e)
-                        status = EBADREQ
-                    except (JournalError, OSError) as e:
-                        log.error("add entry %d of ledger %d failed: %s", eid, lid, e)
-                        status = EIO
-                    else:
-                        idx.append(pos)
-                        self._entries += 1
-                        seq = pos >> 32
-                        sb = st.segb
-                        sb[seq] = sb.get(seq, 0) + 9 + end - start
-                        if lac > st.lac:
-                            st.lac = lac
-                        if eid > st.last:
-                            st.last = eid
-                        if acked and acked[-1] == eid - 1 and acked[-3] == lid:
-                            acked[-1] = eid
-                        else:
-                            acked += (lid, eid, eid)
-                        continue
-                else:
-                    status = self._add_slow(lid, eid, lac, master_key, recovery, src, start, end)
-                    cur = -1           # the ledger's state may have changed (created)
-                    if status == EOK:
-                        if acked and acked[-1] == eid - 1 and acked[-3] == lid:
-                            acked[-1] = eid
-                        else:
-                            acked += (lid, eid, eid)
-                        continue
-                errors += (lid, eid, status)
-                failed += 1
+            return self._add_batch(recs, src, master_key, recovery, acked, errors)
         finally:
             src.release()
+
+    def _add_batch(self, recs, src, master_key, recovery, acked, errors) -> int:
+        ledgers = self._ledgers
+        failed = 0
+        i = 0
+        n = len(recs)
+        while i < n:
+            lid, eid, lac, start, end = recs[i]
+            st = ledgers.get(lid)
+            if st is not None and st.key == master_key and (recovery or not st.fenced) \
+                    and st.idx and eid - st.base == len(st.idx):
+                # The fast path: a run of this ledger's next entries, appended in one go.
+                j = i + 1
+                nxt = eid + 1
+                while j < n and recs[j][0] == lid and recs[j][1] == nxt:
+                    j += 1
+                    nxt += 1
+                run = recs[i:j]
+                positions = []
+                try:
+                    self._journal.append_add_bodies(src, [(r[3], r[4]) for r in run],
+                                                    positions)
+                except (JournalError, OSError) as e:
+                    log.error("add entry %d of ledger %d failed: %s", eid + len(positions),
+                              lid, e)
+                    status = EBADREQ if isinstance(e, RecordTooLargeError) else EIO
+                    for r in run[len(positions):]:
+                        errors += (lid, r[1], status)
+                        failed += 1
+                    run = run[:len(positions)]
+                if positions:
+                    st.idx.extend(positions)
+                    self._entries += len(positions)
+                    segb = st.segb
+                    seq = positions[0] >> 32
+                    if positions[-1] >> 32 == seq:
+                        # records back to back: 4-byte heads on the wire, 9 in the journal
+                        k = len(positions)
+                        segb[seq] = segb.get(seq, 0) + run[k - 1][4] - run[0][3] + 5 * k + 4
+                    else:               # the run rolled to a new segment
+                        for r, pos in zip(run, positions):
+                            seq = pos >> 32
+                            segb[seq] = segb.get(seq, 0) + 9 + r[4] - r[3]
+                    maxlac = max([r[2] for r in run])
+                    if maxlac > st.lac:
+                        st.lac = maxlac
+                    last = eid + len(positions) - 1
+                    if last > st.last:
+                        st.last = last
+                    if acked and acked[-1] == eid - 1 and acked[-3] == lid:
+                        acked[-1] = last
+                    else:
+                        acked += (lid, eid, last)
+                i = j
+                continue
+            status = self._add_slow(lid, eid, lac, master_key, recovery, src, start, end)
+            if status == EOK:
+                if acked and acked[-1] == eid - 1 and acked[-3] == lid:
+                    acked[-1] = eid
+                else:
+                    acked += (lid, eid, eid)
+            else:
+                errors += (lid, eid, status)
+                failed += 1
+            i += 1
         return failed
 
     def _add_slow(self, ledger, entry, lac, master_key, recovery, src, start, end) -> int:

@@ -314,3 +314,28 @@ def test_recovery_reads_a_long_tail_by_ranges(cluster_factory, batching):
             assert rh.length == sum(len(x[4]) for x in ents[:last + 1])
         with pytest.raises(LedgerFencedError):
             lh.add_entry(b"late")
+
+
+def test_bench_compare_runs_both_paths(cluster_factory):
+    import json
+    from click.testing import CliRunner
+    from bk.cli.shell import cli
+    cluster = cluster_factory(3)
+    env = {"BK_METADATA_URI": None, "BK_metadataServiceUri": None}
+    r = CliRunner().invoke(cli, ["--metadata", cluster.metadata_uri, "bench", "writes",
+                                 "--duration", "0.5", "--compare", "--json"], env=env,
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["single"]["batching"] is False and out["batched"]["batching"] is True
+    assert out["single"]["entries"] > 0 and out["batched"]["entries"] > 0
+    assert out["single"]["errors"] == out["batched"]["errors"] == 0
+    assert out["ratio"]["entries_per_sec"] > 0
+    r = CliRunner().invoke(cli, ["bench", "bookie", cluster.bookies[0].bookie_id, "--count",
+                                 "3000", "--compare", "--json"], env=env,
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    single, batched = json.loads(r.stdout)
+    assert single["batched"] is False and batched["batched"] is True
+    assert single["adds"] == batched["adds"] == 3000
+    assert batched["bookie_cpu_us_per_add"] > 0
