@@ -125,6 +125,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "kill -9 replays.", minimum=1 << 20),
     _S("nettyMaxFrameSizeBytes", int, 5 * 1024 * 1024, "Largest frame accepted or sent.",
        scope=BOTH, minimum=1024),
+    _S("frameBatching", bool, True, "Batched frames (ADD_BATCH with group acknowledgements, "
+       "READ_RANGE). A bookie with false does not announce them at HELLO, so clients use "
+       "single ADDs and READs with it; a client with false never sends them (the old "
+       "single-entry path, e.g. for bkshell bench --compare).", scope=BOTH),
     # --- disk space, GC ----------------------------------------------------------
     _S("diskUsageThreshold", float, 0.95, "Disk usage fraction at which the bookie turns "
        "read-only.", minimum=0.0, maximum=1.0),

@@ -23,6 +23,10 @@ The layouts, one per op (``->`` separates request from response)::
     GET_BOOKIE_INFO     [op, rid]        -> [op, rid, status, info_map]
     GET_LIST_OF_ENTRIES [op, rid, ledger] -> [op, rid, status, ledger, ranges]
     PING         [op, rid]               -> [op, rid, status]
+    ADD_BATCH    [op, rid, master_key, flags, count, records]
+              -> (group acknowledgement, see below) [op, rid, status, acked, errors]
+    READ_RANGE   [op, rid, ledger, first, last, max_bytes, flags, master_key, stride, offset]
+              -> [op, rid, status, ledger, next, entries, bookie_lac]
 
 * ``flags`` of ADD: ``FLAG_RECOVERY`` (recovery write, accepted on a fenced
   ledger). ``flags`` of READ / READ_LAC: ``FLAG_FENCE`` (fence the ledger,
@@ -38,10 +42,54 @@ The layouts, one per op (``->`` separates request from response)::
   ``None`` where no key is needed (plain reads).
 * ``ranges`` is a flat list ``[first, last, first, last, ...]`` of inclusive
   runs of entry ids the bookie holds.
+* HELLO's answer may carry a 7th field, ``features``, a bitmask of what the
+  bookie takes besides the ops above: ``FEATURE_ADD_BATCH`` (ADD_BATCH and
+  its group acknowledgements) and ``FEATURE_READ_RANGE``. A peer that does not
+  announce a feature is never sent it: a client talks to an older bookie with
+  single ADDs and READs, and an older client simply never sends the new ops.
 * HELLO: the client sends it first on a new connection and waits for the
   answer before sending anything else. ``shard`` names the shard worker the
   connection is for (``-1``: any, served by shard 0). The arbiter reads exactly
   this one frame and hands the socket to that worker, which answers it.
+
+Batched adds
+------------
+ADD_BATCH carries ``count`` entries of one or more ledgers of one shard that
+share a master key and flags. ``records`` is ONE msgpack bin holding the
+entries back to back, each a little-endian binary record::
+
+    plen:u32  ledger:i64  entry:i64  lac:i64  dlen:u16  digest[dlen]  payload[plen]
+
+Everything after ``plen`` is byte for byte the body of the journal's ADD
+record (``bk.bookie.journal``), so a bookie appends each entry from the
+received frame with one copy, and a client sends each entry as two buffers
+(its 30-byte head with the digest, made once when the entry is signed, and
+the caller's payload object) in a ``sendmsg`` without joining them. A record
+that runs past the bin, a negative id, a count that does not match, or a count over
+``MAX_BATCH_ENTRIES`` is a protocol error (the connection is closed).
+
+A bookie does not answer ADD_BATCH frame by frame: after the group commit
+that made them durable, it sends each connection ONE group acknowledgement
+(op ADD_BATCH, the rid of the last batch it covers, status EOK) for every
+batched entry of that group the connection carried. ``acked`` is a flat list
+of runs ``[ledger, first, last, ledger, first, last, ...]`` (inclusive);
+``errors`` a flat list ``[ledger, entry, status, ...]`` naming only the
+entries that failed (EFENCED, EUA, EBADREQ, EREADONLY, EIO), so a fenced
+ledger rejects every entry of a batch that arrives after the fence, one by
+one, while recovery adds (FLAG_RECOVERY) still go in. A client therefore
+matches batched adds by (ledger, entry), not by request id. A read-only bookie
+answers a batch at once, every entry in ``errors``.
+
+Range reads
+-----------
+READ_RANGE asks for the entries ``first..last`` of a ledger whose id is
+``offset`` modulo ``stride`` (``stride`` 1: all; a client reading a striped
+ensemble asks each bookie for the entries it is the first replica of). The
+answer holds them as a flat list ``[entry, entry_lac, digest, payload, ...]``
+in entry order, entries the bookie lacks skipped, and ``next``: the first entry
+id it did not look at (it stops after ``max_bytes`` of payload, at least one
+entry, or at ``last``). ``FLAG_FENCE`` fences the ledger first (durably, before
+answering), as for READ.
 
 The codec never touches a socket: :func:`encode_frame` makes bytes and
 :class:`FrameBuffer` takes bytes in and gives decoded bodies out.
@@ -79,12 +127,21 @@ WRITE_LAC = 4
 GET_BOOKIE_INFO = 5
 GET_LIST_OF_ENTRIES = 6
 PING = 7
+ADD_BATCH = 8
+READ_RANGE = 9
 
 OP_NAMES = {
     HELLO: "HELLO", ADD: "ADD", READ: "READ", READ_LAC: "READ_LAC",
     WRITE_LAC: "WRITE_LAC", GET_BOOKIE_INFO: "GET_BOOKIE_INFO",
-    GET_LIST_OF_ENTRIES: "GET_LIST_OF_ENTRIES", PING: "PING",
+    GET_LIST_OF_ENTRIES: "GET_LIST_OF_ENTRIES", PING: "PING", ADD_BATCH: "ADD_BATCH",
+    READ_RANGE: "READ_RANGE",
 }
+
+# features a bookie announces in its HELLO answer (7th field)
+FEATURE_ADD_BATCH = 1
+FEATURE_READ_RANGE = 2
+FEATURES = FEATURE_ADD_BATCH | FEATURE_READ_RANGE
+MAX_BATCH_ENTRIES = 1 << 16
 
 # flags
 FLAG_RECOVERY = 1      # ADD: recovery write, allowed on a fenced ledger
@@ -94,7 +151,7 @@ FLAG_LONG_POLL = 2     # READ: wait for the LAC to pass previous_lac
 # Number of fields of each request, op and request id included.
 REQUEST_ARITY = {
     HELLO: 5, ADD: 9, READ: 8, READ_LAC: 5, WRITE_LAC: 5,
-    GET_BOOKIE_INFO: 2, GET_LIST_OF_ENTRIES: 3, PING: 2,
+    GET_BOOKIE_INFO: 2, GET_LIST_OF_ENTRIES: 3, PING: 2, ADD_BATCH: 6, READ_RANGE: 10,
 }
 
 _LEN = struct.Struct(">I")
@@ -122,64 +179,93 @@ def decode_body(data) -> list:
 class FrameBuffer:
     """Accumulates bytes from a stream and yields decoded frame bodies.
 
-    ``feed(data)`` appends; iterating ``frames()`` yields each complete body as a
-    list. An announced length over ``max_frame_size`` or an undecodable body
-    raises :class:`ProtocolError`; the connection must then be closed.
+    Bytes come in by ``feed(data)``, or without a copy by receiving straight
+    into the buffer: ``view = recv_buffer(n)`` is a writable memoryview of ``n``
+    free bytes (``sock.recv_into(view)``), and ``commit(k)`` takes the ``k``
+    bytes received. Iterating ``frames()`` yields each complete body as a list,
+    decoded in place. An announced length over ``max_frame_size`` or an
+    undecodable body raises :class:`ProtocolError`; the connection must then be
+    closed. The buffer is reused: consumed bytes are dropped by moving the
+    unread tail to its front, and it only grows for a frame larger than itself.
     """
 
-    __slots__ = ("_buf", "_pos", "max_frame_size")
+    __slots__ = ("_buf", "_mv", "_pos", "_end", "_cap", "max_frame_size")
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE):
-        self._buf = bytearray()
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, capacity: int = 1 << 18):
+        self._cap = capacity
+        self._buf = bytearray(capacity)
+        self._mv = memoryview(self._buf)
         self._pos = 0
+        self._end = 0
         self.max_frame_size = max_frame_size
 
+    def _room(self, n: int) -> None:
+        pos, end = self._pos, self._end
+        if pos == end:
+            self._pos = self._end = pos = end = 0
+            if len(self._buf) > 16 * self._cap and n <= self._cap:  # back from a large frame
+                self._buf = bytearray(self._cap)
+                self._mv = memoryview(self._buf)
+        size = len(self._buf)
+        if size - end >= n:
+            return
+        live = end - pos
+        if live + n <= size:
+            self._mv[0:live] = self._mv[pos:end]       # memmove of the unread tail
+        else:
+            buf = bytearray(max(live + n, size * 2))
+            buf[:live] = self._mv[pos:end]
+            self._buf = buf
+            self._mv = memoryview(buf)
+        self._pos, self._end = 0, live
+
     def feed(self, data) -> None:
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        self._buf += data
+        n = len(data)
+        self._room(n)
+        end = self._end
+        self._mv[end:end + n] = data
+        self._end = end + n
+
+    def recv_buffer(self, n: int) -> memoryview:
+        """A writable view of ``n`` free bytes at the end of the data (see commit)."""
+        self._room(n)
+        return self._mv[self._end:self._end + n]
+
+    def commit(self, k: int) -> None:
+        """Take ``k`` bytes written into the last :meth:`recv_buffer` view."""
+        self._end += k
 
     @property
     def pending(self) -> int:
         """Bytes received but not yet returned as frames."""
-        return len(self._buf) - self._pos
+        return self._end - self._pos
 
     def frames(self):
-        buf = self._buf
-        pos = self._pos
-        end = len(buf)
         unpack_len = _LEN.unpack_from
         limit = self.max_frame_size
-        try:
-            while end - pos >= 4:
-                (n,) = unpack_len(buf, pos)
-                if n > limit:
-                    raise ProtocolError(f"frame of {n} bytes exceeds the limit of {limit}")
-                if n == 0:
-                    raise ProtocolError("empty frame")
-                if end - pos - 4 < n:
-                    break
-                # Decode straight out of the buffer (no copy of the body); the view is
-                # released before yielding so the consumer may feed() again.
-                with memoryview(buf) as mv:
-                    try:
-                        msg = _unpackb(mv[pos + 4:pos + 4 + n], raw=False, use_list=True,
-                                       strict_map_key=False)
-                    except Exception as e:  # msgpack raises several unrelated types
-                        raise ProtocolError(f"undecodable frame: {e}") from None
-                if type(msg) is not list or not msg:
-                    raise ProtocolError(f"frame body is not a non-empty array: "
-                                        f"{type(msg).__name__}")
-                pos += 4 + n
-                self._pos = pos
-                yield msg
-        finally:
-            self._pos = pos
-            # Compact once the consumed prefix dominates, so the buffer does not grow.
-            if pos > 65536 and pos * 2 > len(buf):
-                del buf[:pos]
-                self._pos = 0
+        while True:
+            # Re-read after every yield: the consumer may have fed more meanwhile.
+            pos, end, mv = self._pos, self._end, self._mv
+            if end - pos < 4:
+                return
+            (n,) = unpack_len(mv, pos)
+            if n > limit:
+                raise ProtocolError(f"frame of {n} bytes exceeds the limit of {limit}")
+            if n == 0:
+                raise ProtocolError("empty frame")
+            if end - pos - 4 < n:
+                return
+            # Decode straight out of the buffer (no copy of the body).
+            try:
+                msg = _unpackb(mv[pos + 4:pos + 4 + n], raw=False, use_list=True,
+                               strict_map_key=False)
+            except Exception as e:  # msgpack raises several unrelated types
+                raise ProtocolError(f"undecodable frame: {e}") from None
+            if type(msg) is not list or not msg:
+                raise ProtocolError(f"frame body is not a non-empty array: "
+                                    f"{type(msg).__name__}")
+            self._pos = pos + 4 + n
+            yield msg
 
 
 def check_request(msg: list) -> int:
@@ -249,3 +335,113 @@ def ids_to_ranges(ids) -> list[int]:
         else:
             out.extend((e, e))
     return out
+
+
+# --- batched adds -------------------------------------------------------------
+
+_REC = struct.Struct("<IqqqH")       # plen, ledger, entry, lac, dlen: the head of a record
+REC_HEAD = _REC.size                 # 30 bytes; the journal body starts at offset 4
+_unpack_rec = _REC.unpack_from
+_BIN32 = struct.Struct(">BI")
+
+
+def add_record_struct(dlen: int) -> struct.Struct:
+    """The struct packing a record's head and its ``dlen``-byte digest in one call:
+    ``pack(plen, ledger, entry, lac, dlen, digest)`` (the payload follows it)."""
+    return struct.Struct(f"<IqqqH{dlen}s")
+
+
+def add_record_head(ledger: int, entry: int, lac: int, digest: bytes, plen: int) -> bytes:
+    """The head of one ADD_BATCH record (the payload of ``plen`` bytes follows)."""
+    return _REC.pack(plen, ledger, entry, lac, len(digest)) + digest
+
+
+def add_batch_head(rid: int, master_key: bytes, flags: int, count: int, nbytes: int) -> bytes:
+    """Length prefix and msgpack head of an ADD_BATCH frame whose ``count`` records
+    take ``nbytes``: the records follow it as they are (``sendmsg``)."""
+    head = _packb([ADD_BATCH, rid, master_key, flags, count])
+    # [op, rid, key, flags, count] as a 6-array, then the bin32 header of the records.
+    body_len = len(head) + 5 + nbytes
+    return _LEN.pack(body_len) + b"\x96" + head[1:] + _BIN32.pack(0xC6, nbytes)
+
+
+def encode_add_batch(rid: int, master_key: bytes, flags: int, entries) -> bytes:
+    """A whole ADD_BATCH frame of ``entries``: (ledger, entry, lac, digest, payload)."""
+    parts = []
+    for ledger, entry, lac, digest, payload in entries:
+        parts.append(add_record_head(ledger, entry, lac, digest, len(payload)))
+        parts.append(payload)
+    records = b"".join(parts)
+    return add_batch_head(rid, master_key, flags, len(entries), len(records)) + records
+
+
+def split_add_batch(records, count: int) -> list:
+    """Check an ADD_BATCH's records and locate them: a list of ``(ledger, entry,
+    lac, start, end)`` where ``records[start:end]`` is the journal body of the
+    entry (ledger .. payload). Raises ProtocolError for a truncated record, a
+    count that does not match, too many entries, or a negative id."""
+    if type(count) is not int or not 0 < count <= MAX_BATCH_ENTRIES:
+        raise ProtocolError(f"ADD_BATCH with a bad entry count {count!r} "
+                            f"(1..{MAX_BATCH_ENTRIES})")
+    if type(records) is not bytes:
+        raise ProtocolError("ADD_BATCH records are not a bin")
+    size = len(records)
+    out = []
+    append = out.append
+    off = 0
+    try:
+        for _ in range(count):
+            plen, ledger, entry, lac, dlen = _unpack_rec(records, off)
+            end = off + REC_HEAD + dlen + plen
+            if end > size:
+                raise ProtocolError(f"ADD_BATCH record {len(out)} is truncated: it needs "
+                                    f"{end - off} bytes, {size - off} are left")
+            if ledger < 0 or entry < 0:
+                raise ProtocolError(f"ADD_BATCH record {len(out)} has a negative ledger or "
+                                    f"entry id")
+            append((ledger, entry, lac, off + 4, end))
+            off = end
+    except struct.error:
+        raise ProtocolError(f"ADD_BATCH record {len(out)} is truncated: {size - off} bytes "
+                            f"left for a {REC_HEAD}-byte head") from None
+    if off != size:
+        raise ProtocolError(f"ADD_BATCH announces {count} entries but carries "
+                            f"{size - off} more bytes")
+    return out
+
+
+def decode_add_batch(records, count: int) -> list:
+    """The entries of an ADD_BATCH: a list of (ledger, entry, lac, digest, payload)."""
+    out = []
+    for ledger, entry, lac, start, end in split_add_batch(records, count):
+        (dlen,) = struct.unpack_from("<H", records, start + 24)
+        d = start + 26
+        out.append((ledger, entry, lac, records[d:d + dlen], records[d + dlen:end]))
+    return out
+
+
+def add_ack(rid: int, acked: list, errors: list) -> list:
+    """A group acknowledgement: runs ``[ledger, first, last, ...]`` and errors
+    ``[ledger, entry, status, ...]``."""
+    return [ADD_BATCH, rid, 0, acked, errors]
+
+
+def ack_run(acked: list, ledger: int, entry: int) -> None:
+    """Add ``entry`` of ``ledger`` to the runs of a group acknowledgement."""
+    if acked and acked[-1] == entry - 1 and acked[-3] == ledger:
+        acked[-1] = entry
+    else:
+        acked += (ledger, entry, entry)
+
+
+def check_add_ack(msg: list) -> None:
+    """Validate a group acknowledgement's shape (a client's check)."""
+    if len(msg) != 5 or type(msg[3]) is not list or type(msg[4]) is not list \
+            or len(msg[3]) % 3 or len(msg[4]) % 3:
+        raise ProtocolError("malformed ADD_BATCH acknowledgement")
+
+
+def read_range(rid, ledger, first, last, max_bytes, fence=False, master_key=None,
+               stride=1, offset=0) -> list:
+    return [READ_RANGE, rid, ledger, first, last, max_bytes, FLAG_FENCE if fence else 0,
+            master_key, stride, offset]

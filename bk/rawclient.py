@@ -36,6 +36,7 @@ class BookieConnection:
         if hello[2] != 0:
             raise BKError(f"HELLO to {bookie_id} shard {shard} refused with status {hello[2]}")
         self.num_shards = hello[4]
+        self.features = hello[6] if len(hello) > 6 and type(hello[6]) is int else 0
 
     def next_rid(self) -> int:
         self._rid += 1

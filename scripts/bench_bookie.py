@@ -5,6 +5,7 @@
     scripts/bench_bookie.py --bookie 127.0.0.1:3181 --count 500000
     scripts/bench_bookie.py --sync false         # journalSyncData=false, for comparison
     scripts/bench_bookie.py --stats false        # enableStatistics=false: the metrics' cost
+    scripts/bench_bookie.py --compare            # single ADDs vs ADD_BATCH, same bookie, same run
 
 Prints adds/s, MB/s, p50/p99/p99.9 latency and adds per journal sync.
 """
@@ -25,6 +26,9 @@ def main():
     ap.add_argument("--group-wait", default="2", help="journalMaxGroupWaitMSec of the local bookie")
     ap.add_argument("--stats", default="true", help="enableStatistics of the local bookie "
                     "(false: to measure what the metrics cost)")
+    ap.add_argument("--single", action="store_true", help="single ADD frames (the old path)")
+    ap.add_argument("--compare", action="store_true",
+                    help="run single ADDs, then ADD_BATCH, and print the ratios")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     from bk.bench.bookie import bench_bookie
@@ -41,14 +45,29 @@ def main():
     try:
         def progress(done, total, rate):
             print(f"  {done}/{total} adds, {rate:,.0f} adds/s", file=sys.stderr)
-        r = bench_bookie(bookie, a.entry_size, a.count, a.window, progress=progress)
+        if a.compare:
+            runs = [bench_bookie(bookie, a.entry_size, a.count, a.window, progress=progress,
+                                 batched=b) for b in (False, True)]
+        else:
+            runs = [bench_bookie(bookie, a.entry_size, a.count, a.window, progress=progress,
+                                 batched=not a.single)]
     finally:
         if cluster:
             cluster.stop()
     if a.json:
-        print(json.dumps(r, indent=1))
+        print(json.dumps(runs if a.compare else runs[0], indent=1))
         return
-    print(f"bookie {r['bookie']}: {r['adds']} adds of {r['entry_size']} B, window {r['window']}")
+    for r in runs:
+        _show(r)
+    if a.compare:
+        s, b = runs
+        print(f"batched / single: {b['adds_per_sec'] / s['adds_per_sec']:.2f}x adds/s, "
+              f"worker CPU per add {b['bookie_cpu_us_per_add'] / s['bookie_cpu_us_per_add']:.2f}x")
+
+
+def _show(r):
+    print(f"bookie {r['bookie']}: {r['adds']} adds of {r['entry_size']} B, window {r['window']}, "
+          f"{'ADD_BATCH' if r['batched'] else 'single ADD'}")
     print(f"  throughput  {r['adds_per_sec']:,.0f} adds/s  {r['mb_per_sec']:.1f} MB/s")
     lat = r["latency_ms"]
     print(f"  latency     p50 {lat['p50']:.2f} ms  p99 {lat['p99']:.2f} ms  p99.9 {lat['p999']:.2f} ms")

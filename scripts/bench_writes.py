@@ -32,10 +32,18 @@ def main():
     p.add_argument("--ledgers", type=int, default=1)
     p.add_argument("--rate", type=float, default=None, help="entries/s (default: as fast as possible)")
     p.add_argument("--profile", metavar="FILE", help="write a cProfile of the run to FILE")
+    p.add_argument("--compare", action="store_true",
+                   help="single-entry path (frameBatching=false), then batched, same cluster")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
 
     def run(uri):
+        if a.compare:
+            from bk.bench.writes import compare_writes
+            return compare_writes(uri, ensemble=a.ensemble, write_quorum=a.write_quorum,
+                                  ack_quorum=a.ack_quorum, entry_size=a.entry_size,
+                                  duration=a.duration, window=a.window, ledgers=a.ledgers,
+                                  rate=a.rate)
         kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum, ack_quorum=a.ack_quorum,
                   entry_size=a.entry_size, duration=a.duration, window=a.window,
                   ledgers=a.ledgers, rate=a.rate)
@@ -62,7 +70,19 @@ def main():
                 res = run(c.metadata_uri)
     if a.json:
         print(json.dumps(res))
+    elif a.compare:
+        for name in ("single", "batched"):
+            print(name + ":")
+            show(res[name])
+        q = res["ratio"]
+        print(f"batched / single: {q['entries_per_sec']}x entries/s, "
+              f"{q['client_cpu_us_per_entry']}x client CPU per entry, {q['p99']}x p99")
     else:
+        show(res)
+
+
+def show(res):
+    if True:
         lat = res["latency_ms"]
         print(f"E={res['ensemble']} Qw={res['write_quorum']} Qa={res['ack_quorum']} "
               f"entry={res['entry_size']}B window={res['window']} ledgers={res['ledgers']} "

@@ -142,6 +142,7 @@ TYPE_NAMES = {ADD: "ADD", FENCE: "FENCE", MASTER_KEY: "MASTER_KEY",
               WRITE_LAC: "WRITE_LAC", STATE: "STATE", DELETE: "DELETE", DROP: "DROP"}
 
 _PREFIX = struct.Struct("<II")            # crc, length
+_PREFIX_T = struct.Struct("<IIB")         # crc, length, type
 _ADD_HDR = struct.Struct("<IIBqqqH")      # crc, length, type, ledger, entry, lac, dlen
 ADD_OVERHEAD = _ADD_HDR.size              # record bytes of an ADD besides digest + payload
 _ADD_FIELDS = struct.Struct("<qqqH")
@@ -691,6 +692,64 @@ class Journal:
         self._unsynced += n
         self._unsynced_records += 1
         return self._seqbase | off
+
+    def append_add_body(self, src, start: int, end: int) -> int:
+        """Append an ADD record whose body (ledger .. payload, see the format) is
+        ``src[start:end]``, e.g. straight from a received ADD_BATCH; return its
+        position (hot path: one copy into the staging buffer, one CRC)."""
+        n = 9 + end - start
+        off = self._off
+        i = off - self._wbase
+        if off + n > self._size or i + n > len(self._buf):
+            self._reserve(n)
+            off = self._off
+            i = off - self._wbase
+        buf = self._buf
+        e = i + n
+        _PREFIX_T.pack_into(buf, i, 0, n - 8, ADD)
+        buf[i + 9:e] = src[start:end]
+        _CRC.pack_into(buf, i, crc32c(self._bv[i + 4:e]))
+        self._off = off + n
+        self._unsynced += n
+        self._unsynced_records += 1
+        return self._seqbase | off
+
+    def append_add_bodies(self, src, spans, positions: list) -> None:
+        """:meth:`append_add_body` for each ``(start, end)`` of ``spans`` in turn,
+        appending each record's position to ``positions`` (so that, if one
+        raises, the ones before it are known)."""
+        bv = self._bv
+        buf = self._buf
+        pack_prefix = _PREFIX_T.pack_into
+        pack_crc = _CRC.pack_into
+        out = positions.append
+        off = self._off
+        wbase = self._wbase
+        limit = min(self._size, wbase + len(buf))
+        seqbase = self._seqbase
+        k0 = self._off
+        n0 = len(positions)
+        try:
+            for start, end in spans:
+                n = 9 + end - start
+                if off + n > limit:
+                    self._off = off
+                    self._unsynced += off - k0
+                    self._reserve(n)
+                    off = k0 = self._off
+                    bv, buf, wbase, seqbase = self._bv, self._buf, self._wbase, self._seqbase
+                    limit = min(self._size, wbase + len(buf))
+                i = off - wbase
+                e = i + n
+                pack_prefix(buf, i, 0, n - 8, ADD)
+                buf[i + 9:e] = src[start:end]
+                pack_crc(buf, i, crc32c(bv[i + 4:e]))
+                out(seqbase | off)
+                off += n
+        finally:
+            self._unsynced_records += len(positions) - n0
+            self._unsynced += off - k0
+            self._off = off
 
     def _append_raw(self, st: struct.Struct, args: tuple, tail: bytes = b"") -> int:
         n = st.size + len(tail)

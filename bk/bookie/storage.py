@@ -272,6 +272,119 @@ class ShardStorage:
             self._index_put(st, entry, lac, pos, ADD_OVERHEAD + len(digest) + len(payload))
         return EOK
 
+    def add_batch(self, recs: list, records, master_key: bytes, recovery: bool,
+                  acked: list, errors: list) -> int:
+        """Append the entries of one ADD_BATCH (``recs`` from
+        ``protocol.split_add_batch``; each body is appended from ``records`` as
+        received). Each entry goes into the runs ``acked`` or, with its status,
+        into ``errors`` (see ``protocol.add_ack``), with the same checks and
+        statuses as :meth:`add_entry` entry by entry: a fenced ledger refuses
+        every entry that is not a recovery add. Returns how many failed."""
+        src = memoryview(records)
+        try:
+            return self._add_batch(recs, src, master_key, recovery, acked, errors)
+        finally:
+            src.release()
+
+    def _add_batch(self, recs, src, master_key, recovery, acked, errors) -> int:
+        ledgers = self._ledgers
+        failed = 0
+        i = 0
+        n = len(recs)
+        while i < n:
+            lid, eid, lac, start, end = recs[i]
+            st = ledgers.get(lid)
+            if st is not None and st.key == master_key and (recovery or not st.fenced) \
+                    and st.idx and eid - st.base == len(st.idx):
+                # The fast path: a run of this ledger's next entries, appended in one go.
+                j = i + 1
+                nxt = eid + 1
+                while j < n and recs[j][0] == lid and recs[j][1] == nxt:
+                    j += 1
+                    nxt += 1
+                run = recs[i:j]
+                positions = []
+                try:
+                    self._journal.append_add_bodies(src, [(r[3], r[4]) for r in run],
+                                                    positions)
+                except (JournalError, OSError) as e:
+                    log.error("add entry %d of ledger %d failed: %s", eid + len(positions),
+                              lid, e)
+                    status = EBADREQ if isinstance(e, RecordTooLargeError) else EIO
+                    for r in run[len(positions):]:
+                        errors += (lid, r[1], status)
+                        failed += 1
+                    run = run[:len(positions)]
+                if positions:
+                    st.idx.extend(positions)
+                    self._entries += len(positions)
+                    segb = st.segb
+                    seq = positions[0] >> 32
+                    if positions[-1] >> 32 == seq:
+                        # records back to back: 4-byte heads on the wire, 9 in the journal
+                        k = len(positions)
+                        segb[seq] = segb.get(seq, 0) + run[k - 1][4] - run[0][3] + 5 * k + 4
+                    else:               # the run rolled to a new segment
+                        for r, pos in zip(run, positions):
+                            seq = pos >> 32
+                            segb[seq] = segb.get(seq, 0) + 9 + r[4] - r[3]
+                    maxlac = max([r[2] for r in run])
+                    if maxlac > st.lac:
+                        st.lac = maxlac
+                    last = eid + len(positions) - 1
+                    if last > st.last:
+                        st.last = last
+                    if acked and acked[-1] == eid - 1 and acked[-3] == lid:
+                        acked[-1] = last
+                    else:
+                        acked += (lid, eid, last)
+                i = j
+                continue
+            status = self._add_slow(lid, eid, lac, master_key, recovery, src, start, end)
+            if status == EOK:
+                if acked and acked[-1] == eid - 1 and acked[-3] == lid:
+                    acked[-1] = eid
+                else:
+                    acked += (lid, eid, eid)
+            else:
+                errors += (lid, eid, status)
+                failed += 1
+            i += 1
+        return failed
+
+    def _add_slow(self, ledger, entry, lac, master_key, recovery, src, start, end) -> int:
+        """:meth:`add_entry` for a record body of an ADD_BATCH (every case but the
+        next entry of a known ledger)."""
+        st = self._ledgers.get(ledger)
+        if st is None:
+            if ledger in self._tomb:
+                return EFENCED
+            if entry < 0 or not self._owned(ledger):
+                return EBADREQ
+            st = self._new_ledger(ledger, master_key)
+            if st is None:
+                return EIO
+        elif st.key != master_key:
+            status = self._key_mismatch(ledger, st, master_key)
+            if status != EOK:
+                return status
+        if st.fenced and not recovery:
+            return EFENCED
+        n = len(st.idx)
+        i = entry - (st.base if n else entry)
+        if entry < 0 or i - n > MAX_ENTRY_GAP or -i > MAX_ENTRY_GAP:
+            return EBADREQ
+        try:
+            pos = self._journal.append_add_body(src, start, end)
+        except RecordTooLargeError as e:
+            log.warning("add entry %d of ledger %d refused: %s", entry, ledger, e)
+            return EBADREQ
+        except (JournalError, OSError) as e:
+            log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
+            return EIO
+        self._index_put(st, entry, lac, pos, 9 + end - start)
+        return EOK
+
     def _index_put(self, st: _Ledger, entry: int, lac: int, pos: int, rlen: int) -> None:
         """Point ``entry`` at ``pos`` in the ledger's index, growing it either way."""
         idx = st.idx
@@ -444,6 +557,49 @@ class ShardStorage:
                       entry, ledger, re_, rl)
             return EIO, -1, b"", b""
         return EOK, lac, digest, payload
+
+    def read_range(self, ledger: int, first: int, last: int, max_bytes: int, stride: int = 1,
+                   offset: int = 0, max_count: int = 10000) -> tuple[int, int, list]:
+        """``(status, next, entries)`` for READ_RANGE: the entries ``first..last``
+        whose id is ``offset`` mod ``stride`` that this shard holds, as a flat list
+        ``[entry, entry_lac, digest, payload, ...]``, up to ``max_bytes`` of payload
+        (at least one entry) or ``max_count`` entries; ``next`` is the first entry
+        id not looked at. ENOLEDGER for an unknown ledger; a corrupt copy ends the
+        range before it (EIO if it is the first)."""
+        st = self._ledgers.get(ledger)
+        if st is None:
+            return ENOLEDGER, first, []
+        idx = st.idx
+        base = st.base
+        hi = min(last, base + len(idx) - 1)
+        e = first + (offset - first) % stride
+        if e < base:
+            e += (base - e + stride - 1) // stride * stride
+        out = []
+        total = 0
+        read_add = self._journal.read_add
+        while e <= hi:
+            pos = idx[e - base]
+            if pos >= 0:
+                try:
+                    rl, re_, lac, digest, payload = read_add(pos)
+                except CorruptRecordError as err:
+                    log.error("read of entry %d of ledger %d: %s", e, ledger, err)
+                    rl = re_ = -1
+                if rl != ledger or re_ != e:
+                    if rl != -1:
+                        log.error("read of entry %d of ledger %d: index points elsewhere",
+                                  e, ledger)
+                    return (EIO if not out else EOK), e, out
+                n = len(payload)
+                if out and total + n > max_bytes:
+                    return EOK, e, out
+                out += (e, lac, digest, payload)
+                total += n
+                if total >= max_bytes or len(out) >= 4 * max_count:
+                    return EOK, e + 1, out
+            e += stride
+        return EOK, max(first, last + 1), out
 
     def read_lac(self, ledger: int) -> tuple[int, int, int]:
         """``(status, lac, last_entry_id)``; ENOLEDGER with ``-1, -1``."""

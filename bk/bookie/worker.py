@@ -15,6 +15,25 @@ committed with ONE sync and only then are its responses sent. So an
 acknowledged ADD or a confirmed fence is on disk, and a burst of adds from many
 connections shares one sync.
 
+Batched adds (``ADD_BATCH``, see ``bk.protocol``): every entry of a batch is
+checked and appended at once, straight from the received frame (the records
+are journal-shaped, one copy each into the journal's staging buffer), with
+the same per-entry rules as a single ADD (a fenced ledger refuses each entry
+that is not a recovery add, EFENCED). Their answers are not frames per entry:
+each connection has at most one *group acknowledgement* per group, held like
+any response, into which the batches it sends during that group put their
+entries (runs ``ledger, first, last``; per-entry errors only where one
+occurred). When the group's sync completes, that is ONE frame per connection
+for every batched entry of the group. Single ADDs keep their own answers, so a
+client that never sends ADD_BATCH sees the protocol as before; HELLO's answer
+announces the features (``frameBatching``).
+
+Input is received with ``recv_into`` the connection's reusable FrameBuffer and
+decoded in place; a connection's held answers go out with one ``sendmsg`` of
+the frames (no join, no copy into the output buffer unless the socket is full).
+``READ_RANGE`` answers many entries of a ledger in one frame, up to a byte
+budget (at most half the frame limit).
+
 The sync itself runs on a second thread (``fdatasync`` releases the GIL), as
 BookKeeper's journal has its own sync thread: while group N is being made
 durable the loop already reads, appends and holds group N+1, which is
@@ -89,7 +108,7 @@ SWITCH_INTERVAL = 0.0002
 
 
 class _Conn:
-    __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused")
+    __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused", "ack", "ack_gen")
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
@@ -102,6 +121,8 @@ class _Conn:
         self.closed = False
         self.writing = False
         self.paused = False
+        self.ack = None          # [rid, acked runs, errors] of the group being gathered
+        self.ack_gen = -1        # the group ``ack`` belongs to
 
 
 class ShardWorker:
@@ -139,6 +160,10 @@ class ShardWorker:
         self.m = ShardMetrics() if conf.enableStatistics else NoMetrics()
         self._held_other = 0
         self._held_failed = 0
+        self._held_acks = 0        # group acknowledgements held (each one frame)
+        self._held_batched = 0     # batched adds they cover
+        self._gen = 0              # the group being gathered (see _Conn.ack_gen)
+        self.features = P.FEATURES if conf.frameBatching else 0
         self._group = None                           # (adds, failed, answers, first held)
         self._sync_t0 = 0.0
         self._last_read_status = EOK
@@ -246,8 +271,10 @@ class ShardWorker:
 
     def _take_group(self, held) -> tuple:
         n = len(held)
-        group = (n - self._held_other, self._held_failed, n, self.first_held)
-        self._held_other = self._held_failed = 0
+        adds = n - self._held_other - self._held_acks + self._held_batched
+        group = (adds, self._held_failed, adds + self._held_other, self.first_held)
+        self._held_other = self._held_failed = self._held_acks = self._held_batched = 0
+        self._gen += 1          # later batched adds go into new group acknowledgements
         return group
 
     def _count_group(self, group, sync_t0):
@@ -473,24 +500,25 @@ class ShardWorker:
         elif self.conf.authToken and token != self.conf.authToken:
             status = EUA
         self._send(conn, _frame([P.HELLO, rid, status, P.PROTOCOL_VERSION, self.num_shards,
-                                 self.bookie_id]))
+                                 self.bookie_id, self.features]))
         if status != EOK:
             self._flush(conn)
             self._close(conn, "HELLO refused: " + ("bad version" if status == EBADVERSION
                                                    else "bad auth token"))
 
     def _on_readable(self, conn: _Conn):
+        fb = conn.fb
         try:
-            data = conn.sock.recv(RECV_SIZE)
+            n = conn.sock.recv_into(fb.recv_buffer(RECV_SIZE), RECV_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
             return
-        if not data:
+        if not n:
             self._close(conn, None)
             return
-        conn.fb.feed(data)
+        fb.commit(n)
         self._dispatch_frames(conn)
 
     def _dispatch_frames(self, conn: _Conn):
@@ -528,9 +556,15 @@ class ShardWorker:
                 self.m.add_error(status_name(status), False)
             self._hold(conn, _frame([P.ADD, rid, status, lid, eid]))
             return
+        if op == P.ADD_BATCH and len(msg) == 6:
+            self._add_batch(conn, msg)
+            return
         op = P.check_request(msg)
         rid = msg[1]
         st = self.storage
+        if op == P.READ_RANGE:
+            self._read_range(conn, msg)
+            return
         if op in (P.READ, P.READ_LAC, P.WRITE_LAC, P.GET_LIST_OF_ENTRIES):
             lid = msg[2]
             if type(lid) is not int or lid < 0:
@@ -600,6 +634,67 @@ class ShardWorker:
         else:
             self._send(conn, _frame([op, rid, EBADREQ]))
 
+    def _add_batch(self, conn: _Conn, msg: list):
+        """ADD_BATCH: append every entry now; the connection's group acknowledgement
+        of this group (one frame, sent after its sync) gets the entries' runs and
+        errors."""
+        _, rid, mk, flags, count, records = msg
+        if type(mk) is not bytes or type(flags) is not int or type(rid) is not int:
+            raise ProtocolError("ADD_BATCH with a non-bytes master key or bad flags")
+        recs = P.split_add_batch(records, count)
+        if self.readonly:
+            errors = []
+            for lid, eid, _lac, _s, _e in recs:
+                errors += (lid, eid, EREADONLY)
+                self.m.add_error("EREADONLY", True)
+            self._send(conn, _frame(P.add_ack(rid, [], errors)))
+            return
+        ack = conn.ack
+        if conn.ack_gen != self._gen:
+            ack = conn.ack = [rid, [], []]
+            conn.ack_gen = self._gen
+            self._held_acks += 1
+            self._hold(conn, ack)
+        else:
+            ack[0] = rid
+        failed = self.storage.add_batch(recs, records, mk, flags & P.FLAG_RECOVERY,
+                                        ack[1], ack[2])
+        self._held_batched += len(recs)
+        if failed:
+            self._held_failed += failed
+            errors = ack[2]
+            for i in range(len(errors) - 3 * failed + 2, len(errors), 3):
+                self.m.add_error(status_name(errors[i]), False)
+
+    def _read_range(self, conn: _Conn, msg: list):
+        _, rid, lid, first, last, max_bytes, flags, mk, stride, offset = msg
+        for v in (lid, first, last, max_bytes, flags, stride, offset):
+            if type(v) is not int:
+                raise ProtocolError("READ_RANGE with a non-integer field")
+        if lid < 0 or stride < 1 or not 0 <= offset < stride:
+            raise ProtocolError(f"READ_RANGE with a bad ledger id, stride or offset: "
+                                f"{lid}, {stride}, {offset}")
+        # The answer must fit a frame: payloads up to half of it (at least one entry).
+        budget = max(1, min(max_bytes, self.max_frame // 2))
+        if flags & P.FLAG_FENCE:
+            if type(mk) is not bytes:
+                raise ProtocolError("fencing READ_RANGE without a master key")
+            status = self.storage.fence(lid, mk)
+            self._held_other += 1
+            if status != EOK:
+                self._hold(conn, _frame([P.READ_RANGE, rid, status, lid, first, [], -1]))
+                return
+            status, nxt, entries = self.storage.read_range(lid, first, last, budget, stride,
+                                                           offset)
+            self._hold(conn, _frame([P.READ_RANGE, rid, status, lid, nxt, entries,
+                                     self.storage.lac(lid)]))
+            return
+        t0 = time.monotonic()
+        status, nxt, entries = self.storage.read_range(lid, first, last, budget, stride, offset)
+        self._send(conn, _frame([P.READ_RANGE, rid, status, lid, nxt, entries,
+                                 self.storage.lac(lid)]))
+        self.m.read(status, time.monotonic() - t0)
+
     def _read_response(self, rid: int, lid: int, eid: int) -> bytes:
         if eid < 0:
             self._last_read_status = ENOENTRY
@@ -658,15 +753,48 @@ class ShardWorker:
         self.held.append((conn, frame))
 
     def _release(self, held):
-        touched = set()
+        touched = {}
         for conn, frame in held:
             if not conn.closed:
-                conn.out += frame
-                touched.add(conn)
-        for conn in touched:
+                if type(frame) is list:          # a group acknowledgement
+                    frame = _frame(P.add_ack(frame[0], frame[1], frame[2]))
+                frames = touched.get(conn)
+                if frames is None:
+                    touched[conn] = [frame]
+                else:
+                    frames.append(frame)
+        for conn, frames in touched.items():
+            if conn.out or len(frames) > 64:   # many single answers: one buffer, as before
+                for f in frames:
+                    conn.out += f
+                self._flush(conn)
+            else:
+                self._send_frames(conn, frames)
+
+    def _send_frames(self, conn: _Conn, frames: list):
+        """Send frames with one ``sendmsg`` (no join); what the socket does not take
+        waits in ``conn.out``."""
+        try:
+            n = conn.sock.sendmsg(frames)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError as e:
+            self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+            return
+        for f in frames:
+            k = len(f)
+            if n >= k:
+                n -= k
+                continue
+            conn.out += memoryview(f)[n:] if n else f
+            n = 0
+        if conn.out:
             self._flush(conn)
 
     def _send(self, conn: _Conn, frame: bytes):
+        if not conn.out and not conn.writing and not conn.closed:
+            self._send_frames(conn, [frame])     # no copy into conn.out if it all goes
+            return
         conn.out += frame
         if not conn.writing:
             self._flush(conn)

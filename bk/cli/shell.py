@@ -1151,11 +1151,13 @@ def bench():
 @click.option("--ledgers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--rate", default=None, type=click.FloatRange(min=1),
               help="Entries/s to submit (open loop); default: as fast as acknowledged.")
+@click.option("--compare", is_flag=True, help="Run the old single-entry path "
+              "(frameBatching=false), then batched frames, and print the ratios.")
 @_json_opt
 @pass_ctx
 @handled
 def bench_writes_cmd(c, ensemble, write_quorum, ack_quorum, entry_size, duration, window,
-                     ledgers, rate, as_json):
+                     ledgers, rate, compare, as_json):
     """Durable writes through the client: throughput and latency percentiles.
 
     \b
@@ -1169,17 +1171,34 @@ def bench_writes_cmd(c, ensemble, write_quorum, ack_quorum, entry_size, duration
         click.echo(f"writing {entry_size}-byte entries for {duration:g}s "
                    f"(E={ensemble} Qw={write_quorum} Qa={ack_quorum}, window {window}, "
                    f"{ledgers} ledgers)...", err=True)
-    r = bench_writes(c.uri(), ensemble, write_quorum, ack_quorum, entry_size, duration, window,
-                     ledgers, rate=rate, metadataTimeoutMillis=int(c.timeout * 1000))
+    kw = dict(ensemble=ensemble, write_quorum=write_quorum, ack_quorum=ack_quorum,
+              entry_size=entry_size, duration=duration, window=window, ledgers=ledgers,
+              rate=rate, metadataTimeoutMillis=int(c.timeout * 1000))
+    if compare:
+        from bk.bench.writes import compare_writes
+        r = compare_writes(c.uri(), **kw)
+        runs = [("single ADD", r["single"]), ("batched", r["batched"])]
+    else:
+        r = bench_writes(c.uri(), **kw)
+        runs = [(None, r)]
     if as_json:
         return _json_out(r)
-    lat = r["latency_ms"]
-    click.echo(f"{r['entries']} entries in {r['seconds']}s: {r['entries_per_sec']:.0f} "
-               f"entries/s, {r['mb_per_sec']} MB/s")
-    click.echo(f"latency ms: p50 {lat['p50']}  p95 {lat['p95']}  p99 {lat['p99']}  "
-               f"p99.9 {lat['p99.9']}  max {r['latency_max_ms']}")
-    if r.get("errors"):
-        fail(PROG, f"{r['errors']} adds failed")
+    for name, x in runs:
+        lat = x["latency_ms"]
+        if name:
+            click.echo(f"{name}:")
+        click.echo(f"{x['entries']} entries in {x['seconds']}s: {x['entries_per_sec']:.0f} "
+                   f"entries/s, {x['mb_per_sec']} MB/s, client CPU "
+                   f"{x['client_cpu_us_per_entry']} us/entry")
+        click.echo(f"latency ms: p50 {lat['p50']}  p95 {lat['p95']}  p99 {lat['p99']}  "
+                   f"p99.9 {lat['p99.9']}  max {x['latency_max_ms']}")
+    if compare:
+        q = r["ratio"]
+        click.echo(f"batched / single: {q['entries_per_sec']}x entries/s, "
+                   f"{q['client_cpu_us_per_entry']}x client CPU per entry, {q['p99']}x p99")
+    errors = sum(x.get("errors") or 0 for _, x in runs)
+    if errors:
+        fail(PROG, f"{errors} adds failed")
 
 
 @bench.command("bookie")
@@ -1187,10 +1206,12 @@ def bench_writes_cmd(c, ensemble, write_quorum, ack_quorum, entry_size, duration
 @click.option("--entry-size", default=1024, show_default=True, type=click.IntRange(min=1))
 @click.option("--count", default=100_000, show_default=True, type=click.IntRange(min=1))
 @click.option("--window", default=2000, show_default=True, type=click.IntRange(min=1))
+@click.option("--compare", is_flag=True, help="Single ADD frames, then ADD_BATCH, and "
+              "the ratios.")
 @_json_opt
 @pass_ctx
 @handled
-def bench_bookie_cmd(c, bookie_id, entry_size, count, window, as_json):
+def bench_bookie_cmd(c, bookie_id, entry_size, count, window, compare, as_json):
     """Pipelined durable adds to one bookie over the raw protocol (no quorum).
 
     Needs no metadata store when BOOKIE_ID is host:port.
@@ -1210,14 +1231,23 @@ def bench_bookie_cmd(c, bookie_id, entry_size, count, window, as_json):
     if not as_json:
         def cb(done, total, rate):
             click.echo(f"{done}/{total} adds, {rate:.0f}/s", err=True)
-    r = bench_bookie(addr, entry_size=entry_size, count=count, window=window, progress=cb)
+    runs = [bench_bookie(addr, entry_size=entry_size, count=count, window=window,
+                         progress=cb, batched=b) for b in ((False, True) if compare else (True,))]
     if as_json:
-        return _json_out(r)
-    lat = r["latency_ms"]
-    click.echo(f"{r['adds']} adds of {entry_size} bytes in {r['seconds']}s: "
-               f"{r['adds_per_sec']:.0f} adds/s, {r['mb_per_sec']} MB/s")
-    click.echo(f"latency ms: p50 {lat['p50']}  p99 {lat['p99']}  p99.9 {lat['p999']}")
-    click.echo(f"journal syncs: {r['journal_syncs']} ({r['adds_per_sync']} adds per sync)")
+        return _json_out(runs if compare else runs[0])
+    for r in runs:
+        lat = r["latency_ms"]
+        click.echo(f"{'ADD_BATCH' if r['batched'] else 'single ADD'}: {r['adds']} adds of "
+                   f"{entry_size} bytes in {r['seconds']}s: "
+                   f"{r['adds_per_sec']:.0f} adds/s, {r['mb_per_sec']} MB/s")
+        click.echo(f"latency ms: p50 {lat['p50']}  p99 {lat['p99']}  p99.9 {lat['p999']}")
+        click.echo(f"journal syncs: {r['journal_syncs']} ({r['adds_per_sync']} adds per "
+                   f"sync), worker CPU {r['bookie_cpu_us_per_add']} us per add")
+    if compare:
+        s, b = runs
+        click.echo(f"batched / single: {b['adds_per_sec'] / s['adds_per_sec']:.2f}x adds/s, "
+                   f"{b['bookie_cpu_us_per_add'] / s['bookie_cpu_us_per_add']:.2f}x worker "
+                   f"CPU per add")
 
 
 @bench.command("log")

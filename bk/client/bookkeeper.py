@@ -77,7 +77,8 @@ class BookKeeper:
             raise MetadataError(f"connect to metadata store {uri}: {e}") from None
         self._io = IOLoop(max_frame_size=conf.nettyMaxFrameSizeBytes,
                           connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
-                          auth_token=conf.authToken or None)
+                          auth_token=conf.authToken or None,
+                          batching=conf.frameBatching)
         self._executor_obj = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="bk-meta")
 

@@ -15,9 +15,26 @@ pipelines: every request has a request id, ``inflight`` maps it to the request
 object, whose ``on_reply(conn, msg)`` or ``on_error(conn, exc)`` the loop calls
 exactly once. The same encoded frame may be sent on several connections (an
 entry goes to its whole write quorum), which is why request ids come from one
-counter per loop. Frames queued in one loop pass go out with one ``send`` per
-connection. A broken connection fails all of its requests with
+counter per loop. A broken connection fails all of its requests with
 :class:`BookieUnavailableError` and reconnects lazily on the next request.
+
+Adds are not requests by id: a write handle hands a connection its adds with
+:meth:`Connection.send_adds`, and the connection keeps them by (ledger,
+entry) in ``adds`` until the bookie acknowledges or refuses each (a broken
+connection fails them all). When the loop writes a connection, the adds queued
+on it since its last write are coalesced: to a bookie that announced
+``FEATURE_ADD_BATCH`` at HELLO (and with ``frameBatching`` on) as ADD_BATCH
+frames of up to ``BATCH_BYTES`` / ``BATCH_ENTRIES``, grouped by master key,
+each entry being two buffers made once when it was signed (its record head
+and the caller's payload, shared by its whole write quorum); otherwise as one
+single ADD frame per entry. The bookie answers a group commit with one group
+acknowledgement per connection (runs of entries, plus per-entry errors), which
+the loop applies entry by entry (a slot bit per op, no sets) and then advances
+each handle it touched once. Everything a write produces goes out with
+``sendmsg`` of the buffers as they are (at most ``_IOV`` per call), never
+joined; what the socket does not take waits in ``wq``. Replies are received
+with ``recv_into`` the connection's reusable :class:`protocol.FrameBuffer`
+and decoded in place.
 
 Per-request timeouts: requests sent with a timeout are remembered by request
 id in an insertion-ordered map per timeout value (deadlines of one timeout
@@ -63,6 +80,11 @@ _EV_R = selectors.EVENT_READ
 _EV_RW = selectors.EVENT_READ | selectors.EVENT_WRITE
 _RECV = 1 << 18
 _FAIL_FAST_SEC = 0.1
+_IOV = 1000                    # buffers per sendmsg (IOV_MAX is 1024)
+BATCH_BYTES = 1 << 20          # records per ADD_BATCH frame, at most (and the frame limit)
+BATCH_ENTRIES = 1000
+_ADD_BATCH = protocol.ADD_BATCH
+_ADD = protocol.ADD
 
 _loops: "weakref.WeakSet[IOLoop]" = weakref.WeakSet()
 
@@ -137,6 +159,14 @@ class DeadConnection:
         exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
         self.loop.call_soon(req.on_error, self, exc)
 
+    def send_adds(self, ops):
+        exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
+        for op in ops:
+            self.loop.call_soon(op.on_error, self, exc)
+
+    def send_featured(self, feature, rid, req, frame, timeout=None):
+        self.send(rid, req, frame, timeout)
+
     def __repr__(self):
         return f"<DeadConnection {self.bookie_id}: {self.reason}>"
 
@@ -145,8 +175,9 @@ class Connection:
     """One pipelined stream to one shard of one bookie (used on the I/O thread only)."""
 
     __slots__ = ("loop", "bookie_id", "shard", "addr", "state", "sock", "inflight",
-                 "queued", "out", "wbuf", "fb", "dirty", "num_shards", "down_until",
-                 "_connect_deadline", "_wants_write", "__weakref__")
+                 "queued", "out", "wq", "fb", "dirty", "num_shards", "down_until",
+                 "adds", "addq", "features", "waiting", "_connect_deadline", "_wants_write",
+                 "__weakref__")
 
     def __init__(self, loop, bookie_id, shard, addr):
         self.loop = loop
@@ -158,7 +189,11 @@ class Connection:
         self.inflight = {}
         self.queued = []
         self.out = []
-        self.wbuf = b""
+        self.wq = []             # buffers the socket has not taken yet
+        self.adds = {}           # ledger -> {entry: op, or a list of ops (two handles)}
+        self.addq = []           # lists of ops to send at the next write
+        self.features = 0        # what the bookie announced at HELLO
+        self.waiting = []        # send_featured requests until HELLO tells the features
         self.fb = None
         self.dirty = False
         self.num_shards = None
@@ -188,8 +223,58 @@ class Connection:
             else:
                 self._connect()
 
+    def send_adds(self, ops):
+        """Send the adds ``ops`` (PendingAdd objects of one handle); each op's
+        ``on_reply(conn, msg)`` / ``on_error(conn, exc)`` gets its outcome here."""
+        lid = ops[0].handle._lid
+        d = self.adds.get(lid)
+        if d is None:
+            d = self.adds[lid] = {}
+        setdefault = d.setdefault
+        for op in ops:
+            prev = setdefault(op.entry_id, op)
+            if prev is not op:          # the same entry of another handle (a recovery)
+                if prev.__class__ is list:
+                    if op not in prev:
+                        prev.append(op)
+                else:
+                    d[op.entry_id] = [prev, op]
+        self.addq.append(ops)
+        if self.state == READY:
+            if not self.dirty:
+                self.dirty = True
+                self.loop._dirty.append(self)
+        elif self.state == IDLE:
+            if self.down_until and time.monotonic() < self.down_until:
+                self.loop.call_soon(self._fail_queued_fast)
+            else:
+                self._connect()
+
+    def send_featured(self, feature, rid, req, frame, timeout=None):
+        """Send a request that needs ``feature`` of the bookie (e.g. READ_RANGE);
+        a bookie without it never sees it: ``req.unsupported(conn)`` runs instead
+        (once HELLO told, if the connection is not up yet)."""
+        if self.state == READY:
+            if self.features & feature:
+                self.send(rid, req, frame, timeout)
+            else:
+                req.unsupported(self)
+            return
+        self.waiting.append((feature, rid, req, frame, timeout))
+        if self.state == IDLE:
+            if self.down_until and time.monotonic() < self.down_until:
+                self.loop.call_soon(self._fail_queued_fast)
+            else:
+                self._connect()
+
+    def _take_add(self, d, e, v):
+        """``v`` is the list of ops of the same (ledger, entry): the oldest answers."""
+        op = v.pop(0)
+        d[e] = v[0] if len(v) == 1 else v
+        return op
+
     def _fail_queued_fast(self):
-        if self.state == IDLE and self.inflight:
+        if self.state == IDLE and (self.inflight or self.adds or self.waiting):
             self._fail(BookieUnavailableError(
                 f"bookie {self.bookie_id} is unavailable: a connection attempt just failed"),
                 fast=True)
@@ -228,9 +313,9 @@ class Connection:
                 f"{os.strerror(err)}"))
             return
         self.state = HELLO
-        self.wbuf = protocol.encode_frame(
+        self.wq = [protocol.encode_frame(
             protocol.hello(0, -1 if self.shard is None else self.shard,
-                           self.loop.auth_token or None))
+                           self.loop.auth_token or None))]
         self._write()
 
     def _on_hello(self, msg):
@@ -245,31 +330,40 @@ class Connection:
                 f"bookie {self.bookie_id}: {self.addr[0]}:{self.addr[1]} is bookie {their_id}"))
             return
         self.num_shards = num_shards
+        self.features = (msg[6] if len(msg) > 6 and type(msg[6]) is int else 0) \
+            if self.loop.batching else 0
         self.state = READY
         self.down_until = 0.0
         self.loop._connecting.discard(self)
-        if self.queued:
+        if self.queued or self.addq:
             self.out.extend(self.queued)
             self.queued = []
             if not self.dirty:
                 self.dirty = True
                 self.loop._dirty.append(self)
+        if self.waiting:
+            waiting, self.waiting = self.waiting, []
+            for feature, rid, req, frame, timeout in waiting:
+                try:
+                    self.send_featured(feature, rid, req, frame, timeout)
+                except Exception:
+                    log.exception("request handler failed for %r", req)
 
     # --- I/O events ------------------------------------------------------------
     def _on_readable(self):
+        fb = self.fb
         try:
-            data = self.sock.recv(_RECV)
+            n = self.sock.recv_into(fb.recv_buffer(_RECV), _RECV)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self._fail(BookieUnavailableError(f"connection to bookie {self.bookie_id} broke: "
                                               f"{e.strerror or e}"))
             return
-        if not data:
+        if not n:
             self._fail(BookieUnavailableError(f"bookie {self.bookie_id} closed the connection"))
             return
-        fb = self.fb
-        fb.feed(data)
+        fb.commit(n)
         inflight = self.inflight
         untrack = self.loop._untrack if self.loop._timeouts else None
         try:
@@ -279,6 +373,13 @@ class Connection:
                         self._on_hello(msg)
                         if self.state != READY:
                             return
+                    continue
+                op = msg[0]
+                if op == _ADD_BATCH:
+                    self._on_add_ack(msg)
+                    continue
+                if op == _ADD:
+                    self._on_add_reply(msg)
                     continue
                 req = inflight.pop(msg[1], None)
                 if req is not None:
@@ -291,6 +392,80 @@ class Connection:
         except ProtocolError as e:
             self._fail(BookieUnavailableError(f"bad frame from bookie {self.bookie_id}: {e}"))
 
+    def _on_add_reply(self, msg):
+        """The answer to a single ADD: ``[op, rid, status, ledger, entry]``."""
+        if len(msg) < 5:
+            raise ProtocolError("malformed ADD answer")
+        d = self.adds.get(msg[3])
+        if d is None:
+            return
+        e = msg[4]
+        op = d.pop(e, None)
+        if op is None:
+            return
+        if op.__class__ is list:
+            op = self._take_add(d, e, op)
+        elif not d:
+            del self.adds[msg[3]]
+        try:
+            op.on_reply(self, msg)
+        except Exception:
+            log.exception("add reply handler failed for %r", op)
+
+    def _on_add_ack(self, msg):
+        """A group acknowledgement: confirm every entry of its runs (a slot bit and
+        a count per op), hand its errors to their handles, then advance each
+        handle it touched once."""
+        protocol.check_add_ack(msg)
+        acked, errors = msg[3], msg[4]
+        adds = self.adds
+        touched = []
+        h = None
+        bit = 0
+        for i in range(0, len(acked), 3):
+            lid = acked[i]
+            d = adds.get(lid)
+            if d is None:
+                continue
+            pop = d.pop
+            for e in range(acked[i + 1], acked[i + 2] + 1):
+                op = pop(e, None)
+                if op is None:
+                    continue
+                if op.__class__ is list:
+                    op = self._take_add(d, e, op)
+                if op.handle is not h:
+                    h = op.handle
+                    touched.append(h)
+                    bit = h._ack_bits.get(self, 0)
+                if op.done or not bit or op.acked & bit:
+                    continue
+                op.acked |= bit
+                op.nacks += 1
+            if not d:
+                del adds[lid]
+        for i in range(0, len(errors), 3):
+            lid, e, status = errors[i], errors[i + 1], errors[i + 2]
+            d = adds.get(lid)
+            op = None if d is None else d.pop(e, None)
+            if op is None:
+                continue
+            if op.__class__ is list:
+                op = self._take_add(d, e, op)
+            elif not d:
+                del adds[lid]
+            try:
+                op.on_reply(self, [_ADD, msg[1], status, lid, e])
+            except Exception:
+                log.exception("add reply handler failed for %r", op)
+        if len(touched) > 1:
+            touched = set(touched)
+        for h in touched:
+            try:
+                h._advance()
+            except Exception:
+                log.exception("advancing %r failed", h)
+
     def _on_writable(self):
         if self.state == CONNECTING:
             self._on_connected()
@@ -298,29 +473,79 @@ class Connection:
         self._write()
 
     def _write(self):
-        data = self.wbuf
+        q = self.wq
         if self.out:
-            out = self.out
-            if data:
-                out.insert(0, bytes(data))
-            data = b"".join(out) if len(out) > 1 else out[0]
+            q.extend(self.out)
             self.out = []
-        if not data:
-            return
-        try:
-            n = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError as e:
-            self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
-                                              f"{e.strerror or e}"))
-            return
-        rest = memoryview(data)[n:] if n < len(data) else b""
-        self.wbuf = rest
-        wants = bool(rest) or self.state == CONNECTING
+        if self.addq and self.state == READY:
+            self._encode_adds(q)
+        sock = self.sock
+        while q:
+            chunk = q[:_IOV] if len(q) > _IOV else q
+            try:
+                n = sock.sendmsg(chunk)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
+                                                  f"{e.strerror or e}"))
+                return
+            i = 0
+            k = len(chunk)
+            while i < k:
+                m = len(chunk[i])
+                if n < m:
+                    break
+                n -= m
+                i += 1
+            if i < k:
+                if n:
+                    q[i] = memoryview(q[i])[n:]
+                del q[:i]
+                break
+            del q[:i]
+        wants = bool(q) or self.state == CONNECTING
         if wants != self._wants_write:
             self._wants_write = wants
             self.loop.sel.modify(self.sock, _EV_RW if wants else _EV_R, self)
+
+    def _encode_adds(self, q):
+        """Turn the queued adds into ADD_BATCH frames (or single ADDs for a bookie
+        without the feature) appended to the write queue ``q``."""
+        chunks, self.addq = self.addq, []
+        if not self.features & protocol.FEATURE_ADD_BATCH:
+            for ops in chunks:
+                for op in ops:
+                    q.append(op.frame or op.single_frame())
+            return
+        rids = self.loop.rids
+        head = protocol.add_batch_head
+        limit = min(BATCH_BYTES, self.loop.max_frame_size // 2)
+        by_key = {}
+        for ops in chunks:
+            key = ops[0].handle._bkey
+            lists = by_key.get(key)
+            if lists is None:
+                by_key[key] = [ops]
+            else:
+                lists.append(ops)
+        for (mk, flags), lists in by_key.items():
+            at = len(q)
+            q.append(None)                  # the frame's head, once its size is known
+            count = nbytes = 0
+            for ops in lists:
+                for op in ops:
+                    w = op.wlen
+                    if count and (count >= BATCH_ENTRIES or nbytes + w > limit):
+                        q[at] = head(next(rids), mk, flags, count, nbytes)
+                        at = len(q)
+                        q.append(None)
+                        count = nbytes = 0
+                    q.append(op.head)
+                    q.append(op.data)
+                    count += 1
+                    nbytes += w
+            q[at] = head(next(rids), mk, flags, count, nbytes)
 
     # --- failure ------------------------------------------------------------------
     def _fail(self, exc, fast=False):
@@ -336,15 +561,26 @@ class Connection:
             self.sock.close()
             self.sock = None
         self.state = IDLE
-        self.wbuf = b""
+        self.wq = []
         self.out = []
         self.queued = []
+        self.addq = []
         self._wants_write = False
         reqs = list(self.inflight.values())
         if self.loop._timeouts:
             for rid in self.inflight:
                 self.loop._untrack(rid)
         self.inflight = {}
+        for _f, _r, req, _fr, _t in self.waiting:
+            reqs.append(req)
+        self.waiting = []
+        adds, self.adds = self.adds, {}
+        for d in adds.values():
+            for v in d.values():
+                if v.__class__ is list:
+                    reqs.extend(v)
+                else:
+                    reqs.append(v)
         if reqs:
             log.debug("%s failed, failing %d requests: %s", self, len(reqs), exc)
         for req in reqs:
@@ -368,8 +604,9 @@ class IOLoop:
     conn, request, stop."""
 
     def __init__(self, max_frame_size=protocol.DEFAULT_MAX_FRAME_SIZE, connect_timeout=5.0,
-                 auth_token=None, name="bk-io"):
+                 auth_token=None, name="bk-io", batching=True):
         self.max_frame_size = max_frame_size
+        self.batching = batching          # use the features bookies announce (frameBatching)
         self.connect_timeout = connect_timeout
         self.auth_token = auth_token
         self.name = name

@@ -128,6 +128,11 @@ class EntryDigest:
             self._sum_len = 0
         self._checksum = checksum
 
+    @property
+    def size(self) -> int:
+        """Bytes of the digest field of every entry of this ledger."""
+        return 8 + self._sum_len
+
     def sign(self, entry: int, lac: int, length: int, payload) -> bytes:
         return _LENGTH.pack(length) + self._checksum(entry, lac, length, payload)
 

@@ -4,12 +4,17 @@ Theory of operation (write path)
 --------------------------------
 A user thread turns payloads into :class:`PendingAdd` objects under the
 handle's lock: it assigns the entry id, the cumulative length, signs the
-digest (carrying the LAC known at that moment: the piggybacked LAC) and
-encodes the ADD frame once. The ops are handed, in entry-id order, to the I/O
-thread, which from then on owns every piece of mutable write state: the
-``_pending`` deque, the acknowledgements, the LAC, the ensemble. It sends
-each frame to the entry's write set (the Qw bookies starting at slot
-``entry % E``) and counts confirmations per op. The head of ``_pending`` is
+digest (carrying the LAC known at that moment: the piggybacked LAC) and packs
+the entry's ADD_BATCH record head once (the payload is never copied). The ops
+are handed, in entry-id order, to the I/O thread through a deque it drains
+without taking that lock (so the I/O thread never waits while a submitter
+signs), and which from then on owns every piece of mutable write state: the
+``_pending`` deque, the acknowledgements, the LAC, the ensemble. It hands
+each bookie of the ensemble, with one ``send_adds`` per drain, the ops whose
+write set (the Qw bookies starting at slot ``entry % E``) it is in; the
+connection batches them (``bk.client.connection``) and a group
+acknowledgement confirms many at once, each confirmation setting the slot's
+bit in the op (no per-entry sets); the handle then advances once. The head of ``_pending`` is
 acknowledged once Qa bookies confirmed it; acknowledging pops every complete
 op from the head, so acknowledgement (and the LAC) follows entry-id order
 whatever order bookies answer in.
@@ -65,7 +70,7 @@ from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavail
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
-from bk.metrics import client_metrics
+from bk.metrics import client_metrics, observe_many
 
 log = logging.getLogger("bk.client")
 
@@ -98,32 +103,53 @@ class LedgerEntry:
 
 
 class PendingAdd:
-    """One add in flight (I/O-thread state after submission)."""
+    """One add in flight (I/O-thread state after submission).
 
-    __slots__ = ("handle", "entry_id", "rid", "frame", "length", "acked", "nfenced",
-                 "done", "cb", "t_sent", "backoff")
+    ``head`` is the entry's ADD_BATCH record head (ids, LAC, digest) and ``data``
+    its payload: the two buffers every bookie of its write quorum is sent.
+    ``acked`` has bit ``1 << slot`` set for each ensemble slot that confirmed it,
+    ``nacks`` counts them. ``frame`` (a single ADD, for a bookie without batches)
+    is made only when needed."""
 
-    def __init__(self, handle, entry_id, rid, frame, length, cb):
+    __slots__ = ("handle", "entry_id", "rid", "head", "data", "wlen", "lac", "digest",
+                 "frame", "length", "acked", "nacks", "nfenced", "done", "cb", "t_sent",
+                 "backoff")
+
+    def __init__(self, handle, entry_id, rid, head, data, lac, digest, length, cb):
         self.handle = handle
         self.entry_id = entry_id
         self.rid = rid
-        self.frame = frame
+        self.head = head
+        self.data = data
+        self.wlen = len(head) + len(data)
+        self.lac = lac
+        self.digest = digest
+        self.frame = None
         self.length = length
-        self.acked = set()
+        self.acked = 0
+        self.nacks = 0
         self.nfenced = 0
         self.done = False
         self.cb = cb
         self.t_sent = 0.0
         self.backoff = None     # {conn: next back-off} once a bookie said ETOOMANYREQUESTS
 
+    def single_frame(self) -> bytes:
+        """This entry as a single ADD frame (made once, for bookies without batches)."""
+        h = self.handle
+        f = self.frame = _encode([_ADD, self.rid, h._lid, self.entry_id, self.lac,
+                                  h._master_key, h._flags, self.digest, self.data])
+        return f
+
     def on_reply(self, conn, msg):
         h = self.handle
         if msg[2] == EOK:
-            if self.done or conn not in h._ack_ok:
+            bit = h._ack_bits.get(conn, 0)
+            if self.done or not bit or self.acked & bit:
                 return
-            acked = self.acked
-            acked.add(conn)
-            if len(acked) >= h._qa:
+            self.acked |= bit
+            self.nacks += 1
+            if self.nacks >= h._qa:
                 pending = h._pending
                 if pending and pending[0] is self:
                     h._advance()
@@ -248,6 +274,82 @@ class _ReadOp:
         return BookieUnavailableError(f"{what}: no bookie of the write set answered ({detail})")
 
 
+class _RangeRead:
+    """READ_RANGE of the entries of ``ops`` (consecutive reads of one fragment whose
+    first replica is the bookie of ``conn``), on the I/O thread: each entry that
+    comes back with a good digest completes its op; an entry the bookie lacks or
+    sent corrupt, or every op left when the bookie fails, moves on to its next
+    replica by a single READ (``_ReadOp._next``). A bookie without the feature
+    gets single READs. Answers cut by the byte budget are followed up from ``next``."""
+
+    __slots__ = ("h", "conn", "ops", "stride", "offset", "budget", "first", "last")
+
+    def __init__(self, h, conn, ops, stride, offset, budget):
+        self.h = h
+        self.conn = conn
+        self.ops = {op.entry_id: op for op in ops}
+        self.stride = stride
+        self.offset = offset
+        self.budget = budget
+        self.first = ops[0].entry_id
+        self.last = ops[-1].entry_id
+
+    def start(self):
+        h = self.h
+        rid = next(h._loop.rids)
+        self.conn.send_featured(
+            protocol.FEATURE_READ_RANGE, rid, self,
+            _encode(protocol.read_range(rid, h._lid, self.first, self.last, self.budget,
+                                        stride=self.stride, offset=self.offset)),
+            h._read_timeout)
+
+    def unsupported(self, conn):
+        for op in self.ops.values():
+            op.start()
+        self.ops = {}
+
+    def on_reply(self, conn, msg):
+        ops = self.ops
+        status = msg[2]
+        if status == EOK:
+            nxt, entries = msg[4], msg[5]
+            verify = self.h._digest.verify
+            lid = self.h._lid
+            bid = conn.bookie_id
+            for i in range(0, len(entries), 4):
+                e = entries[i]
+                op = ops.pop(e, None)
+                if op is None:
+                    continue
+                try:
+                    length = verify(e, entries[i + 1], entries[i + 2], entries[i + 3])
+                except DigestMismatchError as err:
+                    op.errors.append((bid, err))
+                    op._next()
+                    continue
+                op.result = LedgerEntry(lid, e, entries[i + 3], length)
+                op.batch.one_done()
+            if type(nxt) is int and nxt > self.first:
+                # covered up to nxt - 1: what is missing there, this bookie lacks
+                missing = [e for e in ops if e < nxt]
+                for e in missing:
+                    op = ops.pop(e)
+                    op.errors.append((bid, NoSuchEntryError(f"bookie {bid}: no entry {e}")))
+                    op._next()
+                if ops:
+                    self.first = min(ops)
+                    self.start()
+                return
+        exc = error_for_status(status if status != EOK else ENOENTRY, f"bookie {conn.bookie_id}")
+        self.on_error(conn, exc)
+
+    def on_error(self, conn, exc):
+        ops, self.ops = self.ops, {}
+        for op in ops.values():
+            op.errors.append((conn.bookie_id, exc))
+            op._next()
+
+
 class LedgerHandle:
     """A handle on one ledger: writable (from create_ledger) or read-only (open_*).
 
@@ -286,7 +388,7 @@ class LedgerHandle:
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
         self._m = client_metrics()
-        self._m_add_ok = self._m.add_ok.observe      # bound once: no label lookup per add
+        self._m_add_ok = self._m.add_ok               # bound once: no label lookup per add
         self._conn_gen = self._loop.generation
         self._prepare_conns(b for _, ens in md.ensembles for b in ens)
         if writable:
@@ -352,7 +454,12 @@ class LedgerHandle:
         self._next_entry = self._lac + 1
         self._pushed_length = self._length
         self._submitted = 0
-        self._outbox = []
+        # Lists of ops for the I/O thread, in entry order. Submitters append under
+        # self._lock; the I/O thread pops without it (deque operations are atomic),
+        # so it never waits for a submitter signing entries.
+        self._outbox = collections.deque()
+        self._flush_armed = False
+        self._rec = protocol.add_record_struct(self._digest.size).pack
         self._completed = 0                 # I/O thread only
         self._pending = collections.deque()  # I/O thread only
         self._error = None                  # (exception class, reason) once the handle is broken
@@ -368,6 +475,7 @@ class LedgerHandle:
         self._waiting = 0
         self._ticker_on = False
         self._flags = protocol.FLAG_RECOVERY if self._recovery else 0
+        self._bkey = (self._master_key, self._flags)   # adds batch per (key, flags)
         # explicitLacInterval > 0: an idle writer sends its LAC (WRITE_LAC) so that
         # readers see the last entry without waiting for the next add.
         self._explicit_lac = float(self._conf.explicitLacInterval) / 1000.0
@@ -380,16 +488,18 @@ class LedgerHandle:
     def _loop_died(self, reason):
         """The client's I/O thread is dying (called on it): fail every add in flight
         or still in the outbox, and refuse later ones."""
-        with self._lock:
-            ops, self._outbox = self._outbox, []
-        self._pending.extend(ops)
+        ob = self._outbox
+        while ob:
+            self._pending.extend(ob.popleft())
         self._error_out(BKError, reason)
 
     def _set_ensemble(self, ensemble):
         conns = self._conns_of(ensemble)
         self._ens_conns = conns
         self._slot_of = {c: i for i, c in enumerate(conns)}
-        self._ack_ok = {c for i, c in enumerate(conns) if i not in self._failed_slots}
+        # conn -> its slot's bit in PendingAdd.acked, for the bookies whose
+        # confirmations count (not failed)
+        self._ack_bits = {c: 1 << i for i, c in enumerate(conns) if i not in self._failed_slots}
 
     def _what_add(self, entry_id):
         return f"add entry {entry_id} to ledger {self._lid}"
@@ -431,25 +541,24 @@ class LedgerHandle:
                 self._waiting -= 1
 
     def _submit(self, payloads, last_cb, each_cb=None):
-        """Assign ids, encode, hand to the I/O thread. Returns the ops."""
-        loop = self._loop
-        rids = loop.rids
+        """Assign ids, sign, hand to the I/O thread. Returns the ops."""
+        rids = self._loop.rids
         lid = self._lid
-        mk = self._master_key
-        flags = self._flags
         sign = self._digest.sign
+        rec = self._rec
         with self._lock:
             self._check_open()
             ops = []
+            append = ops.append
             entry = self._next_entry
             length = self._pushed_length
             lac = self._lac
             for data in payloads:
                 length += len(data)
-                rid = next(rids)
-                frame = _encode([_ADD, rid, lid, entry, lac, mk, flags,
-                                 sign(entry, lac, length, data), data])
-                ops.append(PendingAdd(self, entry, rid, frame, length, each_cb))
+                digest = sign(entry, lac, length, data)
+                append(PendingAdd(self, entry, next(rids),
+                                  rec(len(data), lid, entry, lac, len(digest), digest),
+                                  data, lac, digest, length, each_cb))
                 entry += 1
             if last_cb is not None and ops:
                 ops[-1].cb = last_cb
@@ -460,17 +569,22 @@ class LedgerHandle:
         return ops
 
     def _post(self, ops):
-        # Under self._lock. Ops queue up in the outbox; the I/O thread is asked
-        # once per batch, not once per entry.
-        if self._outbox:
-            self._outbox.extend(ops)
-        else:
-            self._outbox = ops
+        # Under self._lock (keeps the outbox in entry order). The I/O thread is
+        # asked once per batch, not once per entry (see _io_flush for the race).
+        self._outbox.append(ops)
+        if not self._flush_armed:
+            self._flush_armed = True
             self._loop.call_soon(self._io_flush)
 
     def _io_flush(self):
-        with self._lock:
-            ops, self._outbox = self._outbox, []
+        # Disarm first, then drain: an op posted after the drain re-arms.
+        self._flush_armed = False
+        ob = self._outbox
+        ops = ob.popleft() if ob else None
+        if ob:                             # one send_adds per bookie for all of them
+            ops = list(ops)
+            while ob:
+                ops += ob.popleft()
         if ops:
             self._io_send(ops)
 
@@ -487,10 +601,9 @@ class LedgerHandle:
             if self._error is not None:
                 return
             assert entry_id == self._next_entry, (entry_id, self._next_entry)
-            rid = next(self._loop.rids)
-            frame = _encode([_ADD, rid, self._lid, entry_id, entry_lac, self._master_key,
-                             self._flags, digest, data])
-            op = PendingAdd(self, entry_id, rid, frame, length, None)
+            head = protocol.add_record_head(self._lid, entry_id, entry_lac, digest, len(data))
+            op = PendingAdd(self, entry_id, next(self._loop.rids), head, data, entry_lac,
+                            digest, length, None)
             self._next_entry = entry_id + 1
             self._pushed_length = length
             self._submitted += 1
@@ -570,23 +683,25 @@ class LedgerHandle:
             self._loop._tickers.append(self._tick)
         if self._explicit_lac:
             self._lac_sent_at = self._loop.now
-        pending = self._pending
+        now = self._loop.now
+        for op in ops:
+            op.t_sent = now
+        self._pending.extend(ops)
         conns = self._ens_conns
         E = self._E
         qw = self._qw
         failed = self._failed_slots
-        now = self._loop.now
-        for op in ops:
-            pending.append(op)
-            op.t_sent = now
-            e = op.entry_id
-            rid = op.rid
-            frame = op.frame
-            for i in range(qw):
-                s = (e + i) % E
-                if failed and s in failed:
-                    continue
-                conns[s].send(rid, op, frame)
+        if E == qw:                  # every bookie gets every entry
+            for s, conn in enumerate(conns):
+                if not failed or s not in failed:
+                    conn.send_adds(ops)
+            return
+        for s, conn in enumerate(conns):
+            if failed and s in failed:
+                continue
+            mine = [op for op in ops if (s - op.entry_id) % E < qw]
+            if mine:
+                conn.send_adds(mine)
 
     def _advance(self):
         if self._changing:
@@ -595,14 +710,14 @@ class LedgerHandle:
         qa = self._qa
         n = 0
         now = self._loop.now
-        observe = self._m_add_ok
+        lats = []
+        observe = lats.append
         while pending:
             op = pending[0]
-            if len(op.acked) < qa:
+            if op.nacks < qa:
                 break
             pending.popleft()
             op.done = True
-            op.frame = None
             observe(now - op.t_sent)
             self._lac = op.entry_id
             self._length = op.length
@@ -614,6 +729,7 @@ class LedgerHandle:
                 except Exception:
                     log.exception("add callback failed")
         if n:
+            observe_many(self._m_add_ok, lats)
             self._completed += n
             if self._waiting:
                 with self._cond:
@@ -623,7 +739,6 @@ class LedgerHandle:
         if op.done:
             return
         op.done = True
-        op.frame = None
         self._completed += 1
         self._m.add_fail.observe(self._loop.now - op.t_sent)
         cb = op.cb
@@ -678,7 +793,7 @@ class LedgerHandle:
         """ETOOMANYREQUESTS: the bookie is alive but overloaded. Replacing it would
         move load around and cost a metadata write, so resend to it after a back-off
         doubling from 2 ms; fail it only once the add is addEntryTimeoutSec old."""
-        if self._error is not None or conn not in self._ack_ok:
+        if self._error is not None or conn not in self._ack_bits:
             return
         left = op.t_sent + self._add_timeout - self._loop.now
         if left <= 0:
@@ -695,9 +810,9 @@ class LedgerHandle:
     def _resend_busy(self, op, conn):
         # Acknowledged meanwhile (Qa others have it), or the bookie was replaced:
         # nothing left to do.
-        if op.done or self._error is not None or conn not in self._ack_ok:
+        if op.done or self._error is not None or conn not in self._ack_bits:
             return
-        conn.send(op.rid, op, op.frame)
+        conn.send_adds([op])
 
     def _bookie_failed(self, conn, exc):
         self._m.bookie_errors.labels(type(exc).__name__).inc()
@@ -713,7 +828,7 @@ class LedgerHandle:
                     conn.bookie_id, exc)
         with self._change_lock:
             self._failed_slots.add(slot)
-        self._ack_ok.discard(conn)
+        self._ack_bits.pop(conn, None)
         if not self._changing:
             self._changing = True
             self._client._executor.submit(self._change_ensemble)
@@ -733,8 +848,9 @@ class LedgerHandle:
             return
         e = op.entry_id
         for i in range(self._qw):
-            conn = self._ens_conns[(e + i) % self._E]
-            if conn not in op.acked:
+            s = (e + i) % self._E
+            conn = self._ens_conns[s]
+            if not op.acked & (1 << s):
                 self._bookie_failed(conn, TimeoutError(
                     f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
                     f"{self._add_timeout:g}s"))
@@ -823,18 +939,24 @@ class LedgerHandle:
         if self._error is None:
             E, qw = self._E, self._qw
             still_failed = self._failed_slots
+            resend = {}
             for op in self._pending:
                 e = op.entry_id
                 resent = False
                 for i in range(qw):
                     s = (e + i) % E
                     if s in new_conns:
-                        op.acked.discard(old_conns[s])
+                        bit = 1 << s
+                        if op.acked & bit:
+                            op.acked &= ~bit
+                            op.nacks -= 1
                         if s not in still_failed:
-                            self._ens_conns[s].send(op.rid, op, op.frame)
+                            resend.setdefault(s, []).append(op)
                             resent = True
                 if resent:
                     op.t_sent = self._loop.now
+            for s, ops in resend.items():
+                self._ens_conns[s].send_adds(ops)
         if self._failed_slots and self._error is None:
             self._client._executor.submit(self._change_ensemble)
             return
@@ -1005,13 +1127,46 @@ class LedgerHandle:
         batch = _ReadBatch(len(entry_ids))
         ops = [_ReadOp(self, e, self._conns_of(md.write_set(e)), batch, self._read_timeout)
                for e in entry_ids]
-        if ops:
+        if len(ops) > 1 and self._loop.batching:
+            self._loop.call_soon(self._start_ranged, ops)
+        elif ops:
             self._loop.call_soon(_start_all, ops)
         # generous bound: every replica may time out in turn
         if not batch.event.wait(self._read_timeout * (self._qw + 1) + 5):
             raise TimeoutError(f"read entries {entry_ids[0]}..{entry_ids[-1]} of ledger "
                                f"{self._lid}: no answer")
         return ops
+
+    def _start_ranged(self, ops):
+        """Start consecutive reads as READ_RANGEs (I/O thread): per fragment, each
+        bookie is asked for the entries it is the first replica of (stride E)."""
+        md = self._md
+        frags = md.ensembles
+        budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2))
+        i = 0
+        n = len(ops)
+        while i < n:
+            e = ops[i].entry_id
+            k = len(frags) - 1
+            while k > 0 and frags[k][0] > e:
+                k -= 1
+            end_e = frags[k + 1][0] if k + 1 < len(frags) else None
+            j = i
+            while j < n and (end_e is None or ops[j].entry_id < end_e):
+                j += 1
+            ens = frags[k][1]
+            E = len(ens)
+            by_slot = {}
+            for op in ops[i:j]:
+                by_slot.setdefault(op.entry_id % E, []).append(op)
+            share = max(1, budget // max(1, len(by_slot)))
+            for s, sops in by_slot.items():
+                conn = self._bconns.get(ens[s])
+                if conn is None:
+                    _start_all(sops)
+                else:
+                    _RangeRead(self, conn, sops, E, s, share).start()
+            i = j
 
     def read_entry(self, entry_id: int) -> LedgerEntry:
         return self.read_entries(entry_id, entry_id)[0]

@@ -15,7 +15,8 @@ This is BookKeeper's "closing a ledger as a reader":
    answered. From then on no write quorum can gather Qa acknowledgements for
    the old writer: whatever it has acknowledged is on a bookie we will ask.
 4. Read forward from the highest LAC + 1 with the fence flag, asking every
-   bookie of the entry's write set. An entry found (digest verified; for a
+   bookie of the entry's write set (by windows: one fencing READ_RANGE per
+   bookie per window, or a fencing READ per entry to a bookie without it). An entry found (digest verified; for a
    mac ledger recovered with the master key only its shape, as the MAC needs
    the password) is written back, its LAC and digest bytes as read, to its
    whole write set with FLAG_RECOVERY through a recovery write handle (which
@@ -259,9 +260,15 @@ class _RecoveryReader:
     ``(payload, length, entry_lac, digest)`` if a good copy exists, None if (Qw - Qa) + 1 bookies
     of the write set say it does not exist, and raises LedgerRecoveryError
     when it cannot tell.
+
+    Reads go by windows of ``window`` entries: each bookie of the ensemble gets
+    ONE fencing READ_RANGE for the window (the entries it is in the write set
+    of are answered in one frame, the ones it lacks being its "no"), followed
+    up from ``next`` if the answer was cut by its byte budget; a bookie without
+    FEATURE_READ_RANGE gets a fencing READ per entry, as before.
     """
 
-    def __init__(self, client, rh: LedgerHandle, what: str, window: int = 64):
+    def __init__(self, client, rh: LedgerHandle, what: str, window: int = 256):
         self.client, self.rh, self.what, self.window = client, rh, what, window
         md = rh._md
         self.need = md.write_quorum_size - md.ack_quorum_size + 1
@@ -269,43 +276,74 @@ class _RecoveryReader:
         self.state: dict = {}
         self.next = None
 
-    def _start(self, entry_id):
-        rh = self.rh
-        ws = rh._md.write_set(entry_id)
-        rh._prepare_conns(ws)
-        st = self.state[entry_id] = {"found": None, "neg": 0, "n": 0, "of": len(ws),
-                                     "errors": []}
+    def _note(self, entry_id, bookie, reply=None, error=None):
+        """One bookie's answer about one entry (I/O thread): a READ-shaped
+        ``reply`` ``(status, entry_lac, digest, payload)`` or an ``error``."""
+        st = self.state.get(entry_id)
+        if st is None or bookie in st["from"]:
+            return
+        st["from"].add(bookie)
+        with self.cond:
+            st["n"] += 1
+            if reply is not None and reply[0] == EOK and reply[3] is not None:
+                try:
+                    length = self.rh._digest.verify(entry_id, reply[1], reply[2], reply[3])
+                    if st["found"] is None:
+                        st["found"] = (reply[3], length, reply[1], reply[2])
+                except DigestMismatchError as e:
+                    st["errors"].append(e)
+            elif reply is not None and reply[0] in (ENOENTRY, ENOLEDGER, EOK):
+                st["neg"] += 1
+            else:
+                st["errors"].append(error or error_for_status(reply[0], f"bookie {bookie}"))
+            self.cond.notify_all()
 
+    def _start_single(self, entry_id, conn):
         def on_done(call):
             r = call.reply
-            with self.cond:
-                st["n"] += 1
-                if r is not None and r[2] == EOK and r[7] is not None:
-                    try:
-                        length = rh._digest.verify(entry_id, r[5], r[6], r[7])
-                        if st["found"] is None:
-                            st["found"] = (r[7], length, r[5], r[6])
-                    except DigestMismatchError as e:
-                        st["errors"].append(e)
-                elif r is not None and (r[2] in (ENOENTRY, ENOLEDGER) or r[2] == EOK):
-                    st["neg"] += 1
-                else:
-                    st["errors"].append(call.error or error_for_status(
-                        r[2], f"bookie {call.conn.bookie_id}"))
-                self.cond.notify_all()
+            if r is not None:
+                self._note(entry_id, conn.bookie_id, (r[2], r[5], r[6], r[7]))
+            else:
+                self._note(entry_id, conn.bookie_id, error=call.error)
 
-        for conn in rh._conns_of(ws):
-            self.client._io.request(conn, protocol.read, rh._lid, entry_id, True,
-                                    rh._master_key, timeout=rh._read_timeout, callback=on_done)
+        rh = self.rh
+        self.client._io.request(conn, protocol.read, rh._lid, entry_id, True,
+                                rh._master_key, timeout=rh._read_timeout, callback=on_done)
+
+    def _start_window(self, first, last):
+        rh = self.rh
+        md = rh._md
+        for e in range(first, last + 1):
+            ws = md.write_set(e)
+            self.state[e] = {"found": None, "neg": 0, "n": 0, "of": len(ws), "errors": [],
+                             "from": set()}
+        by_bookie: dict = {}
+        for e in range(first, last + 1):
+            for b in md.write_set(e):
+                by_bookie.setdefault(b, []).append(e)
+        rh._prepare_conns(by_bookie)
+        for b, entries in by_bookie.items():
+            conn = rh._bconns[b]
+            if len(entries) == 1 or not self.client._io.batching:
+                for e in entries:
+                    self._start_single(e, conn)
+            else:
+                _RecoveryRange(self, conn, entries).start()
 
     def get(self, entry_id):
         if self.next is None:
             self.next = entry_id
         while self.next < entry_id + self.window:
-            self._start(self.next)
-            self.next += 1
-        st = self.state.pop(entry_id)
+            self._start_window(self.next, self.next + self.window - 1)
+            self.next += self.window
+        st = self.state[entry_id]         # answers keep coming in: popped once decided
         deadline = time.monotonic() + self.rh._read_timeout + 5
+        try:
+            return self._decide(entry_id, st, deadline)
+        finally:
+            self.state.pop(entry_id, None)
+
+    def _decide(self, entry_id, st, deadline):
         with self.cond:
             while st["found"] is None and st["neg"] < self.need and st["n"] < st["of"]:
                 left = deadline - time.monotonic()
@@ -320,3 +358,57 @@ class _RecoveryReader:
                 f"{self.what}: cannot tell whether entry {entry_id} exists: {st['neg']} of "
                 f"{st['of']} bookies say no, need {self.need} "
                 f"({'; '.join(str(e) for e in st['errors']) or 'no answer'})")
+
+
+class _RecoveryRange:
+    """One bookie's fencing READ_RANGE over a window of recovery reads (I/O thread)."""
+
+    def __init__(self, reader: _RecoveryReader, conn, entries):
+        self.reader = reader
+        self.conn = conn
+        self.left = entries            # ascending entry ids still unanswered
+        self.last = entries[-1]
+
+    def start(self):
+        rh = self.reader.rh
+        io = self.reader.client._io
+        rid = next(io.rids)
+        budget = max(1, min(rh._read_window_bytes, io.max_frame_size // 2))
+        self.conn.send_featured(
+            protocol.FEATURE_READ_RANGE, rid, self,
+            protocol.encode_frame(protocol.read_range(rid, rh._lid, self.left[0], self.last,
+                                                      budget, True, rh._master_key)),
+            rh._read_timeout)
+
+    def unsupported(self, conn):
+        left, self.left = self.left, []
+        for e in left:
+            self.reader._start_single(e, conn)
+
+    def on_reply(self, conn, msg):
+        status = msg[2]
+        bid = conn.bookie_id
+        note = self.reader._note
+        if status == EOK and type(msg[4]) is int:
+            nxt, ents = msg[4], msg[5]
+            got = {}
+            for i in range(0, len(ents), 4):
+                got[ents[i]] = (EOK, ents[i + 1], ents[i + 2], ents[i + 3])
+            rest = []
+            for e in self.left:
+                if e < nxt:
+                    note(e, bid, got.get(e, (ENOENTRY, -1, None, None)))
+                else:
+                    rest.append(e)
+            self.left = rest
+            if rest:
+                self.start()
+            return
+        left, self.left = self.left, []
+        for e in left:
+            note(e, bid, (status, -1, None, None))
+
+    def on_error(self, conn, exc):
+        left, self.left = self.left, []
+        for e in left:
+            self.reader._note(e, conn.bookie_id, error=exc)

@@ -54,10 +54,14 @@ class FakeConn:
         self.bookie_id = bid
         self.sent = []          # (rid, op)
 
-    def send(self, rid, req, frame, timeout=None):  # noqa: D401 - fake
-        msg = P.decode_body(frame[4:])
-        assert msg[0] == P.ADD and msg[1] == rid
-        self.sent.append((rid, req, msg))
+    def send_adds(self, ops):
+        for op in ops:
+            # what a bookie would get: the single ADD and the batch record agree
+            msg = P.decode_body(op.single_frame()[4:])
+            assert msg[0] == P.ADD and msg[1] == op.rid
+            rec = P.encode_add_batch(0, b"", 0, [tuple(msg[2:5]) + tuple(msg[7:9])])
+            assert rec.endswith(op.head + op.data)
+            self.sent.append((op.rid, op, msg))
 
 
 class FakeExecutor:

@@ -93,7 +93,166 @@ def test_buffer_compacts_instead_of_growing():
     for _ in range(500):
         fb.feed(frame)
         assert len(list(fb.frames())) == 1
-    assert len(fb._buf) < 70000
+    assert len(fb._buf) == 1 << 18          # reused, never grown
+
+
+def test_recv_buffer_takes_bytes_without_feed_and_grows_only_for_a_large_frame():
+    fb = P.FrameBuffer(capacity=4096)
+    small = P.encode_frame(P.ping(1))
+    big = P.encode_frame(P.add(2, 1, 1, 0, b"k", b"d", b"y" * 100000))
+    data = small + big + small
+    out = []
+    i = 0
+    while i < len(data):
+        view = fb.recv_buffer(1000)
+        k = min(1000, len(data) - i)
+        view[:k] = data[i:i + k]             # what sock.recv_into(view) does
+        fb.commit(k)
+        i += k
+        out.extend(fb.frames())
+    assert out == [[P.PING, 1], P.add(2, 1, 1, 0, b"k", b"d", b"y" * 100000), [P.PING, 1]]
+    assert fb.pending == 0
+    assert len(fb._buf) >= 100000            # grew for the large frame
+    fb.feed(small)
+    assert list(fb.frames()) == [[P.PING, 1]]
+    assert len(fb._buf) == 4096              # and shrank back once it was consumed
+
+
+entries = st.lists(st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1),
+                             st.integers(-1, 2**63 - 1), st.binary(max_size=40), blobs),
+                   min_size=1, max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries, ints, blobs, st.integers(0, 1), st.integers(1, 64))
+def test_add_batch_round_trip(ents, rid, key, flags, chunk):
+    data = P.encode_add_batch(rid, key, flags, ents) + P.encode_frame(P.ping(3))
+    fb = P.FrameBuffer()
+    out = []
+    for i in range(0, len(data), chunk):
+        fb.feed(data[i:i + chunk])
+        out.extend(fb.frames())
+    assert len(out) == 2 and out[1] == [P.PING, 3]
+    msg = out[0]
+    assert P.check_request(msg) == P.ADD_BATCH
+    assert msg[1:5] == [rid, key, flags, len(ents)]
+    assert P.decode_add_batch(msg[5], msg[4]) == [tuple(e) for e in ents]
+    # each record's journal body is ledger .. payload, exactly
+    for (lid, eid, lac, start, end), e in zip(P.split_add_batch(msg[5], msg[4]), ents):
+        body = msg[5][start:end]
+        assert struct.unpack_from("<qqqH", body) == (lid, eid, lac, len(e[3]))
+        assert body[26:] == e[3] + e[4]
+
+
+def test_add_batch_head_matches_a_whole_encoding():
+    ents = [(5, 0, -1, b"dg", b"payload"), (6, 9, 8, b"", b"")]
+    records = b"".join(P.add_record_head(l, e, a, d, len(p)) + p for l, e, a, d, p in ents)
+    frame = P.add_batch_head(7, b"key", 1, 2, len(records)) + records
+    assert frame == P.encode_add_batch(7, b"key", 1, ents)
+    st_ = P.add_record_struct(2)
+    assert st_.pack(7, 5, 0, -1, 2, b"dg") == P.add_record_head(5, 0, -1, b"dg", 7)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**40)), max_size=50),
+       st.lists(st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**40),
+                          st.integers(1, 200)), max_size=5), ints)
+def test_group_ack_round_trip(oks, errs, rid):
+    acked = []
+    for lid, e in oks:
+        P.ack_run(acked, lid, e)
+    errors = [x for t in errs for x in t]
+    frame = P.encode_frame(P.add_ack(rid, acked, errors))
+    fb = P.FrameBuffer()
+    fb.feed(frame)
+    (msg,) = fb.frames()
+    P.check_add_ack(msg)
+    assert msg == [P.ADD_BATCH, rid, 0, acked, errors]
+    expanded = [(acked[i], e) for i in range(0, len(acked), 3)
+                for e in range(acked[i + 1], acked[i + 2] + 1)]
+    assert expanded == oks                   # runs, in order, nothing lost or added
+    assert len(acked) <= 3 * len(oks)
+
+
+def test_group_ack_uses_runs_not_lists():
+    acked = []
+    for e in range(1000):
+        P.ack_run(acked, 9, e)
+    P.ack_run(acked, 4, 0)
+    P.ack_run(acked, 9, 1000)
+    assert acked == [9, 0, 999, 4, 0, 0, 9, 1000, 1000]
+
+
+@settings(max_examples=100, deadline=None)
+@given(ints, ints, ints, ints, st.integers(0, 2**31), st.booleans(),
+       st.one_of(st.none(), blobs), st.integers(1, 10), st.integers(0, 9))
+def test_read_range_round_trip(rid, lid, first, last, budget, fence, key, stride, offset):
+    msg = P.read_range(rid, lid, first, last, budget, fence, key, stride, offset)
+    fb = P.FrameBuffer()
+    fb.feed(P.encode_frame(msg))
+    (out,) = fb.frames()
+    assert out == msg and P.check_request(out) == P.READ_RANGE
+
+
+def _records(ents):
+    return b"".join(P.add_record_head(l, e, a, d, len(p)) + p for l, e, a, d, p in ents)
+
+
+@pytest.mark.parametrize("mangle,match", [
+    (lambda r: r[:-1], "truncated"),                       # last payload cut short
+    (lambda r: r[:40], "truncated"),                       # second record's head cut
+    (lambda r: r + b"\0", "carries 1 more bytes"),         # trailing garbage
+])
+def test_bad_add_batch_records(mangle, match):
+    recs = _records([(1, 0, -1, b"dd", b"x" * 10), (1, 1, 0, b"dd", b"y" * 10)])
+    with pytest.raises(ProtocolError, match=match):
+        P.split_add_batch(mangle(recs), 2)
+
+
+def test_add_batch_negative_ids():
+    for lid, eid in ((-1, 0), (1, -5)):
+        recs = struct.pack("<IqqqH", 1, lid, eid, -1, 0) + b"x"
+        with pytest.raises(ProtocolError, match="negative"):
+            P.split_add_batch(recs, 1)
+
+
+@pytest.mark.parametrize("count,match", [
+    (3, "truncated"),                                      # announces more than it holds
+    (1, "carries"),                                        # announces fewer
+    (0, "bad entry count"),
+    (-1, "bad entry count"),
+    (P.MAX_BATCH_ENTRIES + 1, "bad entry count"),          # oversized
+    ("2", "bad entry count"),
+])
+def test_add_batch_wrong_counts(count, match):
+    recs = _records([(1, 0, -1, b"", b"a"), (1, 1, 0, b"", b"b")])
+    with pytest.raises(ProtocolError, match=match):
+        P.split_add_batch(recs, count)
+
+
+def test_add_batch_records_must_be_bin_and_oversized_frame_is_refused():
+    with pytest.raises(ProtocolError, match="not a bin"):
+        P.split_add_batch([1, 2], 1)
+    frame = P.encode_add_batch(1, b"k", 0, [(1, e, -1, b"", b"z" * 1000) for e in range(10)])
+    fb = P.FrameBuffer(max_frame_size=5000)
+    fb.feed(frame)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        list(fb.frames())
+    # a record announcing a huge payload is truncated, not a big allocation
+    bad = struct.pack("<IqqqH", 2**32 - 1, 1, 0, -1, 0) + b"x"
+    with pytest.raises(ProtocolError, match="truncated"):
+        P.split_add_batch(bad, 1)
+
+
+@pytest.mark.parametrize("msg", [
+    [P.ADD_BATCH, 1, 0, [1, 2], []],
+    [P.ADD_BATCH, 1, 0, [1, 2, 3], [1]],
+    [P.ADD_BATCH, 1, 0, None, []],
+    [P.ADD_BATCH, 1, 0, [1, 2, 3]],
+])
+def test_malformed_group_ack(msg):
+    with pytest.raises(ProtocolError):
+        P.check_add_ack(msg)
 
 
 @given(st.lists(st.integers(0, 10000), unique=True))
