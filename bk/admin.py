@@ -67,6 +67,8 @@ BATCH = 256            # requests pipelined per round trip
 COPY_BATCH = 256
 READ_AHEAD = 2
 ADD_WINDOW = 2
+RANGE_BYTES = 4 << 20     # a READ_RANGE answer's budget (the bookie caps it at half a frame)
+ADD_BATCH_BYTES = 1 << 20  # payload per ADD_BATCH frame of a copy (at most a quarter frame)
 
 
 def _digest_mod():
@@ -170,6 +172,20 @@ class BookiePool:
         if not stash:
             del self._stash[c]
         return out
+
+    def features(self, bookie_id: str, ledger_id: int) -> int:
+        """What the bookie announced at HELLO (``P.FEATURE_*`` bits)."""
+        return self.conn(bookie_id, ledger_id).features
+
+    def send_frame(self, bookie_id: str, ledger_id: int, frame: bytes, rid: int):
+        """Send one pre-encoded frame (e.g. an ADD_BATCH); a ticket for :meth:`recv`."""
+        try:
+            c = self.conn(bookie_id, ledger_id)
+            c.send_raw(frame)
+        except (OSError, BookieUnavailableError) as e:
+            self.drop(bookie_id)
+            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+        return bookie_id, c, [rid]
 
     def calls(self, bookie_id: str, ledger_id: int, msgs: list) -> list:
         """Send ``msgs`` pipelined on one connection; their responses in order.
@@ -295,7 +311,8 @@ class Admin:
     """The cluster administration behind ``bkshell``."""
 
     def __init__(self, uri: str, timeout: float = 5.0, bookie_timeout: float = 10.0,
-                 password: bytes | None = None, rate_bytes: int = -1):
+                 password: bytes | None = None, rate_bytes: int = -1,
+                 max_frame: int = P.DEFAULT_MAX_FRAME_SIZE):
         self.uri = uri
         self.store = MetadataStore(uri, timeout=timeout)
         self.bookies = BookiePool(self.store, bookie_timeout)
@@ -303,6 +320,8 @@ class Admin:
         # replicationRateByBytes: copies pace themselves to this many bytes/s (<= 0: no
         # limit). A token bucket of one second's worth: a burst never exceeds it.
         self.rate_bytes = rate_bytes
+        # nettyMaxFrameSizeBytes of the bookies: a copy's ADD_BATCH frames stay well under.
+        self.batch_bytes = max(1, min(ADD_BATCH_BYTES, max_frame // 4))
         self._rate_t = time.monotonic()
         self._rate_debt = 0.0
         self._timeout = timeout
@@ -658,7 +677,11 @@ class Admin:
         batches of COPY_BATCH entries: the reads of the next READ_AHEAD batches
         are in flight (on every source at once) while the adds of up to
         ADD_WINDOW batches wait for the target's journal, so neither the sources'
-        reads nor the target's group commits wait for the other."""
+        reads nor the target's group commits wait for the other. With bookies
+        that take them (HELLO features), a source answers a batch's entries of
+        one residue class (entry % E) with one READ_RANGE frame, and the target
+        takes a batch as one ADD_BATCH frame (one group commit, one
+        acknowledgement; then one batch of adds is in flight at a time)."""
         lid = md.ledger_id
         if not entries:
             return
@@ -683,6 +706,8 @@ class Admin:
             return srcs
 
         batches = [todo[i:i + COPY_BATCH] for i in range(0, len(todo), COPY_BATCH)]
+        batched = bool(pool.features(target, lid) & P.FEATURE_ADD_BATCH)
+        window = 1 if batched else ADD_WINDOW
         tried: set = set()
         reads: collections.deque = collections.deque()     # (batch, [(src, es, ticket)])
         adds: collections.deque = collections.deque()      # (batch, ticket, payload bytes)
@@ -690,34 +715,56 @@ class Admin:
         try:
             while nxt < len(batches) or reads:
                 while nxt < len(batches) and len(reads) < READ_AHEAD:
-                    reads.append(self._send_reads(lid, batches[nxt], sources, tried))
+                    reads.append(self._send_reads(lid, batches[nxt], sources, tried, width))
                     nxt += 1
                 batch, sent = reads.popleft()
                 got = self._collect_reads(lid, target, sent, sources, tried)
-                while len(adds) >= ADD_WINDOW:
+                while len(adds) >= window:
                     self._collect_adds(lid, target, adds.popleft(), fr)
-                rids = pool.rids(target, lid, len(batch))
-                msgs = []
-                nbytes = 0
-                for rid, e in zip(rids, batch):
-                    lac, digest, payload = got[e]
-                    nbytes += len(payload)
-                    msgs.append(P.add(rid, lid, e, lac, mk, digest, payload, True))
+                nbytes = sum(len(got[e][2]) for e in batch)
                 self._throttle(nbytes)
-                adds.append((batch, pool.send(target, lid, msgs), nbytes))
+                if batched:
+                    # ADD_BATCH frames of up to ADD_BATCH_BYTES, one in flight at a
+                    # time: a frame is appended in one go, so its group
+                    # acknowledgement is its own (two frames in flight could share
+                    # one, named by the later rid).
+                    chunks, cur, cur_bytes = [], [], 0
+                    for e in batch:
+                        size = len(got[e][2])
+                        if cur and cur_bytes + size > self.batch_bytes:
+                            chunks.append(cur)
+                            cur, cur_bytes = [], 0
+                        cur.append(e)
+                        cur_bytes += size
+                    chunks.append(cur)
+                    for i, chunk in enumerate(chunks):
+                        rid = pool.rids(target, lid, 1)[0]
+                        frame = P.encode_add_batch(rid, mk, P.FLAG_RECOVERY,
+                                                   [(lid, e, *got[e]) for e in chunk])
+                        item = (chunk, pool.send_frame(target, lid, frame, rid),
+                                sum(len(got[e][2]) for e in chunk))
+                        if i + 1 < len(chunks):
+                            self._collect_adds(lid, target, item, fr)
+                        else:
+                            adds.append(item)
+                else:
+                    rids = pool.rids(target, lid, len(batch))
+                    msgs = [P.add(rid, lid, e, got[e][0], mk, got[e][1], got[e][2], True)
+                            for rid, e in zip(rids, batch)]
+                    adds.append((batch, pool.send(target, lid, msgs), nbytes))
             while adds:
                 self._collect_adds(lid, target, adds.popleft(), fr)
         except BaseException:
             # Responses still due would be stale on these connections: drop them.
             for _, sent in reads:
-                for src, _, ticket in sent:
+                for src, _, ticket, _ in sent:
                     if ticket is not None:
                         pool.drop(src)
             if adds:
                 pool.drop(target)
             raise
 
-    def _send_reads(self, lid, batch, sources, tried):
+    def _send_reads(self, lid, batch, sources, tried, width):
         """Send the reads of a batch, each entry to its first source (one pipelined
         send per source); (batch, [(source, entries, ticket or None if the send failed)])."""
         by_src: dict[str | None, list] = {}
@@ -725,19 +772,31 @@ class Admin:
             srcs = sources(e)
             by_src.setdefault(srcs[0] if srcs else None, []).append(e)
         sent = []
+        pool = self.bookies
         for src, es in by_src.items():
             if src is None:            # no source at all: _collect_reads reports them
-                sent.append((None, es, None))
+                sent.append((None, es, None, False))
                 continue
             for e in es:
                 tried.add((src, e))
             try:
-                rids = self.bookies.rids(src, lid, len(es))
-                ticket = self.bookies.send(src, lid, [P.read(rid, lid, e)
-                                                      for rid, e in zip(rids, es)])
+                if pool.features(src, lid) & P.FEATURE_READ_RANGE:
+                    # One READ_RANGE per residue class (entry % E) the source serves:
+                    # its answer holds them all in one frame.
+                    by_res: dict[int, list] = {}
+                    for e in es:
+                        by_res.setdefault(e % width, []).append(e)
+                    for res, group in by_res.items():
+                        rid = pool.rids(src, lid, 1)[0]
+                        msg = P.read_range(rid, lid, group[0], group[-1], RANGE_BYTES,
+                                           stride=width, offset=res)
+                        sent.append((src, group, pool.send(src, lid, [msg]), True))
+                    continue
+                rids = pool.rids(src, lid, len(es))
+                ticket = pool.send(src, lid, [P.read(rid, lid, e) for rid, e in zip(rids, es)])
             except BKError:
                 ticket = None
-            sent.append((src, es, ticket))
+            sent.append((src, es, ticket, False))
         return batch, sent
 
     def _collect_reads(self, lid, target, sent, sources, tried) -> dict:
@@ -745,7 +804,7 @@ class Admin:
         a source failed are read from their next sources, synchronously."""
         got: dict[int, tuple] = {}
         pending = []
-        for src, es, ticket in sent:
+        for src, es, ticket, ranged in sent:
             if ticket is None:
                 pending.extend(es)
                 continue
@@ -753,6 +812,20 @@ class Admin:
                 resps = self.bookies.recv(ticket)
             except BKError:
                 pending.extend(es)
+                continue
+            if ranged:
+                resp = resps[0]
+                if resp[2] != EOK:
+                    pending.extend(es)
+                    continue
+                nxt, flat = resp[4], resp[5]
+                for i in range(0, len(flat), 4):
+                    got[flat[i]] = (flat[i + 1], flat[i + 2], flat[i + 3])
+                for e in es:
+                    if e not in got:
+                        if e >= nxt:            # past the answer's byte budget: not a "no"
+                            tried.discard((src, e))
+                        pending.append(e)
                 continue
             for e, resp in zip(es, resps):
                 if resp[2] == EOK:
@@ -791,9 +864,25 @@ class Admin:
 
     def _collect_adds(self, lid, target, item, fr):
         batch, ticket, nbytes = item
-        for e, resp in zip(batch, self.bookies.recv(ticket)):
-            if resp[2] != EOK:
-                raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to {target}")
+        resps = self.bookies.recv(ticket)
+        if resps and resps[0][0] == P.ADD_BATCH:      # a group acknowledgement
+            ack = resps[0]
+            P.check_add_ack(ack)
+            errors = ack[4]
+            if errors:
+                raise error_for_status(errors[2], f"copy entry {errors[1]} of ledger {lid} "
+                                                  f"to {target}")
+            runs = ack[3]
+            n = sum(runs[i + 2] - runs[i + 1] + 1 for i in range(0, len(runs), 3)
+                    if runs[i] == lid)
+            if n != len(batch):
+                raise BKError(f"copy to {target}: the bookie acknowledged {n} of "
+                              f"{len(batch)} entries of ledger {lid}")
+        else:
+            for e, resp in zip(batch, resps):
+                if resp[2] != EOK:
+                    raise error_for_status(resp[2], f"copy entry {e} of ledger {lid} to "
+                                                    f"{target}")
         fr.copied += len(batch)
         fr.bytes_copied += nbytes
 

@@ -88,7 +88,8 @@ class AutoRecovery:
 
         self._admin = Admin(self.conf.metadataServiceUri,
                             timeout=self.conf.metadataTimeoutMillis / 1000.0,
-                            rate_bytes=self.conf.replicationRateByBytes)
+                            rate_bytes=self.conf.replicationRateByBytes,
+                            max_frame=self.conf.nettyMaxFrameSizeBytes)
         if self.metrics is not None:
             self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):

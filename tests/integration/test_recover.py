@@ -229,3 +229,34 @@ def test_recoverledger_writer_alive_one_bookie_dead(cluster_factory):
     rh = client.open_ledger_no_recovery(lid, password=PW)
     assert [e.data for e in rh.read_entries(0, 49)] == payloads
     client.close()
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_recover_copies_with_and_without_batched_frames(cluster_factory, batching):
+    """Re-replication uses READ_RANGE / ADD_BATCH with bookies that announce them,
+    single READs and ADDs with bookies that do not (frameBatching=false), with
+    entries larger than a READ_RANGE answer's budget (a follow-up per entry)."""
+    cluster = cluster_factory(4, conf_overrides={"frameBatching": batching,
+                                                 "nettyMaxFrameSizeBytes": 256 * 1024})
+    uri = cluster.metadata_uri
+    with bk.BookKeeper(uri, nettyMaxFrameSizeBytes=256 * 1024) as client:
+        data = {}
+        for shape, size, n in (((3, 2, 2), 100, 600), ((3, 3, 2), 60_000, 12)):
+            lh = client.create_ledger(*shape, password=PW)
+            data[lh.ledger_id] = [bytes([e % 251]) * size for e in range(n)]
+            lh.add_entries(data[lh.ledger_id])
+            lh.close()
+        first = client.ledger_metadata(next(iter(data)))
+        victim = cluster.bookie(first.ensembles[0][1][0])
+        victim.kill()
+        with Admin(uri, max_frame=256 * 1024) as admin:
+            report = admin.recover_bookie(victim.bookie_id)
+            assert report.ok, report.failed
+            assert report.entries_copied > 0, report
+            other = next(b for b in cluster.bookies if b is not victim).bookie_id
+            assert bool(admin.bookies.features(other, 0) & P.FEATURE_ADD_BATCH) == batching
+        live = {b.bookie_id for b in cluster.bookies if b is not victim}
+        for lid, entries in data.items():
+            assert_fully_replicated(cluster.store, lid, live)
+            rh = client.open_ledger(lid, password=PW)
+            assert [e.data for e in rh.read_entries(0, len(entries) - 1)] == entries
