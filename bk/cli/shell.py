@@ -1333,10 +1333,13 @@ class _Size(click.ParamType):
                    "noticed). Default: the registry's.")
 @click.option("--dir", "base_dir", default=None, type=click.Path(file_okay=False),
               help="Where the cluster's data goes (default: a temp dir, removed after).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="A bookie setting for the run, e.g. replicationRateByBytes=12000000 "
+                   "(the copy's pace vs the writers' latency); repeatable.")
 @_json_opt
 @handled
 def bench_recovery_cmd(size, entry_size, ledgers, writers, writer_rate, registration_ttl,
-                       base_dir, as_json):
+                       base_dir, settings, as_json):
     """Auto-recovery: how fast a lost bookie is re-replicated, and writers' latency meanwhile.
 
     Starts its own local cluster (etcd + 4 bookies, production defaults, auto-recovery
@@ -1357,14 +1360,24 @@ def bench_recovery_cmd(size, entry_size, ledgers, writers, writer_rate, registra
     Example:
       bkshell bench recovery                       # 1 GiB written, ~512 MiB re-replicated
       bkshell bench recovery --size 256M --json
+      bkshell bench recovery --set replicationRateByBytes=12000000
     """
     from bk.bench.recovery import bench_recovery
+    from bk.config import SETTINGS
+
+    overrides = {}
+    for kv in settings:
+        key, sep, value = kv.partition("=")
+        if not sep or key not in SETTINGS:
+            raise click.BadParameter(f"{kv!r}: expected KEY=VALUE with a known key",
+                                     param_hint="--set")
+        overrides[key] = value
 
     def say(msg):
         click.echo(msg, err=True)
     r = bench_recovery(size=size, entry_size=entry_size, ledgers=ledgers, writers=writers,
                        writer_rate=writer_rate, registration_ttl=registration_ttl,
-                       base_dir=base_dir, progress=say)
+                       base_dir=base_dir, progress=say, conf_overrides=overrides)
     if as_json:
         _json_out(r)
     else:
