@@ -695,7 +695,7 @@ def autorecovery_activity(base) -> str:
             "lost-bookie audits": r"auditor: bookies .* lost",
             "periodic checks": r"auditor (ledgers|replicas) check:",
             "ledgers marked by checks": r"lacks entries on",
-            "over-replicated ledgers dropped": r"dropped \d+ over-replicated",
+            "over-replicated ledgers dropped": r"dropped the entries of \d+ over-replicated",
             "open ledgers fenced": r"recover ledger \d+: closed"}
     for path in glob.glob(os.path.join(base, "bookie-*", "bookie.log")):
         with open(path, errors="replace") as f:
@@ -703,7 +703,7 @@ def autorecovery_activity(base) -> str:
                 for name, pat in pats.items():
                     m = re.search(pat, line)
                     if m:
-                        n = re.search(r"dropped (\d+) over", line)
+                        n = re.search(r"entries of (\d+) over", line)
                         counts[name] += int(n.group(1)) if n else 1
     return ", ".join(f"{k} x{counts[k]}" for k in pats) or "nothing"
 
