@@ -224,10 +224,10 @@ class ShardStorage:
                  self.replay_seconds)
 
     # --- writes ---------------------------------------------------------------
-    def add_entry(self, ledger: int, entry: int, lac: int, master_key: bytes, digest: bytes,
-                  payload: bytes, recovery: bool) -> int:
-        """Append one entry. EOK; EUA (wrong key); EFENCED (fenced, not a recovery add);
-        EBADREQ (negative or absurdly far entry id, larger than a segment); EIO."""
+    def _admit(self, ledger: int, entry: int, master_key: bytes, recovery):
+        """The ledger's state if an ADD of ``entry`` may go in, else the status that
+        refuses it: the one place of the rules (tombstone, ownership, master key,
+        fence) for single and batched adds."""
         st = self._ledgers.get(ledger)
         if st is None:
             if ledger in self._tomb:     # deleted: its old writer must never get in again
@@ -243,6 +243,15 @@ class ShardStorage:
                 return status
         if st.fenced and not recovery:
             return EFENCED
+        return st
+
+    def add_entry(self, ledger: int, entry: int, lac: int, master_key: bytes, digest: bytes,
+                  payload: bytes, recovery: bool) -> int:
+        """Append one entry. EOK; EUA (wrong key); EFENCED (fenced, not a recovery add);
+        EBADREQ (negative or absurdly far entry id, larger than a segment); EIO."""
+        st = self._admit(ledger, entry, master_key, recovery)
+        if type(st) is int:
+            return st
         idx = st.idx
         n = len(idx)
         if not n:
@@ -355,21 +364,9 @@ class ShardStorage:
     def _add_slow(self, ledger, entry, lac, master_key, recovery, src, start, end) -> int:
         """:meth:`add_entry` for a record body of an ADD_BATCH (every case but the
         next entry of a known ledger)."""
-        st = self._ledgers.get(ledger)
-        if st is None:
-            if ledger in self._tomb:
-                return EFENCED
-            if entry < 0 or not self._owned(ledger):
-                return EBADREQ
-            st = self._new_ledger(ledger, master_key)
-            if st is None:
-                return EIO
-        elif st.key != master_key:
-            status = self._key_mismatch(ledger, st, master_key)
-            if status != EOK:
-                return status
-        if st.fenced and not recovery:
-            return EFENCED
+        st = self._admit(ledger, entry, master_key, recovery)
+        if type(st) is int:
+            return st
         n = len(st.idx)
         i = entry - (st.base if n else entry)
         if entry < 0 or i - n > MAX_ENTRY_GAP or -i > MAX_ENTRY_GAP:
