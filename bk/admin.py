@@ -76,6 +76,16 @@ def _digest_mod():
     return digest
 
 
+def _take_reads(entries, resps, got: dict, pending: list) -> None:
+    """Sort READ answers: an entry read goes into ``got`` as (lac, digest, payload),
+    one the source lacks (or failed) into ``pending`` for its next source."""
+    for e, resp in zip(entries, resps):
+        if resp[2] == EOK:
+            got[e] = (resp[5], resp[6], resp[7])
+        else:
+            pending.append(e)
+
+
 # --- bookie connections ------------------------------------------------------------
 
 class BookiePool:
@@ -827,11 +837,7 @@ class Admin:
                             tried.discard((src, e))
                         pending.append(e)
                 continue
-            for e, resp in zip(es, resps):
-                if resp[2] == EOK:
-                    got[e] = (resp[5], resp[6], resp[7])
-                else:
-                    pending.append(e)
+            _take_reads(es, resps, got, pending)
         while pending:
             by_src: dict[str, list] = {}
             left = []
@@ -855,11 +861,7 @@ class Admin:
                 except BKError:
                     pending.extend(es)
                     continue
-                for e, resp in zip(es, resps):
-                    if resp[2] == EOK:
-                        got[e] = (resp[5], resp[6], resp[7])
-                    else:
-                        pending.append(e)
+                _take_reads(es, resps, got, pending)
         return got
 
     def _collect_adds(self, lid, target, item, fr):
