@@ -342,6 +342,7 @@ def ids_to_ranges(ids) -> list[int]:
 _REC = struct.Struct("<IqqqH")       # plen, ledger, entry, lac, dlen: the head of a record
 REC_HEAD = _REC.size                 # 30 bytes; the journal body starts at offset 4
 _unpack_rec = _REC.unpack_from
+unpack_record_head = _REC.unpack_from  # (buf, offset=0) -> (plen, ledger, entry, lac, dlen)
 _BIN32 = struct.Struct(">BI")
 
 

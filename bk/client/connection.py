@@ -516,7 +516,7 @@ class Connection:
         if not self.features & protocol.FEATURE_ADD_BATCH:
             for ops in chunks:
                 for op in ops:
-                    q.append(op.frame or op.single_frame())
+                    q.append(op.single_frame())
             return
         rids = self.loop.rids
         head = protocol.add_batch_head

@@ -76,6 +76,8 @@ log = logging.getLogger("bk.client")
 
 _ADD = protocol.ADD
 _encode = protocol.encode_frame
+_unpack_rec = protocol.unpack_record_head
+_REC_HEAD = protocol.REC_HEAD
 _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generously
 _READ_WINDOW = 1000            # most reads kept in flight by read_entries
 _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
@@ -108,37 +110,38 @@ class PendingAdd:
     ``head`` is the entry's ADD_BATCH record head (ids, LAC, digest) and ``data``
     its payload: the two buffers every bookie of its write quorum is sent.
     ``acked`` has bit ``1 << slot`` set for each ensemble slot that confirmed it,
-    ``nacks`` counts them. ``frame`` (a single ADD, for a bookie without batches)
-    is made only when needed."""
+    ``nacks`` counts them. One is made per entry written, so it holds only what
+    every add needs; ``frame`` (a single ADD, for a bookie without batches),
+    ``nfenced`` and ``backoff`` are set only on the paths that need them."""
 
-    __slots__ = ("handle", "entry_id", "rid", "head", "data", "wlen", "lac", "digest",
-                 "frame", "length", "acked", "nacks", "nfenced", "done", "cb", "t_sent",
-                 "backoff")
+    __slots__ = ("handle", "entry_id", "head", "data", "wlen", "length", "acked", "nacks",
+                 "done", "cb", "t_sent", "frame", "nfenced", "backoff")
 
-    def __init__(self, handle, entry_id, rid, head, data, lac, digest, length, cb):
+    def __init__(self, handle, entry_id, head, data, length, cb):
         self.handle = handle
         self.entry_id = entry_id
-        self.rid = rid
         self.head = head
         self.data = data
         self.wlen = len(head) + len(data)
-        self.lac = lac
-        self.digest = digest
-        self.frame = None
         self.length = length
         self.acked = 0
         self.nacks = 0
-        self.nfenced = 0
         self.done = False
         self.cb = cb
         self.t_sent = 0.0
-        self.backoff = None     # {conn: next back-off} once a bookie said ETOOMANYREQUESTS
 
     def single_frame(self) -> bytes:
-        """This entry as a single ADD frame (made once, for bookies without batches)."""
+        """This entry as a single ADD frame (made once, for bookies without batches;
+        the LAC and digest are those of the record head)."""
+        try:
+            return self.frame
+        except AttributeError:
+            pass
         h = self.handle
-        f = self.frame = _encode([_ADD, self.rid, h._lid, self.entry_id, self.lac,
-                                  h._master_key, h._flags, self.digest, self.data])
+        lac, dlen = _unpack_rec(self.head)[3:5]
+        digest = self.head[_REC_HEAD:_REC_HEAD + dlen]
+        f = self.frame = _encode([_ADD, next(h._loop.rids), h._lid, self.entry_id, lac,
+                                  h._master_key, h._flags, digest, self.data])
         return f
 
     def on_reply(self, conn, msg):
@@ -460,6 +463,8 @@ class LedgerHandle:
         self._outbox = collections.deque()
         self._flush_armed = False
         self._rec = protocol.add_record_struct(self._digest.size).pack
+        self._sign = self._digest.sign
+        self._dlen = self._digest.size
         self._completed = 0                 # I/O thread only
         self._pending = collections.deque()  # I/O thread only
         self._error = None                  # (exception class, reason) once the handle is broken
@@ -490,7 +495,7 @@ class LedgerHandle:
         or still in the outbox, and refuse later ones."""
         ob = self._outbox
         while ob:
-            self._pending.extend(ob.popleft())
+            self._pending.append(ob.popleft())
         self._error_out(BKError, reason)
 
     def _set_ensemble(self, ensemble):
@@ -542,10 +547,10 @@ class LedgerHandle:
 
     def _submit(self, payloads, last_cb, each_cb=None):
         """Assign ids, sign, hand to the I/O thread. Returns the ops."""
-        rids = self._loop.rids
         lid = self._lid
-        sign = self._digest.sign
+        sign = self._sign
         rec = self._rec
+        dlen = self._dlen
         with self._lock:
             self._check_open()
             ops = []
@@ -554,39 +559,61 @@ class LedgerHandle:
             length = self._pushed_length
             lac = self._lac
             for data in payloads:
-                length += len(data)
-                digest = sign(entry, lac, length, data)
-                append(PendingAdd(self, entry, next(rids),
-                                  rec(len(data), lid, entry, lac, len(digest), digest),
-                                  data, lac, digest, length, each_cb))
+                n = len(data)
+                length += n
+                append(PendingAdd(self, entry, rec(n, lid, entry, lac, dlen,
+                                                   sign(entry, lac, length, data)),
+                                  data, length, each_cb))
                 entry += 1
             if last_cb is not None and ops:
                 ops[-1].cb = last_cb
             self._next_entry = entry
             self._pushed_length = length
             self._submitted += len(ops)
-            self._post(ops)
+            self._outbox.extend(ops)
+            self._arm_flush()
         return ops
 
-    def _post(self, ops):
-        # Under self._lock (keeps the outbox in entry order). The I/O thread is
-        # asked once per batch, not once per entry (see _io_flush for the race).
-        self._outbox.append(ops)
+    def _submit_one(self, data, cb):
+        """``_submit`` of one checked payload, the path of every add_entry_async:
+        one op, no lists."""
+        if self._submitted - self._completed >= self._throttle:
+            self._check_open()
+            self._wait_window(1)
+        with self._lock:
+            if self._closed or self._error is not None or not self._writable:
+                self._check_open()
+            entry = self._next_entry
+            lac = self._lac
+            n = len(data)
+            length = self._pushed_length + n
+            self._outbox.append(PendingAdd(
+                self, entry, self._rec(n, self._lid, entry, lac, self._dlen,
+                                       self._sign(entry, lac, length, data)),
+                data, length, cb))
+            self._next_entry = entry + 1
+            self._pushed_length = length
+            self._submitted += 1
+            if not self._flush_armed:
+                self._flush_armed = True
+                self._loop.call_soon(self._io_flush)
+
+    def _arm_flush(self):
+        # Under self._lock, after ops were added to the outbox (in entry order). The
+        # I/O thread is asked once per drain, not once per entry: it disarms before
+        # it drains, so an op added after its drain began re-arms.
         if not self._flush_armed:
             self._flush_armed = True
             self._loop.call_soon(self._io_flush)
 
     def _io_flush(self):
-        # Disarm first, then drain: an op posted after the drain re-arms.
+        # Disarm first, then drain what is there now (see _arm_flush).
         self._flush_armed = False
         ob = self._outbox
-        ops = ob.popleft() if ob else None
-        if ob:                             # one send_adds per bookie for all of them
-            ops = list(ops)
-            while ob:
-                ops += ob.popleft()
-        if ops:
-            self._io_send(ops)
+        n = len(ob)
+        if n:
+            pop = ob.popleft
+            self._io_send([pop() for _ in range(n)])
 
     def _not_on_io_thread(self, what):
         if threading.current_thread() is self._loop._thread:
@@ -602,21 +629,19 @@ class LedgerHandle:
                 return
             assert entry_id == self._next_entry, (entry_id, self._next_entry)
             head = protocol.add_record_head(self._lid, entry_id, entry_lac, digest, len(data))
-            op = PendingAdd(self, entry_id, next(self._loop.rids), head, data, entry_lac,
-                            digest, length, None)
+            self._outbox.append(PendingAdd(self, entry_id, head, data, length, None))
             self._next_entry = entry_id + 1
             self._pushed_length = length
             self._submitted += 1
-            self._post([op])
+            self._arm_flush()
 
     def add_entry(self, data) -> int:
         """Add one entry; block until Qa bookies have it; return its entry id."""
         data = self._check_payload(data)
         self._check_open()
         self._not_on_io_thread("add_entry")
-        self._wait_window(1)
         w = _Waiter()
-        self._submit((data,), w)
+        self._submit_one(data, w)
         return w.wait()
 
     def add_entries(self, entries) -> int:
@@ -662,14 +687,13 @@ class LedgerHandle:
         on the client's I/O thread (keep it short) and returns None. Blocks only
         while ``throttle`` adds are already outstanding.
         """
-        data = self._check_payload(data)
-        self._check_open()
-        self._wait_window(1)
+        if data.__class__ is not bytes or len(data) > self._max_payload:
+            data = self._check_payload(data)
         if callback is None:
             fut = concurrent.futures.Future()
-            self._submit((data,), _FutureCallback(fut))
+            self._submit_one(data, _FutureCallback(fut))
             return fut
-        self._submit((data,), callback)
+        self._submit_one(data, callback)
         return None
 
     # --- I/O thread -------------------------------------------------------------------
@@ -764,8 +788,8 @@ class LedgerHandle:
         if op.done:
             return
         if status == EFENCED:
-            op.nfenced += 1
-            if op.nfenced > self._qw - self._qa:
+            op.nfenced = nfenced = getattr(op, "nfenced", 0) + 1
+            if nfenced > self._qw - self._qa:
                 self._error_out(LedgerFencedError, "ledger is fenced (recovered by another client)")
             return
         if status == EUA:
@@ -801,10 +825,11 @@ class LedgerHandle:
                 f"{self._what_add(op.entry_id)}: bookie {conn.bookie_id} was still overloaded "
                 f"(ETOOMANYREQUESTS) after {self._add_timeout:g}s"))
             return
-        if op.backoff is None:
-            op.backoff = {}
-        delay = op.backoff.get(conn, _BUSY_BACKOFF)
-        op.backoff[conn] = delay * 2
+        backoff = getattr(op, "backoff", None)
+        if backoff is None:
+            backoff = op.backoff = {}
+        delay = backoff.get(conn, _BUSY_BACKOFF)
+        backoff[conn] = delay * 2
         self._loop.call_later(min(delay, left), self._resend_busy, op, conn)
 
     def _resend_busy(self, op, conn):

@@ -58,10 +58,10 @@ class FakeConn:
         for op in ops:
             # what a bookie would get: the single ADD and the batch record agree
             msg = P.decode_body(op.single_frame()[4:])
-            assert msg[0] == P.ADD and msg[1] == op.rid
+            assert msg[0] == P.ADD and msg[3] == op.entry_id
             rec = P.encode_add_batch(0, b"", 0, [tuple(msg[2:5]) + tuple(msg[7:9])])
             assert rec.endswith(op.head + op.data)
-            self.sent.append((op.rid, op, msg))
+            self.sent.append((msg[1], op, msg))
 
 
 class FakeExecutor:
