@@ -35,6 +35,7 @@ class _LedgerStats:
         b = self.bench
         b.acked += 1
         if b.waiting and b.acked >= b.wake_at:
+            b.waiting = False       # notify once, not once per acknowledgement until it runs
             with b.cond:
                 b.cond.notify()
 

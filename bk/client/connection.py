@@ -490,20 +490,21 @@ class Connection:
                 self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
                                                   f"{e.strerror or e}"))
                 return
-            i = 0
             k = len(chunk)
+            if n == sum(map(len, chunk)):      # all taken (the usual case): no Python loop
+                del q[:k]
+                continue
+            i = 0
             while i < k:
                 m = len(chunk[i])
                 if n < m:
                     break
                 n -= m
                 i += 1
-            if i < k:
-                if n:
-                    q[i] = memoryview(q[i])[n:]
-                del q[:i]
-                break
+            if n:
+                q[i] = memoryview(q[i])[n:]
             del q[:i]
+            break
         wants = bool(q) or self.state == CONNECTING
         if wants != self._wants_write:
             self._wants_write = wants
