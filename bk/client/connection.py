@@ -97,6 +97,32 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def record_segments(ops, limit):
+    """The ADD_BATCH records of ``ops`` as ``[(count, nbytes, records)]``, each
+    ``records`` one bytes object of at most BATCH_ENTRIES records and ``limit``
+    bytes (one frame's worth). Made once per drain for a whole write quorum: each
+    bookie's connection then sends a frame head and these bytes, instead of two
+    buffers per entry, encoded once per bookie."""
+    segments = []
+    bufs = []
+    add = bufs.append
+    count = nbytes = 0
+    for op in ops:
+        w = op.wlen
+        if count and (count >= BATCH_ENTRIES or nbytes + w > limit):
+            segments.append((count, nbytes, b"".join(bufs)))
+            bufs = []
+            add = bufs.append
+            count = nbytes = 0
+        add(op.head)
+        add(op.data)
+        count += 1
+        nbytes += w
+    if count:
+        segments.append((count, nbytes, b"".join(bufs)))
+    return segments
+
+
 class Call:
     """A generic request/response (everything but the add hot path).
 
@@ -159,7 +185,7 @@ class DeadConnection:
         exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
         self.loop.call_soon(req.on_error, self, exc)
 
-    def send_adds(self, ops):
+    def send_adds(self, ops, segments=None):
         exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
         for op in ops:
             self.loop.call_soon(op.on_error, self, exc)
@@ -191,7 +217,7 @@ class Connection:
         self.out = []
         self.wq = []             # buffers the socket has not taken yet
         self.adds = {}           # ledger -> {entry: op, or a list of ops (two handles)}
-        self.addq = []           # lists of ops to send at the next write
+        self.addq = []           # (ops, segments or None) to send at the next write
         self.features = 0        # what the bookie announced at HELLO
         self.waiting = []        # send_featured requests until HELLO tells the features
         self.fb = None
@@ -223,9 +249,12 @@ class Connection:
             else:
                 self._connect()
 
-    def send_adds(self, ops):
+    def send_adds(self, ops, segments=None):
         """Send the adds ``ops`` (PendingAdd objects of one handle); each op's
-        ``on_reply(conn, msg)`` / ``on_error(conn, exc)`` gets its outcome here."""
+        ``on_reply(conn, msg)`` / ``on_error(conn, exc)`` gets its outcome here.
+        ``segments``: the same ops already encoded by :func:`record_segments`
+        (made once for a whole write quorum), sent as they are to a bookie that
+        takes batches."""
         lid = ops[0].handle._lid
         d = self.adds.get(lid)
         if d is None:
@@ -239,7 +268,7 @@ class Connection:
                         prev.append(op)
                 else:
                     d[op.entry_id] = [prev, op]
-        self.addq.append(ops)
+        self.addq.append((ops, segments))
         if self.state == READY:
             if not self.dirty:
                 self.dirty = True
@@ -512,29 +541,51 @@ class Connection:
 
     def _encode_adds(self, q):
         """Turn the queued adds into ADD_BATCH frames (or single ADDs for a bookie
-        without the feature) appended to the write queue ``q``."""
+        without the feature) appended to the write queue ``q``, in the order they
+        were queued."""
         chunks, self.addq = self.addq, []
         if not self.features & protocol.FEATURE_ADD_BATCH:
-            for ops in chunks:
+            for ops, _ in chunks:
                 for op in ops:
                     q.append(op.single_frame())
             return
         rids = self.loop.rids
         head = protocol.add_batch_head
-        limit = min(BATCH_BYTES, self.loop.max_frame_size // 2)
+        plain = []
+        for ops, segments in chunks:
+            if segments is None:
+                plain.append(ops)
+                continue
+            if plain:
+                self._encode_plain(plain, q)
+                plain = []
+            mk, flags = ops[0].handle._bkey
+            for count, nbytes, records in segments:
+                q.append(head(next(rids), mk, flags, count, nbytes))
+                q.append(records)
+        if plain:
+            self._encode_plain(plain, q)
+
+    def _encode_plain(self, lists, q):
+        # Lists of ops without segments (resends, striped write sets): frames of up
+        # to BATCH_ENTRIES / the loop's batch_bytes, grouped by master key, each
+        # record being the op's two buffers as they are.
+        rids = self.loop.rids
+        head = protocol.add_batch_head
+        limit = self.loop.batch_bytes
         by_key = {}
-        for ops in chunks:
+        for ops in lists:
             key = ops[0].handle._bkey
-            lists = by_key.get(key)
-            if lists is None:
+            same = by_key.get(key)
+            if same is None:
                 by_key[key] = [ops]
             else:
-                lists.append(ops)
-        for (mk, flags), lists in by_key.items():
+                same.append(ops)
+        for (mk, flags), same in by_key.items():
             at = len(q)
             q.append(None)                  # the frame's head, once its size is known
             count = nbytes = 0
-            for ops in lists:
+            for ops in same:
                 for op in ops:
                     w = op.wlen
                     if count and (count >= BATCH_ENTRIES or nbytes + w > limit):
@@ -607,6 +658,9 @@ class IOLoop:
     def __init__(self, max_frame_size=protocol.DEFAULT_MAX_FRAME_SIZE, connect_timeout=5.0,
                  auth_token=None, name="bk-io", batching=True):
         self.max_frame_size = max_frame_size
+        # the records of one ADD_BATCH frame, at most (half the frame limit: room
+        # for the head however large the bookie's limit is)
+        self.batch_bytes = min(BATCH_BYTES, max_frame_size // 2)
         self.batching = batching          # use the features bookies announce (frameBatching)
         self.connect_timeout = connect_timeout
         self.auth_token = auth_token

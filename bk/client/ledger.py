@@ -61,7 +61,7 @@ import time
 
 from bk import protocol
 from bk.client import digest as _digest
-from bk.client.connection import Call, DeadConnection
+from bk.client.connection import Call, DeadConnection, record_segments
 from bk.client.placement import replace_bookies
 from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
@@ -716,9 +716,12 @@ class LedgerHandle:
         qw = self._qw
         failed = self._failed_slots
         if E == qw:                  # every bookie gets every entry
+            # encoded once for all of them (a bookie without batches ignores it)
+            segments = record_segments(ops, self._loop.batch_bytes) \
+                if self._loop.batching and E > 1 else None
             for s, conn in enumerate(conns):
                 if not failed or s not in failed:
-                    conn.send_adds(ops)
+                    conn.send_adds(ops, segments)
             return
         for s, conn in enumerate(conns):
             if failed and s in failed:

@@ -15,6 +15,8 @@ from bk.meta.ledger import LedgerMetadata
 class FakeLoop:
     def __init__(self):
         self.rids = itertools.count(1)
+        self.batching = True
+        self.batch_bytes = 1 << 20
         self.generation = 1
         self.now = 0.0
         self._tickers = []
@@ -54,7 +56,12 @@ class FakeConn:
         self.bookie_id = bid
         self.sent = []          # (rid, op)
 
-    def send_adds(self, ops):
+    def send_adds(self, ops, segments=None):
+        if segments is not None:
+            # encoded once for the write quorum: the same records, in order
+            assert sum(c for c, _, _ in segments) == len(ops)
+            assert b"".join(r for _, _, r in segments) == b"".join(op.head + op.data for op in ops)
+            assert all(n == len(r) for _, n, r in segments)
         for op in ops:
             # what a bookie would get: the single ADD and the batch record agree
             msg = P.decode_body(op.single_frame()[4:])
@@ -301,3 +308,25 @@ def test_read_only_bookie_is_replaced_at_once():
     run(client)
     assert h._changing and len(client._executor.jobs) == 1 and h._failed_slots == {1}
     assert client._io.timers == [] and len(b1.sent) == 1
+
+
+def test_record_segments_split_at_the_frame_limits():
+    from bk.client import connection as C
+
+    class Op:
+        def __init__(self, i, size):
+            self.head = b"h%03d" % i
+            self.data = bytes([i % 256]) * size
+            self.wlen = len(self.head) + len(self.data)
+
+    ops = [Op(i, 96) for i in range(25)]            # 100 bytes each
+    segs = C.record_segments(ops, 1000)
+    assert [(c, n) for c, n, _ in segs] == [(10, 1000), (10, 1000), (5, 500)]
+    assert b"".join(r for _, _, r in segs) == b"".join(o.head + o.data for o in ops)
+    # an op larger than the limit still goes, alone in its frame
+    big = [Op(0, 10), Op(1, 5000), Op(2, 10)]
+    assert [c for c, _, _ in C.record_segments(big, 1000)] == [1, 1, 1]
+    # the entry count bounds a frame too
+    many = [Op(i, 0) for i in range(C.BATCH_ENTRIES + 1)]
+    assert [c for c, _, _ in C.record_segments(many, 1 << 30)] == [C.BATCH_ENTRIES, 1]
+    assert C.record_segments([], 1000) == []
