@@ -23,7 +23,7 @@ def main():
     ap.add_argument("--window", type=int, default=2000)
     ap.add_argument("--shards", type=int, default=1, help="shards of the local bookie")
     ap.add_argument("--sync", default="true", help="journalSyncData of the local bookie")
-    ap.add_argument("--group-wait", default="2", help="journalMaxGroupWaitMSec of the local bookie")
+    ap.add_argument("--group-wait", default="0", help="journalMaxGroupWaitMSec of the local bookie")
     ap.add_argument("--stats", default="true", help="enableStatistics of the local bookie "
                     "(false: to measure what the metrics cost)")
     ap.add_argument("--single", action="store_true", help="single ADD frames (the old path)")
