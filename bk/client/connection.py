@@ -85,6 +85,7 @@ BATCH_BYTES = 1 << 20          # records per ADD_BATCH frame, at most (and the f
 BATCH_ENTRIES = 1000
 _ADD_BATCH = protocol.ADD_BATCH
 _ADD = protocol.ADD
+_NONES = itertools.repeat(None)
 
 _loops: "weakref.WeakSet[IOLoop]" = weakref.WeakSet()
 
@@ -456,13 +457,12 @@ class Connection:
             d = adds.get(lid)
             if d is None:
                 continue
-            pop = d.pop
-            for e in range(acked[i + 1], acked[i + 2] + 1):
-                op = pop(e, None)
+            # pop(e, None) for each e of the run, iterated in C
+            for op in map(d.pop, range(acked[i + 1], acked[i + 2] + 1), _NONES):
                 if op is None:
                     continue
                 if op.__class__ is list:
-                    op = self._take_add(d, e, op)
+                    op = self._take_add(d, op[0].entry_id, op)
                 if op.handle is not h:
                     h = op.handle
                     touched.append(h)

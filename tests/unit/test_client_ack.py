@@ -330,3 +330,50 @@ def test_record_segments_split_at_the_frame_limits():
     many = [Op(i, 0) for i in range(C.BATCH_ENTRIES + 1)]
     assert [c for c, _, _ in C.record_segments(many, 1 << 30)] == [C.BATCH_ENTRIES, 1]
     assert C.record_segments([], 1000) == []
+
+
+def test_group_ack_confirms_the_oldest_send_of_an_entry_first():
+    """Two handles of one ledger in one client (a writer and its recovery) send
+    the same entry ids on one connection: each acknowledgement confirms the
+    oldest outstanding send of an entry, one handle's op at a time."""
+    from bk.client import connection as C
+
+    class Loop:
+        rids = itertools.count(1)
+        _timeouts = {}
+        _dirty = []
+
+    class Handle:
+        def __init__(self):
+            self._lid = 7
+            self._ack_bits = {}
+            self.advanced = 0
+
+        def _advance(self):
+            self.advanced += 1
+
+    class Op:
+        def __init__(self, h, e):
+            self.handle, self.entry_id = h, e
+            self.done, self.acked, self.nacks = False, 0, 0
+
+    conn = C.Connection(Loop(), "b0", 0, ("127.0.0.1", 1))
+    conn.state, conn.dirty = C.READY, True
+    writer, recovery = Handle(), Handle()
+    for h in (writer, recovery):
+        h._ack_bits[conn] = 1 << 1
+    w_ops = [Op(writer, e) for e in range(3)]
+    r_ops = [Op(recovery, e) for e in range(1, 3)]
+    conn.send_adds(w_ops)
+    conn.send_adds(r_ops)
+    conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 2], []])
+    assert [op.nacks for op in w_ops] == [1, 1, 1]
+    assert [op.acked for op in w_ops] == [2, 2, 2]
+    assert [op.nacks for op in r_ops] == [0, 0] and writer.advanced == 1
+    assert sorted(conn.adds[7]) == [1, 2]
+    conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 1, 2], []])
+    assert [op.nacks for op in r_ops] == [1, 1] and recovery.advanced == 1
+    assert 7 not in conn.adds
+    # a run naming entries nobody sent, or a ledger without adds, is ignored
+    conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 5, 8, 0, 1], []])
+    assert [op.nacks for op in w_ops + r_ops] == [1] * 5
