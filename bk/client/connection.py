@@ -24,15 +24,21 @@ entry) in ``adds`` until the bookie acknowledges or refuses each (a broken
 connection fails them all). When the loop writes a connection, the adds queued
 on it since its last write are coalesced: to a bookie that announced
 ``FEATURE_ADD_BATCH`` at HELLO (and with ``frameBatching`` on) as ADD_BATCH
-frames of up to ``BATCH_BYTES`` / ``BATCH_ENTRIES``, grouped by master key,
-each entry being two buffers made once when it was signed (its record head
-and the caller's payload, shared by its whole write quorum); otherwise as one
-single ADD frame per entry. The bookie answers a group commit with one group
-acknowledgement per connection (runs of entries, plus per-entry errors), which
-the loop applies entry by entry (a slot bit per op, no sets) and then advances
-each handle it touched once. Everything a write produces goes out with
-``sendmsg`` of the buffers as they are (at most ``_IOV`` per call), never
-joined; what the socket does not take waits in ``wq``. Replies are received
+frames of up to ``BATCH_BYTES`` / ``BATCH_ENTRIES``, grouped by master key;
+otherwise as one single ADD frame per entry. Each entry is two buffers made
+once when it was signed (its record head and the caller's payload). When every
+bookie of the ensemble gets every entry (E == Qw), the handle joins a drain's
+records once (:func:`record_segments`, one bytes object per frame's worth) and
+every connection sends its own frame head plus those bytes: the per-entry
+encoding work is done once per write quorum, not once per bookie, and the
+kernel gets one buffer per frame instead of two per entry (one copy of the
+payloads, in the I/O thread, instead of three per-entry encodings). The
+bookie answers a group commit with one group acknowledgement per connection
+(runs of entries, plus per-entry errors), which the loop applies entry by
+entry (a slot bit per op, no sets) and then advances each handle it touched
+once. Everything a write produces goes out with ``sendmsg`` of the buffers as
+they are (at most ``_IOV`` per call), not joined again per connection; what
+the socket does not take waits in ``wq``. Replies are received
 with ``recv_into`` the connection's reusable :class:`protocol.FrameBuffer`
 and decoded in place.
 

@@ -5,13 +5,17 @@ Theory of operation (write path)
 A user thread turns payloads into :class:`PendingAdd` objects under the
 handle's lock: it assigns the entry id, the cumulative length, signs the
 digest (carrying the LAC known at that moment: the piggybacked LAC) and packs
-the entry's ADD_BATCH record head once (the payload is never copied). The ops
-are handed, in entry-id order, to the I/O thread through a deque it drains
-without taking that lock (so the I/O thread never waits while a submitter
-signs), and which from then on owns every piece of mutable write state: the
-``_pending`` deque, the acknowledgements, the LAC, the ensemble. It hands
-each bookie of the ensemble, with one ``send_adds`` per drain, the ops whose
-write set (the Qw bookies starting at slot ``entry % E``) it is in; the
+the entry's ADD_BATCH record head once (the payload is not copied here).
+``add_entry_async`` makes exactly one object per entry (the op) and appends
+it to a deque: this path runs once per entry in the user's thread, so it
+holds no lists, no request ids and nothing a rare path needs. The ops are
+handed, in entry-id order, to the I/O thread through that deque, which it
+drains without taking the lock (so the I/O thread never waits while a
+submitter signs), and which from then on owns every piece of mutable write
+state: the ``_pending`` deque, the acknowledgements, the LAC, the ensemble.
+It hands each bookie of the ensemble, with one ``send_adds`` per drain, the
+ops whose write set (the Qw bookies starting at slot ``entry % E``) it is in
+(with E == Qw, with their records already encoded once for all of them); the
 connection batches them (``bk.client.connection``) and a group
 acknowledgement confirms many at once, each confirmation setting the slot's
 bit in the op (no per-entry sets); the handle then advances once. The head of ``_pending`` is
