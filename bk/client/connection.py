@@ -26,13 +26,13 @@ on it since its last write are coalesced: to a bookie that announced
 ``FEATURE_ADD_BATCH`` at HELLO (and with ``frameBatching`` on) as ADD_BATCH
 frames of up to ``BATCH_BYTES`` / ``BATCH_ENTRIES``, grouped by master key;
 otherwise as one single ADD frame per entry. Each entry is two buffers made
-once when it was signed (its record head and the caller's payload). When every
-bookie of the ensemble gets every entry (E == Qw), the handle joins a drain's
-records once (:func:`record_segments`, one bytes object per frame's worth) and
-every connection sends its own frame head plus those bytes: the per-entry
-encoding work is done once per write quorum, not once per bookie, and the
-kernel gets one buffer per frame instead of two per entry (one copy of the
-payloads, in the I/O thread, instead of three per-entry encodings). The
+once when it was signed (its record head and the caller's payload), joined
+into one bytes object per frame's worth by :func:`record_segments`. When every
+bookie of the ensemble gets every entry (E == Qw), the handle does that once
+per drain and every connection sends its own frame head plus the same bytes:
+the per-entry encoding work is done once per write quorum, not once per
+bookie, and the kernel gets one buffer per frame instead of two per entry.
+Otherwise (striped write sets, resends) each connection joins its own. The
 bookie answers a group commit with one group acknowledgement per connection
 (runs of entries, plus per-entry errors), which the loop applies entry by
 entry (a slot bit per op, no sets) and then advances each handle it touched
@@ -548,62 +548,42 @@ class Connection:
     def _encode_adds(self, q):
         """Turn the queued adds into ADD_BATCH frames (or single ADDs for a bookie
         without the feature) appended to the write queue ``q``, in the order they
-        were queued."""
+        were queued. Adds queued without segments (resends, striped write sets)
+        are encoded here, grouped by master key."""
         chunks, self.addq = self.addq, []
         if not self.features & protocol.FEATURE_ADD_BATCH:
             for ops, _ in chunks:
                 for op in ops:
                     q.append(op.single_frame())
             return
-        rids = self.loop.rids
-        head = protocol.add_batch_head
-        plain = []
+        by_key = {}                     # (master key, flags) -> ops without segments
         for ops, segments in chunks:
             if segments is None:
-                plain.append(ops)
+                key = ops[0].handle._bkey
+                same = by_key.get(key)
+                if same is None:
+                    by_key[key] = list(ops)
+                else:
+                    same += ops
                 continue
-            if plain:
-                self._encode_plain(plain, q)
-                plain = []
-            mk, flags = ops[0].handle._bkey
-            for count, nbytes, records in segments:
-                q.append(head(next(rids), mk, flags, count, nbytes))
-                q.append(records)
-        if plain:
-            self._encode_plain(plain, q)
+            if by_key:                  # what was queued before goes first
+                self._emit_plain(by_key, q)
+                by_key = {}
+            self._emit(ops[0].handle._bkey, segments, q)
+        if by_key:
+            self._emit_plain(by_key, q)
 
-    def _encode_plain(self, lists, q):
-        # Lists of ops without segments (resends, striped write sets): frames of up
-        # to BATCH_ENTRIES / the loop's batch_bytes, grouped by master key, each
-        # record being the op's two buffers as they are.
+    def _emit_plain(self, by_key, q):
+        for key, ops in by_key.items():
+            self._emit(key, record_segments(ops, self.loop.batch_bytes), q)
+
+    def _emit(self, key, segments, q):
+        mk, flags = key
         rids = self.loop.rids
         head = protocol.add_batch_head
-        limit = self.loop.batch_bytes
-        by_key = {}
-        for ops in lists:
-            key = ops[0].handle._bkey
-            same = by_key.get(key)
-            if same is None:
-                by_key[key] = [ops]
-            else:
-                same.append(ops)
-        for (mk, flags), same in by_key.items():
-            at = len(q)
-            q.append(None)                  # the frame's head, once its size is known
-            count = nbytes = 0
-            for ops in same:
-                for op in ops:
-                    w = op.wlen
-                    if count and (count >= BATCH_ENTRIES or nbytes + w > limit):
-                        q[at] = head(next(rids), mk, flags, count, nbytes)
-                        at = len(q)
-                        q.append(None)
-                        count = nbytes = 0
-                    q.append(op.head)
-                    q.append(op.data)
-                    count += 1
-                    nbytes += w
-            q[at] = head(next(rids), mk, flags, count, nbytes)
+        for count, nbytes, records in segments:
+            q.append(head(next(rids), mk, flags, count, nbytes))
+            q.append(records)
 
     # --- failure ------------------------------------------------------------------
     def _fail(self, exc, fast=False):
