@@ -59,7 +59,10 @@ def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_en
     C.start()
     B.kill(signal.SIGSTOP)            # B slow: the next recovery hears from C and D first
     try:
-        with _client(cluster) as rc:
+        # C and D were just restarted: give their first write-back more than the
+        # 1 s that replaces the hung B (under CI's load both once took longer, and
+        # the recovery then had no bookie left).
+        with _client(cluster, addEntryTimeoutSec=3) as rc:
             rh = rc.open_ledger(lid, password=PW)
             assert rh.is_closed and rh.last_add_confirmed == 10
             assert [e.data for e in rh.read_entries(0, 10)] == \
