@@ -13,7 +13,10 @@ held response waited ``journalMaxGroupWaitMSec``, or the unsynced bytes reached
 ``journalBufferedWritesThreshold``, or no more input is waiting), the group is
 committed with ONE sync and only then are its responses sent. So an
 acknowledged ADD or a confirmed fence is on disk, and a burst of adds from many
-connections shares one sync.
+connections shares one sync. With the default wait of 0 a group is due as
+soon as a pass holds answers and no sync is in flight: the adds that arrive
+while a sync runs form the next group, so groups grow with the load without
+a timer adding latency at low load.
 
 Batched adds (``ADD_BATCH``, see ``bk.protocol``): every entry of a batch is
 checked and appended at once, straight from the received frame (the records
