@@ -85,7 +85,9 @@ def main():
     p.add_argument("--dir", default=".", help="directory on the disk to measure (default: .)")
     p.add_argument("--mode", choices=["both", "mmap", "pwrite"], default="both")
     p.add_argument("--prealloc", choices=["fallocate", "zeros"], default="zeros",
-                   help="how the file is preallocated (default: zeros, as the journal does)")
+                   help="how the file is preallocated (default: zeros; the journal uses "
+                   "fallocate, whose unwritten extents make the first write of each block "
+                   "a metadata change: compare the two)")
     p.add_argument("--streams", type=int, default=3, help="concurrent journals")
     p.add_argument("--group-kb", type=int, default=15, help="bytes per group commit, KiB")
     p.add_argument("--duration", type=float, default=8.0, help="seconds per mode")
