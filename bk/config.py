@@ -125,7 +125,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("flushIntervalBytes", int, 256 * 1024 * 1024, "Journal bytes written since the last "
        "index checkpoint after which one is taken at once, also under sustained load (the "
        "shard pauses for the sync in flight and the checkpoint): bounds what a restart after "
-       "kill -9 replays.", minimum=1 << 20),
+       "kill -9 replays. Each shard takes its forced checkpoints at a random point of the "
+       "last quarter below it, so that bookies sharing the same writes do not pause "
+       "together.", minimum=1 << 20),
     _S("nettyMaxFrameSizeBytes", int, 5 * 1024 * 1024, "Largest frame accepted or sent.",
        scope=BOTH, minimum=1024),
     _S("frameBatching", bool, True, "Batched frames (ADD_BATCH with group acknowledgements, "

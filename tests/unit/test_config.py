@@ -82,3 +82,14 @@ def test_conf_files_document_every_key_and_parse():
                 "diskUsageThreshold", "readOnlyModeEnabled", "gcWaitTime",
                 "registrationTtlSeconds", "pidFile", "logFile"):
         assert f"\n{key}=" in server and key in SETTINGS
+
+
+def test_forced_checkpoints_are_staggered_below_the_limit():
+    from bk.bookie.worker import staggered_checkpoint_bytes
+    limit = 256 << 20
+    got = [staggered_checkpoint_bytes(limit) for _ in range(2000)]
+    # never above the limit (it bounds a restart's replay), never below 3/4 of it,
+    # and spread out (bookies that write the same bytes must not pause together)
+    assert all(limit * 3 // 4 <= v <= limit for v in got)
+    assert max(got) - min(got) > limit // 8
+    assert len(set(got)) > 1000
