@@ -233,6 +233,35 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "readers see the last record.", scope=CLIENT, minimum=0),
 ]}
 
+# The sections of the registry, in its order: each runs from the key named to the
+# next section's first key, so a key added inside a section belongs to it.
+# docs/configuration.md is grouped by them (scripts/gen_conf.py).
+SECTIONS: list[tuple[str, str]] = [
+    ("Identity and network", "bookieId"),
+    ("Storage", "journalDirectories"),
+    ("Disk space and garbage collection", "diskUsageThreshold"),
+    ("Process, registration and auto-recovery", "registrationTtlSeconds"),
+    ("Observability", "httpServerEnabled"),
+    ("Client", "addEntryTimeoutSec"),
+    ("Logs (bk.log)", "logRollBytes"),
+]
+
+
+def sections() -> list[tuple[str, list[Setting]]]:
+    """The settings grouped as the registry groups them: ``[(title, [Setting, ...])]``."""
+    starts = {first: title for title, first in SECTIONS}
+    unknown = set(starts) - set(SETTINGS)
+    if unknown:
+        raise ConfigError(f"SECTIONS names keys that are not settings: {sorted(unknown)}")
+    out: list[tuple[str, list[Setting]]] = []
+    for s in SETTINGS.values():
+        if s.name in starts:
+            out.append((starts[s.name], []))
+        elif not out:
+            raise ConfigError(f"{s.name} comes before the first section of the registry")
+        out[-1][1].append(s)
+    return out
+
 
 class Config(Mapping):
     """Read-only settings: ``conf.bookiePort`` or ``conf["bookiePort"]``."""
