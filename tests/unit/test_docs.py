@@ -94,3 +94,14 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = _read(os.path.join(ROOT, ".ci", "run"))
     assert "exec scripts/test.sh" in ci
     assert "scripts/test.sh" in _read(os.path.join(ROOT, "README.md"))
+
+
+def test_architecture_names_every_module_of_the_package():
+    text = _read(os.path.join(DOCS, "architecture.md"))
+    pkg = os.path.join(ROOT, "bk")
+    names = [f"bk/{n}" for n in sorted(os.listdir(pkg))
+             if n.endswith(".py") and n != "__init__.py"]
+    names += [f"bk/{n}/" for n in sorted(os.listdir(pkg))
+              if os.path.isfile(os.path.join(pkg, n, "__init__.py"))]
+    missing = [n for n in names if n not in text]
+    assert not missing, f"add {missing} to the module map of docs/architecture.md"
