@@ -71,9 +71,14 @@ ADD_ENTRY_REQUEST = _m("bookkeeper_server_ADD_ENTRY_REQUEST", HISTOGRAM,
 ADD_ENTRY_ERRORS = _m("bookkeeper_server_ADD_ENTRY_ERRORS", COUNTER,
                       "Add requests answered with an error, by status code.", ["status"])
 READ_ENTRY_REQUEST = _m("bookkeeper_server_READ_ENTRY_REQUEST", HISTOGRAM,
-                        "Entry reads (not long-poll reads) by outcome, and the time to "
-                        "read the entry and send the answer (seconds).", ["success"],
-                        LATENCY_BUCKETS)
+                        "Entries read (by READ or READ_RANGE; not long-poll reads) by "
+                        "outcome, each charged the time its request took to read and "
+                        "answer (seconds). A request answered with an error counts as one "
+                        "failed read.", ["success"], LATENCY_BUCKETS)
+READ_RANGE_REQUEST = _m("bookkeeper_server_READ_RANGE_REQUEST", HISTOGRAM,
+                        "READ_RANGE requests (one per frame, however many entries it "
+                        "answered) by outcome, and the time to read and answer each "
+                        "(seconds).", ["success"], LATENCY_BUCKETS)
 READ_ENTRY_ERRORS = _m("bookkeeper_server_READ_ENTRY_ERRORS", COUNTER,
                        "Entry reads answered with an error, by status code.", ["status"])
 JOURNAL_SYNC = _m("bookie_journal_JOURNAL_SYNC", HISTOGRAM,
@@ -93,7 +98,7 @@ ENTRIES = _m("bookie_entries_count", GAUGE, "Entries stored on this bookie.")
 CONNECTIONS = _m("bookie_connections", GAUGE, "Open client connections.")
 CHECKPOINTS = _m("bookie_CHECKPOINTS", COUNTER, "Index checkpoints taken.")
 SHARD_METRICS = [ADD_ENTRY_REQUEST, ADD_ENTRY_ERRORS, READ_ENTRY_REQUEST, READ_ENTRY_ERRORS,
-                 JOURNAL_SYNC, JOURNAL_BATCH, JOURNAL_WRITE_BYTES, JOURNAL_QUEUE,
+                 READ_RANGE_REQUEST, JOURNAL_SYNC, JOURNAL_BATCH, JOURNAL_WRITE_BYTES, JOURNAL_QUEUE,
                  JOURNAL_BYTES, LEDGERS, ENTRIES, CONNECTIONS, CHECKPOINTS]
 
 # --- bookie: kept by the arbiter -----------------------------------------------------
@@ -176,6 +181,8 @@ class ShardMetrics:
         self.add_fail = _Hist(LATENCY_BUCKETS)
         self.read_ok = _Hist(LATENCY_BUCKETS)
         self.read_fail = _Hist(LATENCY_BUCKETS)
+        self.range_ok = _Hist(LATENCY_BUCKETS)
+        self.range_fail = _Hist(LATENCY_BUCKETS)
         self.sync = _Hist(LATENCY_BUCKETS)
         self.batch = _Hist(GROUP_BUCKETS)
         self.add_errors: dict[str, int] = {}
@@ -195,13 +202,21 @@ class ShardMetrics:
         if immediate:           # refused at once (read-only): not part of a group
             self.add_fail.observe(0.0)
 
-    def read(self, status: int, latency: float) -> None:
+    def read(self, status: int, latency: float, entries: int = 1) -> None:
+        """A READ (``entries`` = 1) or the ``entries`` a READ_RANGE answered: each is
+        one entry read; a request answered with an error is one failed read."""
         if status == 0:
-            self.read_ok.observe(latency)
+            if entries:
+                self.read_ok.observe(latency, entries)
         else:
             self.read_fail.observe(latency)
             name = status_name(status)
             self.read_errors[name] = self.read_errors.get(name, 0) + 1
+
+    def read_range(self, status: int, entries: int, latency: float) -> None:
+        """One READ_RANGE request that answered ``entries`` entries."""
+        (self.range_ok if status == 0 else self.range_fail).observe(latency)
+        self.read(status, latency, entries)
 
     def synced(self, latency: float) -> None:
         self.sync.observe(latency)
@@ -216,6 +231,8 @@ class ShardMetrics:
             READ_ENTRY_REQUEST.name: [[["true"], h(self.read_ok)], [["false"], h(self.read_fail)]],
             ADD_ENTRY_ERRORS.name: [[[k], v] for k, v in self.add_errors.items()],
             READ_ENTRY_ERRORS.name: [[[k], v] for k, v in self.read_errors.items()],
+            READ_RANGE_REQUEST.name: [[["true"], h(self.range_ok)],
+                                      [["false"], h(self.range_fail)]],
             JOURNAL_SYNC.name: [[[], h(self.sync)]],
             JOURNAL_BATCH.name: [[[], h(self.batch)]],
             JOURNAL_WRITE_BYTES.name: [[[], stats.get("synced_bytes", 0)]],
@@ -239,7 +256,10 @@ class NoMetrics(ShardMetrics):
     def add_error(self, status_name, immediate):
         pass
 
-    def read(self, status, latency):
+    def read(self, status, latency, entries=1):
+        pass
+
+    def read_range(self, status, entries, latency):
         pass
 
     def synced(self, latency):
@@ -289,11 +309,7 @@ class BookieMetrics:
         self.compacted_segments = 0
         self.reclaimed_bytes = 0
         self.readonly = False
-        self.under_replicated = None           # set while this bookie is the auditor
-        self.under_replicated_age = 0.0
-        self.auditor = None                    # 0/1 once this bookie runs auto-recovery
-        self.replicated_entries = 0
-        self.replicated_bytes = 0
+        self.autorecovery: AutoRecoveryMetrics | None = None   # once it runs one
         self.disk: dict = {}
         self.disk_source = None                # callable -> layout.disk_space dict
 
@@ -383,15 +399,32 @@ class BookieMetrics:
                          (COMPACTED_SEGMENTS, self.compacted_segments),
                          (RECLAIMED_BYTES, self.reclaimed_bytes)):
                 yield CounterMetricFamily(m.name, m.help, value=v)
-            if self.under_replicated is not None:
-                yield _gauge(UNDER_REPLICATED, self.under_replicated)
-                yield _gauge(UNDER_REPLICATED_AGE, self.under_replicated_age)
-            if self.auditor is not None:
-                yield _gauge(AUDITOR_ELECTED, self.auditor)
-                yield CounterMetricFamily(REPLICATED_ENTRIES.name, REPLICATED_ENTRIES.help,
-                                          value=self.replicated_entries)
-                yield CounterMetricFamily(REPLICATED_BYTES.name, REPLICATED_BYTES.help,
-                                          value=self.replicated_bytes)
+        if self.autorecovery is not None:
+            yield from self.autorecovery.collect()
+
+
+class AutoRecoveryMetrics:
+    """The numbers of one process's auto-recovery (a bookie's, or ``bookie
+    autorecovery``'s), as a prometheus_client collector. Its threads set the
+    attributes; the under-replicated gauges are served only while it is the
+    auditor (``under_replicated`` is None otherwise)."""
+
+    def __init__(self):
+        self.auditor = 0                       # 1 while this process is the auditor
+        self.under_replicated: int | None = None
+        self.under_replicated_age = 0.0
+        self.replicated_entries = 0
+        self.replicated_bytes = 0
+
+    def collect(self):
+        if self.under_replicated is not None:
+            yield _gauge(UNDER_REPLICATED, self.under_replicated)
+            yield _gauge(UNDER_REPLICATED_AGE, self.under_replicated_age)
+        yield _gauge(AUDITOR_ELECTED, self.auditor)
+        yield CounterMetricFamily(REPLICATED_ENTRIES.name, REPLICATED_ENTRIES.help,
+                                  value=self.replicated_entries)
+        yield CounterMetricFamily(REPLICATED_BYTES.name, REPLICATED_BYTES.help,
+                                  value=self.replicated_bytes)
 
 
 def _le(bound: float) -> str:
@@ -402,10 +435,14 @@ def _gauge(m: Metric, value) -> GaugeMetricFamily:
     return GaugeMetricFamily(m.name, m.help, value=value)
 
 
-def bookie_registry(metrics: BookieMetrics) -> CollectorRegistry:
+def registry_of(collector) -> CollectorRegistry:
+    """A registry serving one collector (a BookieMetrics or an AutoRecoveryMetrics)."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(metrics)
+    reg.register(collector)
     return reg
+
+
+bookie_registry = registry_of
 
 
 # --- client --------------------------------------------------------------------------

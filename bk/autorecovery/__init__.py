@@ -66,6 +66,7 @@ from bk.autorecovery import checker
 from bk.errors import BKError, LockLostError, MetadataError, NoSuchLedgerError
 from bk.meta import underreplication as UR
 from bk.meta.recipes import Election, LeaseLock
+from bk.metrics import AutoRecoveryMetrics
 
 log = logging.getLogger("bk.autorecovery")
 
@@ -73,10 +74,10 @@ log = logging.getLogger("bk.autorecovery")
 class AutoRecovery:
     """The auditor candidate and the replication worker of one process."""
 
-    def __init__(self, conf, identifier: str, metrics=None):
+    def __init__(self, conf, identifier: str, metrics: AutoRecoveryMetrics | None = None):
         self.conf = conf
         self.identifier = identifier
-        self.metrics = metrics      # bk.metrics.BookieMetrics: the auditor reports there
+        self.metrics = metrics if metrics is not None else AutoRecoveryMetrics()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._admin = None
@@ -90,8 +91,7 @@ class AutoRecovery:
                             timeout=self.conf.metadataTimeoutMillis / 1000.0,
                             rate_bytes=self.conf.replicationRateByBytes,
                             max_frame=self.conf.nettyMaxFrameSizeBytes)
-        if self.metrics is not None:
-            self.metrics.auditor = 0
+        self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
             t = threading.Thread(target=self._guarded, args=(target,), daemon=True,
                                  name=f"bk-{name}")
@@ -133,17 +133,15 @@ class AutoRecovery:
             if not election.campaign(timeout=1.0):
                 continue
             log.info("%s is the auditor (epoch %d)", self.identifier, election.epoch)
-            if self.metrics is not None:
-                self.metrics.auditor = 1
+            self.metrics.auditor = 1
             try:
                 self._lead(election)
             except LockLostError as e:
                 log.warning("auditor %s deposed: %s", self.identifier, e)
             finally:
                 election.resign()
-                if self.metrics is not None:
-                    self.metrics.under_replicated = None     # only the auditor reports
-                    self.metrics.auditor = 0
+                self.metrics.under_replicated = None     # only the auditor reports
+                self.metrics.auditor = 0
 
     def _lead(self, election):
         checks = threading.Thread(target=self._guarded_checks, args=(election,), daemon=True,
@@ -163,7 +161,7 @@ class AutoRecovery:
         bookie_check = self.conf.auditorPeriodicBookieCheckInterval
         next_bookie_check = time.monotonic() + bookie_check
         while not self._stop.wait(0.25) and election.is_leader:
-            if self.metrics is not None and time.monotonic() >= next_count:
+            if time.monotonic() >= next_count:
                 next_count = time.monotonic() + 5.0
                 ctimes = [rec.get("ctime", 0) for _, rec, _ in UR.list_marked(store)]
                 self.metrics.under_replicated = len(ctimes)
@@ -390,6 +388,5 @@ class AutoRecovery:
                      lid, self.identifier)
 
     def _count(self, report):
-        if self.metrics is not None:
-            self.metrics.replicated_entries += report.entries_copied
-            self.metrics.replicated_bytes += sum(f.bytes_copied for f in report.fragments)
+        self.metrics.replicated_entries += report.entries_copied
+        self.metrics.replicated_bytes += sum(f.bytes_copied for f in report.fragments)

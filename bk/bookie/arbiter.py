@@ -51,20 +51,16 @@ import time
 
 from bk import metrics as M
 from bk import protocol as P
+from bk.autorecovery import AutoRecovery
 from bk.bookie import control, layout
+from bk.bookie import http as bookie_http
 from bk.config import Config
 from bk.errors import BKError, ClusterIdentityError, EBADREQ, ProtocolError
+from bk.exitcodes import (EXIT_BIND, EXIT_COOKIE, EXIT_CONFIG, EXIT_ERROR, EXIT_METADATA,
+                          EXIT_OK, EXIT_WORKER_BOOT)
+from bk.http import HttpServer
 
 log = logging.getLogger("bk.bookie")
-
-# Fixed exit codes of the bookie process.
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CONFIG = 2
-EXIT_WORKER_BOOT = 3
-EXIT_COOKIE = 4
-EXIT_METADATA = 5
-EXIT_BIND = 6
 
 MAX_RESTARTS = 5
 RESTART_WINDOW = 60.0
@@ -228,8 +224,9 @@ class Arbiter:
             self.tasks.put(("readonly", self.readonly))
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
         if conf.autoRecoveryDaemonEnabled:
-            from bk.autorecovery import AutoRecovery
-            self.autorecovery = AutoRecovery(conf, conf.bookie_id, self.metrics).start()
+            self.metrics.autorecovery = M.AutoRecoveryMetrics()
+            self.autorecovery = AutoRecovery(conf, conf.bookie_id,
+                                             self.metrics.autorecovery).start()
         log.info("bookie %s registered", conf.bookie_id)
         if self.on_ready:
             self.on_ready(None)
@@ -258,10 +255,9 @@ class Arbiter:
     def _bind_http(self):
         if not self.conf.httpServerEnabled:
             return
-        from bk.bookie.http import HttpServer
-
         try:
-            self.http = HttpServer(self, self.conf.bind_address, self.conf.httpServerPort)
+            self.http = HttpServer(bookie_http.routes(self), self.conf.bind_address,
+                                   self.conf.httpServerPort)
         except OSError as e:
             raise BookieExit(EXIT_BIND, f"cannot bind httpServerPort {self.conf.bind_address}:"
                                         f"{self.conf.httpServerPort}: {e.strerror}") from None
@@ -773,59 +769,6 @@ class Arbiter:
                                  threshold)
         except OSError as e:
             log.warning("shard %d: cannot send gc results: %s", shard, e)
-
-    # --- HTTP (called on the HTTP server's threads) ----------------------------------
-    def refresh_metrics(self):
-        try:
-            disk = layout.disk_space(self.conf)
-        except OSError:
-            disk = {}
-        with self.metrics.lock:
-            self.metrics.readonly = self.readonly
-            self.metrics.disk = disk
-
-    def http_state(self) -> dict:
-        return {"running": not self.stopping, "readOnly": self.readonly,
-                "shuttingDown": self.stopping,
-                "availableForHighPriorityWrites": not self.stopping,
-                "state": "stopping" if self.stopping else
-                         "readonly" if self.readonly else "writable"}
-
-    def http_info(self) -> dict:
-        totals = self.metrics.totals()
-
-        def total(m):
-            return sum(totals.get(m.name, {}).values())
-        try:
-            disk = layout.disk_space(self.conf)
-        except OSError as e:
-            disk = {"error": str(e)}
-        return {"bookieId": self.conf.bookie_id, "address": self.conf.advertisedAddress,
-                "port": self.port, "httpPort": self.http_port, "pid": os.getpid(),
-                "numShards": self.num_shards, "protocolVersion": P.PROTOCOL_VERSION,
-                "state": self.http_state()["state"], "ledgers": total(M.LEDGERS),
-                "entries": total(M.ENTRIES), "disk": disk,
-                "shards": [{"shard": w.shard, "pid": w.pid, "ready": w.ready,
-                            "restarts": self.metrics.restarts[w.shard]}
-                           for w in self.workers],
-                "lastGc": {str(k): v for k, v in self.last_gc.items()},
-                "lastOverreplicatedScan": {str(k): v for k, v in self.last_overrep.items()}}
-
-    def http_autorecovery(self) -> dict:
-        # Auto-recovery (the auditor and replication workers) keeps its state in the
-        # metadata store (bk.meta.underreplication); this reports what is there.
-        from bk.meta import underreplication as UR
-
-        auditor, _ = self.store.get_json(UR.AUDITOR)
-        enabled = UR.settings(self.store).get("enabled", True) is not False
-        under = sum(1 for _ in UR.list_marked(self.store))
-        out = {"running": auditor is not None, "enabled": enabled,
-               "auditor": auditor.get("id") if isinstance(auditor, dict) else None,
-               "underReplicatedLedgers": under, "checks": UR.checks(self.store),
-               "here": self.autorecovery is not None}
-        if auditor is None:
-            out["message"] = "no auditor is elected: auto-recovery runs nowhere"
-        return out
 
     # --- stop -------------------------------------------------------------------------
     def _shutdown(self):

@@ -707,7 +707,7 @@ class ShardWorker:
         status, nxt, entries = self.storage.read_range(lid, first, last, budget, stride, offset)
         self._send(conn, _frame([P.READ_RANGE, rid, status, lid, nxt, entries,
                                  self.storage.lac(lid)]))
-        self.m.read(status, time.monotonic() - t0)
+        self.m.read_range(status, len(entries) // 4, time.monotonic() - t0)
 
     def _read_response(self, rid: int, lid: int, eid: int) -> bytes:
         if eid < 0:

@@ -11,6 +11,7 @@ import click
 
 from bk.cli.common import fail, one_line_errors, setup_logging
 from bk.config import Config
+from bk.exitcodes import EXIT_CONFIG, EXIT_NOT_RUNNING
 
 PROG = "bookie"
 
@@ -122,7 +123,7 @@ def start(conf_file, settings, daemon, **flags):
     conf = load_conf(conf_file, settings, **flags)
     if not conf.metadataServiceUri:
         fail(PROG, "metadataServiceUri is not set (in the conf file, BK_metadataServiceUri "
-                   "or --metadata)", 2)
+                   "or --metadata)", EXIT_CONFIG)
     pid = running_pid(conf)
     if pid:
         fail(PROG, f"bookie already running with pid {pid} (pid file {conf.pid_file})")
@@ -212,7 +213,7 @@ def status(conf_file, settings, pid_file):
         click.echo(f"bookie {conf.bookie_id} is running (pid {pid})")
         return
     click.echo(f"bookie {conf.bookie_id} is not running")
-    sys.exit(3)
+    sys.exit(EXIT_NOT_RUNNING)
 
 
 @main.command()
@@ -333,34 +334,14 @@ def autorecovery(conf_file, settings, **flags):
     Example:
       bookie autorecovery --conf conf/bk_server.conf
     """
-    import socket as _socket
-
-    from bk.autorecovery import AutoRecovery
-    from bk.errors import BKError
-    from bk.meta.store import MetadataStore
+    from bk.autorecovery.daemon import AutoRecoveryDaemon, DaemonExit
 
     conf = load_conf(conf_file, settings, **flags)
-    if not conf.metadataServiceUri:
-        fail(PROG, "metadataServiceUri is not set (in the conf file, BK_metadataServiceUri "
-                   "or --metadata)", 2)
     setup_logging(conf.logLevel, conf.logFile or None)
     try:
-        with MetadataStore(conf.metadataServiceUri,
-                           timeout=conf.metadataTimeoutMillis / 1000.0) as store:
-            store.cluster()              # no cluster under the prefix: say so, exit 5
-    except ValueError as e:
-        fail(PROG, f"metadataServiceUri: {e}", 2)
-    except BKError as e:
-        fail(PROG, str(e), 5)
-    stop = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *a: stop.append(1))
-    ar = AutoRecovery(conf, f"autorecovery-{_socket.gethostname()}-{os.getpid()}").start()
-    try:
-        while not stop:
-            time.sleep(0.2)
-    finally:
-        ar.stop()
+        AutoRecoveryDaemon(conf).run()
+    except DaemonExit as e:
+        fail(PROG, str(e), e.code)
 
 
 def _smoke(uri: str) -> str:

@@ -786,21 +786,28 @@ def whoisauditor(c, as_json):
 
 
 @cli.command()
+@_json_opt
 @pass_ctx
 @handled
-def triggeraudit(c):
+def triggeraudit(c, as_json):
     """Audit now: the auditor marks the ledgers of every missing bookie at once,
     without waiting out lostBookieRecoveryDelay.
 
     \b
-    Example:
+    Examples:
       bkshell triggeraudit
+      bkshell triggeraudit --json
     """
+    from bk.autorecovery.status import auditor_id
     from bk.meta import underreplication as UR
     with c.admin() as a:
         n = UR.settings(a.store).get("trigger", 0) + 1
         UR.update_settings(a.store, trigger=n)
-    click.echo("audit triggered")
+        auditor = auditor_id(a.store)
+    if as_json:
+        return _json_out({"triggered": True, "trigger": n, "auditor": auditor})
+    click.echo("audit triggered" + ("" if auditor else
+                                    " (no auditor is elected yet: it audits once one is)"))
 
 
 @cli.command()
@@ -847,18 +854,13 @@ def autorecovery(c, mode, as_json):
       bkshell autorecovery --status
       bkshell autorecovery --disable      # e.g. during planned maintenance
     """
+    from bk.autorecovery.status import status
     from bk.meta import underreplication as UR
     with c.admin() as a:
         if mode in ("enable", "disable"):
-            s = UR.update_settings(a.store, enabled=mode == "enable")
-        else:
-            s = UR.settings(a.store)
-        auditor, _ = a.store.get_json(UR.AUDITOR)
-        marked = sum(1 for _ in UR.list_marked(a.store))
-        checks = UR.checks(a.store)
-    out = {"enabled": s.get("enabled", True) is not False,
-           "auditor": auditor.get("id") if isinstance(auditor, dict) else None,
-           "underReplicatedLedgers": marked, "checks": checks}
+            UR.update_settings(a.store, enabled=mode == "enable")
+        out = status(a.store)
+    marked, checks = out["underReplicatedLedgers"], out["checks"]
     if as_json:
         return _json_out(out)
     click.echo(f"auto-recovery {'enabled' if out['enabled'] else 'DISABLED'}; auditor "

@@ -101,7 +101,8 @@ def test_delay_back_in_time_then_triggeraudit(cluster_factory):
         # Gone again; triggeraudit does not wait out the delay.
         victim.kill()
         wait_until(lambda: victim.bookie_id not in c.store.all_bookies(), what="it gone")
-        _shell(c.metadata_uri, "triggeraudit")
+        out = _shell(c.metadata_uri, "triggeraudit", "--json")
+        assert out["triggered"] is True and out["auditor"] == auditor and out["trigger"] >= 1
         wait_until(lambda: all(victim.bookie_id not in ens for lid in lids
                                for _, ens in client.ledger_metadata(lid).ensembles)
                    and not _shell(c.metadata_uri, "listunderreplicated", "--json"),

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -18,6 +20,7 @@ import bk
 from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
 from bk.testing import entries_held, wait_until
+from bk.util import free_port
 
 PW = b"workers"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
@@ -224,3 +227,47 @@ def test_decommissionbookie_goes_through_autorecovery(cluster_factory):
                             "decommissionbookie", alive.bookie_id],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode != 0 and "still registered" in r.stderr
+
+
+def _get(port, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None, ""
+
+
+def test_standalone_autorecovery_serves_heartbeat_metrics_and_status(cluster_factory, tmp_path):
+    c = cluster_factory(1)
+    port = free_port()
+    proc = _start_worker(c.metadata_uri, tmp_path / "ar.log", httpServerEnabled="true",
+                         httpServerPort=port, registrationTtlSeconds=3)
+    try:
+        wait_until(lambda: _get(port, "/heartbeat") == (200, "OK"), what="/heartbeat")
+        me = f"-{proc.pid}"
+        wait_until(lambda: json.loads(_get(port, "/api/v1/autorecovery/status")[1])
+                   .get("auditor", "") or "", what="an auditor elected")
+        st = json.loads(_get(port, "/api/v1/autorecovery/status")[1])
+        assert st["running"] is True and st["here"] is True and st["enabled"] is True
+        assert st["auditor"].endswith(me), st     # nothing else runs auto-recovery
+        UR.mark(c.store, 4242, ["127.0.0.1:9"])     # a deleted ledger: unmarked by the worker
+        wait_until(lambda: not list(UR.list_marked(c.store)), what="the mark handled")
+
+        def metric(name):
+            for line in _get(port, "/metrics")[1].splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        wait_until(lambda: metric("auditor_NUM_UNDER_REPLICATED_LEDGERS") == 0,
+                   what="the auditor's gauge served")
+        assert metric("auditor_ELECTED") == 1
+        assert metric("replication_REREPLICATED_ENTRIES_total") == 0
+        assert _get(port, "/api/v1/bookie/info")[0] == 404     # not a bookie
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert _get(port, "/heartbeat")[0] is None              # the port is closed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -324,6 +324,28 @@ def test_client_metrics_count_ensemble_changes_bookie_errors_and_recoveries(clus
         assert v("bookkeeper_client_LEDGER_RECOVER_total", success="true") == recovered + 1
 
 
+def test_read_entry_request_counts_entries_and_read_range_counts_requests(cluster_factory):
+    import bk
+    c = cluster_factory(1, conf_overrides=HTTP)
+    port = http_port(c, c.bookies[0])
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lh = client.create_ledger(1, 1, 1, password=b"m")
+        lh.add_entries([b"r%d" % i for i in range(100)])
+        lh.close()
+        before = scrape(port)
+        rh = client.open_ledger(lh.ledger_id, password=b"m")       # closed: no recovery reads
+        assert [e.data for e in rh.read_entries(0, 99)] == [b"r%d" % i for i in range(100)]
+
+    def moved(m, name):
+        return val(m, name, success="true") - val(before, name, success="true")
+    wait_until(lambda: moved(scrape(port), READ_OK[0]) == 100, what="100 entry reads counted")
+    m = scrape(port)
+    requests = moved(m, "bookkeeper_server_READ_RANGE_REQUEST_count")
+    assert 1 <= requests < 100                   # the entries came in a few READ_RANGEs
+    assert moved(m, "bookkeeper_server_READ_ENTRY_REQUEST_count") == 100
+    assert val(m, "bookkeeper_server_READ_RANGE_REQUEST_count", success="false") == 0
+
+
 def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_factory):
     c = cluster_factory(1, conf_overrides=HTTP)
     port = http_port(c, c.bookies[0])

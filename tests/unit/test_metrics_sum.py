@@ -99,3 +99,21 @@ def test_no_metrics_counts_nothing():
     m.add_error("EFENCED", True)
     m.read(0, 0.1)
     assert not m.enabled and m.add_ok.counts == [0] * len(m.add_ok.counts)
+
+
+def test_a_read_range_counts_its_entries_and_one_request():
+    bm = M.BookieMetrics(1)
+    m = M.ShardMetrics()
+    m.read_range(0, 40, 0.002)            # one READ_RANGE answering 40 entries
+    m.read_range(0, 0, 0.001)             # one that found none of its entries
+    m.read_range(ENOENTRY, 0, 0.001)      # and one answered with an error
+    m.read(0, 0.0001)                     # one plain READ
+    bm.update(0, m.snapshot({}, 0, 0))
+    s = samples(bm)
+    ok, bad = (("success", "true"),), (("success", "false"),)
+    assert s[("bookkeeper_server_READ_ENTRY_REQUEST_count", ok)] == 41
+    assert s[("bookkeeper_server_READ_ENTRY_REQUEST_count", bad)] == 1
+    assert abs(s[("bookkeeper_server_READ_ENTRY_REQUEST_sum", ok)] - (40 * 0.002 + 0.0001)) < 1e-9
+    assert s[("bookkeeper_server_READ_RANGE_REQUEST_count", ok)] == 2
+    assert s[("bookkeeper_server_READ_RANGE_REQUEST_count", bad)] == 1
+    assert s[("bookkeeper_server_READ_ENTRY_ERRORS_total", (("status", "ENOENTRY"),))] == 1
