@@ -1,28 +1,45 @@
 """bk: Apache BookKeeper's replicated-ledger storage, rebuilt in Python.
 
-``bk.BookKeeper`` is the client (imported lazily, so that bookie processes do
-not load the client and its etcd binding); ``bk.errors`` holds the one
-exception hierarchy; ``bk.LedgerMetadata`` / ``bk.LedgerState`` describe ledgers;
-``bk.Position`` / ``bk.LogRecord`` name and carry the records of logs (``bk.log``).
+``bk.BookKeeper`` is the client; ``bk.errors`` holds the one exception
+hierarchy; ``bk.LedgerMetadata`` / ``bk.LedgerState`` describe ledgers;
+``bk.Position`` / ``bk.LogRecord`` name and carry the records of logs
+(``bk.log``).
+
+Every name is imported on first use (PEP 562): ``import bk.protocol`` (the
+sans-IO codec) or a bookie's shard worker loads nothing of the client or of
+the etcd binding.
 """
 
-from bk import errors
-from bk.meta.ledger import LedgerMetadata, LedgerState
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["BookKeeper", "LedgerHandle", "LedgerEntry", "errors", "LedgerMetadata",
-           "LedgerState", "Position", "LogRecord", "__version__"]
+# public name -> the module that defines it
+_LAZY = {
+    "BookKeeper": "bk.client.bookkeeper",
+    "LedgerHandle": "bk.client.ledger",
+    "LedgerEntry": "bk.client.ledger",
+    "LedgerMetadata": "bk.meta.ledger",
+    "LedgerState": "bk.meta.ledger",
+    "Position": "bk.log.records",
+    "LogRecord": "bk.log.records",
+}
+
+__all__ = [*_LAZY, "errors", "__version__"]
 
 
 def __getattr__(name):
-    if name == "BookKeeper":
-        from bk.client.bookkeeper import BookKeeper
-        return BookKeeper
-    if name in ("LedgerHandle", "LedgerEntry"):
-        from bk.client import ledger
-        return getattr(ledger, name)
-    if name in ("Position", "LogRecord"):
-        from bk.log import records
-        return getattr(records, name)
-    raise AttributeError(f"module 'bk' has no attribute {name!r}")
+    if name == "errors":
+        return importlib.import_module("bk.errors")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value          # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

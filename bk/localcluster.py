@@ -28,6 +28,7 @@ import weakref
 from bk.config import SETTINGS
 from bk.errors import BKError
 from bk.meta.etcd_server import EtcdServer
+from bk.meta.store import MetadataStore
 from bk.util import free_port
 
 _live: "weakref.WeakSet[BookieProcess]" = weakref.WeakSet()
@@ -222,7 +223,6 @@ class LocalCluster:
     @property
     def store(self):
         if self._store is None:
-            from bk.meta.store import MetadataStore
             self._store = MetadataStore(self.metadata_uri)
         return self._store
 

@@ -98,8 +98,8 @@ ENTRIES = _m("bookie_entries_count", GAUGE, "Entries stored on this bookie.")
 CONNECTIONS = _m("bookie_connections", GAUGE, "Open client connections.")
 CHECKPOINTS = _m("bookie_CHECKPOINTS", COUNTER, "Index checkpoints taken.")
 SHARD_METRICS = [ADD_ENTRY_REQUEST, ADD_ENTRY_ERRORS, READ_ENTRY_REQUEST, READ_ENTRY_ERRORS,
-                 READ_RANGE_REQUEST, JOURNAL_SYNC, JOURNAL_BATCH, JOURNAL_WRITE_BYTES, JOURNAL_QUEUE,
-                 JOURNAL_BYTES, LEDGERS, ENTRIES, CONNECTIONS, CHECKPOINTS]
+                 READ_RANGE_REQUEST, JOURNAL_SYNC, JOURNAL_BATCH, JOURNAL_WRITE_BYTES,
+                 JOURNAL_QUEUE, JOURNAL_BYTES, LEDGERS, ENTRIES, CONNECTIONS, CHECKPOINTS]
 
 # --- bookie: kept by the arbiter -----------------------------------------------------
 SERVER_STATUS = _m("bookie_SERVER_STATUS", GAUGE, "1 while the bookie is writable, 0 while "

@@ -1,6 +1,9 @@
-"""One raw protocol connection to one shard of one bookie: blocking, single
-threaded, for ``bkshell`` (inspection, recovery), benchmarks and tests. The
-client library has its own pipelined connection layer (``bk.client.connection``).
+"""Raw protocol connections to bookies: blocking, single threaded, for ``bkshell``
+(inspection, recovery), re-replication, the auditor's checks, benchmarks and
+tests. :class:`BookieConnection` is one connection to one shard of one
+bookie; :class:`BookiePool` keeps one per (bookie, shard) and pipelines
+requests on them. The client library has its own pipelined connection layer
+(``bk.client.connection``).
 """
 
 from __future__ import annotations
@@ -84,3 +87,140 @@ class BookieConnection:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class BookiePool:
+    """Blocking raw connections to bookies, one per (bookie, shard), made on demand.
+
+    ``store`` (a :class:`bk.meta.store.MetadataStore`) tells where a bookie id
+    listens (its registration) and how many shards it has. Requests are
+    pipelined: :meth:`send` returns a ticket, :meth:`recv` its responses, and
+    several tickets may be outstanding on several bookies at once."""
+
+    def __init__(self, store, timeout: float = 10.0):
+        self.store = store
+        self.timeout = timeout
+        self._conns: dict = {}
+        self._shards: dict[str, int] = {}
+        self._addr: dict[str, str] = {}
+        self._stash: dict = {}     # connection -> {rid: response} received ahead of its recv
+
+    def address(self, bookie_id: str) -> str:
+        addr = self._addr.get(bookie_id)
+        if addr is None:
+            info = self.store.bookie_info(bookie_id)
+            addr = bookie_id
+            if info and info.get("address") and info.get("port"):
+                addr = f"{info['address']}:{info['port']}"
+            if info and info.get("numShards"):
+                self._shards[bookie_id] = int(info["numShards"])
+            self._addr[bookie_id] = addr
+        return addr
+
+    def num_shards(self, bookie_id: str) -> int:
+        addr = self.address(bookie_id)
+        n = self._shards.get(bookie_id)
+        if n is None:
+            with BookieConnection(addr, -1, timeout=self.timeout) as c:
+                n = self._shards[bookie_id] = int(c.num_shards)
+        return n
+
+    def conn(self, bookie_id: str, ledger_id: int | None = None, shard: int | None = None):
+        if shard is None:
+            shard = P.shard_of(ledger_id, self.num_shards(bookie_id))
+        key = (bookie_id, shard)
+        c = self._conns.get(key)
+        if c is None:
+            try:
+                c = BookieConnection(self.address(bookie_id), shard, timeout=self.timeout)
+            except OSError as e:
+                raise BookieUnavailableError(f"connect to bookie {bookie_id}: {e}") from None
+            self._conns[key] = c
+        return c
+
+    def drop(self, bookie_id: str) -> None:
+        for key in [k for k in self._conns if k[0] == bookie_id]:
+            c = self._conns.pop(key)
+            self._stash.pop(c, None)
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def send(self, bookie_id: str, ledger_id: int, msgs: list):
+        """Send ``msgs`` pipelined on one connection without waiting; returns the
+        ticket :meth:`recv` takes. Several tickets may be outstanding on one
+        connection (and on several bookies) at once: that is how a copy keeps
+        reads and adds in flight together. BookieUnavailableError (and the
+        bookie's connections dropped) if the bookie fails."""
+        try:
+            c = self.conn(bookie_id, ledger_id)
+            c.send_raw(b"".join(P.encode_frame(m) for m in msgs))
+        except (OSError, BookieUnavailableError) as e:
+            self.drop(bookie_id)
+            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+        return bookie_id, c, [m[1] for m in msgs]
+
+    def recv(self, ticket) -> list:
+        """The responses to a :meth:`send`, in its order. Responses to other
+        requests on the connection met on the way are kept for their own recv."""
+        bookie_id, c, rids = ticket
+        if not rids:
+            return []
+        stash = self._stash.setdefault(c, {})
+        out = []
+        try:
+            for rid in rids:
+                r = stash.pop(rid, None)
+                while r is None:
+                    resp = c.recv()
+                    if resp[1] == rid:
+                        r = resp
+                    else:
+                        stash[resp[1]] = resp
+                out.append(r)
+        except (OSError, BookieUnavailableError, IndexError, TypeError) as e:
+            self._stash.pop(c, None)
+            self.drop(bookie_id)
+            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+        if not stash:
+            del self._stash[c]
+        return out
+
+    def features(self, bookie_id: str, ledger_id: int) -> int:
+        """What the bookie announced at HELLO (``P.FEATURE_*`` bits)."""
+        return self.conn(bookie_id, ledger_id).features
+
+    def send_frame(self, bookie_id: str, ledger_id: int, frame: bytes, rid: int):
+        """Send one pre-encoded frame (e.g. an ADD_BATCH); a ticket for :meth:`recv`."""
+        try:
+            c = self.conn(bookie_id, ledger_id)
+            c.send_raw(frame)
+        except (OSError, BookieUnavailableError) as e:
+            self.drop(bookie_id)
+            raise BookieUnavailableError(f"bookie {bookie_id}: {e}") from None
+        return bookie_id, c, [rid]
+
+    def calls(self, bookie_id: str, ledger_id: int, msgs: list) -> list:
+        """Send ``msgs`` pipelined on one connection; their responses in order.
+        BookieUnavailableError (and the connection dropped) if the bookie fails."""
+        if not msgs:
+            return []
+        return self.recv(self.send(bookie_id, ledger_id, msgs))
+
+    def call(self, bookie_id: str, ledger_id: int, build, *args) -> list:
+        c = self.conn(bookie_id, ledger_id)
+        return self.calls(bookie_id, ledger_id, [build(c.next_rid(), *args)])[0]
+
+    def rids(self, bookie_id: str, ledger_id: int, n: int) -> list[int]:
+        c = self.conn(bookie_id, ledger_id)
+        return [c.next_rid() for _ in range(n)]
+
+    def close(self) -> None:
+        for c in self._conns.values():
+            try:
+                c.close()
+            except OSError:
+                pass
+        self._conns.clear()
+        self._stash.clear()

@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 
 from bk import localcluster
+from bk import protocol as P
 from bk.config import SETTINGS
+from bk.errors import EOK
 from bk.localcluster import BookieProcess  # noqa: F401  (re-exported for tests)
 from bk.rawclient import BookieConnection  # noqa: F401  (re-exported for tests)
 
@@ -56,8 +58,6 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition", step: float
 def entries_held(store, bookie_id: str, ledger_id: int) -> set[int]:
     """The entry ids of ``ledger_id`` that ``bookie_id`` holds (GET_LIST_OF_ENTRIES on
     the shard that owns the ledger); empty if it has none."""
-    from bk import protocol as P
-    from bk.errors import EOK
     n = store.bookie_info(bookie_id)["numShards"]
     with BookieConnection(bookie_id, shard=P.shard_of(ledger_id, n)) as c:
         r = c.call(P.get_list_of_entries(c.next_rid(), ledger_id))

@@ -34,13 +34,14 @@ or ``bookie autorecovery``) runs two threads:
   ledger's LeaseLock (so two workers never repair one ledger at once), and for
   each missing bookie copies that bookie's entries of each fragment from a
   surviving replica to a writable bookie outside the fragment's ensemble and
-  CASes the fragment's ensemble (:meth:`bk.admin.Admin.replicate_ledger`);
+  CASes the fragment's ensemble
+  (:meth:`~bk.autorecovery.replicator.Replicator.replicate_ledger`);
   every metadata CAS also compares the lock's token, so a worker paused past
   its lease changes nothing (a recovery-open's first CAS, to IN_RECOVERY, comes
   before any fence). A marked bookie that is registered and writable lost
   entries, not its place: what it lacks is copied back to it
-  (:meth:`bk.admin.Admin.repair_in_place`), the ensembles unchanged. Copies are
-  paced to ``replicationRateByBytes``. Then the worker removes the record (only
+  (:meth:`~bk.autorecovery.replicator.Replicator.repair_in_place`), the
+  ensembles unchanged. Copies are paced to ``replicationRateByBytes``. Then the worker removes the record (only
   if nobody marked the ledger again meanwhile). A ledger still open whose
   *last* ensemble holds a lost bookie is left to its writer for
   ``openLedgerRereplicationGracePeriod`` ms from the mark (an active writer
@@ -63,10 +64,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bk.autorecovery import checker
+from bk.autorecovery.replicator import Replicator
 from bk.errors import BKError, LockLostError, MetadataError, NoSuchLedgerError
 from bk.meta import underreplication as UR
 from bk.meta.recipes import Election, LeaseLock
+from bk.meta.store import MetadataStore
 from bk.metrics import AutoRecoveryMetrics
+from bk.rawclient import BookiePool
 
 log = logging.getLogger("bk.autorecovery")
 
@@ -80,17 +84,21 @@ class AutoRecovery:
         self.metrics = metrics if metrics is not None else AutoRecoveryMetrics()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._admin = None
+        self.store: MetadataStore | None = None
+        self._pool: BookiePool | None = None
+        self._replicator: Replicator | None = None
         self._not_before: dict[int, float] = {}   # open ledgers left to their writer
 
     # --- life cycle ---------------------------------------------------------------------
     def start(self) -> "AutoRecovery":
-        from bk.admin import Admin
-
-        self._admin = Admin(self.conf.metadataServiceUri,
-                            timeout=self.conf.metadataTimeoutMillis / 1000.0,
-                            rate_bytes=self.conf.replicationRateByBytes,
-                            max_frame=self.conf.nettyMaxFrameSizeBytes)
+        conf = self.conf
+        self.store = MetadataStore(conf.metadataServiceUri,
+                                   timeout=conf.metadataTimeoutMillis / 1000.0)
+        self._pool = BookiePool(self.store)
+        self._replicator = Replicator(self.store, self._pool, conf.metadataServiceUri,
+                                      timeout=conf.metadataTimeoutMillis / 1000.0,
+                                      rate_bytes=conf.replicationRateByBytes,
+                                      max_frame=conf.nettyMaxFrameSizeBytes)
         self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
             t = threading.Thread(target=self._guarded, args=(target,), daemon=True,
@@ -105,13 +113,11 @@ class AutoRecovery:
         self._stop.set()
         for t in self._threads:
             t.join(timeout)
-        if self._admin is not None:
-            self._admin.close()
-            self._admin = None
-
-    @property
-    def store(self):
-        return self._admin.store
+        if self._replicator is not None:
+            self._replicator.close()
+            self._pool.close()
+            self.store.close()
+            self._replicator = self._pool = self.store = None
 
     def _guarded(self, target):
         while not self._stop.is_set():
@@ -237,7 +243,6 @@ class AutoRecovery:
                 self._run_check(election, name, fn, closed_only)
 
     def _run_check(self, election, name, fn, closed_only):
-        from bk.admin import BookiePool
         store = self.store
         t0 = time.time()
         pools: dict[int, BookiePool] = {}
@@ -348,7 +353,7 @@ class AutoRecovery:
 
     def _replicate(self, lid: int, rec: dict, version: int, lock, writable: set):
         store = self.store
-        admin = self._admin
+        replicator = self._replicator
         try:
             md, _ = store.read_ledger(lid)     # under the lock: what we repair is current
         except NoSuchLedgerError:
@@ -366,9 +371,9 @@ class AutoRecovery:
                     # Registered and writable: it lost entries, not its place (a
                     # periodic check found it, or it came back after being marked).
                     # Copy back what it lacks; the ensembles stay as they are.
-                    report = admin.repair_in_place(lid, b)
+                    report = replicator.repair_in_place(lid, b)
                 else:
-                    report = admin.replicate_ledger(lid, b, guards=[lock.guard()])
+                    report = replicator.replicate_ledger(lid, b, guards=[lock.guard()])
                 self._count(report)
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)

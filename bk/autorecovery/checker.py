@@ -31,7 +31,9 @@ merely timed out). "Lacks" means the bookie answered and said so.
 from __future__ import annotations
 
 from bk import protocol as P
-from bk.errors import EOK, ENOENTRY, ENOLEDGER, BKError
+from bk.errors import EOK, ENOENTRY, ENOLEDGER, BKError, NoSuchLedgerError
+from bk.meta import underreplication as UR
+from bk.meta.recipes import LeaseLock
 
 __all__ = ["expected_entries", "fragment_problems", "replica_problems", "CheckResult",
            "claim_overreplicated", "owned_entries"]
@@ -56,16 +58,6 @@ class CheckResult:
                 f"unreachable={self.unreachable})")
 
 
-def _bounds(md, index: int, last: int | None):
-    """(lo, hi) of fragment ``index``; hi None when the end is unknown."""
-    lo = md.ensembles[index][0]
-    if index + 1 < len(md.ensembles):
-        return lo, md.ensembles[index + 1][0] - 1
-    if md.is_closed:
-        return lo, md.last_entry_id
-    return lo, last
-
-
 def expected_entries(md, last: int | None = None) -> dict[str, list[tuple[int, int, int]]]:
     """``{bookie: [(fragment index, first, last) ...]}``: per bookie, the id range
     of each fragment it belongs to (entries of that range whose write set holds
@@ -73,7 +65,7 @@ def expected_entries(md, last: int | None = None) -> dict[str, list[tuple[int, i
     (left out when ``last`` is None)."""
     out: dict[str, list] = {}
     for i, (_, ens) in enumerate(md.ensembles):
-        lo, hi = _bounds(md, i, last)
+        lo, hi = md.fragment_bounds(i, last)
         if hi is None or hi < lo:
             continue
         for b in ens:
@@ -152,9 +144,6 @@ def claim_overreplicated(store, pool, bookie_id: str, ledger_ids, ttl: int = 10,
     releases the locks (a replication worker copying one of them back to
     ``bookie_id`` holds the same lock, so the two never overlap). ``stats`` gets
     ``candidates`` (ledgers it no longer belongs to) and ``claimed``."""
-    from bk.errors import NoSuchLedgerError
-    from bk.meta import underreplication as UR
-    from bk.meta.recipes import LeaseLock
     local = set(ledger_ids)
     marked = {lid for lid, _, _ in UR.list_marked(store)}
     candidates = [md.ledger_id for md, _ in store.list_ledger_metadata()

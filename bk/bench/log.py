@@ -21,6 +21,8 @@ import struct
 import time
 import uuid
 
+from bk.client.bookkeeper import BookKeeper
+
 _STAMP = struct.Struct(">dQ")
 
 
@@ -34,9 +36,8 @@ def _percentile(sorted_values, p):
 def _tail_reader(uri, name, expected, ready, out, gc_off=False):
     """Child process: tail ``name`` from its earliest record until ``expected``
     records arrived; send back the latencies' percentiles."""
-    import bk
     lat = []
-    with bk.BookKeeper(uri) as c:
+    with BookKeeper(uri) as c:
         r = c.open_log_reader(name, start="earliest")
         r.read_next(timeout=60)       # the writer's warm-up record: both are connected
         gc.freeze()                   # see bench_log
@@ -59,14 +60,13 @@ def _tail_reader(uri, name, expected, ready, out, gc_off=False):
 def bench_log(uri, record_size=100, duration=10.0, ensemble=3, write_quorum=3, ack_quorum=2,
               rate_fraction=0.5, chunk=50_000, latency_duration=None, tail_rate=None,
               gc_off=False, **writer_opts) -> dict:
-    import bk
     if record_size < _STAMP.size:
         raise ValueError(f"record size must be at least {_STAMP.size} bytes")
     shape = dict(ensemble_size=ensemble, write_quorum_size=write_quorum,
                  ack_quorum_size=ack_quorum)
     result = {"record_size": record_size, "ensemble": ensemble, "write_quorum": write_quorum,
               "ack_quorum": ack_quorum, **writer_opts}
-    with bk.BookKeeper(uri) as c:
+    with BookKeeper(uri) as c:
         # --- phase 1: throughput -------------------------------------------------------
         name = f"bench-{uuid.uuid4().hex[:8]}"
         w = c.open_log_writer(name, **shape, **writer_opts)

@@ -35,9 +35,11 @@ import time
 import urllib.request
 
 from bk import protocol as P
+from bk.client.bookkeeper import BookKeeper
 from bk.errors import EOK, BKError
 from bk.localcluster import LocalCluster
 from bk.meta import underreplication as UR
+from bk.meta.recipes import Election
 from bk.rawclient import BookieConnection
 
 PASSWORD = b"bench-recovery"
@@ -230,9 +232,6 @@ def bench_recovery(size: int = 1 << 30, entry_size: int = 1024, ledgers: int = 1
                    base_dir: str | None = None, timeout: float = 1800.0,
                    progress=None) -> dict:
     """Run the benchmark (module doc); return its numbers."""
-    import bk
-    from bk.meta.recipes import Election
-
     say = progress or (lambda msg: None)
     count = max(ledgers, size // entry_size)
     conf = {**AUTORECOVERY, **(conf_overrides or {})}
@@ -242,7 +241,7 @@ def bench_recovery(size: int = 1 << 30, entry_size: int = 1024, ledgers: int = 1
         with LocalCluster(num_bookies=4, base_dir=d, conf_overrides=conf,
                           http_port=0) as cluster:
             store = cluster.store
-            with bk.BookKeeper(cluster.metadata_uri) as client:
+            with BookKeeper(cluster.metadata_uri) as client:
                 say(f"writing {count} entries of {entry_size} bytes over {ledgers} ledgers "
                     f"(E3 Qw2 Qa2)...")
                 bulk, write_secs = _write_bulk(client, count, entry_size, ledgers, say)

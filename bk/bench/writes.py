@@ -13,6 +13,8 @@ import collections
 import threading
 import time
 
+from bk.client.bookkeeper import BookKeeper
+
 
 class _LedgerStats:
     """Acknowledgement callback of one ledger (runs on the client's I/O thread)."""
@@ -65,11 +67,10 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
     by ``window``) to measure latency under a fixed load. The first ``warmup``
     seconds are not measured.
     """
-    import bk
     own = client is None
     if own:
         conf.setdefault("throttle", max(window, 1))
-        client = bk.BookKeeper(uri, **conf)
+        client = BookKeeper(uri, **conf)
     try:
         handles = [client.create_ledger(ensemble, write_quorum, ack_quorum,
                                         digest_type="crc32c", password=b"bench")

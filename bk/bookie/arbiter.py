@@ -21,6 +21,10 @@ wake-up pipe. Signal handlers only enqueue the signal and write to the pipe
   wait for them, remove the pid file, exit 0.
 * SIGUSR1: run a garbage collection now.
 
+Each signal is handled by ``handle_<name>`` (``handle_term``, ...), each
+control message of a worker by ``handle_<message>``
+(:func:`bk.bookie.control.dispatch`, vocabulary in :mod:`bk.bookie.control`).
+
 A new connection's HELLO frame is read here (exactly that frame, nothing
 more), then the socket is passed to the worker of the shard it names with
 ``send_fds``; the worker answers the HELLO. A worker whose heartbeat is older
@@ -52,13 +56,19 @@ import time
 from bk import metrics as M
 from bk import protocol as P
 from bk.autorecovery import AutoRecovery
+from bk.autorecovery.checker import claim_overreplicated
 from bk.bookie import control, layout
 from bk.bookie import http as bookie_http
 from bk.config import Config
-from bk.errors import BKError, ClusterIdentityError, EBADREQ, ProtocolError
+from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
+from bk.bookie.worker import ShardWorker
+from bk.errors import (BKError, ClusterIdentityError, CookieMismatchError, EBADREQ, MetadataError,
+                       ProtocolError)
 from bk.exitcodes import (EXIT_BIND, EXIT_COOKIE, EXIT_CONFIG, EXIT_ERROR, EXIT_METADATA,
                           EXIT_OK, EXIT_WORKER_BOOT)
 from bk.http import HttpServer
+from bk.meta.store import MetadataStore
+from bk.rawclient import BookiePool
 
 log = logging.getLogger("bk.bookie")
 
@@ -155,9 +165,6 @@ class Arbiter:
 
     # --- start -------------------------------------------------------------------
     def _start(self):
-        from bk.meta.store import MetadataStore
-        from bk.errors import CookieMismatchError, MetadataError
-
         conf = self.conf
         if not conf.metadataServiceUri:
             raise BookieExit(EXIT_CONFIG, "metadataServiceUri is not set (conf file, "
@@ -234,8 +241,6 @@ class Arbiter:
     def _check_segment_size(self):
         """Every entry a frame can carry must fit one journal segment: otherwise such
         an ADD gets EBADREQ, and a client replaces this healthy bookie for it."""
-        from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
-
         conf = self.conf
         need = conf.nettyMaxFrameSizeBytes + ADD_OVERHEAD + HEADER_SIZE
         if conf.journalPreAllocSizeMB << 20 < need:
@@ -289,8 +294,6 @@ class Arbiter:
         self.pid_file = path
 
     def _spawn(self, w: _Worker):
-        from bk.bookie.worker import ShardWorker
-
         a_end, w_end = control.pair()
         pid = os.fork()
         if pid == 0:   # child: never returns
@@ -377,14 +380,24 @@ class Arbiter:
         except (BlockingIOError, InterruptedError):
             pass
         sigs, self.signals = self.signals, []
-        for sig in sigs:
-            if sig in (signal.SIGTERM, signal.SIGINT):
-                if not self.stopping:
-                    log.info("received %s: stopping", signal.Signals(sig).name)
-                self.stopping = True
-            elif sig == signal.SIGUSR1:
-                self._start_gc()
+        for sig in sigs:      # SIGTERM -> handle_term, ...; SIGCHLD and SIGHUP: reap below
+            handler = getattr(self, "handle_" + signal.Signals(sig).name[3:].lower(), None)
+            if handler is not None:
+                handler(sig)
         self._reap()
+
+    # --- signals (queued by _on_signal, acted on by the loop) ---------------------------
+    def handle_term(self, sig: int):
+        """Drain and stop."""
+        if not self.stopping:
+            log.info("received %s: stopping", signal.Signals(sig).name)
+        self.stopping = True
+
+    handle_int = handle_term
+
+    def handle_usr1(self, sig: int):
+        """Run a garbage collection round now."""
+        self._start_gc()
 
     def _reap(self):
         while True:
@@ -468,40 +481,48 @@ class Arbiter:
             except (KeyError, ValueError):
                 pass
             return
-        kind = msg[0]
-        if kind == "hb":
-            w.last_hb = time.monotonic()
-            if len(msg) > 1:
-                self.metrics.update(w.shard, msg[1])
-        elif kind == "replay":
-            w.last_hb = time.monotonic()
-            w.replaying = True
-        elif kind == "ready":
-            w.ready = True
-            w.last_hb = time.monotonic()
-            waiting, w.waiting = w.waiting, []
-            for sock, body, _deadline in waiting:
-                self._hand_over(w, sock, body)
-        elif kind == "error":
-            w.error = msg[1]
-            log.error("%s", msg[1])
-        elif kind == "gc_ledgers":
-            w.gc_ledgers.extend(msg[1])
-            if msg[2]:
-                ids, w.gc_ledgers = w.gc_ledgers, []
-                self.tasks.put(("gc_check", w.shard, ids))
-        elif kind == "gc_dropped":
-            ev = self.dropped.get(w.shard)
-            if ev is not None:
-                ev.set()
-        elif kind == "gc_done":
-            self.gc_results[w.shard] = msg[1]
-            self.gc_pending.discard(w.shard)
-            if not self.gc_pending:
-                self.gc_running = False
-                self.last_gc = dict(self.gc_results)
-                self.metrics.gc_done(self.last_gc)
-                log.debug("gc done: %s", self.last_gc)
+        control.dispatch(self, control.TO_ARBITER, msg, w)
+
+    # --- control messages from a worker (control.TO_ARBITER) ---------------------------
+    def handle_hb(self, w: _Worker, snapshot=None):
+        w.last_hb = time.monotonic()
+        if snapshot is not None:
+            self.metrics.update(w.shard, snapshot)
+
+    def handle_replay(self, w: _Worker, done=None, total=None):
+        w.last_hb = time.monotonic()
+        w.replaying = True
+
+    def handle_ready(self, w: _Worker, stats=None):
+        w.ready = True
+        w.last_hb = time.monotonic()
+        waiting, w.waiting = w.waiting, []
+        for sock, body, _deadline in waiting:
+            self._hand_over(w, sock, body)
+
+    def handle_error(self, w: _Worker, message: str):
+        w.error = message
+        log.error("%s", message)
+
+    def handle_gc_ledgers(self, w: _Worker, ids, last):
+        w.gc_ledgers.extend(ids)
+        if last:
+            ids, w.gc_ledgers = w.gc_ledgers, []
+            self.tasks.put(("gc_check", w.shard, ids))
+
+    def handle_gc_dropped(self, w: _Worker, count=0):
+        ev = self.dropped.get(w.shard)
+        if ev is not None:
+            ev.set()
+
+    def handle_gc_done(self, w: _Worker, stats):
+        self.gc_results[w.shard] = stats
+        self.gc_pending.discard(w.shard)
+        if not self.gc_pending:
+            self.gc_running = False
+            self.last_gc = dict(self.gc_results)
+            self.metrics.gc_done(self.last_gc)
+            log.debug("gc done: %s", self.last_gc)
 
     def _check_heartbeats(self, now: float):
         limit = self.conf.workerTimeoutMSec / 1000.0
@@ -723,8 +744,6 @@ class Arbiter:
         if interval <= 0 or now < self.next_overrep.get(shard, 0.0):
             return
         self.next_overrep[shard] = now + interval
-        from bk.admin import BookiePool
-        from bk.autorecovery.checker import claim_overreplicated
         pool = BookiePool(self.store, timeout=10.0)
         stats = {"at": time.time(), "ledgers": len(ledger_ids)}
         try:

@@ -6,18 +6,40 @@ kernel, and a client socket rides along with the message that hands it over
 lists ``[kind, ...]``; anything large (ledger lists for GC) is sent in chunks
 of at most :data:`CHUNK` items.
 
-Arbiter -> worker: ``conn`` (hello body, with one fd), ``readonly`` (flag),
-``gc_begin``, ``gc_delete`` (ids, last), ``stop``.
-Worker -> arbiter: ``ready`` (stats), ``error`` (message), ``hb`` (with the
-shard's metrics snapshot unless ``enableStatistics`` is off, see
-:mod:`bk.metrics`), ``gc_ledgers`` (ids, last), ``gc_done`` (stats).
+The vocabulary is declared here once (:data:`TO_WORKER`, :data:`TO_ARBITER`:
+each message's name and its arguments); a receiver hands each message to
+:func:`dispatch`, which calls its ``handle_<name>`` method and logs a message
+it does not know, as gunicorn's arbiter maps signals to ``handle_<signal>``.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import msgpack
+
+log = logging.getLogger("bk.bookie")
+
+# Arbiter -> worker: name -> arguments.
+TO_WORKER = {
+    "conn": "hello body; the connection's fd rides along",
+    "readonly": "flag: refuse adds (disk almost full) or take them again",
+    "gc_begin": "start a GC round: send the ledgers you hold",
+    "gc_delete": "ids of deleted ledgers, last chunk?, compaction threshold",
+    "gc_drop": "ids of over-replicated ledgers to drop now",
+    "stop": "drain and exit",
+}
+# Worker -> arbiter: name -> arguments.
+TO_ARBITER = {
+    "ready": "stats: the journal is replayed, the shard serves",
+    "replay": "done, total: journal replay progress (counts as a heartbeat)",
+    "error": "message: why the shard cannot start",
+    "hb": "[metrics snapshot unless enableStatistics is off, see bk.metrics]",
+    "gc_ledgers": "ids held, last chunk?",
+    "gc_dropped": "count of over-replicated ledgers dropped",
+    "gc_done": "stats of the GC round",
+}
 
 CHUNK = 8192
 MAX_MESSAGE = 256 * 1024
@@ -58,3 +80,21 @@ def send_chunked(sock: socket.socket, kind: str, items) -> None:
         return
     for i in range(0, len(items), CHUNK):
         send(sock, kind, items[i:i + CHUNK], i + CHUNK >= len(items))
+
+
+def dispatch(handler, vocabulary: dict, msg: list, *first, fds=()) -> None:
+    """Call ``handler.handle_<name>(*first, *args)`` for ``msg`` = ``[name, *args]``
+    (with ``fds=`` when file descriptors came with it). An unknown or unhandled
+    name is logged and its descriptors closed: a newer peer must not crash an
+    older one."""
+    name = msg[0] if msg and isinstance(msg[0], str) else None
+    fn = getattr(handler, f"handle_{name}", None) if name in vocabulary else None
+    if fn is None:
+        log.warning("control message %r not understood; ignored", msg[:1])
+        for fd in fds:
+            socket.close(fd)
+        return
+    if fds:
+        fn(*first, *msg[1:], fds=list(fds))
+    else:
+        fn(*first, *msg[1:])

@@ -28,7 +28,7 @@ import shutil
 import time
 
 from bk.config import Config
-from bk.errors import CookieMismatchError
+from bk.errors import ClusterIdentityError, ClusterNotFormattedError, CookieMismatchError
 
 log = logging.getLogger("bk.bookie")
 
@@ -135,8 +135,6 @@ def check_cookie(conf: Config, store) -> int:
     directories of a formatted cluster, create it); return the shard count.
     CookieMismatchError, with a message naming what differs, when the bookie must
     not start."""
-    from bk.errors import ClusterIdentityError, ClusterNotFormattedError
-
     dirs = all_dirs(conf)
     local = {d: read_local_cookie(d) for d in dirs}
     present = {d: c for d, c in local.items() if c is not None}

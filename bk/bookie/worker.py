@@ -84,6 +84,7 @@ import traceback
 
 from bk import protocol as P
 from bk.bookie import control, layout
+from bk.bookie.storage import ShardStorage
 from bk.config import Config
 from bk.errors import (EBADREQ, EBADVERSION, EOK, EREADONLY, EUA, ENOENTRY, ProtocolError,
                        status_name)
@@ -212,7 +213,6 @@ class ShardWorker:
         sys.setswitchinterval(SWITCH_INTERVAL)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        from bk.bookie.storage import ShardStorage   # imported after fork, in the child
         jdir, idir = layout.shard_dirs(self.conf, self.shard)
         t0 = time.monotonic()
         shard, n = self.shard, self.num_shards

@@ -645,7 +645,7 @@ def lastmark(c, as_json):
     Example:
       bkshell --conf conf/bk_server.conf lastmark
     """
-    from bk.admin import last_marks
+    from bk.bookie.inspect import last_marks
     conf = c.need_conf("lastmark")
     rows = last_marks(conf)
     if as_json:
@@ -675,7 +675,7 @@ def readjournal(c, shard, limit, start, as_json):
     Example:
       bkshell --conf conf/bk_server.conf readjournal --shard 1 --limit 20
     """
-    from bk.admin import describe_record, read_journal
+    from bk.bookie.inspect import describe_record, read_journal
     conf = c.need_conf("readjournal")
     if start is not None:
         from bk.bookie.journal import parse_mark

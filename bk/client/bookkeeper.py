@@ -10,14 +10,20 @@ import time
 
 from bk.client import digest as _digest
 from bk.client.connection import DeadConnection, IOLoop
-from bk.client.ledger import LedgerHandle
+from bk.client.ledger import _FRAME_OVERHEAD, LedgerHandle
 from bk.client.placement import choose_ensemble
 from bk.client.recovery import check_password, recover_ledger
+from bk import log as bklog
 from bk.config import Config
 from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
                        LedgerExistsError, MetadataError, NotEnoughBookiesError)
 from bk.errors import EOK
+from bk.log.reader import LogReader
+from bk.log.records import check_log_name
+from bk.log.writer import CONF_KEYS, SHAPE_KEYS, LogWriter
 from bk.meta.ledger import LedgerMetadata, LedgerState
+from bk.meta.store import MetadataStore
+from bk.metrics import client_registry
 from bk import protocol
 
 log = logging.getLogger("bk.client")
@@ -62,7 +68,6 @@ class BookKeeper:
         self._view: frozenset | None = None
         self._view_pid = 0
         self._cancel_watch = None
-        from bk.meta.store import MetadataStore
         self._store_cls = MetadataStore
         self._store = MetadataStore(uri, timeout=conf.metadataTimeoutMillis / 1000.0)
         try:
@@ -88,7 +93,6 @@ class BookKeeper:
         ensemble changes, recoveries, bookie errors), shared by every client of this
         process: expose it with ``prometheus_client.generate_latest`` or
         ``start_http_server(port, registry=...)``."""
-        from bk.metrics import client_registry
         return client_registry()
 
     @property
@@ -167,7 +171,6 @@ class BookKeeper:
     def max_entry_size(self) -> int:
         """The largest payload one add takes (nettyMaxFrameSizeBytes less an ADD's
         header fields and digest)."""
-        from bk.client.ledger import _FRAME_OVERHEAD
         return int(self.conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
 
     # --- bookie connections ------------------------------------------------
@@ -324,8 +327,6 @@ class BookKeeper:
         ``opts``: ``logRollBytes``, ``logRollEntries``, ``logRollSeconds``,
         ``logBatchBytes``, ``logBatchLingerMs`` (default: this client's conf) and
         ``ensemble_size``, ``write_quorum_size``, ``ack_quorum_size``."""
-        from bk.log.records import check_log_name
-        from bk.log.writer import CONF_KEYS, SHAPE_KEYS, LogWriter
         self._check()
         check_log_name(name)
         unknown = sorted(set(opts) - set(CONF_KEYS) - set(SHAPE_KEYS))
@@ -338,38 +339,31 @@ class BookKeeper:
 
     def open_log_reader(self, name: str, start="earliest"):
         """A reader of log ``name`` from ``"earliest"``, ``"latest"`` or a Position."""
-        from bk.log.reader import LogReader
-        from bk.log.records import check_log_name
         self._check()
         return LogReader(self, check_log_name(name), start)
 
     def create_log(self, name: str) -> bool:
         """Create an empty log (no writer yet); False if it exists."""
-        from bk import log as _log
         self._check()
-        return _log.create_log(self, name)
+        return bklog.create_log(self, name)
 
     def list_logs(self) -> list[str]:
         """Names of every log, sorted."""
-        from bk import log as _log
         self._check()
-        return _log.list_logs(self)
+        return bklog.list_logs(self)
 
     def log_info(self, name: str):
         """A LogInfo: name, segments, first/last position, records, bytes."""
-        from bk import log as _log
         self._check()
-        return _log.log_info(self, name)
+        return bklog.log_info(self, name)
 
     def truncate_log(self, name: str, before) -> list[int]:
         """Drop the records before Position ``before``: the ledgers that end before it
         are deleted (never the open one). Returns the deleted ledger ids."""
-        from bk import log as _log
         self._check()
-        return _log.truncate_log(self, name, before)
+        return bklog.truncate_log(self, name, before)
 
     def delete_log(self, name: str) -> list[int]:
         """Delete the log and its ledgers. Returns the deleted ledger ids."""
-        from bk import log as _log
         self._check()
-        return _log.delete_log(self, name)
+        return bklog.delete_log(self, name)

@@ -17,7 +17,9 @@ from typing import NamedTuple
 from bk.errors import BKError, MetadataVersionError, NoSuchLedgerError
 from bk.log import metadata
 from bk.log.records import LogRecord, Position, check_log_name
+from bk.log.writer import segment_tail
 from bk.meta.ledger import LedgerState
+from bk.retry import retry_cas
 
 __all__ = ["Position", "LogRecord", "LogInfo", "create_log", "list_logs", "log_info",
            "truncate_log", "delete_log", "append_ledgers"]
@@ -66,7 +68,6 @@ def list_logs(client) -> list[str]:
 def _segment_now(client, seg: dict) -> tuple[dict, int]:
     """A copy of ``seg`` with its totals now (the open one's up to its LAC), and the
     number of records in its last entry that has any."""
-    from bk.log.writer import segment_tail
     out = dict(seg)
     try:
         h = client.open_ledger_no_recovery(seg["ledger_id"])
@@ -114,7 +115,8 @@ def truncate_log(client, name: str, before) -> list[int]:
     segments wholly before it; returns the deleted ledger ids."""
     before = Position.parse(before)
     store = client._store
-    for _ in range(50):
+
+    def attempt() -> list[int]:
         rec, version = metadata.read(store, name)
         segs = rec["segments"]
         end = metadata.next_segment_number(rec)
@@ -132,13 +134,9 @@ def truncate_log(client, name: str, before) -> list[int]:
             if before.entry_id > end + 1:
                 raise ValueError(f"truncate log {name} before {before}: segment "
                                  f"{s['segment']} ends at entry {end}")
-        try:
-            store.cas_json(metadata.key(name), new, version)
-            break
-        except MetadataVersionError:
-            continue
-    else:
-        raise MetadataVersionError(f"truncate log {name}: too many concurrent changes")
+        store.cas_json(metadata.key(name), new, version)
+        return drop
+    drop = retry_cas(f"truncate log {name}", attempt)
     # The truncation point is recorded first, so a reader finding a ledger gone
     # always learns why.
     for lid in drop:
@@ -180,33 +178,28 @@ def append_ledgers(client, name: str, ledgers, sink: str | None = None,
     if (sink is None) != (batch_id is None):
         raise ValueError(f"append ledgers to log {name}: give both sink and batch_id, or neither")
     store = client._store
-    for _ in range(50):
+
+    def attempt() -> bool:
         rec, version = metadata.read_or_create(store, name)
         if sink is not None:
             last = metadata.committed_batch(rec, sink)
             if last is not None and last >= batch_id:
                 return False
         new = metadata.with_ledgers_appended(rec, ledgers, sink, batch_id)
-        try:
-            store.cas_json(metadata.key(name), new, version)
-            return True
-        except MetadataVersionError:
-            continue
-    raise MetadataVersionError(f"append ledgers to log {name}: too many concurrent changes")
+        store.cas_json(metadata.key(name), new, version)
+        return True
+    return retry_cas(f"append ledgers to log {name}", attempt)
 
 
 def delete_log(client, name: str) -> list[int]:
     """Delete the log record, then its ledgers; returns the ledger ids."""
     store = client._store
-    for _ in range(50):
+
+    def attempt() -> dict:
         rec, version = metadata.read(store, name)
-        try:
-            store.delete_json(metadata.key(name), version)
-            break
-        except MetadataVersionError:
-            continue
-    else:
-        raise MetadataVersionError(f"delete log {name}: too many concurrent changes")
+        store.delete_json(metadata.key(name), version)
+        return rec
+    rec = retry_cas(f"delete log {name}", attempt)
     lids = [s["ledger_id"] for s in rec["segments"]]
     for lid in lids:
         _delete_ledger(client, lid)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import copy
 import time
 
-from bk.errors import MetadataVersionError, NoSuchLogError
+from bk.errors import NoSuchLogError
 from bk.log.records import Position, check_log_name
+from bk.retry import retry_cas
 
 FORMAT_VERSION = 1
 OPEN, CLOSED = "open", "closed"
@@ -45,16 +46,13 @@ def read(store, name: str) -> tuple[dict, int]:
 
 def read_or_create(store, name: str) -> tuple[dict, int]:
     """(record, version), creating an empty log (CAS on absence) if there is none."""
-    for _ in range(10):
+    def attempt() -> tuple[dict, int]:
         rec, ver = store.get_json(key(name))
         if rec is not None:
             return rec, ver
         rec = new_record()
-        try:
-            return rec, store.cas_json(key(name), rec, None)
-        except MetadataVersionError:
-            continue        # created concurrently: read theirs
-    raise MetadataVersionError(f"create log {name!r}: too many concurrent changes")
+        return rec, store.cas_json(key(name), rec, None)   # lost: created concurrently
+    return retry_cas(f"create log {name!r}", attempt, tries=10)
 
 
 def list_names(store) -> list[str]:

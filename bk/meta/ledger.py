@@ -78,6 +78,16 @@ class LedgerMetadata:
     def is_closed(self) -> bool:
         return self.state == LedgerState.CLOSED
 
+    def fragment_bounds(self, index: int, last: int | None = None) -> tuple[int, int | None]:
+        """``(first, last)`` entry ids of fragment ``index``; ``last`` may be below
+        ``first`` (an empty fragment). The last fragment ends at the last entry of a
+        CLOSED ledger; of an open one at ``last`` (its LAC, when the caller knows
+        it; None otherwise)."""
+        first = self.ensembles[index][0]
+        if index + 1 < len(self.ensembles):
+            return first, self.ensembles[index + 1][0] - 1
+        return first, (self.last_entry_id if self.is_closed else last)
+
     def replace(self, **changes) -> "LedgerMetadata":
         return replace(self, **changes)
 

@@ -35,6 +35,7 @@ import threading
 import time
 
 from bk.errors import LockLostError, MetadataError
+from bk.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,12 @@ class LeaseLock:
     def acquire(self, timeout: float | None = None, poll: float = 0.2) -> bool:
         """Wait until we hold the lock (False if ``timeout`` seconds passed first)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        wait = 0.02
+        schedule = Backoff(first=0.02, cap=poll).start(deadline)
         while not self.try_acquire():
-            if deadline is not None and time.monotonic() >= deadline:
+            delay = schedule.next_delay()
+            if delay is None:
                 return False
-            time.sleep(wait if deadline is None else
-                       max(0.0, min(wait, deadline - time.monotonic())))
-            wait = min(poll, wait * 2)
+            time.sleep(delay)
         return True
 
     def release(self) -> None:

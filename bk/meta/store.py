@@ -55,10 +55,15 @@ from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
                        CookieMismatchError, LedgerExistsError, LockLostError, MetadataError,
                        MetadataVersionError, NoSuchLedgerError)
 from bk.meta.ledger import LedgerMetadata
+from bk.retry import Backoff
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/ledgers"
+# Reads that fail to connect (etcd restarting) are retried until the store's timeout.
+CONNECT_BACKOFF = Backoff(first=0.05, cap=0.5)
+# A broken watch is re-created (and the state re-read) after this.
+WATCH_BACKOFF = Backoff(first=0.1, cap=2.0)
 # 2: the layout carries an instanceId, ids are instance-scoped, cookies carry the
 # instanceId, ledgers map to shards by protocol.shard_of. Version 1 is refused.
 LAYOUT_VERSION = 2
@@ -252,8 +257,7 @@ class MetadataStore:
         etcd restarts, gRPC's channel is still backing off and would fail them at
         once. Writes are sent once: after a broken connection their outcome is
         unknown, and a blind retry could misreport (e.g. "ledger exists")."""
-        deadline = time.monotonic() + self.timeout
-        delay = 0.05
+        schedule = CONNECT_BACKOFF.start(time.monotonic() + self.timeout)
         while True:
             client = self._client()
             self.rpc_counts[kind] += 1
@@ -264,9 +268,9 @@ class MetadataStore:
             except (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError) as exc:
                 retryable = idempotent and isinstance(
                     exc, (etcd_exc.ConnectionFailedError, etcd_exc.NoServerAvailableError))
-                if retryable and time.monotonic() + delay < deadline:
+                delay = schedule.next_delay() if retryable else None
+                if delay is not None:
                     time.sleep(delay)
-                    delay = min(delay * 2, 0.5)
                     continue
                 raise self._error(what, exc) from None
 
@@ -1174,7 +1178,7 @@ class _BookieWatch:
                 pass
 
     def _run(self, rev: int) -> None:
-        backoff = 0.1
+        schedule = WATCH_BACKOFF.start()
         need_resync = False
         while not self._cancelled.is_set():
             try:
@@ -1183,7 +1187,7 @@ class _BookieWatch:
                     self._deliver(sets)
                     need_resync = False
                 self._add_watch(rev + 1)
-                backoff = 0.1
+                schedule.reset()
                 while not self._cancelled.is_set():
                     try:
                         item = self._events.get(timeout=0.5)
@@ -1210,8 +1214,7 @@ class _BookieWatch:
                 log.debug("bookie watch: %s; re-creating it", e)
                 self._drop_watch()
                 need_resync = True
-                self._cancelled.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._cancelled.wait(schedule.next_delay())
             except Exception:  # pragma: no cover
                 log.exception("bookie watch failed; re-creating it")
                 self._drop_watch()

@@ -28,6 +28,7 @@ import time
 from typing import Iterator
 
 from bk.errors import MetadataVersionError
+from bk.retry import retry_cas
 
 LEDGERS = "underreplication/ledgers/"
 LOCKS = "underreplication/locks/"
@@ -48,18 +49,17 @@ def mark(store, ledger_id: int, missing, guards=()) -> bool:
     """Add ``missing`` bookies to the ledger's record (creating it); True if it
     changed. A failed repair's back-off is cleared: there is news."""
     rel = ledger_rel(ledger_id)
-    while True:
+
+    def attempt() -> bool:
         cur, version = store.get_json(rel)
         old = set(cur.get("missing", ())) if cur else set()
         new = old | set(missing)
         if cur is not None and new == old:
             return False
         rec = {"missing": sorted(new), "ctime": cur.get("ctime") if cur else time.time()}
-        try:
-            store.cas_json(rel, rec, version, guards=guards)
-            return True
-        except MetadataVersionError:
-            continue
+        store.cas_json(rel, rec, version, guards=guards)
+        return True
+    return retry_cas(f"mark ledger {ledger_id} under-replicated", attempt)
 
 
 def list_marked(store) -> Iterator[tuple[int, dict, int]]:
@@ -97,30 +97,25 @@ def settings(store) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def update_settings(store, **changes) -> dict:
-    """Change auto-recovery settings by CAS; returns them."""
-    while True:
-        value, version = store.get_json(SETTINGS)
+def _update_dict(rel: str, store, changes: dict, guards=()) -> dict:
+    """CAS ``changes`` into the JSON object at ``rel``; returns the new object."""
+    def attempt() -> dict:
+        value, version = store.get_json(rel)
         value = dict(value) if isinstance(value, dict) else {}
         value.update(changes)
-        try:
-            store.cas_json(SETTINGS, value, version)
-            return value
-        except MetadataVersionError:
-            continue
+        store.cas_json(rel, value, version, guards=guards)
+        return value
+    return retry_cas(f"update {rel}", attempt)
+
+
+def update_settings(store, **changes) -> dict:
+    """Change auto-recovery settings by CAS; returns them."""
+    return _update_dict(SETTINGS, store, changes)
 
 
 def record_check(store, name: str, record: dict, guards=()) -> None:
     """Keep when the periodic check ``name`` last finished (and what it found)."""
-    while True:
-        value, version = store.get_json(CHECKS)
-        value = dict(value) if isinstance(value, dict) else {}
-        value[name] = record
-        try:
-            store.cas_json(CHECKS, value, version, guards=guards)
-            return
-        except MetadataVersionError:
-            continue
+    _update_dict(CHECKS, store, {name: record}, guards)
 
 
 def checks(store) -> dict:

@@ -41,12 +41,12 @@ def test_parse_size_and_the_cli_help():
 
 
 def test_pipelined_copy_reads_from_the_next_replica_when_the_first_is_gone(cluster_factory):
-    """Admin._copy_fragment keeps several batches of reads and adds in flight; an
+    """Replicator._copy_fragment keeps several batches of reads and adds in flight; an
     entry whose first surviving replica is dead too is read from the next one,
     and the copy still reports exactly what it copied."""
     import bk
-    from bk import admin as A
     from bk.admin import Admin
+    from bk.autorecovery import replicator as A
     from bk.bench.recovery import entries_on
 
     c = cluster_factory(5)

@@ -162,10 +162,10 @@ def test_recover_resumes_after_interruption_and_skip_open(cluster_factory):
 
     with Admin(uri) as admin:
         # Simulate an interruption: copy the fragment without swapping the ensemble.
-        orig = admin._swap_bookie
-        admin._swap_bookie = lambda *a: None
+        orig = admin.replicator._swap_bookie
+        admin.replicator._swap_bookie = lambda *a: None
         rep = admin.recover_bookie(victim, skip_open=True, ledger_ids=[lh.ledger_id])
-        admin._swap_bookie = orig
+        admin.replicator._swap_bookie = orig
         first_copy = rep.entries_copied
         assert first_copy > 0
         assert victim in client.ledger_metadata(lh.ledger_id).ensembles[0][1]
