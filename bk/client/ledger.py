@@ -440,6 +440,81 @@ class LedgerHandle:
     def __exit__(self, *exc):
         self.close()
 
+    # --- what recovery (bk.client.recovery) and logs (bk.log) ask of a handle -----
+    # Recovery reads with a reader handle and writes back with a recovery writer;
+    # these named methods are the only parts of a handle it uses besides the
+    # public API, so the handle's fields stay its own.
+    @property
+    def metadata_version(self) -> int:
+        """The metadata's version (mod_revision) this handle last wrote or read."""
+        return self._version
+
+    @property
+    def read_timeout(self) -> float:
+        """readEntryTimeoutSec of this handle's client."""
+        return self._read_timeout
+
+    @property
+    def read_window_bytes(self) -> int:
+        """readWindowBytes: the byte budget of one READ_RANGE answer."""
+        return self._read_window_bytes
+
+    def connections(self, bookie_ids) -> list:
+        """The connections to ``bookie_ids`` for this ledger's shard (made if needed;
+        caller thread: may ask etcd for a bookie's address)."""
+        ids = list(bookie_ids)
+        self._prepare_conns(ids)
+        return self._conns_of(ids)
+
+    def fencing_read_lac(self, conn, callback, tag=None) -> None:
+        """Send a fencing READ_LAC to ``conn`` (with this handle's master key)."""
+        self._loop.request(conn, protocol.read_lac, self._lid, True, self._master_key,
+                           timeout=self._read_timeout, callback=callback, tag=tag)
+
+    def fencing_read(self, conn, entry_id: int, callback) -> None:
+        """Send a fencing READ of ``entry_id`` to ``conn``."""
+        self._loop.request(conn, protocol.read, self._lid, entry_id, True, self._master_key,
+                           timeout=self._read_timeout, callback=callback)
+
+    def fencing_read_range_frame(self, rid: int, first: int, last: int, budget: int) -> bytes:
+        """The encoded frame of a fencing READ_RANGE of ``first..last``."""
+        return protocol.encode_frame(protocol.read_range(rid, self._lid, first, last, budget,
+                                                         True, self._master_key))
+
+    def verify_entry(self, entry_id: int, entry_lac: int, digest: bytes, payload) -> int:
+        """Check a copy's digest; its ledger length (DigestMismatchError if it is bad)."""
+        return self._digest.verify(entry_id, entry_lac, digest, payload)
+
+    def read_entry_once(self, entry_id: int) -> LedgerEntry:
+        """Read one entry up to the LAC, from its write set, without the retries of
+        :meth:`read_entries`."""
+        return self._read_range(entry_id, entry_id, retry=False)[0]
+
+    def write_back(self, entry_id, data, length, entry_lac, digest) -> None:
+        """A recovery writer's write-back of a found entry (see _submit_recovery)."""
+        self._submit_recovery(entry_id, data, length, entry_lac, digest)
+
+    def ensure_explicit_lac(self, interval: float) -> None:
+        """Send the LAC explicitly after ``interval`` seconds of idleness, unless this
+        writer already does (explicitLacInterval): a log writer's readers tail it."""
+        if not self._explicit_lac:
+            self._explicit_lac = interval
+
+    def wait_written(self, timeout: float) -> bool:
+        """Wait until every submitted add completed (acknowledged or failed); False
+        if ``timeout`` seconds passed first."""
+        return self._drain(timeout)
+
+    def failure(self):
+        """``(exception class, reason)`` once this writer is broken, else None."""
+        return self._error
+
+    def retire(self) -> None:
+        """Stop a recovery writer without closing the ledger (recovery closes it
+        itself): it takes no more adds and its ticker stops."""
+        self._closed = True
+        self._loop.call_soon(self._stop_ticker)
+
     # --- connections --------------------------------------------------------------
     def _prepare_conns(self, bookie_ids):
         """Resolve (caller thread: may ask etcd or probe) a connection per bookie."""

@@ -142,7 +142,7 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
     length0 = 0
     if lac0 >= 0:
         try:
-            length0 = rh._read_range(lac0, lac0, retry=False)[0].length
+            length0 = rh.read_entry_once(lac0).length
         except BKError as e:
             raise LedgerRecoveryError(f"{what}: cannot read the last confirmed entry {lac0}: {e}")
     # The recovery writer: writes found entries back with FLAG_RECOVERY.
@@ -157,18 +157,18 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
             if found is None:
                 break
             data, elength, elac, edigest = found
-            wh._submit_recovery(e, data, elength, elac, edigest)
+            wh.write_back(e, data, elength, elac, edigest)
             last, length = e, elength
             e += 1
-        if not wh._drain(float(client.conf.addEntryTimeoutSec) * 3 + 30):
+        if not wh.wait_written(float(client.conf.addEntryTimeoutSec) * 3 + 30):
             raise LedgerRecoveryError(f"{what}: writing back recovered entries timed out")
-        if wh._error is not None:
-            cls, reason = wh._error
+        failure = wh.failure()
+        if failure is not None:
+            _cls, reason = failure
             raise LedgerRecoveryError(f"{what}: writing back entry failed: {reason}")
     finally:
-        wh._closed = True
-        client._io.call_soon(wh._stop_ticker)
-    md, version = wh._md, wh._version
+        wh.retire()
+    md, version = wh.metadata, wh.metadata_version
     # The write-back's ensemble changes, so far in wh's metadata only.
     mine = [fb for fb in md.ensembles if fb not in found_md.ensembles]
     for _ in range(50):
@@ -201,11 +201,11 @@ def _covered(answered: set, E: int, qw: int, need: int) -> bool:
 
 def _fence(client, rh: LedgerHandle, what: str) -> int:
     """Fence the last ensemble; return the highest LAC the bookies report."""
-    md = rh._md
+    md = rh.metadata
     E, qw, qa = md.ensemble_size, md.write_quorum_size, md.ack_quorum_size
     need = qw - qa + 1
     ens = md.last_ensemble
-    rh._prepare_conns(ens)
+    conns = rh.connections(ens)
     cond = threading.Condition()
     answered: set = set()
     finished: list = []
@@ -230,10 +230,9 @@ def _fence(client, rh: LedgerHandle, what: str) -> int:
             finished.append(slot)
             cond.notify_all()
 
-    timeout = rh._read_timeout
-    for slot, conn in enumerate(rh._conns_of(ens)):
-        client._io.request(conn, protocol.read_lac, md.ledger_id, True, rh._master_key,
-                           timeout=timeout, callback=on_done, tag=slot)
+    timeout = rh.read_timeout
+    for slot, conn in enumerate(conns):
+        rh.fencing_read_lac(conn, on_done, slot)
     deadline = time.monotonic() + timeout + 5
     with cond:
         while not _covered(answered, E, qw, need) and len(finished) < E:
@@ -270,7 +269,7 @@ class _RecoveryReader:
 
     def __init__(self, client, rh: LedgerHandle, what: str, window: int = 256):
         self.client, self.rh, self.what, self.window = client, rh, what, window
-        md = rh._md
+        md = rh.metadata
         self.need = md.write_quorum_size - md.ack_quorum_size + 1
         self.cond = threading.Condition()
         self.state: dict = {}
@@ -287,7 +286,7 @@ class _RecoveryReader:
             st["n"] += 1
             if reply is not None and reply[0] == EOK and reply[3] is not None:
                 try:
-                    length = self.rh._digest.verify(entry_id, reply[1], reply[2], reply[3])
+                    length = self.rh.verify_entry(entry_id, reply[1], reply[2], reply[3])
                     if st["found"] is None:
                         st["found"] = (reply[3], length, reply[1], reply[2])
                 except DigestMismatchError as e:
@@ -306,13 +305,11 @@ class _RecoveryReader:
             else:
                 self._note(entry_id, conn.bookie_id, error=call.error)
 
-        rh = self.rh
-        self.client._io.request(conn, protocol.read, rh._lid, entry_id, True,
-                                rh._master_key, timeout=rh._read_timeout, callback=on_done)
+        self.rh.fencing_read(conn, entry_id, on_done)
 
     def _start_window(self, first, last):
         rh = self.rh
-        md = rh._md
+        md = rh.metadata
         for e in range(first, last + 1):
             ws = md.write_set(e)
             self.state[e] = {"found": None, "neg": 0, "n": 0, "of": len(ws), "errors": [],
@@ -321,9 +318,9 @@ class _RecoveryReader:
         for e in range(first, last + 1):
             for b in md.write_set(e):
                 by_bookie.setdefault(b, []).append(e)
-        rh._prepare_conns(by_bookie)
+        conns = dict(zip(by_bookie, rh.connections(by_bookie)))
         for b, entries in by_bookie.items():
-            conn = rh._bconns[b]
+            conn = conns[b]
             if len(entries) == 1 or not self.client._io.batching:
                 for e in entries:
                     self._start_single(e, conn)
@@ -337,7 +334,7 @@ class _RecoveryReader:
             self._start_window(self.next, self.next + self.window - 1)
             self.next += self.window
         st = self.state[entry_id]         # answers keep coming in: popped once decided
-        deadline = time.monotonic() + self.rh._read_timeout + 5
+        deadline = time.monotonic() + self.rh.read_timeout + 5
         try:
             return self._decide(entry_id, st, deadline)
         finally:
@@ -373,12 +370,11 @@ class _RecoveryRange:
         rh = self.reader.rh
         io = self.reader.client._io
         rid = next(io.rids)
-        budget = max(1, min(rh._read_window_bytes, io.max_frame_size // 2))
+        budget = max(1, min(rh.read_window_bytes, io.max_frame_size // 2))
         self.conn.send_featured(
             protocol.FEATURE_READ_RANGE, rid, self,
-            protocol.encode_frame(protocol.read_range(rid, rh._lid, self.left[0], self.last,
-                                                      budget, True, rh._master_key)),
-            rh._read_timeout)
+            rh.fencing_read_range_frame(rid, self.left[0], self.last, budget),
+            rh.read_timeout)
 
     def unsupported(self, conn):
         left, self.left = self.left, []

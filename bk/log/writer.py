@@ -185,8 +185,7 @@ class LogWriter:
     def _start_segment(self, lh, segment):
         # An idle writer must still let readers see its last entry: the ledger
         # sends its LAC explicitly after about a linger (its ticker's period).
-        if not getattr(lh, "_explicit_lac", 1):
-            lh._explicit_lac = max(self._linger, 0.001)
+        lh.ensure_explicit_lac(max(self._linger, 0.001))
         self._lh = lh
         self._segment = segment
         self._seg_records = 0
