@@ -26,8 +26,21 @@ def cluster_factory(tmp_path):
 
 @pytest.fixture
 def cluster(cluster_factory):
-    """Three bookies with two shards each."""
+    """Three bookies with two shards each, for this test alone (it may kill, stop or
+    reconfigure them)."""
     return cluster_factory(3)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    """Three bookies with two shards each, shared by the tests of a module that do
+    not disturb it: they kill, stop, reconfigure or wipe nothing, and name their
+    own ledgers and logs (nothing asserts that the cluster is otherwise empty)."""
+    c = LocalCluster(num_bookies=3, base_dir=str(tmp_path_factory.mktemp("shared")),
+                     num_shards=2)
+    c.start()
+    yield c
+    c.stop()
 
 
 @pytest.fixture

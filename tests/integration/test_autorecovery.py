@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import bk
 from bk.meta import underreplication as UR
-from bk.testing import entries_held, wait_until
+from bk.testing import bkshell_ok, wait_until
 
 PW = b"ar"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
-
-
-def entries_on(cluster, bookie_id, lid):
-    return entries_held(cluster.store, bookie_id, lid)
 
 
 def test_lost_bookie_is_rereplicated_then_a_second_loss_loses_nothing(cluster_factory):
@@ -42,7 +38,7 @@ def test_lost_bookie_is_rereplicated_then_a_second_loss_loses_nothing(cluster_fa
             md = client.ledger_metadata(lid)
             for e in range(30):
                 for b in md.write_set(e):
-                    assert e in entries_on(c, b, lid), (lid, e, b)
+                    assert e in c.entries_on(b, lid), (lid, e, b)
         # A second original bookie dies: the data is still all there.
         second = next(b for b in c.bookies[1:]
                       if any(b.bookie_id in ens for lid in affected
@@ -65,16 +61,6 @@ def test_auditor_failover(cluster_factory):
     assert probe.leader() in {b.bookie_id for b in c.bookies if b.alive}
 
 
-def _shell(uri, *args):
-    import json
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata", uri, *args],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout) if "--json" in args else r.stdout
-
-
 def test_delay_back_in_time_then_triggeraudit(cluster_factory):
     c = cluster_factory(4, conf_overrides={**AR, "lostBookieRecoveryDelay": 3600})
     with bk.BookKeeper(c.metadata_uri) as client:
@@ -85,29 +71,29 @@ def test_delay_back_in_time_then_triggeraudit(cluster_factory):
             lh.close()
             lids.append(lh.ledger_id)
         ensembles = {lid: client.ledger_metadata(lid).ensembles for lid in lids}
-        wait_until(lambda: _shell(c.metadata_uri, "whoisauditor", "--json")["auditor"],
+        wait_until(lambda: bkshell_ok(c.metadata_uri, "whoisauditor", "--json")["auditor"],
                    what="an auditor elected")
-        auditor = _shell(c.metadata_uri, "whoisauditor", "--json")["auditor"]
+        auditor = bkshell_ok(c.metadata_uri, "whoisauditor", "--json")["auditor"]
         victim = next(b for b in c.bookies if b.bookie_id != auditor and
                       any(b.bookie_id in ens for e in ensembles.values() for _, ens in e))
-        assert _shell(c.metadata_uri, "autorecovery", "--json")["enabled"] is True
+        assert bkshell_ok(c.metadata_uri, "autorecovery", "--json")["enabled"] is True
         # Gone, then back within the delay: nothing is marked, nothing copied.
         victim.kill()
         wait_until(lambda: victim.bookie_id not in c.store.all_bookies(), what="it gone")
-        assert _shell(c.metadata_uri, "listunderreplicated", "--json") == []
+        assert bkshell_ok(c.metadata_uri, "listunderreplicated", "--json") == []
         victim.start()
-        assert _shell(c.metadata_uri, "listunderreplicated", "--json") == []
+        assert bkshell_ok(c.metadata_uri, "listunderreplicated", "--json") == []
         assert {lid: client.ledger_metadata(lid).ensembles for lid in lids} == ensembles
         # Gone again; triggeraudit does not wait out the delay.
         victim.kill()
         wait_until(lambda: victim.bookie_id not in c.store.all_bookies(), what="it gone")
-        out = _shell(c.metadata_uri, "triggeraudit", "--json")
+        out = bkshell_ok(c.metadata_uri, "triggeraudit", "--json")
         assert out["triggered"] is True and out["auditor"] == auditor and out["trigger"] >= 1
         wait_until(lambda: all(victim.bookie_id not in ens for lid in lids
                                for _, ens in client.ledger_metadata(lid).ensembles)
-                   and not _shell(c.metadata_uri, "listunderreplicated", "--json"),
+                   and not bkshell_ok(c.metadata_uri, "listunderreplicated", "--json"),
                    timeout=90, what="re-replication after triggeraudit")
-        assert _shell(c.metadata_uri, "lostbookierecoverydelay", "--set", "0",
+        assert bkshell_ok(c.metadata_uri, "lostbookierecoverydelay", "--set", "0",
                       "--json") == {"lostBookieRecoveryDelay": 0}
         for lid in lids:
             rh = client.open_ledger(lid, password=PW)
@@ -125,10 +111,10 @@ def test_ledger_without_a_surviving_replica_is_reported_not_retried(cluster_fact
         holder.kill()
 
         def reported():
-            rows = _shell(c.metadata_uri, "listunderreplicated", "--json")
+            rows = bkshell_ok(c.metadata_uri, "listunderreplicated", "--json")
             return rows and rows[0].get("error")
         wait_until(reported, timeout=60, what="the failure reported")
-        row = _shell(c.metadata_uri, "listunderreplicated", "--json")[0]
+        row = bkshell_ok(c.metadata_uri, "listunderreplicated", "--json")[0]
         assert row["ledger_id"] == lh.ledger_id and row["missing"] == [holder.bookie_id]
         assert "no reachable replica" in row["error"]
         assert row["retryAt"] > time.time() + 60            # backed off, not a tight loop

@@ -14,15 +14,11 @@ import bk
 from bk import protocol as P
 from bk.errors import EFENCED, EOK
 from bk.meta import underreplication as UR
-from bk.testing import BookieConnection, entries_held, wait_until
+from bk.testing import BookieConnection, wait_until
 
 PW = b"checks"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 3600,
       "auditorPeriodicCheckInterval": 0, "auditorReplicasCheckInterval": 0}
-
-
-def entries_on(cluster, bookie_id, lid):
-    return entries_held(cluster.store, bookie_id, lid)
 
 
 def remove_entry_by_hand(bookie, lid: int, entry: int) -> None:
@@ -72,16 +68,16 @@ def test_replica_check_restores_an_entry_removed_by_hand(cluster_factory):
         holder.stop()
         remove_entry_by_hand(holder, lid, 5)
         holder.start()
-        assert 5 not in entries_on(c, holder.bookie_id, lid)
-        assert entries_on(c, holder.bookie_id, lid) == \
+        assert 5 not in c.entries_on(holder.bookie_id, lid)
+        assert c.entries_on(holder.bookie_id, lid) == \
             {e for e in range(20) if holder.bookie_id in md.write_set(e)} - {5}
-        wait_until(lambda: 5 in entries_on(c, holder.bookie_id, lid), timeout=60,
+        wait_until(lambda: 5 in c.entries_on(holder.bookie_id, lid), timeout=60,
                    what="the removed entry copied back by the replicas check")
         wait_until(lambda: not list(UR.list_marked(c.store)), what="the record removed")
         # Repaired in place: the ensembles did not change.
         assert client.ledger_metadata(lid).ensembles == md.ensembles
         for b in md.write_set(5):
-            assert 5 in entries_on(c, b, lid)
+            assert 5 in c.entries_on(b, lid)
         # A run that began while the ledger was marked skipped it; a run that began
         # after the repair checks it and finds nothing.
         repaired_at = time.time()
@@ -103,7 +99,7 @@ def test_ledger_check_finds_a_bookie_that_lost_a_fragment_end(cluster_factory):
         holder.stop()
         remove_entry_by_hand(holder, lid, 9)
         holder.start()
-        wait_until(lambda: 9 in entries_on(c, holder.bookie_id, lid), timeout=60,
+        wait_until(lambda: 9 in c.entries_on(holder.bookie_id, lid), timeout=60,
                    what="the lost last entry copied back by the ledger check")
         assert UR.checks(c.store)["ledgers"]["ledgers"] >= 1
         assert client.ledger_metadata(lid).ensembles == md.ensembles
@@ -116,7 +112,7 @@ def test_returning_bookie_drops_what_was_rereplicated_but_stays_fenced(cluster_f
     with bk.BookKeeper(c.metadata_uri) as client:
         lids = [_ledger(client) for _ in range(4)]
         victim = c.bookie(client.ledger_metadata(lids[0]).ensembles[0][1][0])
-        held = {lid: entries_on(c, victim.bookie_id, lid) for lid in lids}
+        held = {lid: c.entries_on(victim.bookie_id, lid) for lid in lids}
         held = {lid: es for lid, es in held.items() if es}
         assert held
         victim.kill()
@@ -126,17 +122,17 @@ def test_returning_bookie_drops_what_was_rereplicated_but_stays_fenced(cluster_f
                    what="the victim's ledgers re-replicated")
         victim.start()
         # Its copies are no longer needed: every bookie of each write set has them.
-        wait_until(lambda: all(not entries_on(c, victim.bookie_id, lid) for lid in held),
+        wait_until(lambda: all(not c.entries_on(victim.bookie_id, lid) for lid in held),
                    timeout=60, what="the returning bookie's stale copies dropped")
         victim.kill()                 # kill -9 after the drop: it stays dropped and fenced
         victim.start()
-        assert all(not entries_on(c, victim.bookie_id, lid) for lid in held)
+        assert all(not c.entries_on(victim.bookie_id, lid) for lid in held)
         shard_of = P.shard_of
         for lid in held:
             md = client.ledger_metadata(lid)
             for e in range(20):
                 for b in md.write_set(e):
-                    assert e in entries_on(c, b, lid)
+                    assert e in c.entries_on(b, lid)
             # No tombstone, still fenced: an old writer's add is refused, a recovery
             # add (the bookie picked to hold the ledger again) is taken.
             with BookieConnection(victim.bookie_id,
@@ -154,7 +150,7 @@ def test_returning_bookie_drops_what_was_rereplicated_but_stays_fenced(cluster_f
                 r = conn.call(P.add(conn.next_rid(), lid, 3, got[5], D.master_key(PW), got[6],
                                     got[7], True))
                 assert r[2] == EOK
-            assert 3 in entries_on(c, victim.bookie_id, lid)
+            assert 3 in c.entries_on(victim.bookie_id, lid)
         for lid in lids:
             rh = client.open_ledger(lid, password=PW)
             assert [e.data for e in rh.read_entries(0, 19)] == [b"c%d" % i for i in range(20)]
@@ -183,7 +179,7 @@ def test_no_drop_until_the_new_write_sets_hold_every_entry(cluster_factory):
         md, version = c.store.read_ledger(lid)
         victim = md.ensembles[0][1][0]
         spare = next(b.bookie_id for b in c.bookies if b.bookie_id not in md.ensembles[0][1])
-        before = entries_on(c, victim, lid)
+        before = c.entries_on(victim, lid)
         assert before
         # Replace the victim by a bookie that holds nothing: metadata only.
         ens = [spare if b == victim else b for b in md.ensembles[0][1]]
@@ -199,7 +195,7 @@ def test_no_drop_until_the_new_write_sets_hold_every_entry(cluster_factory):
                 seen.append(s)
             return len(seen) >= 2
         wait_until(scanned_and_kept, timeout=30, what="two over-replicated scans")
-        assert entries_on(c, victim, lid) == before
+        assert c.entries_on(victim, lid) == before
         # Fill the replacement (what a replication worker does), then it is dropped.
         md = client.ledger_metadata(lid)
         shard = P.shard_of(lid, c.bookie(victim).num_shards)
@@ -214,7 +210,7 @@ def test_no_drop_until_the_new_write_sets_hold_every_entry(cluster_factory):
                 r = dst.call(P.add(dst.next_rid(), lid, e, got[5], D.master_key(PW), got[6],
                                    got[7], True))
                 assert r[2] == EOK
-        wait_until(lambda: not entries_on(c, victim, lid), timeout=30,
+        wait_until(lambda: not c.entries_on(victim, lid), timeout=30,
                    what="the copy dropped once the new write sets hold everything")
         rh = client.open_ledger(lid, password=PW)
         assert [e.data for e in rh.read_entries(0, 19)] == [b"c%d" % i for i in range(20)]

@@ -11,28 +11,22 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 
 import bk
 from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
-from bk.testing import entries_held, wait_until
+from bk.testing import http_get, wait_until
 from bk.util import free_port
 
 PW = b"workers"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
 
 
-def entries_on(cluster, bookie_id, lid):
-    return entries_held(cluster.store, bookie_id, lid)
-
-
 def fully_replicated(cluster, md):
     last = md.last_entry_id
-    return all(e in entries_on(cluster, b, md.ledger_id)
+    return all(e in cluster.entries_on(b, md.ledger_id)
                for e in range(last + 1) for b in md.write_set(e))
 
 
@@ -229,44 +223,34 @@ def test_decommissionbookie_goes_through_autorecovery(cluster_factory):
         assert r.returncode != 0 and "still registered" in r.stderr
 
 
-def _get(port, path):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return None, ""
-
-
 def test_standalone_autorecovery_serves_heartbeat_metrics_and_status(cluster_factory, tmp_path):
     c = cluster_factory(1)
     port = free_port()
     proc = _start_worker(c.metadata_uri, tmp_path / "ar.log", httpServerEnabled="true",
                          httpServerPort=port, registrationTtlSeconds=3)
     try:
-        wait_until(lambda: _get(port, "/heartbeat") == (200, "OK"), what="/heartbeat")
+        wait_until(lambda: http_get(port, "/heartbeat")[:2] == (200, "OK"), what="/heartbeat")
         me = f"-{proc.pid}"
-        wait_until(lambda: json.loads(_get(port, "/api/v1/autorecovery/status")[1])
+        wait_until(lambda: json.loads(http_get(port, "/api/v1/autorecovery/status")[1])
                    .get("auditor", "") or "", what="an auditor elected")
-        st = json.loads(_get(port, "/api/v1/autorecovery/status")[1])
+        st = json.loads(http_get(port, "/api/v1/autorecovery/status")[1])
         assert st["running"] is True and st["here"] is True and st["enabled"] is True
         assert st["auditor"].endswith(me), st     # nothing else runs auto-recovery
         UR.mark(c.store, 4242, ["127.0.0.1:9"])     # a deleted ledger: unmarked by the worker
         wait_until(lambda: not list(UR.list_marked(c.store)), what="the mark handled")
 
         def metric(name):
-            for line in _get(port, "/metrics")[1].splitlines():
+            for line in http_get(port, "/metrics")[1].splitlines():
                 if line.startswith(name + " "):
                     return float(line.split()[1])
         wait_until(lambda: metric("auditor_NUM_UNDER_REPLICATED_LEDGERS") == 0,
                    what="the auditor's gauge served")
         assert metric("auditor_ELECTED") == 1
         assert metric("replication_REREPLICATED_ENTRIES_total") == 0
-        assert _get(port, "/api/v1/bookie/info")[0] == 404     # not a bookie
+        assert http_get(port, "/api/v1/bookie/info")[0] == 404     # not a bookie
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        assert _get(port, "/heartbeat")[0] is None              # the port is closed
+        assert http_get(port, "/heartbeat")[0] is None              # the port is closed
     finally:
         if proc.poll() is None:
             proc.kill()

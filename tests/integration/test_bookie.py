@@ -36,11 +36,13 @@ def read(c, lid, eid, **kw):
     return c.call(P.read(c.next_rid(), lid, eid, **kw))
 
 
+# The tests up to the first kill share one cluster: each uses its own ledger ids
+# (11; 10, 12; 5, 7; 20, 22; 30; 40).
 
 
-def test_misrouted_add_and_fence_get_ebadreq(cluster):
-    b = cluster.bookies[0]
-    lid = 10
+def test_misrouted_add_and_fence_get_ebadreq(shared_cluster):
+    b = shared_cluster.bookies[0]
+    lid = 11
     wrong = 1 - shard_of(lid, b)
     with BookieConnection(b.bookie_id, shard=wrong) as c:
         assert add(c, lid, 0, b"x")[2] == EBADREQ
@@ -52,8 +54,8 @@ def test_misrouted_add_and_fence_get_ebadreq(cluster):
         assert c.call(P.get_list_of_entries(c.next_rid(), lid))[2] == ENOLEDGER
 
 
-def test_adds_then_reads_across_shards(cluster):
-    b = cluster.bookies[0]
+def test_adds_then_reads_across_shards(shared_cluster):
+    b = shared_cluster.bookies[0]
     for lid in (10, 12):                       # two ledgers, two shards
         with conn(b, lid) as c:
             for eid in range(50):
@@ -74,16 +76,16 @@ def test_adds_then_reads_across_shards(cluster):
             assert c.call(P.ping(c.next_rid()))[2] == EOK
 
 
-def test_missing_ledger_and_entry(cluster):
-    with conn(cluster.bookies[0], 5) as c:
+def test_missing_ledger_and_entry(shared_cluster):
+    with conn(shared_cluster.bookies[0], 5) as c:
         assert read(c, 5, 0)[2] == ENOLEDGER
         add(c, 5, 0, b"x")
         assert read(c, 5, 1)[2] == ENOENTRY
         assert c.call(P.get_list_of_entries(c.next_rid(), 7))[2] == ENOLEDGER
 
 
-def test_fencing_semantics_and_master_key(cluster):
-    b = cluster.bookies[0]
+def test_fencing_semantics_and_master_key(shared_cluster):
+    b = shared_cluster.bookies[0]
     lid = 20
     with conn(b, lid) as c:
         assert add(c, lid, 0, b"a")[2] == EOK
@@ -103,8 +105,8 @@ def test_fencing_semantics_and_master_key(cluster):
         assert add(c, lid + 2, 0, b"late")[2] == EFENCED
 
 
-def test_long_poll_read(cluster):
-    b = cluster.bookies[0]
+def test_long_poll_read(shared_cluster):
+    b = shared_cluster.bookies[0]
     lid = 30
     with conn(b, lid) as writer, conn(b, lid) as reader:
         add(writer, lid, 0, b"e0")
@@ -122,15 +124,15 @@ def test_long_poll_read(cluster):
         assert r[1] == rid and r[2] == EOK and r[8] == 0 and r[4] == 0 and r[7] == b"e0"
 
 
-def test_bookie_info(cluster):
-    with conn(cluster.bookies[0]) as c:
+def test_bookie_info(shared_cluster):
+    with conn(shared_cluster.bookies[0]) as c:
         info = c.call(P.get_bookie_info(c.next_rid()))[3]
     assert info["total_bytes"] > info["free_bytes"] > 0
     assert info["num_shards"] == 2 and info["readonly"] is False
 
 
-def test_bad_input_closes_only_that_connection(cluster):
-    b = cluster.bookies[0]
+def test_bad_input_closes_only_that_connection(shared_cluster):
+    b = shared_cluster.bookies[0]
     lid = 40
     with conn(b, lid) as good:
         add(good, lid, 0, b"keep")

@@ -19,32 +19,17 @@ from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerClo
                        LedgerFencedError, LedgerRecoveryError, NoSuchEntryError,
                        MetadataError, NoSuchLedgerError, NotEnoughBookiesError)
 from bk.meta.ledger import LedgerState
-from bk.testing import BookieConnection, LocalCluster
+from bk.testing import BookieConnection
 
 pytestmark = pytest.mark.timeout(90)
 
 PW = b"secret"
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    c = LocalCluster(num_bookies=3, base_dir=str(tmp_path_factory.mktemp("shared")),
-                     num_shards=2)
-    c.start()
-    yield c
-    c.stop()
-
-
 @pytest.fixture
-def client(shared):
-    with bk.BookKeeper(shared.metadata_uri, addEntryTimeoutSec=5, readEntryTimeoutSec=5) as cl:
+def client(shared_cluster):
+    with shared_cluster.client(timeout=5) as cl:
         yield cl
-
-
-def _client(cluster, **kw):
-    kw.setdefault("addEntryTimeoutSec", 3)
-    kw.setdefault("readEntryTimeoutSec", 3)
-    return bk.BookKeeper(cluster.metadata_uri, **kw)
 
 
 def _raw_add(cluster, bookie_id, lid, eid, lac, length, data):
@@ -92,7 +77,7 @@ def test_create_add_read_close(client):
     assert len(client.bookies()) == 3 and client.bookies(readonly=True) == []
 
 
-def test_bad_arguments_consume_no_entry_id(client, shared):
+def test_bad_arguments_consume_no_entry_id(client, shared_cluster):
     with pytest.raises(ValueError):
         client.create_ledger(2, 3, 2)
     with pytest.raises(ValueError):
@@ -199,11 +184,11 @@ def test_wrong_password_changes_nothing(client):
 
 # --- fencing and recovery ---------------------------------------------------------
 
-def test_recovery_fences_the_writer(client, shared):
+def test_recovery_fences_the_writer(client, shared_cluster):
     lh = client.create_ledger(3, 2, 2, password=PW)
     for i in range(10):
         lh.add_entry(b"w%d" % i)
-    with bk.BookKeeper(shared.metadata_uri) as other:
+    with bk.BookKeeper(shared_cluster.metadata_uri) as other:
         rh = other.open_ledger(lh.ledger_id, password=PW)
         assert rh.is_closed and rh.last_add_confirmed == 9
         with pytest.raises(LedgerFencedError) as ei:
@@ -216,7 +201,7 @@ def test_recovery_fences_the_writer(client, shared):
         assert [e.data for e in rh.read_entries(0, 9)] == [b"w%d" % i for i in range(10)]
 
 
-def test_acknowledged_entries_survive_concurrent_recovery(client, shared):
+def test_acknowledged_entries_survive_concurrent_recovery(client, shared_cluster):
     lh = client.create_ledger(3, 2, 2, password=PW)
     acked = []
     stop = threading.Event()
@@ -237,7 +222,7 @@ def test_acknowledged_entries_survive_concurrent_recovery(client, shared):
     t.start()
     while len(acked) < 50:
         time.sleep(0.01)
-    with bk.BookKeeper(shared.metadata_uri) as other:
+    with bk.BookKeeper(shared_cluster.metadata_uri) as other:
         rh = other.open_ledger(lh.ledger_id, password=PW)
         t.join(30)
         stop.set()
@@ -250,14 +235,14 @@ def test_acknowledged_entries_survive_concurrent_recovery(client, shared):
             assert got[eid] == data
 
 
-def test_concurrent_recoveries_converge(client, shared):
+def test_concurrent_recoveries_converge(client, shared_cluster):
     lh = client.create_ledger(3, 2, 2, password=PW)
     lh.add_entries([b"c%d" % i for i in range(200)])
     results, errors = [], []
 
     def recover():
         try:
-            with bk.BookKeeper(shared.metadata_uri) as cl:
+            with bk.BookKeeper(shared_cluster.metadata_uri) as cl:
                 h = cl.open_ledger(lh.ledger_id, password=PW)
                 results.append((h.metadata.last_entry_id, h.length))
         except Exception as e:  # pragma: no cover - reported below
@@ -276,7 +261,7 @@ def test_concurrent_recoveries_converge(client, shared):
         lh.add_entry(b"late")
 
 
-def test_recovery_of_unacknowledged_tail(client, shared):
+def test_recovery_of_unacknowledged_tail(client, shared_cluster):
     """Entries a dying writer left on too few bookies: one on 2 of its 3 bookies
     must be recovered (at most one bookie can deny it); one on a single bookie may
     be recovered or dropped, and the closed ledger agrees with what happened."""
@@ -288,7 +273,7 @@ def test_recovery_of_unacknowledged_tail(client, shared):
     base = sum(len(b"t%d" % i) for i in range(20))
 
     def raw_add(bid, eid, lac, length, data):
-        n = shared.store.bookie_info(bid)["numShards"]
+        n = shared_cluster.store.bookie_info(bid)["numShards"]
         with BookieConnection(bid, shard=P.shard_of(lid, n)) as c:
             r = c.call(P.add(c.next_rid(), lid, eid, lac, D.master_key(PW),
                              dg.sign(eid, lac, length, data), data))
@@ -304,13 +289,13 @@ def test_recovery_of_unacknowledged_tail(client, shared):
     assert got == [b"t%d" % i for i in range(rh.last_add_confirmed + 1)]
     # What recovery kept is now on its whole write set.
     for bid in md.write_set(20):
-        n = shared.store.bookie_info(bid)["numShards"]
+        n = shared_cluster.store.bookie_info(bid)["numShards"]
         with BookieConnection(bid, shard=P.shard_of(lid, n)) as c:
             r = c.call(P.read(c.next_rid(), lid, 20))
             assert r[2] == 0 and r[7] == b"t20"
 
 
-def test_close_loses_its_cas_to_another_client(client, shared):
+def test_close_loses_its_cas_to_another_client(client, shared_cluster):
     """close() after another client changed the metadata: CLOSED at the writer's last
     entry is success (test_recovery_fences_the_writer); CLOSED at another entry, or a
     recovery under way (IN_RECOVERY), is LedgerFencedError and the metadata stays."""
@@ -320,8 +305,8 @@ def test_close_loses_its_cas_to_another_client(client, shared):
     length = lh.length + 3
     # The writer's add of entry 10 reached two bookies; its acknowledgements never came.
     for bid in ws[:2]:
-        _raw_add(shared, bid, lid, 10, 9, length, b"c10")
-    with bk.BookKeeper(shared.metadata_uri) as other:
+        _raw_add(shared_cluster, bid, lid, 10, 9, length, b"c10")
+    with bk.BookKeeper(shared_cluster.metadata_uri) as other:
         assert other.open_ledger(lid, password=PW).last_add_confirmed == 10
     with pytest.raises(LedgerFencedError) as ei:
         lh.close()
@@ -332,8 +317,8 @@ def test_close_loses_its_cas_to_another_client(client, shared):
 
     lh = client.create_ledger(3, 2, 2, password=PW)
     lh.add_entries([b"r%d" % i for i in range(5)])
-    md, version = shared.store.read_ledger(lh.ledger_id)
-    shared.store.write_ledger(md.replace(state=LedgerState.IN_RECOVERY), version)
+    md, version = shared_cluster.store.read_ledger(lh.ledger_id)
+    shared_cluster.store.write_ledger(md.replace(state=LedgerState.IN_RECOVERY), version)
     with pytest.raises(LedgerFencedError) as ei:
         lh.close()
     assert "being recovered" in str(ei.value)
@@ -341,20 +326,21 @@ def test_close_loses_its_cas_to_another_client(client, shared):
     assert md.state == LedgerState.IN_RECOVERY and md.last_entry_id == -1
 
 
-def test_read_moves_on_when_a_bookie_lacks_the_entry(client, shared):
+def test_read_moves_on_when_a_bookie_lacks_the_entry(client, shared_cluster):
     lh = client.create_ledger(3, 3, 2, password=PW)
     lh.add_entries([b"m%d" % i for i in range(5)])
     lid, ws = lh.ledger_id, lh.metadata.write_set(5)
     # Entry 5 is on the last two bookies of its write set, not on the first one.
     for bid in ws[1:]:
-        _raw_add(shared, bid, lid, 5, 4, lh.length + 2, b"m5")
+        _raw_add(shared_cluster, bid, lid, 5, 4, lh.length + 2, b"m5")
     rh = client.open_ledger_no_recovery(lid, password=PW)
     assert [e.data for e in rh.read_unconfirmed_entries(3, 5)] == [b"m3", b"m4", b"m5"]
-    with BookieConnection(ws[0], shard=P.shard_of(lid, shared.bookie(ws[0]).num_shards)) as c:
+    shard = P.shard_of(lid, shared_cluster.bookie(ws[0]).num_shards)
+    with BookieConnection(ws[0], shard=shard) as c:
         assert c.call(P.read(c.next_rid(), lid, 5))[2] == bk.errors.ENOENTRY
 
 
-def test_delete_ledger_then_bookies_drop_its_entries(client, shared):
+def test_delete_ledger_then_bookies_drop_its_entries(client, shared_cluster):
     gone = client.create_ledger(3, 3, 3, password=PW)
     gone.add_entries([b"g%d" % i for i in range(10)])
     gone.close()
@@ -368,7 +354,8 @@ def test_delete_ledger_then_bookies_drop_its_entries(client, shared):
             r = c.call(P.get_list_of_entries(c.next_rid(), ledger))
             return r[2], P.ranges_to_ids(r[4])
 
-    assert [entries_on(b, lid) for b in shared.bookies] == [(bk.errors.EOK, list(range(10)))] * 3
+    assert [entries_on(b, lid) for b in shared_cluster.bookies] == \
+        [(bk.errors.EOK, list(range(10)))] * 3
     client.delete_ledger(lid)
     for call in (client.ledger_metadata, client.delete_ledger):
         with pytest.raises(NoSuchLedgerError):
@@ -380,13 +367,13 @@ def test_delete_ledger_then_bookies_drop_its_entries(client, shared):
     # Bookies drop the entries at their next garbage collection (SIGUSR1: now).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        for b in shared.bookies:
+        for b in shared_cluster.bookies:
             os.kill(b.pid, signal.SIGUSR1)
-        if all(entries_on(b, lid)[0] == bk.errors.ENOLEDGER for b in shared.bookies):
+        if all(entries_on(b, lid)[0] == bk.errors.ENOLEDGER for b in shared_cluster.bookies):
             break
         time.sleep(0.2)
-    assert [entries_on(b, lid) for b in shared.bookies] == [(bk.errors.ENOLEDGER, [])] * 3
-    for b in shared.bookies:
+    assert [entries_on(b, lid) for b in shared_cluster.bookies] == [(bk.errors.ENOLEDGER, [])] * 3
+    for b in shared_cluster.bookies:
         with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
             assert c.call(P.read(c.next_rid(), lid, 0))[2] == bk.errors.ENOLEDGER
         assert entries_on(b, kept.ledger_id) == (bk.errors.EOK, list(range(10)))
@@ -395,7 +382,7 @@ def test_delete_ledger_then_bookies_drop_its_entries(client, shared):
 
 
 @pytest.mark.parametrize("digest_type", ["crc32", "crc32c", "mac", "dummy"])
-def test_digest_types_and_corruption(client, shared, digest_type):
+def test_digest_types_and_corruption(client, shared_cluster, digest_type):
     lh = client.create_ledger(3, 3, 2, digest_type=digest_type, password=PW)
     lh.add_entries([b"d%d" % i for i in range(10)])
     lh.close()
@@ -408,7 +395,7 @@ def test_digest_types_and_corruption(client, shared, digest_type):
     ws = md.write_set(5)
     bad = D.EntryDigest(lid, digest_type, PW).sign(5, 4, 999, b"d5")  # wrong length/lac
     for i, bid in enumerate(ws):
-        n = shared.store.bookie_info(bid)["numShards"]
+        n = shared_cluster.store.bookie_info(bid)["numShards"]
         with BookieConnection(bid, shard=P.shard_of(lid, n)) as c:
             r = c.call(P.add(c.next_rid(), lid, 5, 3, D.master_key(PW), bad, b"EVIL",
                              recovery=True))
@@ -421,7 +408,7 @@ def test_digest_types_and_corruption(client, shared, digest_type):
     assert "entry 5" in str(ei.value) and str(lid) in str(ei.value)
 
 
-def test_tailing_reader_long_poll(client, shared):
+def test_tailing_reader_long_poll(client, shared_cluster):
     lh = client.create_ledger(3, 2, 2, password=PW)
     n = 30
 
@@ -472,7 +459,7 @@ def test_tailing_reader_length_follows_the_entries_it_reads(client):
     assert rh.is_closed and rh.length == lh.length == sum(sizes) + 5
 
 
-def test_add_entries_piggyback_the_lac_of_the_acknowledged_batch(client, shared):
+def test_add_entries_piggyback_the_lac_of_the_acknowledged_batch(client, shared_cluster):
     # Qw = Qa = E: when add_entries returns, every bookie has every entry.
     lh = client.create_ledger(3, 3, 3, password=PW)
     assert lh.add_entries([b"a%d" % i for i in range(10)]) == 9
@@ -481,7 +468,7 @@ def test_add_entries_piggyback_the_lac_of_the_acknowledged_batch(client, shared)
     assert rh.last_add_confirmed == 9          # what batch 2 told the bookies
     lid = lh.ledger_id
     dg = D.EntryDigest(lid, "crc32c", PW)
-    for b in shared.bookies:
+    for b in shared_cluster.bookies:
         with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
             for eid in range(20):
                 r = c.call(P.read(c.next_rid(), lid, eid))
@@ -519,7 +506,7 @@ def test_adds_from_many_threads_ack_in_order(client):
 
 def test_bookie_killed_mid_stream(cluster_factory):
     cluster = cluster_factory(4)
-    with _client(cluster, addEntryTimeoutSec=2) as client:
+    with cluster.client(timeout=3, addEntryTimeoutSec=2) as client:
         lh = client.create_ledger(3, 2, 2, password=PW)
         acked = {}
         errors = []
@@ -565,7 +552,7 @@ def test_ensemble_change_that_loses_its_cas(cluster_factory):
     cluster = cluster_factory(4)
     store = cluster.store
     victim = cluster.bookies[0].bookie_id
-    with _client(cluster) as client:
+    with cluster.client(timeout=3) as client:
         handles = []
         while len(handles) < 3:
             lh = client.create_ledger(3, 2, 2, password=PW)
@@ -613,7 +600,7 @@ def test_ensemble_change_that_loses_its_cas(cluster_factory):
 
         # The victim is dead: reads move on to the other bookie of each write set.
         expected = written[still_open] + [b"y0", b"y1", b"y2"]
-        with _client(cluster) as reader:
+        with cluster.client(timeout=3) as reader:
             for lh, data in ((still_open, expected), (closed, written[closed])):
                 rh = reader.open_ledger_no_recovery(lh.ledger_id, password=PW)
                 assert [e.data for e in rh.read_entries(0, rh.last_add_confirmed)] == data
@@ -628,7 +615,7 @@ def _wait_for(pred, what, timeout=30.0):
 
 def test_running_client_sees_new_and_dead_bookies(cluster_factory):
     cluster = cluster_factory(3)
-    with _client(cluster) as client:
+    with cluster.client(timeout=3) as client:
         with pytest.raises(NotEnoughBookiesError):
             client.create_ledger(4, 2, 2, password=PW)
         cluster.add_bookie()
@@ -658,12 +645,12 @@ def test_running_client_sees_new_and_dead_bookies(cluster_factory):
 
 def test_recovery_needs_enough_bookies(cluster_factory):
     cluster = cluster_factory(3)
-    with _client(cluster) as client:
+    with cluster.client(timeout=3) as client:
         lh = client.create_ledger(3, 3, 3, password=PW)
         lh.add_entries([b"q%d" % i for i in range(20)])
         lid = lh.ledger_id
         cluster.bookies[0].kill(signal.SIGKILL)
-        with _client(cluster) as other:
+        with cluster.client(timeout=3) as other:
             with pytest.raises((LedgerRecoveryError, NotEnoughBookiesError)):
                 other.open_ledger(lid, password=PW)
             cluster.add_bookie()
@@ -675,10 +662,10 @@ def test_recovery_needs_enough_bookies(cluster_factory):
 
 def test_fence_survives_bookie_restarts(cluster_factory):
     cluster = cluster_factory(3)
-    with _client(cluster) as client:
+    with cluster.client(timeout=3) as client:
         lh = client.create_ledger(3, 2, 2, password=PW)
         lh.add_entries([b"r%d" % i for i in range(10)])
-        with _client(cluster) as other:
+        with cluster.client(timeout=3) as other:
             rh = other.open_ledger(lh.ledger_id, password=PW)
             assert rh.last_add_confirmed == 9
         for b in cluster.bookies:
@@ -695,8 +682,8 @@ def test_fence_survives_bookie_restarts(cluster_factory):
                 assert r[2] == bk.errors.EFENCED
 
 
-def test_explicit_lac(shared):
-    with bk.BookKeeper(shared.metadata_uri, explicitLacInterval=100) as cl:
+def test_explicit_lac(shared_cluster):
+    with bk.BookKeeper(shared_cluster.metadata_uri, explicitLacInterval=100) as cl:
         lh = cl.create_ledger(3, 2, 2, password=PW)
         for i in range(5):
             lh.add_entry(b"e%d" % i)
@@ -731,7 +718,7 @@ def test_client_used_after_fork(client):
 
 def test_hung_bookie_is_replaced_after_add_timeout(cluster_factory):
     cluster = cluster_factory(4)
-    with _client(cluster, addEntryTimeoutSec=1) as client:
+    with cluster.client(timeout=3, addEntryTimeoutSec=1) as client:
         lh = client.create_ledger(3, 3, 3, password=PW)
         lh.add_entries([b"h%d" % i for i in range(10)])
         victim = cluster.bookie(lh.metadata.last_ensemble[1])
@@ -754,7 +741,7 @@ def test_hung_bookie_is_replaced_after_add_timeout(cluster_factory):
 
 def test_read_only_bookie_is_replaced_and_not_picked_again(cluster_factory, caplog):
     cluster = cluster_factory(4)
-    with _client(cluster) as client:
+    with cluster.client(timeout=3) as client:
         lh = client.create_ledger(3, 3, 3, password=PW)
         lh.add_entries([b"o%d" % i for i in range(10)])
         first = list(lh.metadata.last_ensemble)
@@ -796,7 +783,7 @@ def test_read_only_bookie_is_replaced_and_not_picked_again(cluster_factory, capl
 
 def test_close_during_an_etcd_outage_can_be_retried(cluster_factory):
     cluster = cluster_factory(3)
-    with _client(cluster, metadataTimeoutMillis=2000) as client:
+    with cluster.client(timeout=3, metadataTimeoutMillis=2000) as client:
         lh = client.create_ledger(3, 2, 2, password=PW)
         data = [b"o%d" % i for i in range(10)]
         lh.add_entries(data[:5])
@@ -825,7 +812,7 @@ def test_failed_bookie_that_came_back_is_picked_after_its_quarantine(cluster_fac
     A comes back; then B fails. Past A's quarantine A replaces B; within it the
     handle has no bookie left (BookKeeper's bookieQuarantineTimeSeconds)."""
     cluster = cluster_factory(4)
-    with _client(cluster, bookieQuarantineTimeSeconds=quarantine) as client:
+    with cluster.client(timeout=3, bookieQuarantineTimeSeconds=quarantine) as client:
         lh = client.create_ledger(3, 3, 2, password=PW)
         data = [b"q%d" % i for i in range(30)]
         lh.add_entries(data[:10])

@@ -115,15 +115,15 @@ def test_gc_acts_only_on_a_listing_of_the_bookies_cluster(cluster_factory):
     wait_until(lambda: raw_read(b, lid, 0)[0] == ENOLEDGER, what="the orphan dropped")
 
 
-def test_client_refuses_a_prefix_without_a_cluster(cluster):
+def test_client_refuses_a_prefix_without_a_cluster(shared_cluster):
     with pytest.raises(ClusterNotFormattedError, match="metaformat"):
-        bk.BookKeeper(cluster.etcd.uri("typo"))
+        bk.BookKeeper(shared_cluster.etcd.uri("typo"))
 
 
-def test_ids_are_instance_scoped_and_spread_over_shards(cluster):
-    scope = id_scope(cluster.store.instance_id)
+def test_ids_are_instance_scoped_and_spread_over_shards(shared_cluster):
+    scope = id_scope(shared_cluster.store.instance_id)
     shards = [0, 0]
-    with bk.BookKeeper(cluster.metadata_uri) as client:
+    with bk.BookKeeper(shared_cluster.metadata_uri) as client:
         ids = [client.create_ledger(3, 2, 2, password=b"p").ledger_id for _ in range(1000)]
     assert len(set(ids)) == len(ids)
     assert {i >> REVISION_BITS for i in ids} == {scope}

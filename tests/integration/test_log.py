@@ -13,21 +13,9 @@ import pytest
 import bk
 from bk.errors import (LedgerFencedError, LogFencedError, LogTruncatedError, NoSuchLogError)
 from bk.log.records import Position
+from bk.testing import wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _client(cluster, **kw):
-    kw.setdefault("addEntryTimeoutSec", 2)
-    kw.setdefault("readEntryTimeoutSec", 2)
-    return bk.BookKeeper(cluster.metadata_uri, **kw)
-
-
-def _wait_for(pred, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _read_all(client, name, start="earliest"):
@@ -55,7 +43,7 @@ def _check_exactly_once(records, acked):
         assert got.get(pos) == data, f"acknowledged record {data!r} at {pos} not read there"
 
 
-def test_duelling_writers_keep_every_acknowledged_record_once_in_order(cluster):
+def test_duelling_writers_keep_every_acknowledged_record_once_in_order(shared_cluster):
     """Two clients take the log from each other over and over while appending."""
     name = "duel"
     acked = {}
@@ -64,7 +52,7 @@ def test_duelling_writers_keep_every_acknowledged_record_once_in_order(cluster):
 
     def duel(tag):
         try:
-            with _client(cluster) as c:
+            with shared_cluster.client(timeout=2) as c:
                 last = Position(0, 0, 0)
                 for rnd in range(4):
                     w = c.open_log_writer(name, logRollEntries=4)
@@ -92,7 +80,7 @@ def test_duelling_writers_keep_every_acknowledged_record_once_in_order(cluster):
     for t in threads:
         t.join(100)
     assert not errors, errors
-    with _client(cluster) as c:
+    with shared_cluster.client(timeout=2) as c:
         records = _read_all(c, name)
         _check_exactly_once(records, acked)
         assert c.log_info(name).epoch == 8
@@ -115,10 +103,11 @@ _KILLED_WRITER = textwrap.dedent("""
 """)
 
 
-def test_writer_killed_mid_stream_loses_no_acknowledged_record(cluster):
+def test_writer_killed_mid_stream_loses_no_acknowledged_record(shared_cluster):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         os.path.dirname(os.path.dirname(bk.__file__)), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, cluster.metadata_uri],
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER,
+                             shared_cluster.metadata_uri],
                             stdout=subprocess.PIPE, env=env, text=True)
     printed = {}
     try:
@@ -131,7 +120,7 @@ def test_writer_killed_mid_stream_loses_no_acknowledged_record(cluster):
     finally:
         proc.kill()
         proc.wait()
-    with _client(cluster) as c:
+    with shared_cluster.client(timeout=2) as c:
         with c.open_log_writer("crash") as w:      # takes over: fences, closes the segments
             after = w.append(b"after")
         assert after > max(printed)
@@ -145,7 +134,7 @@ def test_writer_killed_mid_stream_loses_no_acknowledged_record(cluster):
 
 def test_bookie_killed_during_appends_writer_goes_on(cluster_factory):
     cluster = cluster_factory(4)
-    with _client(cluster) as c:
+    with cluster.client(timeout=2) as c:
         w = c.open_log_writer("bookiedies", ensemble_size=3, write_quorum_size=3,
                               ack_quorum_size=2)
         acked = {}
@@ -165,9 +154,9 @@ def test_bookie_killed_during_appends_writer_goes_on(cluster_factory):
             c.log_info("bookiedies").segments[-1]["ledger_id"]).last_ensemble
 
 
-def test_tailing_reader_sees_each_record_as_acknowledged_across_rolls_and_writers(cluster):
+def test_tailing_reader_sees_each_record_as_acknowledged_across_rolls_and_writers(shared_cluster):
     name = "tail"
-    with _client(cluster) as c:
+    with shared_cluster.client(timeout=2) as c:
         assert c.create_log(name) is True
         assert c.create_log(name) is False
         got = []
@@ -192,14 +181,17 @@ def test_tailing_reader_sees_each_record_as_acknowledged_across_rolls_and_writer
             for i in range(12):        # 12 entries of one record: rolls after 3, 6, 9
                 acked.append((w.append(b"w1-%d" % i), b"w1-%d" % i))
                 # The last record is seen without a later append (explicit LAC).
-                _wait_for(lambda: len(got) == len(acked), f"record {i} at the reader")
+                wait_until(lambda: len(got) == len(acked), timeout=20, step=0.01,
+                           what=f"record {i} at the reader")
             w2 = c.open_log_writer(name, logRollEntries=3)   # takes over from w
             for i in range(5):
                 acked.append((w2.append(b"w2-%d" % i), b"w2-%d" % i))
-                _wait_for(lambda: len(got) == len(acked), f"w2 record {i} at the reader")
+                wait_until(lambda: len(got) == len(acked), timeout=20, step=0.01,
+                           what=f"w2 record {i} at the reader")
             fut = w2.append_async(b"async")                # lingers, then is sent
             acked.append((fut.result(10), b"async"))
-            _wait_for(lambda: len(got) == len(acked), "the async record at the reader")
+            wait_until(lambda: len(got) == len(acked), timeout=20, step=0.01,
+                       what="the async record at the reader")
             w2.close()
             w.close()
         finally:
@@ -212,9 +204,9 @@ def test_tailing_reader_sees_each_record_as_acknowledged_across_rolls_and_writer
         assert info.last_position == acked[-1][0]
 
 
-def test_truncation_while_a_reader_is_behind(cluster):
+def test_truncation_while_a_reader_is_behind(shared_cluster):
     name = "trunc"
-    with _client(cluster) as c:
+    with shared_cluster.client(timeout=2) as c:
         w = c.open_log_writer(name, logRollEntries=2)
         acked = [w.append(b"r-%d" % i) for i in range(12)]    # 6 segments of 2 entries
         behind = c.open_log_reader(name)
@@ -253,9 +245,9 @@ def test_truncation_while_a_reader_is_behind(cluster):
                 c.ledger_metadata(lid)
 
 
-def test_deposed_writer_gets_log_fenced_error(cluster):
+def test_deposed_writer_gets_log_fenced_error(shared_cluster):
     name = "deposed"
-    with _client(cluster) as c:
+    with shared_cluster.client(timeout=2) as c:
         w1 = c.open_log_writer(name)
         p1 = w1.append(b"one")
         w2 = c.open_log_writer(name)
@@ -296,7 +288,7 @@ def test_deposed_writer_gets_log_fenced_error(cluster):
 
 def test_writer_broken_beyond_repair_fails_clearly_and_a_new_writer_continues(cluster):
     name = "broken"
-    with _client(cluster) as c:
+    with cluster.client(timeout=2) as c:
         w = c.open_log_writer(name, ensemble_size=3, write_quorum_size=3, ack_quorum_size=3)
         before = [w.append(b"ok-%d" % i) for i in range(5)]
         victim = cluster.bookies[0]
@@ -308,7 +300,8 @@ def test_writer_broken_beyond_repair_fails_clearly_and_a_new_writer_continues(cl
             w.append(b"still doomed")     # the writer stays broken, with the same error
         w.close()
         victim.start()
-        _wait_for(lambda: victim.bookie_id in c.bookies(), "the bookie back")
+        wait_until(lambda: victim.bookie_id in c.bookies(), timeout=20, step=0.01,
+                   what="the bookie back")
         with c.open_log_writer(name, ensemble_size=3, write_quorum_size=3,
                                ack_quorum_size=3) as w2:
             after = w2.append(b"after")
@@ -319,18 +312,20 @@ def test_writer_broken_beyond_repair_fails_clearly_and_a_new_writer_continues(cl
         assert [r.position for r in records[:5]] == before and records[-1].position == after
 
 
-def test_rolls_by_age_and_by_bytes(cluster):
-    with _client(cluster) as c:
+def test_rolls_by_age_and_by_bytes(shared_cluster):
+    with shared_cluster.client(timeout=2) as c:
         with c.open_log_writer("age", logRollSeconds=0.3) as w:
             p0 = w.append(b"first")
             # An idle segment that holds entries rolls once it is old enough.
-            _wait_for(lambda: len(c.log_info("age").segments) == 2, "a roll by age")
+            wait_until(lambda: len(c.log_info("age").segments) == 2, timeout=20, step=0.01,
+                       what="a roll by age")
             p1 = w.append(b"second")
         assert p1.segment == p0.segment + 1
         assert [r.data for r in _read_all(c, "age")] == [b"first", b"second"]
         with c.open_log_writer("size", logRollBytes=1000, logBatchBytes=300) as w:
             last = w.append_many([bytes(100)] * 50)        # 5000 bytes: about 5 rolls
-            _wait_for(lambda: len(c.log_info("size").segments) >= 5, "rolls by size")
+            wait_until(lambda: len(c.log_info("size").segments) >= 5, timeout=20, step=0.01,
+                       what="rolls by size")
         info = c.log_info("size")
         assert info.records == 50 and info.bytes == 5000 and info.last_position == last
         assert all(s["bytes"] <= 1000 + 300 for s in info.segments)
@@ -365,17 +360,18 @@ def _staged_ledger(client, records):
             "records": len(records), "bytes": sum(map(len, records))}
 
 
-def test_new_writer_fences_an_open_segment_that_a_sink_appended_after(cluster):
+def test_new_writer_fences_an_open_segment_that_a_sink_appended_after(shared_cluster):
     """append_ledgers (an exactly-once sink's commit) racing a writer that then dies:
     the closed segments it appended come after the dead writer's open one, and the
     next writer must still fence and close that one (not only the last two)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         os.path.dirname(os.path.dirname(bk.__file__)), os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-c", _DIES_AFTER_ONE_APPEND, cluster.metadata_uri],
+    uri = shared_cluster.metadata_uri
+    out = subprocess.run([sys.executable, "-c", _DIES_AFTER_ONE_APPEND, uri],
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     dead_pos = Position.parse(out.stdout.split()[0])
-    with _client(cluster) as c:
+    with shared_cluster.client(timeout=2) as c:
         for batch in range(2):
             assert bk.log.append_ledgers(c, "sunk", [_staged_ledger(c, [b"sink-%d" % batch])],
                                          "a-sink", batch)

@@ -82,8 +82,8 @@ def test_client_reads_big_entries_with_a_byte_window(big_cluster):
         assert rh.length == 6 * BIG
 
 
-def test_completed_reads_leave_the_timeout_structures(cluster):
-    with bk.BookKeeper(cluster.metadata_uri, readEntryTimeoutSec=300) as client:
+def test_completed_reads_leave_the_timeout_structures(shared_cluster):
+    with bk.BookKeeper(shared_cluster.metadata_uri, readEntryTimeoutSec=300) as client:
         lh = client.create_ledger(3, 2, 2, password=PW)
         lh.add_entries([b"x" * 100_000 for _ in range(50)])
         lh.close()

@@ -23,6 +23,7 @@ from bk.meta import (EtcdServer, LedgerMetadata, LedgerState, MetadataStore,
                      find_etcd_binary, parse_metadata_uri)
 from bk.meta.store import CookieVersionError
 from bk.util import free_port
+from bk.testing import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,15 +55,6 @@ def md(lid: int, **kw) -> LedgerMetadata:
     return LedgerMetadata(ledger_id=lid, ensemble_size=3, write_quorum_size=2,
                           ack_quorum_size=2, ensembles=[(0, ["a:1", "b:1", "c:1"])],
                           password_digest=b"\x01\x02", **kw)
-
-
-def wait_until(pred, timeout: float, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 # --- etcd server -------------------------------------------------------------------
@@ -410,7 +402,7 @@ def test_registration_of_killed_owner_disappears_within_ttl(store, uri):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed = time.monotonic()
-        assert wait_until(lambda: store.list_bookies() == [], timeout=4)
+        wait_until(lambda: store.list_bookies() == [], timeout=4)
         assert time.monotonic() - killed <= 2 + 1.0      # TTL plus etcd's expiry tick
     finally:
         if proc.poll() is None:
@@ -425,11 +417,11 @@ def test_lost_lease_is_registered_again(store):
         with MetadataStore(store.uri) as other:         # someone revokes it behind our back
             other._client().revoke_lease(old_lease)
             assert other.list_bookies() == []
-            assert wait_until(lambda: other.list_bookies() == ["b-relive:1"], timeout=3)
+            wait_until(lambda: other.list_bookies() == ["b-relive:1"], timeout=3)
         assert reg.lease_id != old_lease and reg.alive
         store.format(force=True)                        # key deleted, lease alive
         assert store.list_bookies() == []
-        assert wait_until(lambda: store.list_bookies() == ["b-relive:1"], timeout=3)
+        wait_until(lambda: store.list_bookies() == ["b-relive:1"], timeout=3)
     finally:
         reg.close()
     assert store.list_bookies() == []
@@ -478,15 +470,16 @@ def test_registration_and_watch_survive_etcd_restart(tmp_path):
             seen = []
             cancel = store.watch_bookies(lambda w, r: seen.append(sorted(w)))
             reg = store.register_bookie("r1:1", {}, ttl=2)
-            assert wait_until(lambda: seen[-1] == ["r1:1"], timeout=5)
+            wait_until(lambda: seen[-1] == ["r1:1"], timeout=5)
             server.stop()
             with pytest.raises(MetadataError, match="restart"):
                 store.list_bookies()
             time.sleep(1.0)
             server.start()
-            assert wait_until(lambda: store.list_bookies() == ["r1:1"], timeout=8)
+            wait_until(lambda: store.list_bookies() == ["r1:1"], timeout=8)
             reg2 = store.register_bookie("r2:1", {}, ttl=2)
-            assert wait_until(lambda: seen[-1] == ["r1:1", "r2:1"], timeout=8), seen
+            wait_until(lambda: seen[-1] == ["r1:1", "r2:1"], timeout=8,
+                       what="the watch to see both bookies")
             time.sleep(2.5)
             assert reg.alive and store.list_bookies() == ["r1:1", "r2:1"]
             cancel()

@@ -3,7 +3,6 @@ import json
 import os
 import re
 import signal
-import time
 import urllib.error
 import urllib.request
 
@@ -12,38 +11,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bk import protocol as P
 from bk.errors import EBADREQ, EOK, EREADONLY
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, http_get, wait_until
 
 KEY = b"k" * 20
 HTTP = {"httpServerEnabled": "true", "httpServerPort": 0}
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def wait_until(pred, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def http_port(c, b):
     return c.store.bookie_info(b.bookie_id)["httpPort"]
 
 
-def get(port, path, method="GET"):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read().decode(), r.headers.get("Content-Type")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(), e.headers.get("Content-Type")
-
-
 def scrape(port) -> dict:
     """{(sample name, sorted labels): value} of one /metrics scrape."""
-    status, text, ctype = get(port, "/metrics")
+    status, text, ctype = http_get(port, "/metrics")
     assert status == 200 and ctype.startswith("text/plain")
     out = {}
     for fam in text_string_to_metric_families(text):
@@ -58,7 +39,7 @@ SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_c
 def served_names(port) -> set:
     """Every sample name /metrics serves or declares (a labelled family without
     series yet has no samples, only its HELP and TYPE)."""
-    text = get(port, "/metrics")[1]
+    text = http_get(port, "/metrics")[1]
     names = set()
     for fam in text_string_to_metric_families(text):
         names.update(s.name for s in fam.samples)
@@ -169,20 +150,20 @@ def test_http_endpoints_state_and_errors(cluster_factory, small_fs):
                      diskUsageLwmThreshold=0.5, diskCheckInterval=200, **HTTP)
     port = http_port(c, b)
     assert port > 0
-    assert get(port, "/heartbeat")[:2] == (200, "OK")
-    status, body, ctype = get(port, "/api/v1/bookie/info")
+    assert http_get(port, "/heartbeat")[:2] == (200, "OK")
+    status, body, ctype = http_get(port, "/api/v1/bookie/info")
     info = json.loads(body)
     assert status == 200 and ctype == "application/json"
     assert info["bookieId"] == b.bookie_id and info["httpPort"] == port
     assert info["numShards"] == 2 and [s["ready"] for s in info["shards"]] == [True, True]
-    state = json.loads(get(port, "/api/v1/bookie/state")[1])
+    state = json.loads(http_get(port, "/api/v1/bookie/state")[1])
     assert state["readOnly"] is False and state["state"] == "writable" and state["running"]
-    status, body, _ = get(port, "/api/v1/autorecovery/status")
+    status, body, _ = http_get(port, "/api/v1/autorecovery/status")
     assert status == 200 and json.loads(body)["running"] is False
-    assert get(port, "/nope")[0] == 404
-    assert get(port, "/metrics/extra")[0] == 404
-    assert get(port, "/heartbeat", method="POST")[0] == 405
-    assert get(port, "/metrics", method="DELETE")[0] == 405
+    assert http_get(port, "/nope")[0] == 404
+    assert http_get(port, "/metrics/extra")[0] == 404
+    assert http_get(port, "/heartbeat", method="POST")[0] == 405
+    assert http_get(port, "/metrics", method="DELETE")[0] == 405
     # `bkshell listbookies` shows the HTTP port.
     from bk.admin import Admin
     with Admin(c.metadata_uri) as a:
@@ -193,15 +174,15 @@ def test_http_endpoints_state_and_errors(cluster_factory, small_fs):
         filler = small_fs / "filler"
         with open(filler, "wb") as f:
             f.write(b"\0" * (44 << 20))
-        wait_until(lambda: json.loads(get(port, "/api/v1/bookie/state")[1])["readOnly"],
+        wait_until(lambda: json.loads(http_get(port, "/api/v1/bookie/state")[1])["readOnly"],
                    what="state endpoint says read-only")
-        assert get(port, "/heartbeat")[0] == 200           # still serving
+        assert http_get(port, "/heartbeat")[0] == 200           # still serving
         wait_until(lambda: val(scrape(port), "bookie_SERVER_STATUS") == 0, what="status 0")
         wait_until(lambda: add(w, 0, 0)[2] == EREADONLY, what="EREADONLY")
         wait_until(lambda: val(scrape(port), "bookkeeper_server_ADD_ENTRY_ERRORS_total",
                                status="EREADONLY") >= 1, what="read-only refusal counted")
         os.unlink(filler)
-        wait_until(lambda: json.loads(get(port, "/api/v1/bookie/state")[1])["state"]
+        wait_until(lambda: json.loads(http_get(port, "/api/v1/bookie/state")[1])["state"]
                    == "writable", what="writable again")
 
 
@@ -232,7 +213,7 @@ def test_statistics_off_counts_nothing(cluster_factory):
     with BookieConnection(b.bookie_id, shard=P.shard_of(1, 2)) as conn:
         for eid in range(5):
             assert add(conn, 1, eid, lac=eid - 1)[2] == EOK
-    assert get(port, "/heartbeat")[0] == 200
+    assert http_get(port, "/heartbeat")[0] == 200
     m = scrape(port)
     assert val(m, ADD_OK[0], **ADD_OK[1]) == 0
     assert val(m, "bookie_SERVER_STATUS") == 1
@@ -349,7 +330,7 @@ def test_read_entry_request_counts_entries_and_read_range_counts_requests(cluste
 def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_factory):
     c = cluster_factory(1, conf_overrides=HTTP)
     port = http_port(c, c.bookies[0])
-    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    st = json.loads(http_get(port, "/api/v1/autorecovery/status")[1])
     assert st["running"] is False and "no auditor" in st["message"] and not st["here"]
     # `bkshell listbookies` prints where the HTTP endpoint is.
     import subprocess
@@ -363,14 +344,14 @@ def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_facto
     auditor = Election(c.store, UR.AUDITOR, "autorecovery-elsewhere-1")
     assert auditor.campaign(timeout=10)
     UR.mark(c.store, 7, ["127.0.0.1:9999"])
-    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    st = json.loads(http_get(port, "/api/v1/autorecovery/status")[1])
     assert st == {"running": True, "enabled": True, "auditor": "autorecovery-elsewhere-1",
                   "underReplicatedLedgers": 1, "checks": {}, "here": False}
     UR.record_check(c.store, "replicas", {"at": 1.0, "ledgers": 3, "marked": 0})
-    st = json.loads(get(port, "/api/v1/autorecovery/status")[1])
+    st = json.loads(http_get(port, "/api/v1/autorecovery/status")[1])
     assert st["checks"] == {"replicas": {"at": 1.0, "ledgers": 3, "marked": 0}}
     UR.update_settings(c.store, enabled=False)      # bkshell autorecovery --disable
-    assert json.loads(get(port, "/api/v1/autorecovery/status")[1])["enabled"] is False
+    assert json.loads(http_get(port, "/api/v1/autorecovery/status")[1])["enabled"] is False
     auditor.resign()
 
 
@@ -384,7 +365,7 @@ def test_http_answers_while_every_shard_is_stopped_and_a_taken_port_fails_the_bo
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:       # served by the arbiter's thread: a stuck shard loop does not block it
-        assert get(port, "/heartbeat")[0] == 200
+        assert http_get(port, "/heartbeat")[0] == 200
         assert val(scrape(port), "bookie_SERVER_STATUS") == 1
     finally:
         for pid in pids:

@@ -13,25 +13,15 @@ from bk import protocol as P
 from bk.admin import Admin
 from bk.cli.shell import cli
 from bk.client.recovery import recover_ledger
-from bk.errors import BadPasswordError, EOK, LedgerFencedError, BKError
+from bk.errors import BadPasswordError, LedgerFencedError, BKError
 from bk.meta.ledger import LedgerState
-from bk.testing import BookieConnection
+from bk.testing import entries_held
 
 PW = b"recover-test"
 
 
 def shell(uri, *args):
     return CliRunner().invoke(cli, ["--metadata", uri, *args], catch_exceptions=False)
-
-
-def entries_on(bookie_id, ledger_id):
-    with BookieConnection(bookie_id, -1) as probe:
-        n = probe.num_shards
-    with BookieConnection(bookie_id, P.shard_of(ledger_id, n)) as c:
-        r = c.call(P.get_list_of_entries(c.next_rid(), ledger_id))
-    if r[2] != EOK:
-        return set()
-    return set(P.ranges_to_ids(r[4]))
 
 
 def assert_fully_replicated(store, lid, live):
@@ -42,7 +32,7 @@ def assert_fully_replicated(store, lid, live):
         for b in ens:
             assert b in live, f"ledger {lid}: {b} still in an ensemble"
             if b not in held:
-                held[b] = entries_on(b, lid)
+                held[b] = entries_held(store, b, lid)
     for e in range(md.last_entry_id + 1):
         ws = md.write_set(e)
         missing = [b for b in ws if e not in held[b]]
@@ -219,7 +209,7 @@ def test_recoverledger_writer_alive_one_bookie_dead(cluster_factory):
     # on every bookie of each entry's write set.
     first, ens = md.ensembles[-1]
     assert 0 <= first <= 49 and victim not in ens and set(ens) <= live
-    held = {b: entries_on(b, lid) for b in ens}
+    held = {b: entries_held(client._store, b, lid) for b in ens}
     for e in range(first, 50):
         assert all(e in held[b] for b in md.write_set(e)), (e, md.write_set(e), held)
     # The writer is fenced out.

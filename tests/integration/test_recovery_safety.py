@@ -16,12 +16,6 @@ pytestmark = pytest.mark.timeout(120)
 PW = b"secret"
 
 
-def _client(cluster, **kw):
-    kw.setdefault("addEntryTimeoutSec", 1)
-    kw.setdefault("readEntryTimeoutSec", 1)
-    return bk.BookKeeper(cluster.metadata_uri, **kw)
-
-
 def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_entry(
         cluster_factory, caplog):
     """E=Qw=Qa=2 on bookies B, C; entry 10 is acknowledged, so on both. C dies. A
@@ -33,7 +27,7 @@ def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_en
     the ledger, so the next one reads entry 10 where its writer put it."""
     cluster = cluster_factory(2)
     B, C = cluster.bookies
-    with _client(cluster, addEntryTimeoutSec=30) as writer:
+    with cluster.client(timeout=1, addEntryTimeoutSec=30) as writer:
         lh = writer.create_ledger(2, 2, 2, password=PW)
         lid = lh.ledger_id
         for i in range(11):
@@ -44,7 +38,7 @@ def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_en
     C.kill()
     D.kill(signal.SIGSTOP)
     try:
-        with _client(cluster) as rc, caplog.at_level("INFO", logger="bk.client"):
+        with cluster.client(timeout=1) as rc, caplog.at_level("INFO", logger="bk.client"):
             with pytest.raises(BKError):
                 rc.open_ledger(lid, password=PW)
         # It did replace C by D for its write-back...
@@ -62,7 +56,7 @@ def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_en
         # C and D were just restarted: give their first write-back more than the
         # 1 s that replaces the hung B (under CI's load both once took longer, and
         # the recovery then had no bookie left).
-        with _client(cluster, addEntryTimeoutSec=3) as rc:
+        with cluster.client(timeout=1, addEntryTimeoutSec=3) as rc:
             rh = rc.open_ledger(lid, password=PW)
             assert rh.is_closed and rh.last_add_confirmed == 10
             assert [e.data for e in rh.read_entries(0, 10)] == \

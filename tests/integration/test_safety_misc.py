@@ -35,9 +35,9 @@ def test_segment_smaller_than_a_frame_is_refused(cluster_factory, tmp_path):
     assert not os.path.exists(tmp_path / "j")             # refused before touching disks
 
 
-def test_entry_of_almost_a_frame_round_trips(cluster):
+def test_entry_of_almost_a_frame_round_trips(shared_cluster):
     big = os.urandom(5 * 1024 * 1024 - 4096)              # within the 5 MiB frame limit
-    with bk.BookKeeper(cluster.metadata_uri) as client:
+    with bk.BookKeeper(shared_cluster.metadata_uri) as client:
         lh = client.create_ledger(3, 2, 2, password=PW)
         assert lh.add_entry(big) == 0
         ensembles = client.ledger_metadata(lh.ledger_id).ensembles
@@ -47,11 +47,11 @@ def test_entry_of_almost_a_frame_round_trips(cluster):
         assert next(iter(rh.read_entries(0, 0))).data == big
 
 
-def test_ebadreq_fails_the_add_without_replacing_the_bookie(cluster):
-    with bk.BookKeeper(cluster.metadata_uri, addEntryTimeoutSec=5) as client:
+def test_ebadreq_fails_the_add_without_replacing_the_bookie(shared_cluster):
+    with bk.BookKeeper(shared_cluster.metadata_uri, addEntryTimeoutSec=5) as client:
         # A client that believes every bookie has one shard sends some ledgers' adds
         # to a shard that does not own them: the bookies answer EBADREQ.
-        for b in cluster.bookies:
+        for b in shared_cluster.bookies:
             client._shards[b.bookie_id] = 1
         while True:
             lh = client.create_ledger(3, 3, 2, password=PW)
