@@ -60,6 +60,20 @@ def shard_ledger_dirs(conf: Config, shard: int) -> list[str]:
     return [os.path.join(ld[(first + k) % len(ld)], f"shard-{shard}") for k in range(len(ld))]
 
 
+def local_shards(conf: Config) -> list[int]:
+    """The shard numbers that have a directory under the journal or ledger dirs."""
+    found = set()
+    for d in _abs(conf.journalDirectories) + _abs(conf.ledgerDirectories):
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            if name.startswith("shard-") and name[6:].isdigit():
+                found.add(int(name[6:]))
+    return sorted(found)
+
+
 def all_dirs(conf: Config) -> list[str]:
     out: list[str] = []
     for d in _abs(conf.journalDirectories) + _abs(conf.ledgerDirectories):
