@@ -25,10 +25,15 @@ restart (a new one is started), so bytes past the committed size are never
 read.
 
 Writing: records are gathered in a buffer written with ``os.write`` every
-:data:`WRITE_CHUNK` bytes; every :data:`SYNC_STEP` bytes written the file is
-``fdatasync``'d, so a flush of hundreds of MiB never leaves a burst of dirty
-pages for the journal's next sync to queue behind. :meth:`LogWriter.sync`
-makes everything durable before the index is committed.
+:data:`WRITE_CHUNK` bytes, and each chunk's writeback is started at once
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through libc: Python has no
+binding) and waited for one chunk later, so a flush never leaves a burst of
+dirty pages for the journal's next ``fdatasync`` to queue behind (on this
+project's VM a flush that synced 8 MiB at a time pushed the journal's sync,
+hence the adds' p99, to tens of ms). Where the call is missing, an
+``fdatasync`` every :data:`SYNC_STEP` bytes does the pacing.
+:meth:`LogWriter.sync` makes everything durable before the index is
+committed.
 
 Reading: ``pread`` on a descriptor cached per log (a bounded LRU), so reads
 never depend on mappings another thread may change, and a file removed by
@@ -37,6 +42,8 @@ compaction stays readable through an open descriptor until it is closed.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import re
@@ -61,6 +68,21 @@ LOG_SUBDIR = "entrylogs"
 WRITE_CHUNK = 1 << 20
 SYNC_STEP = 8 << 20
 MAX_OPEN_READERS = 128
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
+                         use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
 
 
 class EntryLogError(JournalError):
@@ -115,6 +137,7 @@ class LogWriter:
         self.size = HEADER_SIZE          # bytes appended, header included
         self._written = 0                # bytes handed to the kernel
         self._unsynced = 0
+        self._synced_to = 0              # writeback waited for up to here
         self._new = True
 
     def append(self, data) -> int:
@@ -127,17 +150,28 @@ class LogWriter:
         return off
 
     def _write(self) -> None:
-        view = memoryview(self._buf)
-        try:
-            while view:
-                k = os.write(self._fd, view)
-                view = view[k:]
+        data, self._buf = self._buf, bytearray()
+        view = memoryview(data)
+        for at in range(0, len(data), WRITE_CHUNK):
+            piece = view[at:at + WRITE_CHUNK]
+            start = self._written
+            while piece:
+                k = os.write(self._fd, piece)
+                piece = piece[k:]
                 self._written += k
                 self._unsynced += k
-        finally:
-            view.release()
-        self._buf.clear()
-        if self._unsynced >= SYNC_STEP:
+            self._pace(start)
+
+    def _pace(self, start: int) -> None:
+        """Writeback of what was written since ``start`` begins now; the chunks
+        before it are waited for (see the module docstring)."""
+        if _sync_file_range is not None:
+            _sync_file_range(self._fd, start, self._written - start, _SFR_WRITE)
+            if self._synced_to < start:
+                _sync_file_range(self._fd, self._synced_to, start - self._synced_to,
+                                 _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+                self._synced_to = start
+        elif self._unsynced >= SYNC_STEP:
             os.fdatasync(self._fd)
             self._unsynced = 0
 

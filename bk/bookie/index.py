@@ -106,6 +106,15 @@ class Run:
     def entries(self) -> range:
         return range(self.first, self.last + 1, self.step)
 
+    def slice(self, a: int, b: int) -> "Run":
+        """The run of records ``a..b-1`` of this one (same log, same bytes)."""
+        base = self.rel(a)
+        offs = None
+        if not self.rlen:
+            offs = array("I", [o - base for o in self.offs[a:b]])
+        return Run(self.ledger, self.first + a * self.step, self.log, self.off + base, b - a,
+                   self.step, self.rel(b) - base, self.rlen, offs)
+
     def pack(self) -> bytes:
         head = _RUN.pack(self.log, self.off, self.count, self.step, self.nbytes, self.rlen)
         return head if self.rlen else head + self.offs.tobytes()

@@ -1212,6 +1212,8 @@ class ShardStorage:
             "journal_mark": J.format_mark(j.mark),
             "last_mark": J.format_mark(self._flushed_mark),
             "checkpoints": self.checkpoints,
+            "flushing": self._flushing is not None,
+            "compacting": self._compaction is not None,
             "write_cache_bytes": self._journal_bytes() - self._swap_at,
             "write_cache_entries": self._wc_entries + self._flushing_entries,
             "last_flush_bytes": self.last_flush.get("bytes", 0),
