@@ -18,13 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bk.bench.scale import bench_scale  # noqa: E402
-
-
-def count(text: str) -> int:
-    mult = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
-    t = text.strip().lower()
-    return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(t)
+from bk.bench.scale import bench_scale, parse_count  # noqa: E402
 
 
 def main():
@@ -43,7 +37,7 @@ def main():
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     conf = dict(kv.split("=", 1) for kv in a.set)
-    rows = bench_scale([count(s) for s in a.steps.split(",")], entry_size=a.entry_size,
+    rows = bench_scale([parse_count(s) for s in a.steps.split(",")], entry_size=a.entry_size,
                        ledgers=a.ledgers, rate=a.rate, rate_seconds=a.rate_seconds,
                        random_reads=a.random_reads, catchup_entries=a.catchup_entries,
                        base_dir=a.dir, conf=conf,

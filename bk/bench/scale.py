@@ -38,6 +38,13 @@ CATCHUP_LEDGERS = 100
 CATCHUP_BASE = 1 << 41
 
 
+def parse_count(text: str) -> int:
+    """``"1M"``, ``"500k"``, ``"2G"`` or digits -> an entry count."""
+    mult = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+    t = text.strip().lower()
+    return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(t)
+
+
 def _pct(sorted_values, q: float) -> float:
     if not sorted_values:
         return 0.0

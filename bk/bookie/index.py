@@ -293,6 +293,24 @@ class Index:
         self.env.close()
 
 
+def read_mark(index_dir: str):
+    """``(mark, mtime)`` of a shard's index: the journal position its restart
+    replays from and when the index last changed; ``(None, None)`` without an
+    index. Read-only, safe while the bookie runs (LMDB's reader lock)."""
+    path = os.path.join(index_dir, INDEX_SUBDIR)
+    if not os.path.isfile(os.path.join(path, "data.mdb")):
+        return None, None
+    env = lmdb.open(path, readonly=True, max_dbs=4, lock=True)
+    try:
+        meta = env.open_db(b"meta", create=False)
+        with env.begin(db=meta) as txn:
+            v = txn.get(b"mark")
+    finally:
+        env.close()
+    mark = None if v is None else tuple(msgpack.unpackb(v))
+    return mark, os.path.getmtime(os.path.join(path, "data.mdb"))
+
+
 class IndexWriter:
     """One write transaction (a context manager: commits on success)."""
 
