@@ -235,6 +235,16 @@ class _Tail:
             out.sort()
         return out
 
+    def entries_positions(self):
+        """``(entries, positions)``: two sequences in entry order, without an
+        object per entry in the common case (a dense tail: a range and the
+        array itself)."""
+        pa = self.pos
+        if not self.extra and pa.count(-1) == 0:
+            return range(self.base, self.base + len(pa)), pa
+        items = self.items()
+        return [e for e, _ in items], [p for _, p in items]
+
     def next_at_or_after(self, entry: int) -> int | None:
         best = None
         pa = self.pos
