@@ -89,9 +89,15 @@ class _V1Ledger:
             idx.extend(array("q", [-1]) * (i - len(idx) + 1))
         idx[i] = pos
 
-    def items(self) -> list[tuple[int, int]]:
+    def entries_positions(self):
+        """``(entries, positions)`` of the entries held, in entry order (as a
+        write-cache tail gives them to a flush)."""
+        idx = self.idx
+        if idx.count(-1) == 0:
+            return range(self.base, self.base + len(idx)), idx
         base = self.base
-        return [(base + i, p) for i, p in enumerate(self.idx) if p >= 0]
+        entries = [base + i for i, p in enumerate(idx) if p >= 0]
+        return entries, [p for p in idx if p >= 0]
 
 
 def _load_v1_checkpoint(path: str):
