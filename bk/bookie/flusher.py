@@ -151,18 +151,18 @@ class Flusher:
             self.done.put(job)
 
     # --- the entry log being written -------------------------------------------
-    def _current(self):
+    def _writer(self, closed: list):
+        """The log to append to: the current one, or a new one once it passed
+        ``logSizeLimit`` (the full one is synced and noted in ``closed`` as
+        ``(id, dir index, size)`` for the next commit)."""
         w = self.writer
         if w is None or w.size >= self.logs.size_limit:
             if w is not None:
                 w.sync()
                 w.close()
+                closed.append((w.id, w.dir_index, w.size))
             w = self.writer = self.logs.new_writer()
         return w
-
-    def _full_logs(self, w, wtx) -> None:
-        """Record the current log's size in the transaction."""
-        wtx.set_log(w.id, w.dir_index, w.size)
 
     # --- flush --------------------------------------------------------------------
     def copy_tails(self, tails, views, states, mark) -> tuple[int, int, int]:
@@ -182,12 +182,7 @@ class Flusher:
                 if over:
                     entries, data, sizes = self._merge(over, entries, data, sizes)
                     old += over
-                w = self.writer
-                if w is None or w.size >= self.logs.size_limit:
-                    if w is not None:
-                        w.sync()
-                        closed.append((w.id, w.dir_index, w.size))
-                    w = self._current()
+                w = self._writer(closed)
                 off = w.append(data)
                 runs += make_runs(lid, entries, sizes, w.id, off)
                 nbytes += sum(sizes)
@@ -265,12 +260,7 @@ class Flusher:
         new_runs = []
         for run in moves:
             data = self._read_run(run)
-            w = self.writer
-            if w is None or w.size >= self.logs.size_limit:
-                if w is not None:
-                    w.sync()
-                    closed.append((w.id, w.dir_index, w.size))
-                w = self._current()
+            w = self._writer(closed)
             off = w.append(data)
             new_runs.append(Run(run.ledger, run.first, w.id, off, run.count, run.step,
                                 run.nbytes, run.rlen, run.offs))

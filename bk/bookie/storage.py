@@ -85,6 +85,7 @@ MAX_ENTRY_GAP = 1 << 24
 _FILL = array("q", [-1]) * 4096
 _NO_POS = -1
 READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this much
+FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
 
 
 # --- tombstones of deleted ledgers ----------------------------------------------
@@ -841,17 +842,6 @@ class ShardStorage:
         st = self._ledgers.get(ledger)
         return st is not None and st.fenced
 
-    def entry_ids(self, ledger: int) -> list[int]:
-        """Sorted ids of the entries held (for GET_LIST_OF_ENTRIES and tools)."""
-        ids = set()
-        for run in self._index.runs_of(ledger):
-            ids.update(run.entries())
-        for tails in (self._wc, self._flushing):
-            t = tails.get(ledger) if tails else None
-            if t is not None:
-                ids.update(e for e, _ in t.items())
-        return sorted(ids)
-
     def list_entries(self, ledger: int) -> tuple[int, list[int]]:
         """``(status, [first, last, ...])`` inclusive runs of the entry ids held."""
         if ledger not in self._ledgers:
@@ -888,8 +878,10 @@ class ShardStorage:
         while fl.pending and not fl.done.empty():
             self._finish(fl.done.get())
         due = self._journal_bytes() - self._swap_at
-        if self._flushing is None and self._compaction is None:
+        if self._flushing is None:
             now = time.monotonic() if now is None else now
+            if self._flush_failed is not None and now - self._last_swap < FLUSH_RETRY_SECONDS:
+                return                # the journal keeps it all meanwhile
             if due >= self.flush_bytes or (due and now - self._last_swap >= self.flush_interval):
                 self._start_flush()
         elif due >= self.write_cache_bytes - self.flush_bytes and self._flushing is not None:
@@ -972,12 +964,6 @@ class ShardStorage:
             self._wait_flusher()
             if self._flush_failed is not None:
                 raise JournalError(f"flush of {self.index_dir} failed: {self._flush_failed}")
-
-    @property
-    def bytes_since_checkpoint(self) -> int:
-        """Journal bytes a restart would replay (not yet flushed)."""
-        return self._journal_bytes() - self._swap_at + (
-            self.last_flush.get("journal_bytes", 0) if self._flushing is not None else 0)
 
     @property
     def entries(self) -> int:
