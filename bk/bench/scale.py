@@ -30,12 +30,11 @@ from bk import protocol as P
 from bk.client.bookkeeper import BookKeeper
 from bk.errors import EOK, BKError, error_for_status
 from bk.localcluster import LocalCluster
+from bk.meta.ledger import LedgerMetadata
 from bk.rawclient import BookieConnection
 
 KEY = b"bench-scale-key-0000"
-LEDGER_BASE = 1 << 40
 CATCHUP_LEDGERS = 100
-CATCHUP_BASE = 1 << 41
 
 
 def parse_count(text: str) -> int:
@@ -76,7 +75,7 @@ def drop_caches() -> bool:
 class _Filler:
     """Adds over the raw protocol: round-robin over ledgers, ADD_BATCH frames."""
 
-    def __init__(self, bookie_id: str, ledgers: int, entry_size: int):
+    def __init__(self, bookie_id: str, ledgers: list[int], entry_size: int):
         self.conn = BookieConnection(bookie_id, 0, timeout=120)
         self.ledgers = ledgers
         self.payload = os.urandom(entry_size)
@@ -89,11 +88,12 @@ class _Filler:
     def _batch(self, start: int, n: int) -> list:
         rec, payload, digest, plen = self.rec, self.payload, self.digest, len(self.payload)
         dlen = len(digest)
-        L = self.ledgers
+        ids = self.ledgers
+        L = len(ids)
         parts = [P.add_batch_head(start, KEY, 0, n, n * self.wlen)]
         for i in range(start, start + n):
             e = i // L
-            parts.append(rec(plen, LEDGER_BASE + i % L, e, e - 1, dlen, digest))
+            parts.append(rec(plen, ids[i % L], e, e - 1, dlen, digest))
             parts.append(payload)
         return parts
 
@@ -205,14 +205,15 @@ def _restart(b, ledger: int, entry: int) -> float:
     return took
 
 
-def _random_reads(bookie_id: str, held: int, ledgers: int, n: int) -> dict:
+def _random_reads(bookie_id: str, held: int, ledgers: list[int], n: int) -> dict:
     rng = random.Random(held)
     lat = []
+    L = len(ledgers)
     with BookieConnection(bookie_id, 0) as c:
         for _ in range(n):
             i = rng.randrange(held)
             t0 = time.perf_counter()
-            r = c.call(P.read(c.next_rid(), LEDGER_BASE + i % ledgers, i // ledgers))
+            r = c.call(P.read(c.next_rid(), ledgers[i % L], i // L))
             lat.append(time.perf_counter() - t0)
             if r[2] != EOK:
                 raise BKError(f"random read of entry {i // ledgers}: status {r[2]}")
@@ -268,9 +269,16 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
             b = cluster.bookies[0]
             client = BookKeeper(cluster.metadata_uri)
             try:
+                # The filled ledgers exist in the metadata, or garbage collection
+                # would (rightly) delete them during a long fill.
+                ids = []
+                for _ in range(ledgers):
+                    ids.append(cluster.store.new_ledger_id())
+                    cluster.store.create_ledger(LedgerMetadata(
+                        ids[-1], 1, 1, 1, [(0, [b.bookie_id])]))
                 catchup_ids = _write_catchup_set(client, catchup_entries) \
                     if catchup_entries else []
-                filler = _Filler(b.bookie_id, ledgers, entry_size)
+                filler = _Filler(b.bookie_id, ids, entry_size)
                 for k, target in enumerate(steps):
                     fill_s = filler.fill(target, progress=report)
                     filled_rate = (target - (steps[k - 1] if k else 0)) / fill_s
@@ -279,10 +287,10 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
                     mem = proc_memory(b.worker_pids()[0])
                     filler.close()
                     last_i = filler.next - 1
-                    restart = _restart(b, LEDGER_BASE + last_i % ledgers, last_i // ledgers)
+                    restart = _restart(b, ids[last_i % ledgers], last_i // ledgers)
                     mem_after = proc_memory(b.worker_pids()[0])
                     cold = drop_caches()
-                    reads = _random_reads(b.bookie_id, filler.next, ledgers, random_reads)
+                    reads = _random_reads(b.bookie_id, filler.next, ids, random_reads)
                     catch = {}
                     if catchup_ids:
                         pick = catchup_ids[(k * 10) % len(catchup_ids):][:10]
@@ -290,7 +298,7 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
                         client.close()
                         client = BookKeeper(cluster.metadata_uri)
                         catch = _catchup(client, pick)
-                    filler = _Filler(b.bookie_id, ledgers, entry_size)
+                    filler = _Filler(b.bookie_id, ids, entry_size)
                     filler.next = last_i + 1
                     row = {
                         "entries": info.get("entries"), "entry_size": entry_size,
