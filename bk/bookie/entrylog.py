@@ -28,10 +28,9 @@ Writing: records are gathered in a buffer written with ``os.write`` every
 :data:`WRITE_CHUNK` bytes, and each chunk's writeback is started at once
 (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through libc: Python has no
 binding) and waited for one chunk later, so a flush never leaves a burst of
-dirty pages for the journal's next ``fdatasync`` to queue behind (on this
-project's VM a flush that synced 8 MiB at a time pushed the journal's sync,
-hence the adds' p99, to tens of ms). Where the call is missing, an
-``fdatasync`` every :data:`SYNC_STEP` bytes does the pacing.
+dirty pages for the journal's next ``fdatasync`` (on the same disk) to queue
+behind. Where the call is missing, an ``fdatasync`` every :data:`SYNC_STEP`
+bytes does the pacing.
 :meth:`LogWriter.sync` makes everything durable before the index is
 committed.
 
