@@ -137,12 +137,17 @@ def _load_v1_checkpoint(path: str):
     return mark, ledgers
 
 
-def read_v1(journal: Journal, index_dir: str) -> dict:
+def read_v1(journal: Journal, index_dir: str, tick=None) -> dict:
     """Every ledger of a v1 shard as v1 would serve it: the checkpoint, then the
-    journal replayed after its mark (which also finds where appends continue)."""
+    journal replayed after its mark (which also finds where appends continue).
+    ``tick()`` is called about twice a second during a long replay."""
     loaded = _load_v1_checkpoint(os.path.join(index_dir, V1_CHECKPOINT))
     mark, ledgers = loaded if loaded is not None else (None, {})
-    for pos, _n, rtype, f in journal.replay(mark):
+    last = time.monotonic()
+    for n, (pos, _n, rtype, f) in enumerate(journal.replay(mark)):
+        if tick is not None and not n & 0x3FFF and time.monotonic() - last >= 0.5:
+            last = time.monotonic()
+            tick()
         lid = f[0]
         st = ledgers.get(lid)
         if rtype == J.DELETE:
@@ -209,8 +214,9 @@ def upgrade_shard(journal_dir: str, index_dir: str, ledger_dirs: list[str], *,
                   tombstones=None) -> dict:
     """Convert one v1 shard in place (see the module docstring); returns
     ``{ledgers, entries, bytes, seconds}``. ``progress(done, total)`` is called
-    with entries converted, at most twice a second. ``tombstones``: a container
-    of deleted ledger ids to leave out."""
+    with entries converted, at most twice a second (``total`` 0 while the old
+    journal is still being read). ``tombstones``: a container of deleted ledger
+    ids to leave out."""
     t0 = time.monotonic()
     work = os.path.join(index_dir, UPGRADING)
     if os.path.exists(work):
@@ -218,7 +224,8 @@ def upgrade_shard(journal_dir: str, index_dir: str, ledger_dirs: list[str], *,
         shutil.rmtree(work)
     journal = Journal(journal_dir, segment_size, sync_data=True)
     try:
-        ledgers = read_v1(journal, index_dir)
+        ledgers = read_v1(journal, index_dir,
+                          None if progress is None else lambda: progress(0, 0))
         if tombstones is not None:
             for lid in [lid for lid in ledgers if lid in tombstones]:
                 del ledgers[lid]

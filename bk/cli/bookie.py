@@ -286,8 +286,10 @@ def upgrade(conf_file, settings, **flags):
             continue
 
         def progress(done, total, shard=shard):
-            click.echo(f"shard {shard}: {100 * done // max(1, total)}% "
-                       f"({done} of {total} entries)")
+            if not total:
+                click.echo(f"shard {shard}: reading the old journal")
+                return
+            click.echo(f"shard {shard}: {100 * done // total}% ({done} of {total} entries)")
         stats = upgrade_shard(jdir, idir, layout.shard_ledger_dirs(conf, shard),
                               segment_size=conf.journalPreAllocSizeMB << 20,
                               log_size_limit=conf.logSizeLimit, progress=progress,
