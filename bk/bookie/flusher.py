@@ -79,7 +79,7 @@ class FlushJob:
                 views[seq] = (_pread_all(path, lo, hi), lo)
         copied = fl.copy_tails(self.tails, views, self.states, self.mark)
         self.stats = {"bytes": copied[0], "entries": copied[1], "runs": copied[2],
-                      "seconds": time.monotonic() - t0}
+                      "merged": copied[3], "seconds": time.monotonic() - t0}
 
 
 class CompactJob:
@@ -165,8 +165,9 @@ class Flusher:
         return w
 
     # --- flush --------------------------------------------------------------------
-    def copy_tails(self, tails, views, states, mark) -> tuple[int, int, int]:
-        """Steps 2-4 of a flush (see the module docstring); returns (bytes, entries, runs)."""
+    def copy_tails(self, tails, views, states, mark) -> tuple[int, int, int, int]:
+        """Steps 2-4 of a flush (see the module docstring); returns (bytes, entries,
+        runs, old runs merged)."""
         index = self.index
         runs: list[Run] = []
         old: list[Run] = []
@@ -203,7 +204,7 @@ class Flusher:
                 wtx.put_state(lid, fenced, key, lac, last)
             if mark is not None:
                 wtx.set_mark(mark)
-        return nbytes, nentries, len(runs)
+        return nbytes, nentries, len(runs), len(old)
 
     def _merge(self, over: list[Run], entries, data, sizes):
         """The union of existing runs' records and a flush's (the flush's copy wins):

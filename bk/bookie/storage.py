@@ -935,6 +935,10 @@ class ShardStorage:
             self._dirty.update(job.states)
             return
         self._flush_failed = None
+        if job.stats.get("merged"):
+            # rewritten entries (recovery adds) replaced older copies: no stale
+            # copy may stay in the read-ahead cache
+            self._cache.clear()
         self._flushed_mark = job.mark
         self.checkpoints += 1
         self.last_flush = dict(job.stats, journal_bytes=job.nbytes)

@@ -415,6 +415,8 @@ def test_an_entry_rewritten_after_a_flush_is_merged(tmp_path):
     for e in (0, 1, 2, 6, 7, 8):
         add(s, 9, e, n=30)
     s.checkpoint()
+    assert_entry(s, 9, 6, n=30)              # reads 7 and 8 ahead into the cache
+    assert s.stats()["read_cache_bytes"] > 0
     for e in (3, 4, 5):
         add(s, 9, e, n=30)
     assert s.add_entry(9, 7, 6, KEY, b"new", b"rewritten", True) == EOK
