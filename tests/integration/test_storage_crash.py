@@ -1,11 +1,14 @@
 """kill -9 at the moments that matter to the storage: during a flush of the
 write cache into entry logs, during a compaction of entry logs, during the
 upgrade of a v1 shard. Every acknowledged entry reads back after the restart.
-Real etcd and bookie processes (the upgrade: a real `bookie upgrade` process)."""
+And a real bookie started on v1 data converts it and serves it. Real etcd and
+bookie processes (the upgrade: a real `bookie upgrade` process)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,3 +157,31 @@ def test_kill9_during_upgrade_then_upgrade_again(tmp_path):
             assert got[3::4] == [b"%d/%d." % (lid, e) * 20 for e in range(entries)]
     finally:
         s.close()
+
+
+def test_a_bookie_started_on_v1_data_converts_it_and_serves_it(cluster_factory):
+    """The v1 fixture (made by the previous release's code) as a real bookie's
+    shard: the bookie converts it at start and serves every entry over the wire."""
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "storage-v1")
+    with open(os.path.join(fixture, "expected.json")) as f:
+        exp = json.load(f)
+    c = cluster_factory(1, num_shards=1, conf_overrides={"gcWaitTime": 3_600_000})
+    b = c.bookies[0]
+    b.stop()
+    for sub, name in (("journal", "journal"), ("ledgers", "index")):
+        shard = os.path.join(b.dir, sub, "shard-0")
+        shutil.rmtree(shard)
+        shutil.copytree(os.path.join(fixture, name), shard)
+    b.start()
+    with open(b.log_file) as f:
+        assert "upgraded shard" in f.read()
+    with BookieConnection(b.bookie_id, 0) as conn:
+        for lid_s, want in exp["ledgers"].items():
+            lid = int(lid_s)
+            r = conn.call(P.read_lac(conn.next_rid(), lid))
+            assert r[2] == EOK and (r[4], r[5]) == (want["lac"], want["last"])
+            for e, elac in want["entries"].items():
+                r = conn.call(P.read(conn.next_rid(), lid, int(e)))
+                assert r[2] == EOK and r[5] == elac, (lid, e, r[2])
+                assert r[7] == (b"%d:%d|" % (lid, int(e))) * (1 + (lid * 31 + int(e) * 7) % 40)
+        assert conn.call(P.read(conn.next_rid(), exp["deleted"][0], 0))[2] == ENOLEDGER
