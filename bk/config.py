@@ -104,9 +104,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "authentication.", scope=BOTH),
     # --- storage ---------------------------------------------------------------
     _S("journalDirectories", list, ["/tmp/bk-txn"], "Directories of the journal segments "
-       "(where entries live). Shards are spread over them round-robin."),
-    _S("ledgerDirectories", list, ["/tmp/bk-data"], "Directories of the index checkpoints, "
-       "ledger state and cookie. Shards are spread over them round-robin."),
+       "(every write goes there first; put them on a fast device). Shards are spread over "
+       "them round-robin."),
+    _S("ledgerDirectories", list, ["/tmp/bk-data"], "Directories of the entry logs, the "
+       "index, ledger state and cookie. Each shard keeps its index on one of them "
+       "(round-robin) and writes its entry logs to all of them in turn."),
     _S("numShards", int, 0, "Shard worker processes. 0: one per CPU. Fixed when the bookie "
        "is formatted (recorded in its cookie).", minimum=0, maximum=256),
     _S("journalMaxGroupWaitMSec", int, 0, "Longest time (ms) an add waits for others to "
@@ -120,14 +122,26 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        minimum=1, maximum=2048),
     _S("journalSyncData", bool, True, "fdatasync journal writes before acknowledging them. "
        "false: acknowledged adds survive a process crash but not a power loss."),
-    _S("flushInterval", int, 60000, "Interval (ms) between index checkpoints; a restart "
-       "replays the journal only from the last checkpoint.", minimum=100),
+    _S("flushInterval", int, 60000, "Interval (ms) between flushes of the write cache into "
+       "entry logs and the index (when anything was written); a restart replays the "
+       "journal only from the last flush.", minimum=100),
     _S("flushIntervalBytes", int, 256 * 1024 * 1024, "Journal bytes written since the last "
-       "index checkpoint after which one is taken at once, also under sustained load (the "
-       "shard pauses for the sync in flight and the checkpoint): bounds what a restart after "
-       "kill -9 replays. Each shard takes its forced checkpoints at a random point of the "
-       "last quarter below it, so that bookies sharing the same writes do not pause "
-       "together.", minimum=1 << 20),
+       "flush after which one starts, if half of dbStorage_writeCacheMaxSizeMb did not come "
+       "first: bounds what a restart after kill -9 replays. Each shard flushes at a random "
+       "point of the last quarter below it, so that bookies sharing the same writes do not "
+       "flush together.", minimum=1 << 20),
+    _S("dbStorage_writeCacheMaxSizeMb", int, 64, "Size (MiB) of a shard's write cache: the "
+       "journal bytes written since the last flush, whose locations the shard keeps in "
+       "memory (8 bytes an entry). A flush starts at half of it, on the flusher thread; "
+       "if the other half fills before it ends, the shard waits for it.", minimum=2),
+    _S("dbStorage_readAheadCacheMaxSizeMb", int, 32, "Size (MiB) of a shard's read-ahead "
+       "cache: entries read from entry logs ahead of a reader of one ledger.", minimum=0),
+    _S("dbStorage_readAheadCacheBatchSize", int, 100, "Entries of the same ledger a read "
+       "that misses the caches reads ahead with the same pread (at most 1 MiB).",
+       minimum=1),
+    _S("logSizeLimit", int, 256 * 1024 * 1024, "Bytes after which a shard starts a new entry "
+       "log. Smaller logs are compacted in finer steps (BookKeeper's default is 1 GiB).",
+       minimum=1 << 20, maximum=1 << 40),
     _S("nettyMaxFrameSizeBytes", int, 5 * 1024 * 1024, "Largest frame accepted or sent.",
        scope=BOTH, minimum=1024),
     _S("frameBatching", bool, True, "Batched frames (ADD_BATCH with group acknowledgements, "
@@ -143,10 +157,21 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("readOnlyModeEnabled", bool, True, "Turn read-only when the disk fills. false: "
        "the bookie shuts down instead."),
     _S("gcWaitTime", int, 60000, "Interval (ms) between garbage collections of deleted "
-       "ledgers and journal compaction.", minimum=10),
-    _S("compactionThreshold", float, 0.5, "A full journal segment whose live fraction is "
-       "under this is compacted (its live entries copied forward, the file removed). "
-       "0 disables compaction.", minimum=0.0, maximum=1.0),
+       "ledgers (and compaction of entry logs, when due).", minimum=10),
+    _S("compactionThreshold", float, 0.5, "0 turns compaction of entry logs off; any other "
+       "value leaves it on, as minorCompactionThreshold and majorCompactionThreshold say "
+       "(the key of earlier releases, whose journal segments were compacted).",
+       minimum=0.0, maximum=1.0),
+    _S("minorCompactionThreshold", float, 0.2, "A minor compaction copies the live entries "
+       "of every entry log whose live fraction is under this and removes the log. 0 "
+       "disables minor compaction.", minimum=0.0, maximum=1.0),
+    _S("minorCompactionInterval", int, 3600, "Seconds between minor compactions (run by the "
+       "garbage collection that follows).", minimum=0),
+    _S("majorCompactionThreshold", float, 0.8, "A major compaction does the same for every "
+       "entry log whose live fraction is under this. 0 disables major compaction.",
+       minimum=0.0, maximum=1.0),
+    _S("majorCompactionInterval", int, 86400, "Seconds between major compactions.",
+       minimum=0),
     # --- process ---------------------------------------------------------------
     _S("registrationTtlSeconds", int, 10, "TTL of the bookie's registration lease in etcd; "
        "a dead bookie disappears within it.", minimum=2),

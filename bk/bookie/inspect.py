@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import os
 
-import msgpack
-from crc32c import crc32c
-
 from bk.bookie import journal as J
 from bk.bookie import layout
-from bk.bookie import storage as S
+from bk.bookie.index import read_mark as read_index_mark
 from bk.errors import BKError
 
 
@@ -27,20 +24,8 @@ def local_num_shards(conf) -> int:
 
 
 def read_checkpoint_mark(index_dir: str):
-    """The journal mark ("seq:offset") of a shard's last checkpoint, or None."""
-    path = os.path.join(index_dir, S.CHECKPOINT_FILE)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None, None
-    outer = msgpack.unpackb(data, raw=False)
-    if not (isinstance(outer, list) and len(outer) == 4 and outer[0] == S.CHECKPOINT_MAGIC):
-        raise BKError(f"{path} is not a bk shard checkpoint")
-    if crc32c(outer[3]) != outer[2]:
-        raise BKError(f"{path}: CRC mismatch")
-    body = msgpack.unpackb(outer[3], raw=False, strict_map_key=False)
-    return tuple(body["mark"]), os.path.getmtime(path)
+    """The journal mark ("seq:offset") of a shard's last flush, and its time, or None."""
+    return read_index_mark(index_dir)
 
 
 def last_marks(conf) -> list[dict]:

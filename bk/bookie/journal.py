@@ -671,6 +671,16 @@ class Journal:
             self._buf = bytearray(STAGING_SIZE)
             self._bv = memoryview(self._buf)
 
+    def write_out(self) -> None:
+        """pwrite every staged record (no sync): another thread may then read them
+        from the segment files (a flush does)."""
+        self._write_out()
+
+    def segment_view(self, seq: int):
+        """The read mapping of a segment (for an offline conversion of the whole
+        journal; never while appends may remap it)."""
+        return self._segs[seq].mm
+
     def append_add(self, ledger: int, entry: int, lac: int, digest: bytes, payload: bytes) -> int:
         """Append an ADD record; return its position (hot path)."""
         dlen = len(digest)

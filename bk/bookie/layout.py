@@ -1,7 +1,9 @@
 """Where a bookie keeps things on disk, how full the disks are, and its cookie.
 
-Shard ``i`` keeps its journal segments in ``journalDirectories[i % n]/shard-i``
-and its index checkpoints in ``ledgerDirectories[i % m]/shard-i``.
+Shard ``i`` keeps its journal segments in ``journalDirectories[i % n]/shard-i``,
+its index and tombstones in ``ledgerDirectories[i % m]/shard-i``, and its
+entry logs in ``<every ledger directory>/shard-i/entrylogs`` (new logs go to
+the directories round-robin).
 
 The cookie binds directories to one bookie of one cluster: its id, the
 cluster's instanceId, its directories and its shard count. It is written into
@@ -48,6 +50,28 @@ def shard_dirs(conf: Config, shard: int) -> tuple[str, str]:
     ld = _abs(conf.ledgerDirectories)
     return (os.path.join(jd[shard % len(jd)], f"shard-{shard}"),
             os.path.join(ld[shard % len(ld)], f"shard-{shard}"))
+
+
+def shard_ledger_dirs(conf: Config, shard: int) -> list[str]:
+    """Where a shard's entry logs go: its directory on every ledger directory,
+    its own index directory first (BookKeeper spreads entry logs over disks)."""
+    ld = _abs(conf.ledgerDirectories)
+    first = shard % len(ld)
+    return [os.path.join(ld[(first + k) % len(ld)], f"shard-{shard}") for k in range(len(ld))]
+
+
+def local_shards(conf: Config) -> list[int]:
+    """The shard numbers that have a directory under the journal or ledger dirs."""
+    found = set()
+    for d in _abs(conf.journalDirectories) + _abs(conf.ledgerDirectories):
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            if name.startswith("shard-") and name[6:].isdigit():
+                found.add(int(name[6:]))
+    return sorted(found)
 
 
 def all_dirs(conf: Config) -> list[str]:

@@ -1,62 +1,58 @@
-"""Storage of one shard: ledger state and entry index over the journal.
+"""Storage of one shard: the journal, a write cache over its tail, entry logs and an on-disk index.
 
 Theory of operation
 -------------------
-Entries live in the journal (``bk.bookie.journal``) and nowhere else: one
-write per entry. This module keeps, in memory, per ledger:
+BookKeeper's DbLedgerStorage, with the journal as the write cache:
 
-* ``fenced``, ``key`` (the master key, i.e. the password digest), ``lac`` (max
-  of the LAC fields of its entries and of explicit WRITE_LACs), ``last`` (the
-  highest entry id held);
-* ``idx``: a dense ``array('q')`` entry id - ``base`` -> journal position, -1
-  where the bookie does not hold the entry (with E > Qw a bookie holds a
-  stripe). ``base`` is the lowest entry id the index covers: a bookie that
-  joins a long ledger through an ensemble change at entry 20,000,000 indexes
-  from there, not from 0;
-* ``segb``: live bytes of this ledger per journal segment (the records its
-  index points to), from which compaction derives each segment's live
-  fraction without reading the segments;
-* ``meta_seg``: the lowest segment holding one of its FENCE / MASTER_KEY /
-  WRITE_LAC records not superseded by a STATE record (compaction rewrites the
-  state before removing such a segment).
+* **Journal** (``bk.bookie.journal``): every ADD, FENCE, MASTER_KEY and
+  WRITE_LAC is appended there first; the worker acknowledges after the
+  group's sync, so an acknowledged entry is on disk.
+* **Write cache**: the entries written since the last flush are *in the
+  journal already*; memory holds only where (``_Tail``: per ledger a dense
+  ``array('q')`` of journal positions, 8 bytes an entry). Reads of them go to
+  the journal. The tail is bounded: at half of ``dbStorage_writeCacheMaxSizeMb``
+  of journal (or ``flushIntervalBytes``, or ``flushInterval`` ms) it is
+  swapped and flushed by the flusher thread (``bk.bookie.flusher``) while a
+  new tail takes the writes; if the new one fills too before the flush
+  ends, :meth:`ShardStorage.maintain` waits for it (back-pressure).
+* **Entry logs** (``bk.bookie.entrylog``): a flush writes each ledger's
+  entries sorted and together, so a catch-up reader reads sequentially.
+* **Index** (``bk.bookie.index``, LMDB): runs of entries -> entry log
+  location, each ledger's state (fenced, master key, LAC, last entry), the
+  logs' live bytes and the journal *mark* a restart replays from. A flush
+  commits all of it in one transaction, then the journal segments wholly
+  before the mark are deleted.
+* **Read-ahead cache**: a miss that goes to an entry log reads the next
+  ``dbStorage_readAheadCacheBatchSize`` entries of the same run with the same
+  ``pread`` and keeps them (bounded by ``dbStorage_readAheadCacheMaxSizeMb``).
 
-Writes only *append* (the worker calls :meth:`ShardStorage.sync` once per
-batch, then answers); the in-memory state changes right away, which is fine
-since the worker replies only after the sync. A FENCE or MASTER_KEY is a
-journal record, so it is durable when the batch's sync returns.
+Memory is therefore the two tails (bounded by the write cache size), the
+read-ahead cache, and per ledger its state (not per entry): it does not grow
+with the entries held. A restart loads the ledger states and replays the
+journal from the mark only.
 
-Checkpoint. :meth:`ShardStorage.checkpoint` syncs the journal and writes
-every ledger state and index, plus the journal *mark* (the append position),
-to ``index_dir/checkpoint`` atomically (tmp + fsync + rename + fsync dir).
-Its file is a msgpack array ``[magic, version, crc32c(content), content]``
-where ``content`` is a msgpack map. Opening loads it and replays the journal
-only after its mark; a missing or corrupt checkpoint (logged) means a replay
-of the whole journal from its first segment. After a replay that found
-records, a new checkpoint is written at once.
+Ledger state lives in memory (``_Ledger``) and changes at once (the worker
+answers only after the sync); the ledgers whose state changed since the last
+swap are written by the next flush, with the mark: everything before the mark
+is in the index, everything after it is replayed.
 
-Over-replicated ledgers. :meth:`ShardStorage.drop_ledgers` forgets a ledger's
-entries (a DROP record, then a checkpoint) but keeps its state fenced, with its
-key and without a tombstone: the ledger lives on elsewhere, an old writer is
-still refused, and this bookie may be picked to hold it again.
+Deletion (GC). :meth:`ShardStorage.delete_ledgers` first appends each id to
+the tombstone file (``index_dir/tombstones``, fsync'd), then a DELETE record,
+then removes the ledger's runs and state from the index (the flusher idle).
+A tombstone is forever (ids are never reused): an ADD to a deleted ledger
+gets EFENCED, also with the recovery flag, a fence ENOLEDGER, and neither
+creates state, so a writer that outlived its ledger's recovery and deletion
+is never acknowledged again. A ledger found with state and a tombstone at
+open (a crash in between) is deleted then.
 
-Deletion and compaction. :meth:`ShardStorage.delete_ledgers` first appends
-each ledger's id to the shard's tombstone file (``index_dir/tombstones``,
-fsync'd), then a DELETE record per ledger (so even a full replay forgets
-them) and checkpoints. A tombstone is forever (ids are never reused): an ADD
-to a deleted ledger gets EFENCED, also with the recovery flag, and a fence
-ENOLEDGER, and neither creates state, so a writer that outlived its ledger's
-recovery and deletion is never acknowledged again. The tombstone file lives
-apart from the journal, so compaction and a lost checkpoint cannot lose it;
-a ledger found with state and a tombstone at open (a crash between the two)
-is dropped.
-:meth:`ShardStorage.compact` copies the live ADDs of sparse, non-active
-segments forward (repointing the index), rewrites a STATE record for every
-ledger whose state records may sit in those segments, syncs, checkpoints and
-only then removes the files. A crash anywhere in between leaves either the
-old checkpoint (whose replay re-applies the copies, both copies being valid)
-or the new one (which no longer points into the old segments): nothing of a
-live ledger is lost.
+Over-replicated ledgers. :meth:`ShardStorage.drop_ledgers` forgets a
+ledger's entries (a DROP record, its runs removed) but keeps its state fenced,
+with its key and no tombstone: an old writer is refused, and this bookie may
+be picked to hold the ledger again (recovery adds).
 
+Compaction. Deleted and dropped runs leave dead bytes in entry logs; a log
+whose live fraction is under a threshold has its live runs copied forward by
+the flusher thread and is then deleted (see ``bk.bookie.flusher``).
 """
 
 from __future__ import annotations
@@ -68,28 +64,28 @@ import os
 import sys
 import time
 from array import array
-
-import msgpack
-from crc32c import crc32c
+from collections import OrderedDict
 
 from bk.bookie import journal as J
+from bk.bookie.entrylog import EntryLogError, EntryLogs, decode_records
+from bk.bookie.flusher import CompactJob, FlushJob, Flusher
+from bk.bookie.index import Index
 from bk.bookie.journal import ADD_OVERHEAD, CorruptRecordError, Journal, JournalError, \
     RecordTooLargeError
+from bk.bookie.upgrade import needs_upgrade, upgrade_shard
 from bk.errors import EBADREQ, EFENCED, EIO, ENOENTRY, ENOLEDGER, EOK, EUA
-from bk.protocol import ids_to_ranges
 
 log = logging.getLogger("bk.storage")
 
-CHECKPOINT_FILE = "checkpoint"
-CHECKPOINT_MAGIC = "bk-shard-checkpoint"
-CHECKPOINT_VERSION = 1
-LEDGER_FIELDS = ["ledger", "fenced", "key", "lac", "last", "index", "segment_bytes", "meta_seg",
-                 "base"]
-# An ADD may open a gap of at most this many entry ids before or past a ledger's
-# index: the index is dense, so a wild entry id must not allocate gigabytes.
+# An entry farther than this from a ledger's tail array goes to a side dict, so
+# that a wild entry id never allocates a huge array.
+TAIL_GAP = 1 << 16
+# An ADD may open a gap of at most this many entry ids past a ledger's last entry.
 MAX_ENTRY_GAP = 1 << 24
-_NO_SEG = 1 << 62
 _FILL = array("q", [-1]) * 4096
+_NO_POS = -1
+READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this much
+FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
 
 
 # --- tombstones of deleted ledgers ----------------------------------------------
@@ -102,8 +98,8 @@ class Tombstones:
     """Ids of the ledgers this shard deleted: a sorted ``array('q')`` in memory (8
     bytes a ledger; lookups by bisection) and an append-only file of 8-byte ids,
     appended and fsync'd before a deletion is reported. Ledger ids are never
-    reused, so a tombstone is forever; the file outlives journal segments, their
-    compaction and a lost checkpoint."""
+    reused, so a tombstone is forever; the file outlives journal segments, entry
+    logs and the index."""
 
     def __init__(self, path: str):
         self.path = path
@@ -170,24 +166,149 @@ def _le_bytes(ids: array) -> bytes:
 
 
 class _Ledger:
-    __slots__ = ("fenced", "key", "lac", "last", "idx", "segb", "meta_seg", "base")
+    __slots__ = ("fenced", "key", "lac", "last")
 
-    def __init__(self, key):
-        self.fenced = False
+    def __init__(self, key, fenced=False, lac=-1, last=-1):
+        self.fenced = fenced
         self.key = key
-        self.lac = -1
-        self.last = -1
-        self.idx = array("q")
-        self.segb: dict[int, int] = {}
-        self.meta_seg = _NO_SEG
-        self.base = 0
+        self.lac = lac
+        self.last = last
+
+    def row(self) -> list:
+        return [self.fenced, self.key, self.lac, self.last]
+
+
+class _Tail:
+    """One ledger's entries written since the last swap: entry -> journal position."""
+
+    __slots__ = ("base", "pos", "extra")
+
+    def __init__(self, base: int):
+        self.base = base
+        self.pos = array("q")
+        self.extra = None          # {entry: position} for entries far from the array
+
+    def get(self, entry: int) -> int:
+        i = entry - self.base
+        if 0 <= i < len(self.pos):
+            return self.pos[i]
+        if self.extra:
+            return self.extra.get(entry, _NO_POS)
+        return _NO_POS
+
+    def put(self, entry: int, pos: int) -> bool:
+        """Record ``entry`` at ``pos``; True if the tail did not hold it yet."""
+        pa = self.pos
+        i = entry - self.base
+        n = len(pa)
+        if i == n:
+            pa.append(pos)
+            return True
+        if 0 <= i < n:
+            old = pa[i]
+            pa[i] = pos
+            return old < 0
+        if n - TAIL_GAP <= i < n + TAIL_GAP and (i >= 0 or -i <= TAIL_GAP):
+            if i > n:
+                gap = i - n
+                while gap >= len(_FILL):
+                    pa.extend(_FILL)
+                    gap -= len(_FILL)
+                pa.extend(_FILL[:gap])
+                pa.append(pos)
+            else:                    # below the base: extend downwards
+                self.pos = array("q", [-1]) * (-i) + pa
+                self.base = entry
+                self.pos[0] = pos
+            return True
+        if self.extra is None:
+            self.extra = {}
+        new = entry not in self.extra
+        self.extra[entry] = pos
+        return new
+
+    def items(self) -> list[tuple[int, int]]:
+        """``(entry, position)`` in entry order."""
+        base = self.base
+        out = [(base + i, p) for i, p in enumerate(self.pos) if p >= 0]
+        if self.extra:
+            out += self.extra.items()
+            out.sort()
+        return out
+
+    def entries_positions(self):
+        """``(entries, positions)``: two sequences in entry order, without an
+        object per entry in the common case (a dense tail: a range and the
+        array itself)."""
+        pa = self.pos
+        if not self.extra and pa.count(-1) == 0:
+            return range(self.base, self.base + len(pa)), pa
+        items = self.items()
+        return [e for e, _ in items], [p for _, p in items]
+
+    def next_at_or_after(self, entry: int) -> int | None:
+        best = None
+        pa = self.pos
+        i = max(0, entry - self.base)
+        while i < len(pa):
+            if pa[i] >= 0:
+                best = self.base + i
+                break
+            i += 1
+        if self.extra:
+            for e in self.extra:
+                if e >= entry and (best is None or e < best):
+                    best = e
+        return best
+
+    def count(self) -> int:
+        return len(self.pos) - self.pos.count(-1) + (len(self.extra) if self.extra else 0)
+
+
+class _ReadCache:
+    """Read-ahead cache: (ledger, entry) -> (lac, digest, payload), LRU, bounded in bytes."""
+
+    OVERHEAD = 160                   # Python objects per entry, roughly
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._d: OrderedDict = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key):
+        v = self._d.pop(key, None)
+        if v is not None:
+            self._d[key] = v              # pop + set: most recently used
+            self.hits += 1
+        return v
+
+    def put(self, key, value) -> None:
+        if key in self._d or self.max_bytes <= 0:
+            return
+        self._d[key] = value
+        self.bytes += len(value[1]) + len(value[2]) + self.OVERHEAD
+        while self.bytes > self.max_bytes and self._d:
+            _, v = self._d.popitem(last=False)
+            self.bytes -= len(v[1]) + len(v[2]) + self.OVERHEAD
+
+    def clear(self) -> None:
+        self._d.clear()
+        self.bytes = 0
 
 
 class ShardStorage:
-    """Ledger state, entry index and journal of one shard (single-threaded)."""
+    """Ledger state, write cache, entry logs, index and journal of one shard.
+
+    Single-threaded (the shard's loop) but for its flusher thread, which it
+    owns. ``ledger_dirs`` (default: ``[index_dir]``) are where entry logs go."""
 
     def __init__(self, journal_dir: str, index_dir: str, *, segment_size: int,
-                 sync_data: bool = True, owns=None, progress=None):
+                 sync_data: bool = True, owns=None, progress=None, ledger_dirs=None,
+                 write_cache_bytes: int = 64 << 20, flush_bytes: int | None = None,
+                 flush_interval: float = 60.0, read_cache_bytes: int = 32 << 20,
+                 read_ahead_entries: int = 100, log_size_limit: int = 256 << 20):
         # ``owns(ledger_id)``: whether this shard owns a ledger; an ADD or fence of a
         # ledger it does not own is a misrouted request (EBADREQ), never new state.
         self._owns = owns
@@ -195,33 +316,97 @@ class ShardStorage:
         os.makedirs(index_dir, exist_ok=True)
         self.journal_dir = journal_dir
         self.index_dir = index_dir
-        self._ckpt_path = os.path.join(index_dir, CHECKPOINT_FILE)
+        self.write_cache_bytes = write_cache_bytes
+        half = max(1 << 20, write_cache_bytes // 2)
+        self.flush_bytes = min(half, flush_bytes) if flush_bytes else half
+        self.flush_interval = flush_interval
+        self.read_ahead_entries = max(1, read_ahead_entries)
         self._ledgers: dict[int, _Ledger] = {}
-        self._entries = 0
-        self._ckpt_mark = None
+        self._wc: dict[int, _Tail] = {}          # the tail taking writes
+        self._flushing: dict[int, _Tail] | None = None   # the swapped tail being flushed
+        self._dirty: set[int] = set()            # ledgers whose state changed since the swap
+        self._wc_entries = 0
+        self._flushing_entries = 0
+        self._cache = _ReadCache(read_cache_bytes)
         self.checkpoints = 0
         self.replayed_records = 0
+        self.last_flush: dict = {}
         self._replayed_deletes: list[int] = []
-        self._ckpt_at = 0          # journal bytes appended when the last checkpoint was taken
-        self._progress = progress  # progress(done_bytes, total_bytes) during a long replay
+        self._progress = progress
         self._closed = False
+        self._flush_failed = None
+        self._compaction = None                  # a CompactJob in flight
+        self._compaction_done: dict | None = None
+        self._last_swap = time.monotonic()
         self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
         self._journal = Journal(journal_dir, segment_size, sync_data)
+        self._index = None
+        self._flusher = None
         try:
+            from_v1 = needs_upgrade(journal_dir, index_dir)
+            if from_v1:
+                # Data of the previous release (entries in the journal, index in a
+                # checkpoint file): convert in place before anything else.
+                self._journal.close()
+                self._journal = None
+                upgrade_shard(journal_dir, index_dir, ledger_dirs or [index_dir],
+                              segment_size=segment_size, log_size_limit=log_size_limit,
+                              progress=progress, tombstones=self._tomb)
+                self._journal = Journal(journal_dir, segment_size, sync_data)
+            self._index = Index(index_dir)
+            self._logs = EntryLogs(ledger_dirs or [index_dir], log_size_limit)
+            self._remove_orphan_logs()
+            self._flusher = Flusher(self._index, self._logs,
+                                    name=f"bk-flush-{os.path.basename(index_dir)}")
             t0 = time.monotonic()
-            mark = self._load_checkpoint()
+            for lid, (fenced, key, lac, last) in self._index.ledger_states():
+                self._ledgers[lid] = _Ledger(key, bool(fenced), lac, last)
+            mark = self._index.mark()
             self._replay(mark)
             self._bury()
+            if mark is None:                     # replayed from the first segment
+                segs = self._journal.segments()
+                mark = (segs[0], J.HEADER_SIZE) if segs else self._journal.mark
+                self._flushed_mark = mark
+                self._swap_at = self._journal_bytes() - self._replayed_bytes
+                self.checkpoint(force=True)      # record where the next replay starts
+            else:
+                self._flushed_mark = mark
+                self._swap_at = self._journal_bytes() - self._replayed_bytes
+            self._drop_old_segments()
             self.replay_seconds = time.monotonic() - t0
-            if self.replayed_records or mark is None:
-                self.checkpoint()
         except BaseException:
-            self._journal.close()
+            self._shutdown()
             raise
         self._append_add = self._journal.append_add
         log.info("shard storage %s: %d ledgers, %d entries, replayed %d records in %.3fs",
-                 journal_dir, len(self._ledgers), self._entries, self.replayed_records,
+                 index_dir, len(self._ledgers), self.entries, self.replayed_records,
                  self.replay_seconds)
+
+    def _shutdown(self) -> None:
+        if self._flusher is not None:
+            self._flusher.stop()
+            self._flusher = None
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        if self._journal is not None:
+            self._journal.close()
+        if getattr(self, "_logs", None) is not None:
+            self._logs.close()
+
+    def _journal_bytes(self) -> int:
+        j = self._journal
+        return j.synced_bytes + j._unsynced
+
+    def _remove_orphan_logs(self) -> None:
+        known = self._index.logs()
+        self._logs.reserve_ids(max(known, default=0) + 1)
+        for log_id in self._logs.ids():
+            if log_id not in known:
+                log.info("removing entry log %s: written by a flush or compaction that "
+                         "did not commit", self._logs.path(log_id))
+                self._logs.remove(log_id)
 
     # --- writes ---------------------------------------------------------------
     def _admit(self, ledger: int, entry: int, master_key: bytes, recovery):
@@ -243,7 +428,16 @@ class ShardStorage:
                 return status
         if st.fenced and not recovery:
             return EFENCED
+        if entry < 0 or (st.last >= 0 and entry - st.last > MAX_ENTRY_GAP):
+            return EBADREQ
         return st
+
+    def _tail_put(self, ledger: int, entry: int, pos: int) -> None:
+        t = self._wc.get(ledger)
+        if t is None:
+            t = self._wc[ledger] = _Tail(entry)
+        if t.put(entry, pos):
+            self._wc_entries += 1
 
     def add_entry(self, ledger: int, entry: int, lac: int, master_key: bytes, digest: bytes,
                   payload: bytes, recovery: bool) -> int:
@@ -252,13 +446,6 @@ class ShardStorage:
         st = self._admit(ledger, entry, master_key, recovery)
         if type(st) is int:
             return st
-        idx = st.idx
-        n = len(idx)
-        if not n:
-            st.base = entry
-        i = entry - st.base
-        if entry < 0 or i - n > MAX_ENTRY_GAP or -i > MAX_ENTRY_GAP:
-            return EBADREQ
         try:
             pos = self._append_add(ledger, entry, lac, digest, payload)
         except RecordTooLargeError as e:
@@ -267,18 +454,12 @@ class ShardStorage:
         except (JournalError, OSError) as e:
             log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
             return EIO
-        if i == n:                      # the common case: the next entry
-            idx.append(pos)
-            self._entries += 1
-            seq = pos >> 32
-            sb = st.segb
-            sb[seq] = sb.get(seq, 0) + ADD_OVERHEAD + len(digest) + len(payload)
-            if lac > st.lac:
-                st.lac = lac
-            if entry > st.last:
-                st.last = entry
-        else:
-            self._index_put(st, entry, lac, pos, ADD_OVERHEAD + len(digest) + len(payload))
+        self._tail_put(ledger, entry, pos)
+        if lac > st.lac:
+            st.lac = lac
+        if entry > st.last:
+            st.last = entry
+        self._dirty.add(ledger)
         return EOK
 
     def add_batch(self, recs: list, records, master_key: bytes, recovery: bool,
@@ -297,14 +478,16 @@ class ShardStorage:
 
     def _add_batch(self, recs, src, master_key, recovery, acked, errors) -> int:
         ledgers = self._ledgers
+        wc = self._wc
         failed = 0
         i = 0
         n = len(recs)
         while i < n:
             lid, eid, lac, start, end = recs[i]
             st = ledgers.get(lid)
-            if st is not None and st.key == master_key and (recovery or not st.fenced) \
-                    and st.idx and eid - st.base == len(st.idx):
+            t = wc.get(lid)
+            if st is not None and t is not None and st.key == master_key \
+                    and (recovery or not st.fenced) and eid - t.base == len(t.pos):
                 # The fast path: a run of this ledger's next entries, appended in one go.
                 j = i + 1
                 nxt = eid + 1
@@ -325,24 +508,15 @@ class ShardStorage:
                         failed += 1
                     run = run[:len(positions)]
                 if positions:
-                    st.idx.extend(positions)
-                    self._entries += len(positions)
-                    segb = st.segb
-                    seq = positions[0] >> 32
-                    if positions[-1] >> 32 == seq:
-                        # records back to back: 4-byte heads on the wire, 9 in the journal
-                        k = len(positions)
-                        segb[seq] = segb.get(seq, 0) + run[k - 1][4] - run[0][3] + 5 * k + 4
-                    else:               # the run rolled to a new segment
-                        for r, pos in zip(run, positions):
-                            seq = pos >> 32
-                            segb[seq] = segb.get(seq, 0) + 9 + r[4] - r[3]
+                    t.pos.extend(positions)
+                    self._wc_entries += len(positions)
                     maxlac = max([r[2] for r in run])
                     if maxlac > st.lac:
                         st.lac = maxlac
                     last = eid + len(positions) - 1
                     if last > st.last:
                         st.last = last
+                    self._dirty.add(lid)
                     if acked and acked[-1] == eid - 1 and acked[-3] == lid:
                         acked[-1] = last
                     else:
@@ -363,14 +537,10 @@ class ShardStorage:
 
     def _add_slow(self, ledger, entry, lac, master_key, recovery, src, start, end) -> int:
         """:meth:`add_entry` for a record body of an ADD_BATCH (every case but the
-        next entry of a known ledger)."""
+        next entry of a ledger in the tail)."""
         st = self._admit(ledger, entry, master_key, recovery)
         if type(st) is int:
             return st
-        n = len(st.idx)
-        i = entry - (st.base if n else entry)
-        if entry < 0 or i - n > MAX_ENTRY_GAP or -i > MAX_ENTRY_GAP:
-            return EBADREQ
         try:
             pos = self._journal.append_add_body(src, start, end)
         except RecordTooLargeError as e:
@@ -379,36 +549,13 @@ class ShardStorage:
         except (JournalError, OSError) as e:
             log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
             return EIO
-        self._index_put(st, entry, lac, pos, 9 + end - start)
-        return EOK
-
-    def _index_put(self, st: _Ledger, entry: int, lac: int, pos: int, rlen: int) -> None:
-        """Point ``entry`` at ``pos`` in the ledger's index, growing it either way."""
-        idx = st.idx
-        if not idx:
-            st.base = entry
-        i = entry - st.base
-        if i < 0:                       # an older entry (re-replication): extend downwards
-            st.idx = idx = array("q", [-1]) * (-i) + idx
-            st.base = entry
-            i = 0
-        if i < len(idx):
-            old = idx[i]
-            idx[i] = pos
-            if old < 0:
-                self._entries += 1
-            else:
-                self._unaccount(st, old)
-        else:
-            self._grow(idx, i)
-            idx.append(pos)
-            self._entries += 1
-        seq = pos >> 32
-        st.segb[seq] = st.segb.get(seq, 0) + rlen
+        self._tail_put(ledger, entry, pos)
         if lac > st.lac:
             st.lac = lac
         if entry > st.last:
             st.last = entry
+        self._dirty.add(ledger)
+        return EOK
 
     def fence(self, ledger: int, master_key: bytes) -> int:
         """Fence a ledger (creating its state if unknown). EOK, EUA, EBADREQ (not this
@@ -428,12 +575,12 @@ class ShardStorage:
                 return status
         if not st.fenced:
             try:
-                pos = self._journal.append(J.FENCE, ledger)
+                self._journal.append(J.FENCE, ledger)
             except (JournalError, OSError) as e:
                 log.error("fence of ledger %d failed: %s", ledger, e)
                 return EIO
             st.fenced = True
-            self._meta(st, pos)
+            self._dirty.add(ledger)
         return EOK
 
     def write_lac(self, ledger: int, master_key: bytes, lac: int) -> int:
@@ -447,12 +594,12 @@ class ShardStorage:
                 return status
         if lac > st.lac:
             try:
-                pos = self._journal.append(J.WRITE_LAC, ledger, lac)
+                self._journal.append(J.WRITE_LAC, ledger, lac)
             except (JournalError, OSError) as e:
                 log.error("write LAC of ledger %d failed: %s", ledger, e)
                 return EIO
             st.lac = lac
-            self._meta(st, pos)
+            self._dirty.add(ledger)
         return EOK
 
     def sync(self) -> None:
@@ -475,13 +622,13 @@ class ShardStorage:
 
     def _new_ledger(self, ledger: int, master_key: bytes):
         try:
-            pos = self._journal.append(J.MASTER_KEY, ledger, master_key)
+            self._journal.append(J.MASTER_KEY, ledger, master_key)
         except (JournalError, OSError) as e:
             log.error("recording the master key of ledger %d failed: %s", ledger, e)
             return None
         st = _Ledger(bytes(master_key))
-        st.meta_seg = pos >> 32
         self._ledgers[ledger] = st
+        self._dirty.add(ledger)
         return st
 
     def _owned(self, ledger: int) -> bool:
@@ -496,63 +643,86 @@ class ShardStorage:
         key (its MASTER_KEY record was lost), when the key is adopted (EOK, or EIO)."""
         if st.key is not None:
             return EUA
-        return EOK if self._adopt_key(ledger, st, master_key) else EIO
-
-    def _adopt_key(self, ledger: int, st: _Ledger, master_key: bytes) -> bool:
-        # Only a ledger whose MASTER_KEY record was lost (see _replay) has no key.
         try:
-            pos = self._journal.append(J.MASTER_KEY, ledger, master_key)
+            self._journal.append(J.MASTER_KEY, ledger, master_key)
         except (JournalError, OSError) as e:
             log.error("recording the master key of ledger %d failed: %s", ledger, e)
-            return False
+            return EIO
         st.key = bytes(master_key)
-        self._meta(st, pos)
-        return True
-
-    @staticmethod
-    def _meta(st: _Ledger, pos: int) -> None:
-        seq = pos >> 32
-        if seq < st.meta_seg:
-            st.meta_seg = seq
-
-    @staticmethod
-    def _grow(idx: array, i: int) -> None:
-        gap = i - len(idx)
-        while gap >= len(_FILL):
-            idx.extend(_FILL)
-            gap -= len(_FILL)
-        if gap:
-            idx.extend(_FILL[:gap])
-
-    def _unaccount(self, st: _Ledger, old_pos: int) -> None:
-        seq = old_pos >> 32
-        left = st.segb.get(seq, 0) - self._journal.record_length(old_pos)
-        if left > 0:
-            st.segb[seq] = left
-        else:
-            st.segb.pop(seq, None)
+        self._dirty.add(ledger)
+        return EOK
 
     # --- reads ----------------------------------------------------------------
+    def _tail_pos(self, ledger: int, entry: int) -> int:
+        t = self._wc.get(ledger)
+        if t is not None:
+            p = t.get(entry)
+            if p >= 0:
+                return p
+        if self._flushing is not None:
+            t = self._flushing.get(ledger)
+            if t is not None:
+                return t.get(entry)
+        return _NO_POS
+
+    def _read_journal(self, ledger: int, entry: int, pos: int):
+        try:
+            rl, re_, lac, digest, payload = self._journal.read_add(pos)
+        except CorruptRecordError as e:
+            log.error("read of entry %d of ledger %d: %s", entry, ledger, e)
+            return None
+        if rl != ledger or re_ != entry:
+            log.error("read of entry %d of ledger %d: the journal position holds entry %d "
+                      "of ledger %d", entry, ledger, re_, rl)
+            return None
+        return lac, digest, payload
+
+    def _read_run(self, run, i: int, j: int, out: list, want=None) -> bool:
+        """Decode records ``i..j-1`` of a run into ``out``; False on a bad read."""
+        a, b = run.rel(i), run.rel(j)
+        try:
+            data = self._logs.read(run.log, run.off + a, b - a)
+            decode_records(data, 0, len(data), out, want)
+        except (EntryLogError, OSError) as e:
+            log.error("read of entries %d.. of ledger %d from entry log %d: %s",
+                      run.first + i * run.step, run.ledger, run.log, e)
+            return False
+        return True
+
     def read_entry(self, ledger: int, entry: int) -> tuple[int, int, bytes, bytes]:
         """``(status, entry_lac, digest, payload)``; ENOLEDGER / ENOENTRY / EIO with
         ``(status, -1, b"", b"")``."""
         st = self._ledgers.get(ledger)
         if st is None:
             return ENOLEDGER, -1, b"", b""
-        idx = st.idx
-        i = entry - st.base
-        if i < 0 or i >= len(idx) or idx[i] < 0:
+        if entry < 0 or entry > st.last:
             return ENOENTRY, -1, b"", b""
-        pos = idx[i]
-        try:
-            rl, re_, lac, digest, payload = self._journal.read_add(pos)
-        except CorruptRecordError as e:
-            log.error("read of entry %d of ledger %d: %s", entry, ledger, e)
+        pos = self._tail_pos(ledger, entry)
+        if pos >= 0:
+            got = self._read_journal(ledger, entry, pos)
+            if got is None:
+                return EIO, -1, b"", b""
+            return EOK, got[0], got[1], got[2]
+        cache = self._cache
+        hit = cache.get((ledger, entry))
+        if hit is not None:
+            return EOK, hit[0], hit[1], hit[2]
+        cache.misses += 1
+        run = self._index.lookup(ledger, entry)
+        if run is None:
+            return ENOENTRY, -1, b"", b""
+        i = run.index_of(entry)
+        # Read ahead: the next entries of the run come with the same pread.
+        j = min(run.count, i + self.read_ahead_entries)
+        a = run.rel(i)
+        while j > i + 1 and run.rel(j) - a > READ_AHEAD_MAX_BYTES:
+            j = i + 1 + (j - i - 1) // 2
+        recs: list = []
+        if not self._read_run(run, i, j, recs) or recs[0][1] != entry or recs[0][0] != ledger:
             return EIO, -1, b"", b""
-        if rl != ledger or re_ != entry:
-            log.error("read of entry %d of ledger %d: index points to entry %d of ledger %d",
-                      entry, ledger, re_, rl)
-            return EIO, -1, b"", b""
+        for rl, re_, lac, digest, payload in recs[1:]:
+            cache.put((rl, re_), (lac, digest, payload))
+        _, _, lac, digest, payload = recs[0]
         return EOK, lac, digest, payload
 
     def read_range(self, ledger: int, first: int, last: int, max_bytes: int, stride: int = 1,
@@ -566,36 +736,89 @@ class ShardStorage:
         st = self._ledgers.get(ledger)
         if st is None:
             return ENOLEDGER, first, []
-        idx = st.idx
-        base = st.base
-        hi = min(last, base + len(idx) - 1)
+        hi = min(last, st.last)
         e = first + (offset - first) % stride
-        if e < base:
-            e += (base - e + stride - 1) // stride * stride
-        out = []
+        out: list = []
         total = 0
-        read_add = self._journal.read_add
-        while e <= hi:
-            pos = idx[e - base]
-            if pos >= 0:
-                try:
-                    rl, re_, lac, digest, payload = read_add(pos)
-                except CorruptRecordError as err:
-                    log.error("read of entry %d of ledger %d: %s", e, ledger, err)
-                    rl = re_ = -1
-                if rl != ledger or re_ != e:
-                    if rl != -1:
-                        log.error("read of entry %d of ledger %d: index points elsewhere",
-                                  e, ledger)
-                    return (EIO if not out else EOK), e, out
-                n = len(payload)
-                if out and total + n > max_bytes:
-                    return EOK, e, out
-                out += (e, lac, digest, payload)
-                total += n
-                if total >= max_bytes or len(out) >= 4 * max_count:
-                    return EOK, e + 1, out
-            e += stride
+        if e > hi:
+            return EOK, max(first, last + 1), out
+        with self._index.read_txn() as txn:
+            runs = self._index.runs_from(ledger, e, txn)
+            run = next(runs, None)
+            while e <= hi:
+                while run is not None and run.last < e:
+                    run = next(runs, None)
+                pos = self._tail_pos(ledger, e)
+                if pos >= 0:
+                    got = self._read_journal(ledger, e, pos)
+                    if got is None:
+                        return (EIO if not out else EOK), e, out
+                    n = len(got[2])
+                    if out and total + n > max_bytes:
+                        return EOK, e, out
+                    out += (e, got[0], got[1], got[2])
+                    total += n
+                    if total >= max_bytes or len(out) >= 4 * max_count:
+                        return EOK, e + 1, out
+                    e += stride
+                    continue
+                if run is not None and run.first <= e:
+                    i = run.index_of(e)
+                    if i < 0 or stride % run.step:
+                        if i >= 0:           # an odd stride: one entry at a time
+                            recs: list = []
+                            if not self._read_run(run, i, i + 1, recs):
+                                return (EIO if not out else EOK), e, out
+                            _, _, lac, digest, payload = recs[0]
+                            if out and total + len(payload) > max_bytes:
+                                return EOK, e, out
+                            out += (e, lac, digest, payload)
+                            total += len(payload)
+                            if total >= max_bytes or len(out) >= 4 * max_count:
+                                return EOK, e + stride, out
+                        e += stride
+                        continue
+                    k = stride // run.step
+                    i_max = min(run.count - 1, (hi - run.first) // run.step)
+                    # The records of this run to read with one pread: by their sizes,
+                    # about what the byte and count budgets still allow.
+                    room = max_bytes - total
+                    left = max_count - len(out) // 4
+                    j = i
+                    picked = got_bytes = 0
+                    while j <= i_max:
+                        size = run.rel(j + 1) - run.rel(j) - ADD_OVERHEAD
+                        if picked and (got_bytes + size > room or picked >= left):
+                            break
+                        got_bytes += size
+                        picked += 1
+                        j += k
+                    end = j - k + 1
+                    want = None if k == 1 else set(range(e, run.first + end * run.step, stride))
+                    recs = []
+                    if not self._read_run(run, i, end, recs, want):
+                        return (EIO if not out else EOK), e, out
+                    for rl, re_, lac, digest, payload in recs:
+                        n = len(payload)
+                        if out and total + n > max_bytes:
+                            return EOK, re_, out
+                        out += (re_, lac, digest, payload)
+                        total += n
+                        if total >= max_bytes or len(out) >= 4 * max_count:
+                            return EOK, re_ + 1, out
+                    e = run.first + j * run.step
+                    continue
+                # ``e`` is in no run and not in a tail: jump to the next entry held.
+                target = run.first if run is not None else hi + 1
+                for tails in (self._wc, self._flushing):
+                    t = tails.get(ledger) if tails else None
+                    if t is not None:
+                        nt = t.next_at_or_after(e)
+                        if nt is not None and nt < target:
+                            target = nt
+                if target <= e:
+                    target = e + 1
+                e = target + (offset - target) % stride
         return EOK, max(first, last + 1), out
 
     def read_lac(self, ledger: int) -> tuple[int, int, int]:
@@ -621,143 +844,180 @@ class ShardStorage:
 
     def list_entries(self, ledger: int) -> tuple[int, list[int]]:
         """``(status, [first, last, ...])`` inclusive runs of the entry ids held."""
-        st = self._ledgers.get(ledger)
-        if st is None:
+        if ledger not in self._ledgers:
             return ENOLEDGER, []
-        base = st.base
-        return EOK, ids_to_ranges(base + i for i, p in enumerate(st.idx) if p >= 0)
+        ranges: list[int] = []
+        spans = []
+        for run in self._index.runs_of(ledger):
+            if run.step == 1:
+                spans.append((run.first, run.last))
+            else:
+                spans.extend((x, x) for x in run.entries())
+        for tails in (self._wc, self._flushing):
+            t = tails.get(ledger) if tails else None
+            if t is not None:
+                spans.extend((e, e) for e, _ in t.items())
+        spans.sort()
+        for a, b in spans:
+            if ranges and a <= ranges[-1] + 1:
+                if b > ranges[-1]:
+                    ranges[-1] = b
+            else:
+                ranges += (a, b)
+        return EOK, ranges
 
     def ledgers(self) -> list[int]:
         return sorted(self._ledgers)
 
-    # --- checkpoint -----------------------------------------------------------
-    def checkpoint(self) -> None:
-        """Sync, then atomically persist every ledger state, index and the journal mark."""
-        self._journal.sync()
-        mark = self._journal.mark
-        rows = []
-        for lid, st in self._ledgers.items():
-            segb = []
-            for seq, b in st.segb.items():
-                segb += (seq, b)
-            rows.append([lid, st.fenced, st.key, st.lac, st.last, st.idx.tobytes(), segb,
-                         st.meta_seg, st.base])
-        content = msgpack.packb({
-            "mark": list(mark), "byteorder": sys.byteorder, "created": time.time(),
-            "ledger_fields": LEDGER_FIELDS, "ledgers": rows,
-        }, use_bin_type=True)
-        data = msgpack.packb([CHECKPOINT_MAGIC, CHECKPOINT_VERSION, crc32c(content), content],
-                             use_bin_type=True)
-        tmp = self._ckpt_path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, self._ckpt_path)
-        J._fsync_dir(self.index_dir)
-        self._ckpt_mark = mark
-        self._ckpt_at = self._journal.synced_bytes
+    # --- flushes ----------------------------------------------------------------
+    def maintain(self, now: float | None = None) -> None:
+        """Called by the shard's loop on every pass: take back finished flusher
+        jobs, start a flush when the tail is due, and wait for the one in flight
+        when the new tail filled too (back-pressure)."""
+        fl = self._flusher
+        while fl.pending and not fl.done.empty():
+            self._finish(fl.done.get())
+        due = self._journal_bytes() - self._swap_at
+        if self._flushing is None:
+            now = time.monotonic() if now is None else now
+            if self._flush_failed is not None and now - self._last_swap < FLUSH_RETRY_SECONDS:
+                return                # the journal keeps it all meanwhile
+            if due >= self.flush_bytes or (due and now - self._last_swap >= self.flush_interval):
+                self._start_flush()
+        elif due >= self.write_cache_bytes - self.flush_bytes and self._flushing is not None:
+            log.warning("%s: the write cache is full while a flush runs; waiting for it",
+                        self.index_dir)
+            self._wait_flusher()
+
+    def _start_flush(self) -> None:
+        j = self._journal
+        j.write_out()                       # the flusher reads the region from the files
+        mark = j.mark
+        regions = []
+        seq0, off0 = self._flushed_mark
+        for seq in j.segments():
+            if seq < seq0 or seq > mark[0]:
+                continue
+            lo = off0 if seq == seq0 else J.HEADER_SIZE
+            hi = mark[1] if seq == mark[0] else j.segment_size_of(seq)
+            if hi > lo:
+                regions.append((seq, j.segment_path(seq), lo, hi))
+        states = {lid: self._ledgers[lid].row() for lid in self._dirty if lid in self._ledgers}
+        job = FlushJob(self._wc, states, mark, regions=regions,
+                       nbytes=self._journal_bytes() - self._swap_at)
+        self._flushing = self._wc
+        self._flushing_entries = self._wc_entries
+        self._wc = {}
+        self._wc_entries = 0
+        self._dirty = set()
+        self._swap_at = self._journal_bytes()
+        self._last_swap = time.monotonic()
+        self._flusher.submit(job)
+
+    def _finish(self, job) -> None:
+        self._flusher.pending -= 1
+        if isinstance(job, CompactJob):
+            self._finish_compaction(job)
+            return
+        flushed = self._flushing
+        self._flushing = None
+        if job.error is not None:
+            # Nothing was committed: the journal still has it all. Merge the tail
+            # back (newer positions win) and try again at the next flush.
+            self._flush_failed = job.error
+            for lid, t in flushed.items():
+                new = self._wc.get(lid)
+                self._wc[lid] = t
+                if new is not None:
+                    for e, p in new.items():
+                        t.put(e, p)
+            self._wc_entries += self._flushing_entries
+            self._dirty.update(job.states)
+            return
+        self._flush_failed = None
+        if job.stats.get("merged"):
+            # rewritten entries (recovery adds) replaced older copies: no stale
+            # copy may stay in the read-ahead cache
+            self._cache.clear()
+        self._flushed_mark = job.mark
         self.checkpoints += 1
+        self.last_flush = dict(job.stats, journal_bytes=job.nbytes)
+        self._flushing_entries = 0
+        self._drop_old_segments()
+
+    def _drop_old_segments(self) -> None:
+        """Journal segments wholly before the flushed mark are in the index: delete."""
+        j = self._journal
+        for seq in j.segments():
+            if seq < self._flushed_mark[0] and seq != j.active_seq:
+                j.remove_segment(seq)
+
+    def _wait_flusher(self) -> None:
+        fl = self._flusher
+        while fl.pending:
+            self._finish(fl.done.get())
+
+    def checkpoint(self, force: bool = False) -> None:
+        """Flush everything written so far into entry logs and index, and wait for
+        it (a restart then replays nothing). Raises if the flush failed."""
+        self._wait_flusher()
+        self._journal.sync()
+        if force or self._wc or self._dirty or \
+                tuple(self._journal.mark) != tuple(self._flushed_mark):
+            self._start_flush()
+            self._wait_flusher()
+            if self._flush_failed is not None:
+                raise JournalError(f"flush of {self.index_dir} failed: {self._flush_failed}")
 
     @property
-    def bytes_since_checkpoint(self) -> int:
-        """Journal bytes appended since the last checkpoint (what a restart replays)."""
-        j = self._journal
-        return j.synced_bytes + j._unsynced - self._ckpt_at
+    def entries(self) -> int:
+        return self._index.entries() + self._wc_entries + self._flushing_entries
 
-    def _load_checkpoint(self):
-        """Load the checkpoint into memory; return its mark, or None for a full replay."""
-        path = self._ckpt_path
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            if self._journal.segments():
-                log.warning("no checkpoint in %s: replaying the whole journal %s",
-                            self.index_dir, self.journal_dir)
-            return None
-        try:
-            outer = msgpack.unpackb(data, raw=False)
-            if not (isinstance(outer, list) and len(outer) == 4 and outer[0] == CHECKPOINT_MAGIC):
-                raise ValueError("not a bk shard checkpoint")
-            _, version, crc, content = outer
-            if version != CHECKPOINT_VERSION:
-                raise ValueError(f"checkpoint format version {version} is not supported")
-            if crc32c(content) != crc:
-                raise ValueError("CRC mismatch")
-            body = msgpack.unpackb(content, raw=False, strict_map_key=False)
-            if body["ledger_fields"] != LEDGER_FIELDS:
-                raise ValueError(f"unknown ledger fields {body['ledger_fields']}")
-            swap = body["byteorder"] != sys.byteorder
-            ledgers: dict[int, _Ledger] = {}
-            entries = 0
-            for lid, fenced, key, lac, last, idx_bytes, segb, meta_seg, base in body["ledgers"]:
-                st = _Ledger(key)
-                st.base = base
-                st.fenced, st.lac, st.last, st.meta_seg = bool(fenced), lac, last, meta_seg
-                st.idx.frombytes(idx_bytes)
-                if swap:
-                    st.idx.byteswap()
-                st.segb = {segb[i]: segb[i + 1] for i in range(0, len(segb), 2)}
-                entries += len(st.idx) - st.idx.count(-1)
-                ledgers[lid] = st
-            mark = tuple(body["mark"])
-            J.parse_mark(mark)
-        except Exception as e:   # any decoding failure means the same thing: unusable
-            log.warning("checkpoint %s is unusable (%s): replaying the whole journal %s",
-                        path, e, self.journal_dir)
-            return None
-        self._ledgers = ledgers
-        self._entries = entries
-        self._ckpt_mark = mark
-        return mark
-
+    # --- replay -------------------------------------------------------------------
     def _replay(self, mark) -> None:
         ledgers = self._ledgers
         journal = self._journal
-        n = 0
+        n = nbytes = 0
         keyless = set()
         report = self._replay_reporter(mark)
         for pos, rlen, rtype, f in journal.replay(mark):
             n += 1
+            nbytes += rlen
             if not n & 0x3FFF and report is not None:
                 report(pos)
             lid = f[0]
             st = ledgers.get(lid)
             if rtype == J.DELETE:
                 if st is not None:
-                    self._entries -= len(st.idx) - st.idx.count(-1)
                     del ledgers[lid]
+                self._wc.pop(lid, None)
                 self._replayed_deletes.append(lid)
                 continue
             if rtype == J.DROP:
                 if st is not None:
-                    self._forget_entries(st)
-                    self._meta(st, pos)
+                    self._forget(lid, st)
                 continue
             if st is None:
                 st = ledgers[lid] = _Ledger(None)
                 keyless.add(lid)
+            self._dirty.add(lid)
             if rtype == J.ADD:
                 _, entry, lac = f
                 if entry >= 0:
-                    self._index_put(st, entry, lac, pos, rlen)
+                    self._tail_put(lid, entry, pos)
+                    if lac > st.lac:
+                        st.lac = lac
+                    if entry > st.last:
+                        st.last = entry
             elif rtype == J.MASTER_KEY:
                 if st.key is None:
                     st.key = f[1]
                     keyless.discard(lid)
-                self._meta(st, pos)
             elif rtype == J.FENCE:
                 st.fenced = True
-                self._meta(st, pos)
             elif rtype == J.WRITE_LAC:
                 if f[1] > st.lac:
                     st.lac = f[1]
-                self._meta(st, pos)
             elif rtype == J.STATE:
                 _, fenced, lac, key = f
                 st.fenced = st.fenced or fenced
@@ -766,8 +1026,8 @@ class ShardStorage:
                 if key is not None:
                     st.key = key
                     keyless.discard(lid)
-                st.meta_seg = pos >> 32     # a STATE supersedes all earlier state records
         self.replayed_records = n
+        self._replayed_bytes = nbytes
         keyless &= ledgers.keys()
         if keyless:
             log.warning("replay found entries but no master key for %d ledgers (e.g. %d); "
@@ -800,68 +1060,90 @@ class ShardStorage:
         return report
 
     # --- maintenance ----------------------------------------------------------
+    def _forget(self, lid: int, st: _Ledger) -> None:
+        """A DROP: the ledger's entries are gone, it stays fenced with its key."""
+        t = self._wc.pop(lid, None)
+        if t is not None:
+            self._wc_entries -= t.count()
+        st.last = -1
+        st.fenced = True
+        self._dirty.add(lid)
+        with self._index.write() as w:
+            w.delete_runs_of(lid)
+            w.put_state(lid, *st.row())
+
     def delete_ledgers(self, ledger_ids) -> int:
-        """Drop the state and index of these ledgers, leaving a durable tombstone for
-        each, and checkpoint; return how many."""
+        """Drop the state, entries and index of these ledgers, leaving a durable
+        tombstone for each; return how many."""
         # Tombstones first: once a ledger's state is gone, only its tombstone keeps
         # an old writer's ADD from creating it anew.
-        self._tomb.add(lid for lid in ledger_ids if lid in self._ledgers)
-        dropped = 0
-        for lid in ledger_ids:
-            st = self._ledgers.get(lid)
-            if st is None:
-                continue
+        ids = [lid for lid in ledger_ids if lid in self._ledgers]
+        self._tomb.add(ids)
+        if not ids:
+            return 0
+        self._wait_flusher()
+        for lid in ids:
             self._journal.append(J.DELETE, lid)
-            del self._ledgers[lid]
-            self._entries -= len(st.idx) - st.idx.count(-1)
-            dropped += 1
-        if dropped:
-            self.checkpoint()
-        return dropped
+        self._journal.sync()
+        with self._index.write() as w:
+            for lid in ids:
+                del self._ledgers[lid]
+                t = self._wc.pop(lid, None)
+                if t is not None:
+                    self._wc_entries -= t.count()
+                self._dirty.discard(lid)
+                w.delete_runs_of(lid)
+                w.delete_state(lid)
+        self._cache.clear()
+        return len(ids)
 
     def drop_ledgers(self, ledger_ids) -> int:
         """Forget the entries of these ledgers but keep each fenced, with its key and
         no tombstone (over-replicated GC: the ledger lives on, re-replicated to
         other bookies). Fenced, so an old writer's ADD is refused (EFENCED) where
         an absent ledger would have been created anew; no tombstone, so recovery
-        adds (this bookie picked again to hold it) are accepted. Checkpoints;
-        returns how many had entries."""
+        adds (this bookie picked again to hold it) are accepted. Returns how many
+        had entries."""
+        ids = [lid for lid in ledger_ids if lid in self._ledgers]
+        if not ids:
+            return 0
+        self._wait_flusher()
+        for lid in ids:
+            self._journal.append(J.DROP, lid)
+        self._journal.sync()
         dropped = 0
-        for lid in ledger_ids:
-            st = self._ledgers.get(lid)
-            if st is None:
-                continue
-            pos = self._journal.append(J.DROP, lid)
-            if self._forget_entries(st):
+        for lid in ids:
+            st = self._ledgers[lid]
+            if st.last >= 0 or lid in self._wc or self._index.runs_of(lid):
                 dropped += 1
-            self._meta(st, pos)
-        if ledger_ids:
-            self.checkpoint()
+            self._forget(lid, st)
+        self._cache.clear()
         return dropped
-
-    def _forget_entries(self, st: _Ledger) -> bool:
-        n = len(st.idx) - st.idx.count(-1)
-        self._entries -= n
-        st.idx = array("q")
-        st.segb = {}
-        st.base = 0
-        st.last = -1
-        st.fenced = True
-        return n > 0
 
     def _bury(self) -> None:
         """After loading: a ledger with a tombstone but state (a crash between the
-        tombstone and its DELETE record) is deleted; so are DELETE records whose
-        tombstone is missing re-tombstoned (see _replay)."""
+        tombstone and its index update) is deleted; DELETE records whose tombstone
+        is missing are re-tombstoned."""
         dead = [lid for lid in self._ledgers if lid in self._tomb]
-        for lid in dead:
-            st = self._ledgers.pop(lid)
-            self._entries -= len(st.idx) - st.idx.count(-1)
         if dead:
+            with self._index.write() as w:
+                for lid in dead:
+                    self._ledgers.pop(lid)
+                    t = self._wc.pop(lid, None)
+                    if t is not None:
+                        self._wc_entries -= t.count()
+                    self._dirty.discard(lid)
+                    w.delete_runs_of(lid)
+                    w.delete_state(lid)
             log.warning("dropped %d ledgers that have tombstones (e.g. %d)", len(dead),
                         dead[0])
         if self._replayed_deletes:
-            self._tomb.add(self._replayed_deletes)
+            ids = self._replayed_deletes
+            self._tomb.add(ids)
+            with self._index.write() as w:
+                for lid in ids:
+                    w.delete_runs_of(lid)
+                    w.delete_state(lid)
             self._replayed_deletes = []
 
     @property
@@ -871,104 +1153,82 @@ class ShardStorage:
     def is_deleted(self, ledger: int) -> bool:
         return ledger in self._tomb
 
-    def live_bytes(self) -> dict[int, int]:
-        """Live bytes (referenced by some index) per segment."""
-        live: dict[int, int] = {}
-        for st in self._ledgers.values():
-            for seq, b in st.segb.items():
-                live[seq] = live.get(seq, 0) + b
-        return live
+    def start_compaction(self, threshold: float, max_bytes: int | None = None) -> bool:
+        """Queue a compaction of the entry logs whose live fraction is under
+        ``threshold`` (the flusher thread does it between flushes); its result
+        comes back from :meth:`compaction_result`."""
+        if threshold <= 0 or self._compaction is not None:
+            return False
+        self._wait_flusher()
+        self._compaction = CompactJob(threshold, max_bytes)
+        self._compaction_done = None
+        self._flusher.submit(self._compaction)
+        return True
+
+    def compaction_result(self) -> dict | None:
+        """The stats of the last compaction once it finished (then None again)."""
+        fl = self._flusher
+        while fl.pending and not fl.done.empty():
+            self._finish(fl.done.get())
+        done, self._compaction_done = self._compaction_done, None
+        return done
+
+    def _finish_compaction(self, job: CompactJob) -> None:
+        self._compaction = None
+        stats = dict(job.stats) or {"logs_removed": 0, "entries_moved": 0, "bytes_moved": 0,
+                                    "bytes_freed": 0}
+        if job.error is not None:
+            stats["error"] = str(job.error)
+        freed = 0
+        for log_id in job.removable:
+            freed += self._logs.remove(log_id)
+        stats["bytes_freed"] = freed
+        stats["segments_removed"] = stats.get("logs_removed", 0)
+        self._compaction_done = stats
 
     def compact(self, threshold: float, max_bytes: int | None = None) -> dict:
-        """Remove full segments whose live fraction is under ``threshold``, copying
-        their live entries forward first. ``max_bytes`` bounds the bytes copied by
-        one call (the emptiest segments go first; the first segment is always
-        processed so that every call makes progress).
-        Returns ``{segments_removed, bytes_freed, entries_moved, bytes_moved}``."""
-        stats = {"segments_removed": 0, "bytes_freed": 0, "entries_moved": 0, "bytes_moved": 0}
-        journal = self._journal
-        if threshold <= 0:
+        """Compact now and wait (see :meth:`start_compaction`); returns the stats."""
+        stats = {"logs_removed": 0, "segments_removed": 0, "entries_moved": 0,
+                 "bytes_moved": 0, "bytes_freed": 0}
+        if not self.start_compaction(threshold, max_bytes):
             return stats
-        active = journal.active_seq
-        live = self.live_bytes()
-        cands = []
-        for seq in journal.segments():
-            if seq == active:
-                continue
-            frac = live.get(seq, 0) / journal.segment_size_of(seq)
-            if frac < threshold:
-                cands.append((frac, seq))
-        if not cands:
-            return stats
-        cands.sort()
-        chosen = []
-        moved = 0
-        ledgers = self._ledgers
-        for _, seq in cands:
-            need = live.get(seq, 0)
-            if need and max_bytes is not None and chosen and moved + need > max_bytes:
-                break
-            chosen.append(seq)
-            if not need:
-                continue
-            for pos, rlen, rtype, f in journal.scan_segment(seq, full=False):
-                if rtype != J.ADD:
-                    continue
-                lid, entry, lac = f
-                st = ledgers.get(lid)
-                i = entry - st.base if st is not None else -1
-                if i < 0 or i >= len(st.idx) or st.idx[i] != pos:
-                    continue
-                _, _, _, digest, payload = journal.read_add(pos)
-                new = journal.append_add(lid, entry, lac, digest, payload)
-                st.idx[i] = new
-                left = st.segb.get(seq, 0) - rlen
-                if left > 0:
-                    st.segb[seq] = left
-                else:
-                    st.segb.pop(seq, None)
-                nseq = new >> 32
-                st.segb[nseq] = st.segb.get(nseq, 0) + rlen
-                moved += rlen
-                stats["entries_moved"] += 1
-        stats["bytes_moved"] = moved
-        top = max(chosen)
-        for lid, st in ledgers.items():
-            if st.meta_seg <= top:
-                pos = journal.append(J.STATE, lid, st.fenced, st.lac, st.key)
-                st.meta_seg = pos >> 32
-        self.checkpoint()               # syncs the copies first
-        live = self.live_bytes()
-        for seq in chosen:
-            if live.get(seq):
-                log.error("compaction left %d live bytes in segment %s (unreadable records?); "
-                          "keeping it", live[seq], journal.segment_path(seq))
-                continue
-            stats["bytes_freed"] += journal.remove_segment(seq)
-            stats["segments_removed"] += 1
-        return stats
+        self._wait_flusher()
+        return self.compaction_result() or stats
 
     def stats(self) -> dict:
         j = self._journal
         return {
             "ledgers": len(self._ledgers),
-            "entries": self._entries,
+            "entries": self.entries,
             "segments": len(j.segments()),
             "journal_bytes": j.disk_usage(),
+            "entry_logs": len(self._logs.ids()),
+            "entry_log_bytes": self._logs.disk_usage(),
+            "index_bytes": self._index.disk_usage(),
             "syncs": j.syncs,
             "synced_records": j.synced_records,
             "synced_bytes": j.synced_bytes,
             "unsynced_bytes": j.unsynced_bytes,
             "journal_mark": J.format_mark(j.mark),
-            "last_mark": J.format_mark(self._ckpt_mark) if self._ckpt_mark else None,
+            "last_mark": J.format_mark(self._flushed_mark),
             "checkpoints": self.checkpoints,
+            "flushing": self._flushing is not None,
+            "compacting": self._compaction is not None,
+            "write_cache_bytes": self._journal_bytes() - self._swap_at,
+            "write_cache_entries": self._wc_entries + self._flushing_entries,
+            "last_flush_bytes": self.last_flush.get("bytes", 0),
+            "last_flush_seconds": round(self.last_flush.get("seconds", 0.0), 4),
+            "read_cache_bytes": self._cache.bytes,
+            "read_cache_hits": self._cache.hits,
+            "read_cache_misses": self._cache.misses,
             "tombstones": len(self._tomb),
             "replayed_records": self.replayed_records,
         }
 
     def close(self) -> None:
-        """Sync, checkpoint and unmap (idempotent). After a journal failure the
-        checkpoint is skipped: its state may include records that are not durable."""
+        """Flush, stop the flusher and close everything (idempotent). After a journal
+        failure the flush is skipped: the state may include records that are not
+        durable."""
         if self._closed:
             return
         self._closed = True
@@ -976,4 +1236,4 @@ class ShardStorage:
             if self._journal._failed is None:
                 self.checkpoint()
         finally:
-            self._journal.close()
+            self._shutdown()

@@ -44,9 +44,12 @@ committed as soon as N completes. Throughput is then bounded by the larger of
 CPU and disk time per group instead of their sum. At most one sync is in
 flight; its completion is signalled through a pipe the selector watches.
 
-Garbage collection drops deleted ledgers at once and then compacts in slices
-(COMPACT_STEP_BYTES) between passes of the loop, answering requests between
-them.
+Storage (``bk.bookie.storage``) flushes the journal's tail into entry logs
+and the index on its own flusher thread; the loop only calls
+:meth:`ShardStorage.maintain` once a pass (which swaps the tail when it is
+due) and keeps serving meanwhile. Garbage collection drops deleted ledgers at
+once (the flusher idle) and hands entry-log compaction to the flusher thread
+too, reporting the round to the arbiter when it is done.
 
 Plain reads are answered at once, but a connection's output is bounded: past
 OUT_HIGH unsent bytes its remaining frames wait in its buffer, unread, until
@@ -102,23 +105,18 @@ RECV_SIZE = 256 * 1024
 OUT_HIGH = 8 * 1024 * 1024
 OUT_LOW = 1024 * 1024
 HEARTBEAT_INTERVAL = 1.0
-# A GC round's compaction runs in slices between passes of the loop, so the
-# shard answers requests meanwhile instead of stalling for the whole round
-# (copying 256 MiB took ~1 s): each slice copies about COMPACT_STEP_BYTES (at
-# least one segment's live entries), the round at most COMPACT_ROUND_BYTES.
-COMPACT_STEP_BYTES = 16 << 20
+# Bytes of live entries one GC round's compaction copies at most (on the
+# flusher thread; the loop keeps serving).
 COMPACT_ROUND_BYTES = 256 << 20
 SWITCH_INTERVAL = 0.0002
 
 
 def staggered_checkpoint_bytes(limit: int) -> int:
-    """This shard's threshold for a checkpoint forced under load: a random point
-    in the last quarter below ``flushIntervalBytes``. The bookies of an ensemble
-    write the same bytes, so with one threshold they all paused for their
-    forced checkpoints at the same moment (~20 ms on the project's VM, every
-    256 MiB) and no ack quorum could hide it; staggered, one pauses at a time
-    and Qa of the others answer. Lower, never higher: the limit still bounds
-    what a restart replays."""
+    """This shard's flush threshold from ``flushIntervalBytes``: a random point in
+    the last quarter below it. The bookies of an ensemble write the same bytes;
+    staggered, their flushes (and the disk bursts of their entry-log writes)
+    do not all fall on the same moment. Lower, never higher: the limit still
+    bounds what a restart replays."""
     return limit - limit // 4 * int.from_bytes(os.urandom(2), "big") // 65536
 
 
@@ -166,7 +164,8 @@ class ShardWorker:
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
         self._gc_deleted: list[int] = []             # ledger ids of a GC round, in chunks
         self._resume: list[_Conn] = []               # drained: dispatch their buffered frames
-        self._compacting = None                      # [threshold, stats] of a GC round
+        self._compacting = None                      # the stats of a GC round compacting
+        self._last_minor = self._last_major = time.monotonic()
         self.storage = None
         self.ppid = os.getppid()
         # Metrics are counted per group commit: the held answers that are not adds
@@ -216,11 +215,16 @@ class ShardWorker:
         jdir, idir = layout.shard_dirs(self.conf, self.shard)
         t0 = time.monotonic()
         shard, n = self.shard, self.num_shards
-        self.storage = ShardStorage(jdir, idir,
-                                    segment_size=self.conf.journalPreAllocSizeMB << 20,
-                                    sync_data=self.conf.journalSyncData,
-                                    owns=lambda lid: P.shard_of(lid, n) == shard,
-                                    progress=self._replay_progress)
+        conf = self.conf
+        self.storage = ShardStorage(
+            jdir, idir, segment_size=conf.journalPreAllocSizeMB << 20,
+            sync_data=conf.journalSyncData, owns=lambda lid: P.shard_of(lid, n) == shard,
+            progress=self._replay_progress, ledger_dirs=layout.shard_ledger_dirs(conf, shard),
+            write_cache_bytes=conf.dbStorage_writeCacheMaxSizeMb << 20,
+            flush_bytes=self.ckpt_bytes, flush_interval=conf.flushInterval / 1000.0,
+            read_cache_bytes=conf.dbStorage_readAheadCacheMaxSizeMb << 20,
+            read_ahead_entries=conf.dbStorage_readAheadCacheBatchSize,
+            log_size_limit=conf.logSizeLimit)
         stats = self.storage.stats()
         log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
                  time.monotonic() - t0, stats.get("ledgers"))
@@ -355,7 +359,6 @@ class ShardWorker:
         sel = self.sel
         storage = self.storage
         next_hb = 0.0
-        next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
         while not self.stopping:
             now = time.monotonic()
             if self.held and self.sync_job is None:
@@ -364,8 +367,10 @@ class ShardWorker:
                 timeout = min(HEARTBEAT_INTERVAL, max(0.0, next_hb - now))
                 if self._waiters:
                     timeout = min(timeout, 0.05)
-            if self._resume or self._compacting is not None:
+            if self._resume:
                 timeout = 0
+            elif self._compacting is not None:
+                timeout = min(timeout, 0.05)
             events = sel.select(timeout)
             for key, mask in events:
                 conn = key.data
@@ -400,20 +405,8 @@ class ShardWorker:
                 if not self._send_hb():
                     return
             if self._compacting is not None:
-                self._compact_step()
-            if now >= next_ckpt or storage.bytes_since_checkpoint >= self.ckpt_bytes:
-                if not self.held and self.sync_job is None:
-                    storage.checkpoint()
-                elif (storage.bytes_since_checkpoint >= self.ckpt_bytes
-                      or now >= next_ckpt + self.conf.flushInterval / 1000.0):
-                    # Under sustained load the loop is never idle: force it, or a
-                    # restart after kill -9 would replay the whole run. The pause is
-                    # the sync in flight plus the checkpoint's write.
-                    self._quiesce()
-                    storage.checkpoint()
-                else:
-                    continue          # due: take it at the next idle moment
-                next_ckpt = time.monotonic() + self.conf.flushInterval / 1000.0
+                self._compaction_step()
+            storage.maintain(now)
 
     def _send_hb(self) -> bool:
         """A heartbeat, carrying this shard's metrics (see bk.metrics)."""
@@ -470,22 +463,37 @@ class ShardWorker:
         dropped = self.storage.delete_ledgers(ids) if ids else 0
         stats = {"ledgers_deleted": dropped, "segments_removed": 0, "bytes_freed": 0,
                  "entries_moved": 0, "bytes_moved": 0}
-        if threshold > 0 and self._compacting is None:
-            self._compacting = [threshold, stats]       # _compact_step, from the loop
+        # compactionThreshold 0 (from the arbiter) turns compaction off; otherwise
+        # BookKeeper's schedule: major when its interval passed, else minor.
+        level = self._compaction_level() if threshold > 0 else None
+        if level is not None and self._compacting is None and \
+                self.storage.start_compaction(level, COMPACT_ROUND_BYTES):
+            self._compacting = stats         # finished in _compaction_step, from the loop
         else:
             self._gc_done(stats)
 
-    def _compact_step(self):
-        threshold, stats = self._compacting
-        self._quiesce()
-        step = self.storage.compact(threshold, max_bytes=COMPACT_STEP_BYTES)
-        for k, v in step.items():
-            stats[k] = stats.get(k, 0) + v
-        # Done when a slice removed nothing (no candidate left, or one that keeps
-        # live records: never loop on it) or the round's budget is spent.
-        if not step["segments_removed"] or stats["bytes_moved"] >= COMPACT_ROUND_BYTES:
-            self._compacting = None
-            self._gc_done(stats)
+    def _compaction_level(self):
+        """The threshold of the compaction due now (major, minor) or None."""
+        now = time.monotonic()
+        conf = self.conf
+        if conf.majorCompactionThreshold > 0 and \
+                now - self._last_major >= conf.majorCompactionInterval:
+            self._last_major = self._last_minor = now
+            return conf.majorCompactionThreshold
+        if conf.minorCompactionThreshold > 0 and \
+                now - self._last_minor >= conf.minorCompactionInterval:
+            self._last_minor = now
+            return conf.minorCompactionThreshold
+        return None
+
+    def _compaction_step(self):
+        done = self.storage.compaction_result()
+        if done is None:
+            return
+        stats, self._compacting = self._compacting, None
+        for k in ("segments_removed", "bytes_freed", "entries_moved", "bytes_moved"):
+            stats[k] += done.get(k, 0)
+        self._gc_done(stats)
 
     def _gc_done(self, stats: dict):
         if stats["ledgers_deleted"] or stats["segments_removed"]:

@@ -9,6 +9,9 @@ import time
 
 import click
 
+from bk.bookie import layout
+from bk.bookie.storage import Tombstones
+from bk.bookie.upgrade import needs_upgrade, upgrade_shard
 from bk.cli.common import fail, one_line_errors, setup_logging
 from bk.config import Config
 from bk.exitcodes import EXIT_CONFIG, EXIT_NOT_RUNNING
@@ -227,8 +230,6 @@ def format(conf_file, settings, force, **flags):  # noqa: A001 - the command's n
     The next start formats them anew. Refuses while the bookie runs. Without
     --force it asks for confirmation (and fails when it cannot ask).
     """
-    from bk.bookie import layout
-
     conf = load_conf(conf_file, settings, **flags)
     pid = running_pid(conf)
     if pid:
@@ -253,6 +254,49 @@ def format(conf_file, settings, force, **flags):  # noqa: A001 - the command's n
         except Exception as e:
             click.echo(f"warning: could not remove the cookie from the metadata store: {e}",
                        err=True)
+
+
+@main.command()
+@_conf_options
+@_override_options
+@one_line_errors(PROG)
+def upgrade(conf_file, settings, **flags):
+    """Convert the bookie's data to the current storage format, in place.
+
+    Shards written by the previous release (entries in the journal, the index
+    in a checkpoint file) get their entries copied into entry logs and an
+    index, showing progress; current shards are left alone. A bookie does the
+    same by itself at start; this does it offline (refused while it runs). An
+    interrupted upgrade starts over where the data is still the old format.
+
+    \b
+    Example:
+      bookie upgrade --conf conf/bk_server.conf
+    """
+    conf = load_conf(conf_file, settings, **flags)
+    pid = running_pid(conf)
+    if pid:
+        fail(PROG, f"bookie is running (pid {pid}); stop it first")
+    shards = layout.local_shards(conf)
+    if not shards:
+        fail(PROG, f"no shard directories under {', '.join(layout.all_dirs(conf))}")
+    for shard in shards:
+        jdir, idir = layout.shard_dirs(conf, shard)
+        if not needs_upgrade(jdir, idir):
+            click.echo(f"shard {shard}: already in the current format")
+            continue
+
+        def progress(done, total, shard=shard):
+            if not total:
+                click.echo(f"shard {shard}: reading the old journal")
+                return
+            click.echo(f"shard {shard}: {100 * done // total}% ({done} of {total} entries)")
+        stats = upgrade_shard(jdir, idir, layout.shard_ledger_dirs(conf, shard),
+                              segment_size=conf.journalPreAllocSizeMB << 20,
+                              log_size_limit=conf.logSizeLimit, progress=progress,
+                              tombstones=Tombstones(os.path.join(idir, "tombstones")))
+        click.echo(f"shard {shard}: upgraded {stats['ledgers']} ledgers, {stats['entries']} "
+                   f"entries ({stats['bytes'] >> 20} MiB) in {stats['seconds']:.1f}s")
 
 
 @main.command()

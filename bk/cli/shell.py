@@ -1319,6 +1319,57 @@ class _Size(click.ParamType):
         return n
 
 
+@bench.command("scale")
+@click.option("--steps", default="1M,10M,100M", show_default=True,
+              help="Entries held after each step (comma-separated; 1M, 500k or numbers).")
+@click.option("--entry-size", default=100, show_default=True, type=click.IntRange(min=1))
+@click.option("--ledgers", default=1000, show_default=True, type=click.IntRange(min=1))
+@click.option("--rate", default=30_000, show_default=True, type=click.IntRange(min=1),
+              help="Adds/s of the latency measurement after each step.")
+@click.option("--rate-seconds", default=5.0, show_default=True, type=click.FloatRange(min=0.5))
+@click.option("--catchup-entries", default=5000, show_default=True,
+              type=click.IntRange(min=0), help="1 KiB entries of each of the 100 "
+              "interleaved catch-up ledgers (0: no catch-up measurement).")
+@click.option("--dir", "base_dir", default=None, type=click.Path(file_okay=False),
+              help="Where the bookie's data goes (default: a temp dir, removed after).")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="A bookie setting for the run; repeatable.")
+@_json_opt
+@handled
+def bench_scale_cmd(steps, entry_size, ledgers, rate, rate_seconds, catchup_entries, base_dir,
+                    settings, as_json):
+    """Storage at scale: one bookie filled in steps, measured after each.
+
+    Starts its own one-bookie, one-shard cluster (needs no --metadata), fills it at
+    full speed with --entry-size entries over --ledgers interleaved ledgers and,
+    after each step, prints: entries held, the worker's RSS and peak RSS, the last
+    flush's size and time, add latency at --rate, restart after kill -9 until the
+    last entry is served, random read p99 and catch-up read MB/s of one ledger
+    written among 99 others, with the page cache dropped (as root; else warm).
+
+    \b
+    Example:
+      bkshell bench scale --steps 1M,10M
+      bkshell bench scale --steps 1M,10M --entry-size 1024 --json
+    """
+    from bk.bench.scale import bench_scale, parse_count
+    from bk.config import SETTINGS
+
+    overrides = {}
+    for kv in settings:
+        key, sep, value = kv.partition("=")
+        if not sep or key not in SETTINGS:
+            raise click.BadParameter(f"{kv!r}: expected KEY=VALUE with a known key",
+                                     param_hint="--set")
+        overrides[key] = value
+    rows = bench_scale([parse_count(x) for x in steps.split(",")], entry_size=entry_size,
+                       ledgers=ledgers, rate=rate, rate_seconds=rate_seconds,
+                       catchup_entries=catchup_entries, base_dir=base_dir, conf=overrides,
+                       report=lambda line: click.echo(line, err=as_json))
+    if as_json:
+        return _json_out(rows)
+
+
 @bench.command("recovery")
 @click.option("--size", default="1G", show_default=True, type=_Size(),
               help="Bytes written before the kill (1G, 256M, 512K or bytes); the killed "

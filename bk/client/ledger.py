@@ -83,7 +83,8 @@ _encode = protocol.encode_frame
 _unpack_rec = protocol.unpack_record_head
 _REC_HEAD = protocol.REC_HEAD
 _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generously
-_READ_WINDOW = 1000            # most reads kept in flight by read_entries
+_READ_WINDOW = 1000            # most single READs kept in flight by read_entries
+_RANGE_WINDOW = 10_000         # most entries read_entries has in flight as READ_RANGEs
 _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 
@@ -205,18 +206,28 @@ class _FutureCallback:
 
 
 class _ReadBatch:
-    """Counts down reads of one read_entries call (I/O thread), wakes the caller."""
+    """The reads of one window of read_entries (I/O thread): ``results[i]`` gets
+    entry ``first + i``; an entry no replica could give ends in ``failed`` (its
+    op, for the error). Counts down and wakes the caller."""
 
-    __slots__ = ("remaining", "event")
+    __slots__ = ("remaining", "event", "results", "first", "failed")
 
-    def __init__(self, n):
+    def __init__(self, n, first=0):
         self.remaining = n
         self.event = threading.Event()
+        self.results = [None] * n
+        self.first = first
+        self.failed = {}
         if n == 0:
             self.event.set()
 
     def one_done(self):
         self.remaining -= 1
+        if self.remaining == 0:
+            self.event.set()
+
+    def done(self, k):
+        self.remaining -= k
         if self.remaining == 0:
             self.event.set()
 
@@ -251,7 +262,9 @@ class _ReadOp:
                 self.errors.append((conn.bookie_id, e))
             else:
                 self.result = LedgerEntry(self.h._lid, self.entry_id, msg[7], length)
-                self.batch.one_done()
+                batch = self.batch
+                batch.results[self.entry_id - batch.first] = self.result
+                batch.one_done()
                 return
         else:
             self.errors.append((conn.bookie_id,
@@ -268,6 +281,7 @@ class _ReadOp:
         if self.idx < len(self.conns):
             self.start()
         else:
+            self.batch.failed[self.entry_id] = self
             self.batch.one_done()
 
     def error(self) -> BKError:
@@ -282,24 +296,26 @@ class _ReadOp:
 
 
 class _RangeRead:
-    """READ_RANGE of the entries of ``ops`` (consecutive reads of one fragment whose
-    first replica is the bookie of ``conn``), on the I/O thread: each entry that
-    comes back with a good digest completes its op; an entry the bookie lacks or
-    sent corrupt, or every op left when the bookie fails, moves on to its next
-    replica by a single READ (``_ReadOp._next``). A bookie without the feature
-    gets single READs. Answers cut by the byte budget are followed up from ``next``."""
+    """READ_RANGE of the entries ``first..last`` with id ``offset`` mod ``stride``
+    (one fragment's entries whose first replica is the bookie of ``conn``), on
+    the I/O thread. An answer is verified and stored in bulk (no object per
+    entry but the LedgerEntry handed back); only an entry the bookie lacks or
+    sent corrupt, or every entry left when the bookie fails, gets a single-entry
+    read op that moves on to its next replica (``_ReadOp``). A bookie without
+    the feature gets single READs. Answers cut by the byte budget are followed
+    up from ``next``."""
 
-    __slots__ = ("h", "conn", "ops", "stride", "offset", "budget", "first", "last")
+    __slots__ = ("h", "conn", "first", "last", "stride", "offset", "budget", "batch")
 
-    def __init__(self, h, conn, ops, stride, offset, budget):
+    def __init__(self, h, conn, first, last, stride, offset, budget, batch):
         self.h = h
         self.conn = conn
-        self.ops = {op.entry_id: op for op in ops}
+        self.first = first          # the next entry wanted (aligned on offset)
+        self.last = last
         self.stride = stride
         self.offset = offset
         self.budget = budget
-        self.first = ops[0].entry_id
-        self.last = ops[-1].entry_id
+        self.batch = batch
 
     def start(self):
         h = self.h
@@ -310,51 +326,66 @@ class _RangeRead:
                                         stride=self.stride, offset=self.offset)),
             h._read_timeout)
 
+    def _fallback(self, entries, bookie_id=None, error=None):
+        """Single reads of ``entries``: from the next replica if this bookie
+        failed them (``error``), else from the first."""
+        h = self.h
+        md = h._md
+        for e in entries:
+            op = _ReadOp(h, e, h._conns_of(md.write_set(e)), self.batch, h._read_timeout)
+            if error is None:
+                op.start()
+            else:
+                op.errors.append((bookie_id, error))
+                op._next()
+
     def unsupported(self, conn):
-        for op in self.ops.values():
-            op.start()
-        self.ops = {}
+        self._fallback(range(self.first, self.last + 1, self.stride))
 
     def on_reply(self, conn, msg):
-        ops = self.ops
         status = msg[2]
-        if status == EOK:
+        if status == EOK and type(msg[4]) is int and msg[4] > self.first:
             nxt, entries = msg[4], msg[5]
-            verify = self.h._digest.verify
+            ok: list = []
+            bad: list = []
+            self.h._digest.verify_flat(entries, ok, bad)
+            batch = self.batch
+            results = batch.results
+            base = batch.first
             lid = self.h._lid
+            first, stride, offset = self.first, self.stride, self.offset
+            top = min(self.last, nxt - 1)
+            got = 0
+            for i in range(0, len(ok), 3):
+                e = ok[i]
+                if first <= e <= top and (e - offset) % stride == 0 and \
+                        results[e - base] is None:
+                    results[e - base] = LedgerEntry(lid, e, ok[i + 1], ok[i + 2])
+                    got += 1
             bid = conn.bookie_id
-            for i in range(0, len(entries), 4):
-                e = entries[i]
-                op = ops.pop(e, None)
-                if op is None:
-                    continue
-                try:
-                    length = verify(e, entries[i + 1], entries[i + 2], entries[i + 3])
-                except DigestMismatchError as err:
-                    op.errors.append((bid, err))
-                    op._next()
-                    continue
-                op.result = LedgerEntry(lid, e, entries[i + 3], length)
-                op.batch.one_done()
-            if type(nxt) is int and nxt > self.first:
+            for e, err in bad:
+                if first <= e <= top and (e - offset) % stride == 0:
+                    self._fallback((e,), bid, err)
+            wanted = range(first, top + 1, stride)
+            if got + len(bad) < len(wanted):
                 # covered up to nxt - 1: what is missing there, this bookie lacks
-                missing = [e for e in ops if e < nxt]
+                badset = {e for e, _ in bad}
+                missing = [e for e in wanted if results[e - base] is None and e not in badset]
                 for e in missing:
-                    op = ops.pop(e)
-                    op.errors.append((bid, NoSuchEntryError(f"bookie {bid}: no entry {e}")))
-                    op._next()
-                if ops:
-                    self.first = min(ops)
-                    self.start()
-                return
+                    self._fallback((e,), bid, NoSuchEntryError(f"bookie {bid}: no entry {e}"))
+            if got:
+                batch.done(got)
+            self.first = first + len(wanted) * stride
+            if self.first <= self.last:
+                self.start()
+            return
         exc = error_for_status(status if status != EOK else ENOENTRY, f"bookie {conn.bookie_id}")
         self.on_error(conn, exc)
 
     def on_error(self, conn, exc):
-        ops, self.ops = self.ops, {}
-        for op in ops.values():
-            op.errors.append((conn.bookie_id, exc))
-            op._next()
+        entries = range(self.first, self.last + 1, self.stride)
+        self.first = self.last + 1
+        self._fallback(entries, conn.bookie_id, exc)
 
 
 class LedgerHandle:
@@ -1211,69 +1242,74 @@ class LedgerHandle:
         while e <= last:
             # The window is sized in bytes too, from the entries read so far.
             avg = nbytes // len(out) if out else _FIRST_ENTRY_GUESS
-            window = max(1, min(_READ_WINDOW, self._read_window_bytes // max(1, avg)))
+            cap = _RANGE_WINDOW if self._loop.batching else _READ_WINDOW
+            window = max(1, min(cap, self._read_window_bytes // max(1, avg)))
             end = min(last, e + window - 1)
-            ops = self._start_reads(range(e, end + 1))
-            for op in ops:
-                if op.result is None:
-                    err = op.error()
-                    if retry and self._md.state != LedgerState.CLOSED and \
-                            isinstance(err, (NoSuchEntryError, BookieUnavailableError)):
-                        # Our view of the ensembles may be stale (a writer's ensemble change).
-                        if self._refresh_metadata():
-                            return out + self._read_range(op.entry_id, last, retry=False)
-                    raise err
-                out.append(op.result)
-                nbytes += len(op.result.data)
+            batch = self._start_reads(range(e, end + 1), avg)
+            results = batch.results
+            if batch.failed:
+                for i, res in enumerate(results):
+                    if res is None:
+                        err = batch.failed[e + i].error()
+                        if retry and self._md.state != LedgerState.CLOSED and \
+                                isinstance(err, (NoSuchEntryError, BookieUnavailableError)):
+                            # Our view of the ensembles may be stale (a writer's
+                            # ensemble change).
+                            if self._refresh_metadata():
+                                return out + results[:i] + \
+                                    self._read_range(e + i, last, retry=False)
+                        raise err
+            out += results
+            nbytes += sum([len(r.data) for r in results])
             e = end + 1
         return out
 
-    def _start_reads(self, entry_ids):
+    def _start_reads(self, entry_ids, avg=_FIRST_ENTRY_GUESS):
+        """Read a window of consecutive entries (of about ``avg`` bytes); returns
+        its _ReadBatch, complete."""
         md = self._md
         self._prepare_conns({b for _, ens in md.ensembles for b in ens})
-        batch = _ReadBatch(len(entry_ids))
-        ops = [_ReadOp(self, e, self._conns_of(md.write_set(e)), batch, self._read_timeout)
-               for e in entry_ids]
-        if len(ops) > 1 and self._loop.batching:
-            self._loop.call_soon(self._start_ranged, ops)
-        elif ops:
+        batch = _ReadBatch(len(entry_ids), entry_ids[0] if entry_ids else 0)
+        if len(entry_ids) > 1 and self._loop.batching:
+            self._loop.call_soon(self._start_ranged, entry_ids[0], entry_ids[-1], batch, avg)
+        elif entry_ids:
+            ops = [_ReadOp(self, e, self._conns_of(md.write_set(e)), batch, self._read_timeout)
+                   for e in entry_ids]
             self._loop.call_soon(_start_all, ops)
         # generous bound: every replica may time out in turn
         if not batch.event.wait(self._read_timeout * (self._qw + 1) + 5):
             raise TimeoutError(f"read entries {entry_ids[0]}..{entry_ids[-1]} of ledger "
                                f"{self._lid}: no answer")
-        return ops
+        return batch
 
-    def _start_ranged(self, ops):
-        """Start consecutive reads as READ_RANGEs (I/O thread): per fragment, each
-        bookie is asked for the entries it is the first replica of (stride E)."""
+    def _start_ranged(self, first, last, batch, avg):
+        """Start the reads of ``first..last`` as READ_RANGEs (I/O thread): per
+        fragment, each bookie is asked for the entries it is the first replica
+        of (stride E, offset its slot), in requests of about a frame's budget
+        sent at once, so the answers stream back pipelined."""
         md = self._md
         frags = md.ensembles
         budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2))
-        i = 0
-        n = len(ops)
-        while i < n:
-            e = ops[i].entry_id
+        e = first
+        while e <= last:
             k = len(frags) - 1
             while k > 0 and frags[k][0] > e:
                 k -= 1
-            end_e = frags[k + 1][0] if k + 1 < len(frags) else None
-            j = i
-            while j < n and (end_e is None or ops[j].entry_id < end_e):
-                j += 1
+            end = min(last, frags[k + 1][0] - 1) if k + 1 < len(frags) else last
             ens = frags[k][1]
             E = len(ens)
-            by_slot = {}
-            for op in ops[i:j]:
-                by_slot.setdefault(op.entry_id % E, []).append(op)
-            share = max(1, budget // max(1, len(by_slot)))
-            for s, sops in by_slot.items():
-                conn = self._bconns.get(ens[s])
-                if conn is None:
-                    _start_all(sops)
-                else:
-                    _RangeRead(self, conn, sops, E, s, share).start()
-            i = j
+            per = max(1, budget // max(1, avg))          # entries of one request
+            for a in range(e, min(e + E, end + 1)):
+                conn = self._bconns.get(ens[a % E])
+                while a <= end:
+                    b = min(end, a + (per - 1) * E)
+                    rr = _RangeRead(self, conn, a, b, E, a % E, budget, batch)
+                    if conn is None:
+                        rr.unsupported(None)
+                    else:
+                        rr.start()
+                    a = b + E
+            e = end + 1
 
     def read_entry(self, entry_id: int) -> LedgerEntry:
         return self.read_entries(entry_id, entry_id)[0]

@@ -4,14 +4,12 @@ against real etcd and bookie processes."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-import msgpack
-from crc32c import crc32c
 
 import bk
 from bk import protocol as P
+from bk.bookie.index import Index
 from bk.errors import EFENCED, EOK
 from bk.meta import underreplication as UR
 from bk.testing import BookieConnection, wait_until
@@ -22,32 +20,23 @@ AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 3600,
 
 
 def remove_entry_by_hand(bookie, lid: int, entry: int) -> None:
-    """With the bookie stopped, unlink ``entry`` of ``lid`` from its shard's index
-    checkpoint (as an operator's slip or a bad disk block would): the bookie
-    then has no such entry, although every other one is intact."""
+    """With the bookie stopped (so everything is flushed), unlink ``entry`` of
+    ``lid`` from its shard's index (as an operator's slip or a bad disk block
+    would): the bookie then has no such entry, although every other one is
+    intact."""
     shard = P.shard_of(lid, bookie.num_shards)
-    path = os.path.join(bookie.dir, "ledgers", f"shard-{shard}", "checkpoint")
-    with open(path, "rb") as f:
-        magic, version, _crc, content = msgpack.unpackb(f.read(), raw=False)
-    body = msgpack.unpackb(content, raw=False, strict_map_key=False)
-    for row in body["ledgers"]:
-        if row[0] == lid:
-            from array import array
-            idx = array("q")
-            idx.frombytes(row[5])
-            if body["byteorder"] != sys.byteorder:
-                idx.byteswap()
-            assert idx[entry - row[8]] >= 0, "the entry is not there to remove"
-            idx[entry - row[8]] = -1
-            if body["byteorder"] != sys.byteorder:
-                idx.byteswap()
-            row[5] = idx.tobytes()
-            break
-    else:
-        raise AssertionError(f"ledger {lid} not in {path}")
-    content = msgpack.packb(body, use_bin_type=True)
-    with open(path, "wb") as f:
-        f.write(msgpack.packb([magic, version, crc32c(content), content], use_bin_type=True))
+    index = Index(os.path.join(bookie.dir, "ledgers", f"shard-{shard}"))
+    try:
+        run = index.lookup(lid, entry)
+        assert run is not None, "the entry is not there to remove"
+        i = run.index_of(entry)
+        with index.write() as w:
+            w.delete_run(run)
+            for a, b in ((0, i), (i + 1, run.count)):
+                if a < b:
+                    w.put_run(run.slice(a, b))
+    finally:
+        index.close()
 
 
 def _ledger(client, entries=20, e=3, qw=2):

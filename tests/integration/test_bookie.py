@@ -258,7 +258,9 @@ def test_gc_gives_space_back_and_keeps_live_ledgers(cluster_factory):
     from bk.meta.ledger import LedgerMetadata
 
     c = cluster_factory(1, num_shards=1, conf_overrides={
-        "gcWaitTime": 300, "journalPreAllocSizeMB": 1, "compactionThreshold": 0.5,
+        "gcWaitTime": 300, "journalPreAllocSizeMB": 1, "minorCompactionThreshold": 0.5,
+        "minorCompactionInterval": 0, "logSizeLimit": 1 << 20,
+        "dbStorage_writeCacheMaxSizeMb": 2, "flushIntervalBytes": 1 << 20,
         "nettyMaxFrameSizeBytes": 512 * 1024})
     b, store = c.bookies[0], c.store
     payload = os.urandom(4000)
@@ -271,17 +273,18 @@ def test_gc_gives_space_back_and_keeps_live_ledgers(cluster_factory):
         for eid in range(600):                  # ~7 MB over ~7 segments, interleaved
             for lid in lids:
                 assert add(conn0, lid, eid, payload + b"%d" % eid)[2] == EOK
-    jdir = os.path.join(b.dir, "journal", "shard-0")
+    ldir = os.path.join(b.dir, "ledgers", "shard-0", "entrylogs")
 
-    def journal_bytes():
-        return sum(os.path.getsize(os.path.join(jdir, f)) for f in os.listdir(jdir))
+    def log_bytes():
+        return sum(os.path.getsize(os.path.join(ldir, f)) for f in os.listdir(ldir))
 
-    before = journal_bytes()
+    before = log_bytes()
+    assert before > 4 << 20                     # flushed into several entry logs
     store.delete_ledger(lids[0])
     store.delete_ledger(lids[1])
-    wait_until(lambda: journal_bytes() < before * 0.6, timeout=30,
-               what=f"compaction (journal {before} bytes before; now: see below)")
-    assert journal_bytes() < before * 0.6, (before, journal_bytes(), sorted(os.listdir(jdir)))
+    wait_until(lambda: log_bytes() < before * 0.6, timeout=30,
+               what=f"compaction (entry logs {before} bytes before)")
+    assert log_bytes() < before * 0.6, (before, log_bytes(), sorted(os.listdir(ldir)))
     with BookieConnection(b.bookie_id, 0) as conn0:
         for eid in range(600):
             assert read(conn0, lids[2], eid)[7] == payload + b"%d" % eid

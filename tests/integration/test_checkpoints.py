@@ -98,7 +98,7 @@ def test_long_replay_reports_progress(cluster_factory):
     # reporting progress (to the arbiter and the log) every half second.
     c = cluster_factory(1, num_shards=1, conf_overrides={
         "flushIntervalBytes": 1 << 40, "flushInterval": 3_600_000,
-        "journalPreAllocSizeMB": 64})
+        "dbStorage_writeCacheMaxSizeMb": 1024, "journalPreAllocSizeMB": 64})
     b = c.bookies[0]
     lid = (1 << 50) + 5
     acked = pump(b, lid, 0, 500_000, window=1000, payload=b"p" * 32)

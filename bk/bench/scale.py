@@ -1,0 +1,334 @@
+"""Storage at scale: one bookie filled in steps, measured after each step
+(``scripts/bench_scale.py``, ``bkshell bench scale``).
+
+One bookie with one shard (so one worker holds everything) is filled through
+the raw protocol with entries over ``ledgers`` ledgers, interleaved (each
+ADD_BATCH carries one entry of many ledgers), at full speed. After each step
+it measures and prints:
+
+* entries held; the worker's RSS and peak RSS (VmHWM) from /proc;
+* bytes and seconds of the last flush (what a flush costs at this size);
+* add latency p50/p99/p99.9 at a fixed ``rate`` adds/s for ``rate_seconds``;
+* restart after kill -9: seconds until the last entry is served;
+* cold-cache random reads: p50/p99 of single READs of random entries;
+* cold-cache catch-up read: MB/s of reading whole ledgers of 1 KiB entries
+  through the client (``bk.BookKeeper``), ledgers written at the start
+  interleaved with 99 others (a different ledger at each step).
+
+"Cold" means the page cache was dropped (``/proc/sys/vm/drop_caches``, as
+root, as CI runs); without root the figures are marked warm.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+
+from bk import protocol as P
+from bk.client.bookkeeper import BookKeeper
+from bk.errors import EOK, BKError, error_for_status
+from bk.localcluster import LocalCluster
+from bk.meta.ledger import LedgerMetadata
+from bk.rawclient import BookieConnection
+
+KEY = b"bench-scale-key-0000"
+CATCHUP_LEDGERS = 100
+
+
+def parse_count(text: str) -> int:
+    """``"1M"``, ``"500k"``, ``"2G"`` or digits -> an entry count."""
+    mult = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+    t = text.strip().lower()
+    return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(t)
+
+
+def _pct(sorted_values, q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def proc_memory(pid: int) -> dict:
+    """RSS, peak RSS (VmHWM) and anonymous RSS of a process, in MiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = round(int(rest.split()[0]) / 1024, 1)
+    return out
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only); False if not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class _Filler:
+    """Adds over the raw protocol: round-robin over ledgers, ADD_BATCH frames."""
+
+    def __init__(self, bookie_id: str, ledgers: list[int], entry_size: int):
+        self.conn = BookieConnection(bookie_id, 0, timeout=120)
+        self.ledgers = ledgers
+        self.payload = os.urandom(entry_size)
+        self.digest = bytes(8)
+        self.rec = P.add_record_struct(len(self.digest)).pack
+        self.wlen = P.REC_HEAD + len(self.digest) + entry_size
+        self.next = 0                   # entries added so far (round-robin position)
+        self.fb = P.FrameBuffer(1 << 30)
+
+    def _batch(self, start: int, n: int) -> list:
+        rec, payload, digest, plen = self.rec, self.payload, self.digest, len(self.payload)
+        dlen = len(digest)
+        ids = self.ledgers
+        L = len(ids)
+        parts = [P.add_batch_head(start, KEY, 0, n, n * self.wlen)]
+        for i in range(start, start + n):
+            e = i // L
+            parts.append(rec(plen, ids[i % L], e, e - 1, dlen, digest))
+            parts.append(payload)
+        return parts
+
+    def _acks(self, block: bool) -> list:
+        """Acknowledged (first request id, count, receive time) of the frames read."""
+        sock = self.conn.sock
+        sock.setblocking(block)
+        try:
+            data = sock.recv(1 << 20)
+        except BlockingIOError:
+            return []
+        finally:
+            sock.setblocking(True)
+        if not data:
+            raise BKError("the bookie closed the connection")
+        self.fb.feed(data)
+        now = time.perf_counter()
+        out = []
+        for resp in self.fb.frames():
+            runs, errors = resp[3], resp[4]
+            if errors:
+                raise error_for_status(errors[2], f"add entry {errors[1]}")
+            out.append((resp[1], sum(runs[i + 2] - runs[i + 1] + 1
+                                      for i in range(0, len(runs), 3)), now))
+        return out
+
+    def fill(self, target: int, window: int = 20_000, progress=None) -> float:
+        """Add entries until ``target`` are held, as fast as the bookie takes them."""
+        t0 = time.perf_counter()
+        sent = acked = self.next
+        last = t0
+        while acked < target:
+            while sent - acked < window and sent < target:
+                n = min(1000, target - sent)
+                self.conn.sock.sendall(b"".join(self._batch(sent, n)))
+                sent += n
+            for _rid, k, now in self._acks(True):
+                acked += k
+            if progress and time.perf_counter() - last >= 5:
+                last = time.perf_counter()
+                progress(f"  {acked:,} entries, {(acked - self.next) / (last - t0):,.0f}/s")
+        self.next = acked
+        return time.perf_counter() - t0
+
+    def paced(self, rate: int, seconds: float) -> dict:
+        """Adds at a fixed rate (a batch every 5 ms); latency of each from the
+        moment it was due."""
+        tick = 0.005
+        per = max(1, int(rate * tick))
+        due: dict[int, float] = {}
+        lat = []
+        t0 = time.perf_counter()
+        k = 0
+        sent = self.next
+        outstanding = 0
+        while True:
+            now = time.perf_counter()
+            t_due = t0 + k * tick
+            if t_due - t0 >= seconds and not outstanding:
+                break
+            if now >= t_due and t_due - t0 < seconds:
+                self.conn.sock.sendall(b"".join(self._batch(sent, per)))
+                due[sent] = t_due
+                sent += per
+                outstanding += per
+                k += 1
+                continue
+            for rid, n, at in self._acks(False):
+                lat += [at - due.pop(rid)] * n
+                outstanding -= n
+            if outstanding and time.perf_counter() < t0 + k * tick:
+                for rid, n, at in self._acks(True):
+                    lat += [at - due.pop(rid)] * n
+                    outstanding -= n
+        self.next = sent
+        lat.sort()
+        return {"rate": rate, "adds": len(lat),
+                "p50_ms": round(_pct(lat, 0.5) * 1000, 2),
+                "p99_ms": round(_pct(lat, 0.99) * 1000, 2),
+                "p999_ms": round(_pct(lat, 0.999) * 1000, 2)}
+
+    def close(self):
+        self.conn.close()
+
+
+def _shard_info(bookie_id: str) -> dict:
+    with BookieConnection(bookie_id, 0) as c:
+        return c.call(P.get_bookie_info(c.next_rid()))[3]
+
+
+def _restart(b, ledger: int, entry: int) -> float:
+    b.kill()
+    t0 = time.monotonic()
+    b.start(wait=False)
+    while True:
+        try:
+            with BookieConnection(b.bookie_id, 0, timeout=2.0) as c:
+                if c.call(P.read(c.next_rid(), ledger, entry))[2] == EOK:
+                    break
+        except (OSError, BKError):
+            pass
+        if not b.alive:
+            raise BKError(f"bookie exited with {b.proc.returncode} on restart")
+        if time.monotonic() - t0 > 900:
+            raise BKError("the restarted bookie did not serve within 900 s")
+        time.sleep(0.01)
+    took = time.monotonic() - t0
+    b.wait_registered(600)
+    return took
+
+
+def _random_reads(bookie_id: str, held: int, ledgers: list[int], n: int) -> dict:
+    rng = random.Random(held)
+    lat = []
+    L = len(ledgers)
+    with BookieConnection(bookie_id, 0) as c:
+        for _ in range(n):
+            i = rng.randrange(held)
+            t0 = time.perf_counter()
+            r = c.call(P.read(c.next_rid(), ledgers[i % L], i // L))
+            lat.append(time.perf_counter() - t0)
+            if r[2] != EOK:
+                raise BKError(f"random read of entry {i // ledgers}: status {r[2]}")
+    lat.sort()
+    return {"reads": n, "p50_ms": round(_pct(lat, 0.5) * 1000, 3),
+            "p99_ms": round(_pct(lat, 0.99) * 1000, 3)}
+
+
+def _write_catchup_set(client, entries: int) -> list[int]:
+    """100 ledgers of 1 KiB entries written interleaved (round-robin, 100 at a time)."""
+    hs = [client.create_ledger(1, 1, 1, password=b"scale") for _ in range(CATCHUP_LEDGERS)]
+    data = [os.urandom(1024) for _ in range(100)]
+    for first in range(0, entries, 100):
+        futs = [h.add_entry_async(x) for h in hs for x in data[: min(100, entries - first)]]
+        for f in futs:
+            f.result()
+    ids = [h.ledger_id for h in hs]
+    for h in hs:
+        h.close()
+    return ids
+
+
+def _catchup(client, ledger_ids: list[int]) -> dict:
+    t0 = time.perf_counter()
+    nbytes = 0
+    for lid in ledger_ids:
+        h = client.open_ledger(lid, password=b"scale")
+        last = h.last_add_confirmed
+        e = 0
+        while e <= last:
+            end = min(last, e + 4999)
+            for ent in h.read_entries(e, end):
+                nbytes += len(ent.data)
+            e = end + 1
+        h.close()
+    dt = time.perf_counter() - t0
+    return {"ledgers": len(ledger_ids), "mb": round(nbytes / 1e6, 1),
+            "mb_per_sec": round(nbytes / 1e6 / dt, 1)}
+
+
+def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
+                rate: int = 30_000, rate_seconds: float = 5.0, random_reads: int = 2000,
+                catchup_entries: int = 5000, base_dir: str | None = None, conf=None,
+                report=print) -> list[dict]:
+    """Fill one bookie to each of ``steps`` entries and measure (see the module
+    docstring); ``report`` gets a line per step and progress lines."""
+    conf = dict(conf or {})
+    conf.setdefault("numShards", 1)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bk-bench-scale-", dir=base_dir) as d:
+        with LocalCluster(num_bookies=1, base_dir=d, num_shards=1,
+                          conf_overrides=conf) as cluster:
+            b = cluster.bookies[0]
+            client = BookKeeper(cluster.metadata_uri)
+            try:
+                # The filled ledgers exist in the metadata, or garbage collection
+                # would (rightly) delete them during a long fill.
+                ids = []
+                for _ in range(ledgers):
+                    ids.append(cluster.store.new_ledger_id())
+                    cluster.store.create_ledger(LedgerMetadata(
+                        ids[-1], 1, 1, 1, [(0, [b.bookie_id])]))
+                catchup_ids = _write_catchup_set(client, catchup_entries) \
+                    if catchup_entries else []
+                filler = _Filler(b.bookie_id, ids, entry_size)
+                for k, target in enumerate(steps):
+                    fill_s = filler.fill(target, progress=report)
+                    filled_rate = (target - (steps[k - 1] if k else 0)) / fill_s
+                    latency = filler.paced(rate, rate_seconds)
+                    info = _shard_info(b.bookie_id)
+                    mem = proc_memory(b.worker_pids()[0])
+                    filler.close()
+                    last_i = filler.next - 1
+                    restart = _restart(b, ids[last_i % ledgers], last_i // ledgers)
+                    mem_after = proc_memory(b.worker_pids()[0])
+                    cold = drop_caches()
+                    reads = _random_reads(b.bookie_id, filler.next, ids, random_reads)
+                    catch = {}
+                    if catchup_ids:
+                        pick = catchup_ids[(k * 10) % len(catchup_ids):][:10]
+                        drop_caches()
+                        client.close()
+                        client = BookKeeper(cluster.metadata_uri)
+                        catch = _catchup(client, pick)
+                    filler = _Filler(b.bookie_id, ids, entry_size)
+                    filler.next = last_i + 1
+                    row = {
+                        "entries": info.get("entries"), "entry_size": entry_size,
+                        "fill_adds_per_sec": round(filled_rate),
+                        "worker_rss_mib": mem.get("VmRSS"), "worker_hwm_mib": mem.get("VmHWM"),
+                        "worker_anon_mib": mem.get("RssAnon"),
+                        "rss_after_restart_mib": mem_after.get("VmRSS"),
+                        "last_flush_bytes": info.get("last_flush_bytes"),
+                        "last_flush_seconds": info.get("last_flush_seconds"),
+                        "add_latency": latency, "restart_seconds": round(restart, 2),
+                        "cold": cold, "random_read": reads, "catchup_read": catch,
+                        "index_mib": round(info.get("index_bytes", 0) / 2**20, 1),
+                        "entry_log_gib": round(info.get("entry_log_bytes", 0) / 2**30, 2),
+                    }
+                    results.append(row)
+                    report(format_row(row))
+                filler.close()
+            finally:
+                client.close()
+    return results
+
+
+def format_row(r: dict) -> str:
+    lat, rr, cu = r["add_latency"], r["random_read"], r["catchup_read"]
+    temp = "cold" if r["cold"] else "warm"
+    return (f"{r['entries']:>12,} entries | RSS {r['worker_rss_mib']} MiB (peak "
+            f"{r['worker_hwm_mib']}, anon {r['worker_anon_mib']}) | last flush "
+            f"{(r['last_flush_bytes'] or 0) / 2**20:.1f} MiB in "
+            f"{r['last_flush_seconds'] or 0:.2f}s | adds at "
+            f"{lat['rate']}/s p50/p99/p99.9 {lat['p50_ms']}/{lat['p99_ms']}/{lat['p999_ms']} ms | "
+            f"restart {r['restart_seconds']}s | {temp} random read p99 {rr['p99_ms']} ms | "
+            f"{temp} catch-up {cu.get('mb_per_sec', '-')} MB/s | fill "
+            f"{r['fill_adds_per_sec']:,}/s | index {r['index_mib']} MiB")

@@ -1,0 +1,279 @@
+"""Entry logs of one shard: append-only files of entries sorted by (ledger, entry).
+
+Theory of operation
+-------------------
+A flush (``bk.bookie.flusher``) copies the journal's ADD records of the
+entries written since the previous flush into the shard's *current* entry
+log, ledger after ledger and entry after entry, so that a ledger's entries
+end up next to each other (BookKeeper's DbLedgerStorage sorts its write cache
+the same way). The records are copied byte for byte: an entry log record is
+a journal ADD record (``crc32c length type ledger entry lac dlen digest
+payload``, see ``bk.bookie.journal``), CRC included, so a copy is a slice and
+a read verifies the same CRC the journal wrote.
+
+Files are named ``<id as 16 hex digits>.log`` and start with a 64-byte header
+(magic, format version, header size, log id, CRC32C of the header). Ids grow
+forever; a shard spreads its logs over its ledger directories round-robin
+(``ledgerDirectories``, so several disks share the reads and writes).
+
+Which logs exist, how many bytes each holds and how many of them are live is
+recorded in the index (``bk.bookie.index``), in the same LMDB transaction that
+makes a flush's runs visible. A log file the index does not name is the
+leftover of a flush or a compaction that crashed before its commit: nothing
+points into it and it is removed at open. A log is never appended to after a
+restart (a new one is started), so bytes past the committed size are never
+read.
+
+Writing: records are gathered in a buffer written with ``os.write`` every
+:data:`WRITE_CHUNK` bytes, and each chunk's writeback is started at once
+(``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through libc: Python has no
+binding) and waited for one chunk later, so a flush never leaves a burst of
+dirty pages for the journal's next ``fdatasync`` (on the same disk) to queue
+behind. Where the call is missing, an ``fdatasync`` every :data:`SYNC_STEP`
+bytes does the pacing.
+:meth:`LogWriter.sync` makes everything durable before the index is
+committed.
+
+Reading: ``pread`` on a descriptor cached per log (a bounded LRU), so reads
+never depend on mappings another thread may change, and a file removed by
+compaction stays readable through an open descriptor until it is closed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import re
+import struct
+from collections import OrderedDict
+
+from crc32c import crc32c
+
+from bk.bookie.journal import ADD, JournalError, _fsync_dir
+
+log = logging.getLogger("bk.entrylog")
+
+LOG_MAGIC = b"BKELOG\r\n"
+LOG_VERSION = 1
+HEADER_SIZE = 64
+_HDR = struct.Struct("<8sHHIQ")          # magic, version, header size, reserved, id
+_CRC = struct.Struct("<I")
+_PREFIX = struct.Struct("<IIB")          # crc, length, type
+_ADD_FIELDS = struct.Struct("<qqqH")     # ledger, entry, lac, dlen (after the prefix)
+_LOG_NAME = re.compile(r"^([0-9a-f]{16})\.log$")
+LOG_SUBDIR = "entrylogs"
+WRITE_CHUNK = 1 << 20
+SYNC_STEP = 8 << 20
+MAX_OPEN_READERS = 128
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
+                         use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+class EntryLogError(JournalError):
+    """An entry log is unreadable, or a record in it fails its CRC."""
+
+
+def log_name(log_id: int) -> str:
+    return f"{log_id:016x}.log"
+
+
+def _header(log_id: int) -> bytes:
+    head = _HDR.pack(LOG_MAGIC, LOG_VERSION, HEADER_SIZE, 0, log_id)
+    return (head + _CRC.pack(crc32c(head))).ljust(HEADER_SIZE, b"\0")
+
+
+def decode_records(buf, start: int, end: int, out: list, want=None) -> int:
+    """Append ``(ledger, entry, lac, digest, payload)`` of each record of
+    ``buf[start:end]`` to ``out`` (all of them, or those whose entry id is in
+    ``want``); return how many were decoded. EntryLogError if a record fails
+    its CRC or is not an ADD."""
+    mv = memoryview(buf)
+    unpack = _PREFIX.unpack_from
+    fields = _ADD_FIELDS.unpack_from
+    off = start
+    n = 0
+    try:
+        while off < end:
+            crc, length, rtype = unpack(mv, off)
+            rend = off + 8 + length
+            if rtype != ADD or rend > end or crc32c(mv[off + 4:rend]) != crc:
+                raise EntryLogError(f"bad record at offset {off} of an entry log read")
+            ledger, entry, lac, dlen = fields(mv, off + 9)
+            if want is None or entry in want:
+                d = off + 35
+                out.append((ledger, entry, lac, bytes(mv[d:d + dlen]), bytes(mv[d + dlen:rend])))
+                n += 1
+            off = rend
+    finally:
+        mv.release()
+    return n
+
+
+class LogWriter:
+    """The entry log a flush (or a compaction) appends to; one thread at a time."""
+
+    def __init__(self, log_id: int, path: str, dir_index: int):
+        self.id = log_id
+        self.path = path
+        self.dir_index = dir_index
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._buf = bytearray(_header(log_id))
+        self.size = HEADER_SIZE          # bytes appended, header included
+        self._written = 0                # bytes handed to the kernel
+        self._unsynced = 0
+        self._synced_to = 0              # writeback waited for up to here
+        self._new = True
+
+    def append(self, data) -> int:
+        """Append bytes (whole records); return the offset they start at."""
+        off = self.size
+        self._buf += data
+        self.size += len(data)
+        if len(self._buf) >= WRITE_CHUNK:
+            self._write()
+        return off
+
+    def _write(self) -> None:
+        data, self._buf = self._buf, bytearray()
+        view = memoryview(data)
+        for at in range(0, len(data), WRITE_CHUNK):
+            piece = view[at:at + WRITE_CHUNK]
+            start = self._written
+            while piece:
+                k = os.write(self._fd, piece)
+                piece = piece[k:]
+                self._written += k
+                self._unsynced += k
+            self._pace(start)
+
+    def _pace(self, start: int) -> None:
+        """Writeback of what was written since ``start`` begins now; the chunks
+        before it are waited for (see the module docstring)."""
+        if _sync_file_range is not None:
+            _sync_file_range(self._fd, start, self._written - start, _SFR_WRITE)
+            if self._synced_to < start:
+                _sync_file_range(self._fd, self._synced_to, start - self._synced_to,
+                                 _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+                self._synced_to = start
+        elif self._unsynced >= SYNC_STEP:
+            os.fdatasync(self._fd)
+            self._unsynced = 0
+
+    def sync(self) -> None:
+        """Everything appended so far is on disk (and the file's name, once)."""
+        if self._buf:
+            self._write()
+        os.fdatasync(self._fd)
+        self._unsynced = 0
+        if self._new:
+            _fsync_dir(os.path.dirname(self.path))
+            self._new = False
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class EntryLogs:
+    """The entry log files of one shard over its ledger directories."""
+
+    def __init__(self, dirs: list[str], size_limit: int):
+        self.dirs = [os.path.join(d, LOG_SUBDIR) for d in dirs]
+        self.size_limit = size_limit
+        self._paths: dict[int, str] = {}
+        for d in self.dirs:
+            os.makedirs(d, exist_ok=True)
+            for name in os.listdir(d):
+                m = _LOG_NAME.match(name)
+                if m:
+                    self._paths[int(m.group(1), 16)] = os.path.join(d, name)
+        self._next = max(self._paths, default=0) + 1
+        self._readers: OrderedDict[int, int] = OrderedDict()
+
+    def ids(self) -> list[int]:
+        return sorted(list(self._paths))
+
+    def reserve_ids(self, at_least: int) -> None:
+        """Never hand out an id below ``at_least`` (ids the index has seen)."""
+        self._next = max(self._next, at_least)
+
+    def new_writer(self) -> LogWriter:
+        """A new log in the next directory round-robin (called by the flusher)."""
+        log_id = self._next
+        self._next += 1
+        di = log_id % len(self.dirs)
+        path = os.path.join(self.dirs[di], log_name(log_id))
+        w = LogWriter(log_id, path, di)
+        self._paths[log_id] = path
+        return w
+
+    def path(self, log_id: int) -> str:
+        return self._paths.get(log_id) or os.path.join(self.dirs[log_id % len(self.dirs)],
+                                                       log_name(log_id))
+
+    def _reader(self, log_id: int) -> int:
+        fd = self._readers.get(log_id)
+        if fd is not None:
+            self._readers.move_to_end(log_id)
+            return fd
+        try:
+            fd = os.open(self.path(log_id), os.O_RDONLY)
+        except FileNotFoundError:
+            raise EntryLogError(f"entry log {self.path(log_id)} is missing") from None
+        self._readers[log_id] = fd
+        if len(self._readers) > MAX_OPEN_READERS:
+            _, old = self._readers.popitem(last=False)
+            os.close(old)
+        return fd
+
+    def read(self, log_id: int, off: int, n: int) -> bytes:
+        """``n`` bytes of a log from ``off`` (EntryLogError if it is shorter)."""
+        data = os.pread(self._reader(log_id), n, off)
+        if len(data) != n:
+            raise EntryLogError(f"entry log {self.path(log_id)}: read of {n} bytes at "
+                                f"{off} returned {len(data)}")
+        return data
+
+    def remove(self, log_id: int) -> int:
+        """Delete a log file; return the bytes freed."""
+        fd = self._readers.pop(log_id, None)
+        if fd is not None:
+            os.close(fd)
+        path = self._paths.pop(log_id, None) or self.path(log_id)
+        try:
+            size = os.path.getsize(path)
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        _fsync_dir(os.path.dirname(path))
+        return size
+
+    def disk_usage(self) -> int:
+        total = 0
+        for p in list(self._paths.values()):   # the flusher thread may add one meanwhile
+            try:
+                total += os.path.getsize(p)
+            except FileNotFoundError:
+                pass
+        return total
+
+    def close(self) -> None:
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers.clear()

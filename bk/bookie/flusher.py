@@ -1,0 +1,319 @@
+"""The flusher of one shard: a thread that turns the journal's tail into entry logs and index.
+
+Theory of operation
+-------------------
+Entries written since the last flush are durable in the journal already; the
+shard's loop keeps only their journal positions (the *write cache* of
+``bk.bookie.storage``). When that tail reaches half of
+``dbStorage_writeCacheMaxSizeMb`` (or ``flushIntervalBytes``, or every
+``flushInterval`` ms), the loop *swaps* it: the filled tail, the ledger states
+that changed and the journal mark become a :class:`FlushJob` and a new empty
+tail takes the writes. The loop goes on serving meanwhile; reads of the
+swapped tail still go to the journal until the job is done.
+
+A flush, on this thread:
+
+1. reads the journal region between the previous mark and the job's mark
+   (a few ``pread``s: the region is contiguous, at most a write cache);
+2. for each ledger in id order, copies its records in entry order into the
+   current entry log (one slice each: log records are journal records),
+   merging with existing runs whose range it meets (see ``bk.bookie.index``);
+3. ``fdatasync``s the entry log (it was also synced every few MiB on the
+   way, see ``bk.bookie.entrylog``);
+4. commits in ONE LMDB transaction: the new runs, the ledger states, the
+   logs' sizes and live bytes, and the mark.
+
+Only then does the loop drop the swapped tail and remove the journal segments
+wholly before the mark. A crash before step 4 leaves the index as it was and
+the journal from the old mark (replayed at restart); the entry log bytes the
+crashed flush wrote are unreferenced (a log the index does not know is
+removed at open). A crash after step 4 replays from the new mark. Either
+way every acknowledged entry is readable.
+
+Compaction (:class:`CompactJob`) runs on the same thread, between flushes,
+so the index has one writer at a time: it copies the live runs of the logs
+whose live fraction is under the threshold into the current log, syncs,
+repoints the runs in one transaction, and hands the emptied logs back to the
+loop, which deletes their files (a reader may hold one open meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+
+from bk.bookie.entrylog import EntryLogs
+from bk.bookie.index import Index, Run, make_runs
+
+log = logging.getLogger("bk.flusher")
+
+_LEN = struct.Struct("<I")
+_OFF_MASK = 0xFFFFFFFF
+
+
+class FlushJob:
+    """One swapped tail: ``tails`` {ledger: Tail}, ``states`` {ledger: [fenced,
+    key, lac, last]}, ``mark``, ``regions`` [(seq, path, lo, hi)] of the journal
+    to read (or ``views`` {seq: (buffer, base)} already in memory)."""
+
+    def __init__(self, tails, states, mark, regions=(), views=None, nbytes=0):
+        self.tails = tails
+        self.states = states
+        self.mark = mark
+        self.regions = regions
+        self.views = views
+        self.nbytes = nbytes
+        self.error: BaseException | None = None
+        self.stats: dict = {}
+
+    def run(self, fl: "Flusher") -> None:
+        t0 = time.monotonic()
+        views = self.views
+        if views is None:
+            views = {}
+            for seq, path, lo, hi in self.regions:
+                views[seq] = (_pread_all(path, lo, hi), lo)
+        copied = fl.copy_tails(self.tails, views, self.states, self.mark)
+        self.stats = {"bytes": copied[0], "entries": copied[1], "runs": copied[2],
+                      "merged": copied[3], "seconds": time.monotonic() - t0}
+
+
+class CompactJob:
+    """Copy the live runs of sparse entry logs forward; ``stats`` says what was done
+    and ``removable`` which logs the loop may delete."""
+
+    def __init__(self, threshold: float, max_bytes: int | None):
+        self.threshold = threshold
+        self.max_bytes = max_bytes
+        self.error: BaseException | None = None
+        self.stats: dict = {}
+        self.removable: list[int] = []
+
+    def run(self, fl: "Flusher") -> None:
+        fl.compact(self)
+
+
+def _pread_all(path: str, lo: int, hi: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parts = []
+        off = lo
+        while off < hi:
+            b = os.pread(fd, min(hi - off, 16 << 20), off)
+            if not b:
+                break
+            parts.append(b)
+            off += len(b)
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class Flusher:
+    """The flush/compaction thread of one shard. The loop submits jobs and takes
+    them back finished from :attr:`done` (see ``ShardStorage.maintain``)."""
+
+    def __init__(self, index: Index, logs: EntryLogs, name: str = "bk-flush"):
+        self.index = index
+        self.logs = logs
+        self.writer = None
+        self.pending = 0                 # jobs submitted and not yet taken back
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        self.pending += 1
+        self._q.put(job)
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                job.run(self)
+            except BaseException as e:     # reported to the loop, which decides
+                log.error("%s failed: %s", type(job).__name__, e, exc_info=True)
+                job.error = e
+            self.done.put(job)
+
+    # --- the entry log being written -------------------------------------------
+    def _writer(self, closed: list):
+        """The log to append to: the current one, or a new one once it passed
+        ``logSizeLimit`` (the full one is synced and noted in ``closed`` as
+        ``(id, dir index, size)`` for the next commit)."""
+        w = self.writer
+        if w is None or w.size >= self.logs.size_limit:
+            if w is not None:
+                w.sync()
+                w.close()
+                closed.append((w.id, w.dir_index, w.size))
+            w = self.writer = self.logs.new_writer()
+        return w
+
+    # --- flush --------------------------------------------------------------------
+    def copy_tails(self, tails, views, states, mark) -> tuple[int, int, int, int]:
+        """Steps 2-4 of a flush (see the module docstring); returns (bytes, entries,
+        runs, old runs merged)."""
+        index = self.index
+        runs: list[Run] = []
+        old: list[Run] = []
+        closed = []                       # logs finished during this flush: (id, dir, size)
+        nbytes = nentries = 0
+        with index.read_txn() as rtx:
+            for lid in sorted(tails):
+                entries, positions = tails[lid].entries_positions()
+                if not entries:
+                    continue
+                data, sizes = _gather(entries, positions, views)
+                over = index.overlapping(lid, entries[0], entries[-1], rtx)
+                if over:
+                    entries, data, sizes = self._merge(over, entries, data, sizes)
+                    old += over
+                w = self._writer(closed)
+                off = w.append(data)
+                runs += make_runs(lid, entries, sizes, w.id, off)
+                nbytes += sum(sizes)
+                nentries += len(entries)
+        w = self.writer
+        if w is not None:
+            w.sync()
+        with index.write() as wtx:
+            for run in old:
+                wtx.delete_run(run)
+            for run in runs:
+                wtx.put_run(run)
+            for log_id, di, size in closed:
+                wtx.set_log(log_id, di, size)
+            if w is not None:
+                wtx.set_log(w.id, w.dir_index, w.size)
+            for lid, (fenced, key, lac, last) in states.items():
+                wtx.put_state(lid, fenced, key, lac, last)
+            if mark is not None:
+                wtx.set_mark(mark)
+        return nbytes, nentries, len(runs), len(old)
+
+    def _merge(self, over: list[Run], entries, data, sizes):
+        """The union of existing runs' records and a flush's (the flush's copy wins):
+        ``(entries, record bytes, sizes)``."""
+        recs = {}
+        for run in over:
+            old = memoryview(self._read_run(run))
+            for i, e in enumerate(run.entries()):
+                recs[e] = old[run.rel(i):run.rel(i + 1)]
+        mv = memoryview(data)
+        at = 0
+        for e, n in zip(entries, sizes):
+            recs[e] = mv[at:at + n]
+            at += n
+        entries = sorted(recs)
+        chunks = [recs[e] for e in entries]
+        return entries, b"".join(chunks), [len(c) for c in chunks]
+
+    def _read_run(self, run: Run) -> bytes:
+        return _pread_all(self.logs.path(run.log), run.off, run.off + run.nbytes)
+
+    # --- compaction -----------------------------------------------------------------
+    def compact(self, job: CompactJob) -> None:
+        index = self.index
+        current = self.writer.id if self.writer is not None else None
+        logs = index.logs()
+        cands = []
+        for log_id, (_di, size, live) in logs.items():
+            if log_id == current or size <= 0:
+                continue
+            frac = max(0, live) / size
+            if frac < job.threshold:
+                cands.append((frac, log_id))
+        cands.sort()
+        stats = {"logs_removed": 0, "entries_moved": 0, "bytes_moved": 0, "bytes_freed": 0}
+        job.stats = stats
+        if not cands:
+            return
+        chosen = []
+        budget = 0
+        for _, log_id in cands:
+            live = max(0, logs[log_id][2])
+            if live and job.max_bytes is not None and chosen and budget + live > job.max_bytes:
+                break
+            chosen.append(log_id)
+            budget += live
+        victims = set(chosen)
+        moves = []
+        with index.read_txn() as rtx:
+            for run in index.all_runs(rtx):
+                if run.log in victims:
+                    moves.append(run)
+        closed = []
+        new_runs = []
+        for run in moves:
+            data = self._read_run(run)
+            w = self._writer(closed)
+            off = w.append(data)
+            new_runs.append(Run(run.ledger, run.first, w.id, off, run.count, run.step,
+                                run.nbytes, run.rlen, run.offs))
+            stats["entries_moved"] += run.count
+            stats["bytes_moved"] += run.nbytes
+        w = self.writer
+        if new_runs and w is not None:
+            w.sync()
+        with index.write() as wtx:
+            for run in moves:
+                wtx.delete_run(run)
+            for run in new_runs:
+                wtx.put_run(run)
+            for log_id, di, size in closed:
+                wtx.set_log(log_id, di, size)
+            if new_runs and w is not None:
+                wtx.set_log(w.id, w.dir_index, w.size)
+            for log_id in chosen:
+                wtx.drop_log(log_id)
+        job.removable = chosen
+        stats["logs_removed"] = len(chosen)
+
+
+def _gather(entries, positions, views):
+    """``(record bytes, sizes)`` of one ledger's tail, entries in order. Records
+    that follow each other in the journal (a batch of this ledger's entries) are
+    copied as one span; no object is kept per record (a flush of 200k entries
+    that held a memoryview per record spent most of its time in the GC)."""
+    sizes = []
+    out = bytearray()
+    unpack = _LEN.unpack_from
+    add_size = sizes.append
+    cur_seq = -1
+    mv = None
+    base = a = b = 0
+    for p in positions:
+        seq = p >> 32
+        if seq != cur_seq:
+            if b > a:
+                out += mv[a:b]
+            buf, base = views[seq]
+            mv = memoryview(buf)
+            cur_seq = seq
+            a = b = -1
+        i = (p & _OFF_MASK) - base
+        n = unpack(mv, i + 4)[0] + 8
+        if i != b:
+            if b > a:
+                out += mv[a:b]
+            a = i
+        b = i + n
+        add_size(n)
+    if b > a:
+        out += mv[a:b]
+    return out, sizes

@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Storage at scale: one bookie (one shard) filled in steps, measured after each.
+
+Prints, per step: entries held, the worker's RSS and peak RSS, the last
+flush's bytes and seconds, add latency p50/p99/p99.9 at a fixed rate, restart
+after kill -9 until the last entry is served, cold-cache random read p99 and
+cold-cache catch-up read MB/s of 1 KiB-entry ledgers written interleaved with
+99 others (the page cache is dropped when run as root). See bk/bench/scale.py.
+
+    python scripts/bench_scale.py --steps 1M,10M,100M                 # 100 B entries
+    python scripts/bench_scale.py --steps 1M,10M --entry-size 1024    # the 1 KiB variant
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bk.bench.scale import bench_scale, parse_count  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", default="1M,10M,100M", help="entries held after each step")
+    p.add_argument("--entry-size", type=int, default=100)
+    p.add_argument("--ledgers", type=int, default=1000)
+    p.add_argument("--rate", type=int, default=30_000, help="adds/s of the latency measurement")
+    p.add_argument("--rate-seconds", type=float, default=5.0)
+    p.add_argument("--random-reads", type=int, default=2000)
+    p.add_argument("--catchup-entries", type=int, default=5000,
+                   help="1 KiB entries per ledger of the 100 catch-up ledgers (0: skip)")
+    p.add_argument("--dir", default=None, help="where the bookie's data goes (default: TMPDIR)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="bookie configuration override; repeatable")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    conf = dict(kv.split("=", 1) for kv in a.set)
+    rows = bench_scale([parse_count(s) for s in a.steps.split(",")], entry_size=a.entry_size,
+                       ledgers=a.ledgers, rate=a.rate, rate_seconds=a.rate_seconds,
+                       random_reads=a.random_reads, catchup_entries=a.catchup_entries,
+                       base_dir=a.dir, conf=conf,
+                       report=(lambda line: print(line, file=sys.stderr, flush=True))
+                       if a.json else (lambda line: print(line, flush=True)))
+    if a.json:
+        print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""kill -9 at the moments that matter to the storage: during a flush of the
+write cache into entry logs, during a compaction of entry logs, during the
+upgrade of a v1 shard. Every acknowledged entry reads back after the restart.
+And a real bookie started on v1 data converts it and serves it. Real etcd and
+bookie processes (the upgrade: a real `bookie upgrade` process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from bk import protocol as P
+from bk.bookie import journal as J
+from bk.errors import ENOLEDGER, EOK
+from bk.meta.ledger import LedgerMetadata
+from bk.testing import BookieConnection, wait_until
+
+from test_checkpoints import pump, shard_info
+
+PAYLOAD = bytes(range(256)) * 4          # 1 KiB
+SMALL_CACHE = {"dbStorage_writeCacheMaxSizeMb": 2, "flushIntervalBytes": 1 << 20,
+               "flushInterval": 3_600_000}
+
+
+def read_back(b, lid, acked, payload=PAYLOAD):
+    """Every acknowledged entry, read with READ_RANGE, is there and intact."""
+    want = sorted(acked)
+    got = []
+    with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
+        first = want[0]
+        while first <= want[-1]:
+            r = c.call(P.read_range(c.next_rid(), lid, first, want[-1], 4 << 20))
+            assert r[2] == EOK, r[:3]
+            entries = r[5]
+            assert all(p == payload for p in entries[3::4])
+            got += entries[0::4]
+            first = r[4]
+    assert set(want) <= set(got), sorted(set(want) - set(got))[:10]
+
+
+def test_kill9_during_flushes_loses_no_acknowledged_entry(cluster_factory):
+    c = cluster_factory(1, num_shards=1, conf_overrides=SMALL_CACHE)
+    b = c.bookies[0]
+    lid = (1 << 50) + 11
+    acked: list[int] = []
+    for round_ in range(3):
+        stop = threading.Event()
+        first = len(acked)
+        t = threading.Thread(target=pump, args=(b, lid, first, 1_000_000),
+                             kwargs={"stop": stop, "acked": acked})
+        t.start()
+        try:
+            before = shard_info(b, 0)["checkpoints"]
+            caught = False
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not caught:
+                info = shard_info(b, 0)
+                # a flush in flight, and not the first one of this run
+                caught = info["flushing"] and info["checkpoints"] > before
+            assert caught, "no flush in flight was seen"
+            stop.set()                      # the load may now end with a broken connection
+            b.kill()                        # kill -9 while the flusher writes
+        finally:
+            stop.set()
+            t.join(30)
+        assert len(acked) > first + 1000
+        b.start()
+        read_back(b, lid, acked)
+
+
+def test_kill9_during_compaction_loses_nothing(cluster_factory):
+    c = cluster_factory(1, num_shards=1, conf_overrides={
+        "gcWaitTime": 200, "minorCompactionInterval": 0, "minorCompactionThreshold": 0.9,
+        "logSizeLimit": 2 << 20, "dbStorage_writeCacheMaxSizeMb": 2,
+        "flushIntervalBytes": 1 << 20})
+    b, store = c.bookies[0], c.store
+    lids = []
+    for _ in range(3):
+        lid = store.new_ledger_id()
+        store.create_ledger(LedgerMetadata(lid, 1, 1, 1, [(0, [b.bookie_id])]))
+        lids.append(lid)
+    n = 3000                                   # ~9 MB interleaved: several entry logs
+    with BookieConnection(b.bookie_id, 0) as conn:
+        for eid in range(n):
+            for lid in lids:
+                conn.send(P.add(conn.next_rid(), lid, eid, eid - 1, b"k" * 20, b"", PAYLOAD))
+            if eid % 50 == 49:
+                for _ in range(150):
+                    assert conn.recv()[2] == EOK
+        for _ in range(n % 50 * 3):
+            assert conn.recv()[2] == EOK
+    wait_until(lambda: shard_info(b, 0)["entry_logs"] >= 3, timeout=30, what="entry logs")
+    store.delete_ledger(lids[0])
+    store.delete_ledger(lids[1])
+    wait_until(lambda: shard_info(b, 0)["compacting"], timeout=60, step=0.005,
+               what="a compaction in flight")
+    b.kill()                                   # kill -9 while live runs are copied
+    b.start()
+    read_back(b, lids[2], range(n))
+    # and the space does come back, on a later round
+    wait_until(lambda: shard_info(b, 0)["entry_log_bytes"] < n * 1100 * 1.6, timeout=60,
+               what="compaction after the restart")
+    read_back(b, lids[2], range(n))
+    with BookieConnection(b.bookie_id, 0) as conn:
+        assert conn.call(P.read(conn.next_rid(), lids[0], 0))[2] == ENOLEDGER
+
+
+def _write_v1_shard(jdir: str, ledgers: int, entries: int) -> None:
+    """A v1 shard as a crash before its first checkpoint leaves it: entries in the
+    journal, no checkpoint file."""
+    j = J.Journal(jdir, 16 << 20)
+    for _ in j.replay(None):
+        pass
+    for lid in range(1, ledgers + 1):
+        j.append(J.MASTER_KEY, lid, b"k" * 20)
+    for e in range(entries):
+        for lid in range(1, ledgers + 1):
+            j.append_add(lid, e, e - 1, b"d", b"%d/%d." % (lid, e) * 20)
+    j.close()
+
+
+def test_kill9_during_upgrade_then_upgrade_again(tmp_path):
+    jroot, lroot = tmp_path / "journal", tmp_path / "ledgers"
+    os.makedirs(lroot / "shard-0")
+    ledgers, entries = 20, 8000                 # 160k entries: a few seconds to convert
+    _write_v1_shard(str(jroot / "shard-0"), ledgers, entries)
+    cmd = [sys.executable, "-m", "bk.cli.bookie", "upgrade", "--journal-dir", str(jroot),
+           "--ledger-dir", str(lroot), "--set", "journalPreAllocSizeMB=16",
+           "--set", "logSizeLimit=1048576"]
+    logs = lroot / "shard-0" / "entrylogs"
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        # kill -9 once the conversion has written entry logs but not finished
+        wait_until(lambda: logs.is_dir() and len(os.listdir(logs)) >= 2 or p.poll() is not None,
+                   timeout=120, step=0.005, what="entry logs of the upgrade")
+        assert p.poll() is None, "the upgrade finished before it could be killed"
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        p.wait(30)
+    assert not (lroot / "shard-0" / "index").exists()   # still v1
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "shard 0: upgraded 20 ledgers, 160000 entries" in out.stdout
+    from bk.bookie.storage import ShardStorage
+    s = ShardStorage(str(jroot / "shard-0"), str(lroot / "shard-0"), segment_size=16 << 20,
+                     ledger_dirs=[str(lroot / "shard-0")])
+    try:
+        for lid in range(1, ledgers + 1):
+            status, nxt, got = s.read_range(lid, 0, entries, 64 << 20, max_count=entries)
+            assert status == EOK and got[0::4] == list(range(entries))
+            assert got[3::4] == [b"%d/%d." % (lid, e) * 20 for e in range(entries)]
+    finally:
+        s.close()
+
+
+def test_a_bookie_started_on_v1_data_converts_it_and_serves_it(cluster_factory):
+    """The v1 fixture (made by the previous release's code) as a real bookie's
+    shard: the bookie converts it at start and serves every entry over the wire."""
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "storage-v1")
+    with open(os.path.join(fixture, "expected.json")) as f:
+        exp = json.load(f)
+    c = cluster_factory(1, num_shards=1, conf_overrides={"gcWaitTime": 3_600_000})
+    b = c.bookies[0]
+    b.stop()
+    for sub, name in (("journal", "journal"), ("ledgers", "index")):
+        shard = os.path.join(b.dir, sub, "shard-0")
+        shutil.rmtree(shard)
+        shutil.copytree(os.path.join(fixture, name), shard)
+    b.start()
+    with open(b.log_file) as f:
+        assert "upgraded shard" in f.read()
+    with BookieConnection(b.bookie_id, 0) as conn:
+        for lid_s, want in exp["ledgers"].items():
+            lid = int(lid_s)
+            r = conn.call(P.read_lac(conn.next_rid(), lid))
+            assert r[2] == EOK and (r[4], r[5]) == (want["lac"], want["last"])
+            for e, elac in want["entries"].items():
+                r = conn.call(P.read(conn.next_rid(), lid, int(e)))
+                assert r[2] == EOK and r[5] == elac, (lid, e, r[2])
+                assert r[7] == (b"%d:%d|" % (lid, int(e))) * (1 + (lid * 31 + int(e) * 7) % 40)
+        assert conn.call(P.read(conn.next_rid(), exp["deleted"][0], 0))[2] == ENOLEDGER
