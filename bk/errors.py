@@ -185,3 +185,18 @@ def error_for_status(status: int, what: str) -> BKError:
 
 def status_name(status: int) -> str:
     return STATUS_NAMES.get(status, str(status))
+
+
+# --- metadata at scale (issue 22; the lead may move these into the categories) ---
+
+class MetadataSpaceError(MetadataError):
+    """etcd raised its NOSPACE alarm (its backend reached the quota): it refuses every
+    write until its history is compacted, its db defragmented and the alarm disarmed
+    (``bkshell metacompact --defrag --disarm``). Reads and adds to open ledgers go on."""
+
+
+class MetadataCompactedError(MetadataError):
+    """A read or watch asked for a revision etcd has compacted away;
+    ``compact_revision`` is the oldest revision still kept."""
+
+    compact_revision: int = 0

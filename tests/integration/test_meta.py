@@ -159,7 +159,7 @@ def test_layout_init_idempotent_and_concurrent(uri):
         assert results.count(True) == 1
         assert stores[0].init_layout() is False
         assert all(s.is_formatted() for s in stores)
-        assert stores[0].layout()["layoutVersion"] == 2
+        assert stores[0].layout()["layoutVersion"] == 3
         # One cluster, one identity, whoever won the race.
         assert len({s.instance_id for s in stores}) == 1
     finally:

@@ -1,0 +1,192 @@
+"""Metadata at scale (``scripts/bench_metadata.py``, ``bkshell bench metadata``).
+
+A local cluster (etcd + ``bookies`` bookies, production defaults unless ``conf``
+says otherwise) takes ledgers created and closed in steps (E3 Qw2 Qa2, one
+100-byte entry each, from ``threads`` threads of one client) up to ``ledgers``.
+After each step it measures what a large cluster costs: the create+close rate
+of the step, the time to list every ledger id, etcd's db size (as it is, then
+after a compaction to the current revision and a defragmentation), etcd's RSS,
+and the CPU etcd and the bookies burn while nobody uses the cluster. A churn
+phase then deletes and creates ``churn`` ledgers and reports the same.
+
+``compare=True`` also measures, in the same run and on the same cluster, the
+paths this replaced: a fresh id write per ledger (two etcd round trips per
+create instead of one) and a listing that asks etcd to sort each page.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+
+import psutil
+
+from bk.client.bookkeeper import BookKeeper
+from bk.localcluster import LocalCluster
+
+PAYLOAD = b"x" * 100
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        p = psutil.Process(pid)
+        return [p] + p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _cpu_seconds(procs) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def idle_cpu(cluster: LocalCluster, seconds: float) -> dict:
+    """Share of one core etcd and the bookies (arbiters and shards) use over
+    ``seconds`` while no client does anything."""
+    etcd = _tree(cluster.etcd.pid)
+    bookies = [p for b in cluster.bookies if b.alive for p in _tree(b.pid)]
+    e0, b0, t0 = _cpu_seconds(etcd), _cpu_seconds(bookies), time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    return {"etcd": round((_cpu_seconds(etcd) - e0) / dt, 4),
+            "bookies": round((_cpu_seconds(bookies) - b0) / dt, 4)}
+
+
+def create_close(client: BookKeeper, count: int, threads: int, fresh_ids: bool = False,
+                 out: list | None = None) -> float:
+    """Create, write one entry to and close ``count`` ledgers; ledgers/s.
+    ``fresh_ids``: the old path, one id write per ledger before its create."""
+    left = [count]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run():
+        while True:
+            with lock:
+                if left[0] <= 0 or errors:
+                    return
+                left[0] -= 1
+            try:
+                lid = client.new_ledger_id() if fresh_ids else None
+                h = client.create_ledger(3, 2, 2, password=b"bench", ledger_id=lid)
+                h.add_entry(PAYLOAD)
+                h.close()
+                if out is not None:
+                    out.append(h.ledger_id)
+            except BaseException as e:      # report the first failure after the step
+                errors.append(e)
+                return
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return count / (time.monotonic() - t0)
+
+
+def list_seconds(client: BookKeeper, sort: bool = False) -> tuple[float, int]:
+    """(seconds, ids) to list every ledger id; ``sort``: page as before, asking
+    etcd to sort every page by key."""
+    t0 = time.monotonic()
+    if not sort:
+        n = sum(1 for _ in client.list_ledgers())
+        return time.monotonic() - t0, n
+    store = client._store
+    start = store._key("ledgers/")
+    end = start[:-1] + bytes([start[-1] + 1])
+    n = 0
+    while True:
+        resp = store._call("list (sorted)", "range", lambda c: c.get_range_response(
+            start, end, sort_order="ascend", sort_target="key", limit=1000, keys_only=True),
+            idempotent=True)
+        n += len(resp.kvs)
+        if not resp.more or not resp.kvs:
+            break
+        start = resp.kvs[-1].key + b"\0"
+    return time.monotonic() - t0, n
+
+
+def etcd_sizes(cluster: LocalCluster, defrag: bool) -> dict:
+    store = cluster.store
+    out = {"db_mb": round(store.etcd_status()[0]["dbSize"] / 1e6, 1)}
+    try:
+        rss = psutil.Process(cluster.etcd.pid).memory_info().rss
+        out["etcd_rss_mb"] = round(rss / 1e6, 1)
+    except psutil.Error:
+        pass
+    if defrag:
+        store.compact(store.revision())
+        store.defragment()
+        out["db_mb_compacted"] = round(store.etcd_status()[0]["dbSize"] / 1e6, 1)
+    return out
+
+
+def _steps(total: int) -> list[int]:
+    marks = [m for m in (10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000) if m < total]
+    return marks + [total]
+
+
+def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, threads: int = 8,
+                   bookies: int = 3, shards: int = 2, churn: int | None = None,
+                   idle_seconds: float = 20.0, compare: bool = True, conf: dict | None = None,
+                   base_dir: str | None = None, progress=print) -> dict:
+    """Run the benchmark; returns ``{"steps": [...], "churn": {...}, "compare": {...}}``
+    and calls ``progress(row)`` after each step."""
+    steps = sorted(steps or _steps(ledgers))
+    churn = min(steps[-1], 100_000) if churn is None else churn
+    out: dict = {"steps": [], "compare": {}, "churn": None}
+    with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
+        with LocalCluster(num_bookies=bookies, base_dir=d, num_shards=shards,
+                          conf_overrides=dict(conf or {})) as cluster:
+            client = BookKeeper(cluster.metadata_uri)
+            try:
+                held = 0
+                created: list[int] = []
+                for target in steps:
+                    rate = create_close(client, target - held, threads, out=created)
+                    held = target
+                    row = {"ledgers": held, "create_close_per_s": round(rate)}
+                    if compare and not out["compare"]:
+                        n = min(2000, max(200, held // 10))
+                        old = create_close(client, n, threads, fresh_ids=True, out=created)
+                        new = create_close(client, n, threads, out=created)
+                        held += 2 * n
+                        out["compare"]["create_close_per_s"] = {
+                            "fresh_id_per_ledger": round(old), "id_blocks": round(new),
+                            "ratio": round(new / old, 2)}
+                    row["list_s"], n_listed = list_seconds(client)
+                    row["list_s"] = round(row["list_s"], 2)
+                    row["listed"] = n_listed
+                    if compare:
+                        sorted_s, _ = list_seconds(client, sort=True)
+                        row["list_sorted_s"] = round(sorted_s, 2)
+                    row["idle_cpu"] = idle_cpu(cluster, idle_seconds)
+                    row.update(etcd_sizes(cluster, defrag=True))
+                    out["steps"].append(row)
+                    progress(row)
+                if churn:
+                    t0 = time.monotonic()
+                    victims, created = created[:churn], created[churn:]
+                    for lid in victims:
+                        client.delete_ledger(lid)
+                    fresh: list[int] = []
+                    rate = create_close(client, len(victims), threads, out=fresh)
+                    row = {"churned": len(victims), "create_close_per_s": round(rate),
+                           "seconds": round(time.monotonic() - t0, 1)}
+                    row.update(etcd_sizes(cluster, defrag=False))
+                    row["idle_cpu"] = idle_cpu(cluster, idle_seconds)
+                    out["churn"] = row
+                    progress(row)
+            finally:
+                client.close()
+    return out
