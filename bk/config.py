@@ -144,6 +144,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "the bookie shuts down instead."),
     _S("gcWaitTime", int, 60000, "Interval (ms) between garbage collections of deleted "
        "ledgers and journal compaction.", minimum=10),
+    _S("gcFullReconcileIntervalSeconds", int, 3600, "Seconds between a bookie's full "
+       "reconciles of the ledgers it holds with the metadata store (it asks only about its "
+       "own ledgers, in ranges, at one revision); between them it learns of deletions by "
+       "watching them from a revision it remembers across restarts. A reconcile also runs "
+       "at start when that revision is gone (compacted) and on SIGUSR1.", minimum=1),
+    _S("metadataCompactionIntervalSeconds", int, 300, "Seconds between compactions of etcd's "
+       "history by the one bookie elected compactor (through an etcd lease): each compacts "
+       "to the revision read one interval earlier, like the Kubernetes API server. 0 turns "
+       "it off (etcd's own --auto-compaction then must do it).", minimum=0),
     _S("compactionThreshold", float, 0.5, "A full journal segment whose live fraction is "
        "under this is compacted (its live entries copied forward, the file removed). "
        "0 disables compaction.", minimum=0.0, maximum=1.0),
