@@ -132,6 +132,13 @@ REPLICATED_BYTES = _m("replication_REREPLICATED_BYTES", COUNTER, "Payload bytes 
 AUTORECOVERY_METRICS = [UNDER_REPLICATED, UNDER_REPLICATED_AGE, AUDITOR_ELECTED,
                         REPLICATED_ENTRIES, REPLICATED_BYTES]
 
+# --- metadata (served by the bookie elected compactor, bk.meta.compactor) -----------------
+METADATA_COMPACTIONS = _m("bookkeeper_metadata_COMPACTIONS", COUNTER, "Compactions of etcd's "
+                          "history made by this bookie as the elected compactor.")
+METADATA_DB_SIZE = _m("bookkeeper_metadata_DB_SIZE_BYTES", GAUGE, "etcd's db size as the "
+                      "elected compactor last read it (its status).")
+METADATA_METRICS = [METADATA_COMPACTIONS, METADATA_DB_SIZE]
+
 # --- client ------------------------------------------------------------------------------
 CLIENT_ADD = _m("bookkeeper_client_ADD_ENTRY", HISTOGRAM, "Client adds by outcome: time from "
                 "add_entry to its confirmation (seconds).", ["success"], LATENCY_BUCKETS)
@@ -294,6 +301,8 @@ class BookieMetrics:
         self.auditor = None                    # 0/1 once this bookie runs auto-recovery
         self.replicated_entries = 0
         self.replicated_bytes = 0
+        self.metadata_compactions = 0
+        self.metadata_db_size = None           # set once this bookie compacted etcd
         self.disk: dict = {}
         self.disk_source = None                # callable -> layout.disk_space dict
 
@@ -386,6 +395,10 @@ class BookieMetrics:
             if self.under_replicated is not None:
                 yield _gauge(UNDER_REPLICATED, self.under_replicated)
                 yield _gauge(UNDER_REPLICATED_AGE, self.under_replicated_age)
+            if self.metadata_db_size is not None:
+                yield CounterMetricFamily(METADATA_COMPACTIONS.name, METADATA_COMPACTIONS.help,
+                                          value=self.metadata_compactions)
+                yield _gauge(METADATA_DB_SIZE, self.metadata_db_size)
             if self.auditor is not None:
                 yield _gauge(AUDITOR_ELECTED, self.auditor)
                 yield CounterMetricFamily(REPLICATED_ENTRIES.name, REPLICATED_ENTRIES.help,

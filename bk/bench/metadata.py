@@ -1,7 +1,7 @@
 """Metadata at scale (``scripts/bench_metadata.py``, ``bkshell bench metadata``).
 
-A local cluster (etcd + ``bookies`` bookies, production defaults unless ``conf``
-says otherwise) takes ledgers created and closed in steps (E3 Qw2 Qa2, one
+A local cluster (etcd + ``bookies`` bookies with production defaults and
+auto-recovery on, as ``bookie localcluster`` runs them, unless ``conf`` says otherwise) takes ledgers created and closed in steps (E3 Qw2 Qa2, one
 100-byte entry each, from ``threads`` threads of one client) up to ``ledgers``.
 After each step it measures what a large cluster costs: the create+close rate
 of the step, the time to list every ledger id, etcd's db size (as it is, then
@@ -146,8 +146,10 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
     churn = min(steps[-1], 100_000) if churn is None else churn
     out: dict = {"steps": [], "compare": {}, "churn": None}
     with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
+        # as 'bookie localcluster' runs them: auto-recovery on in every bookie
+        conf = {"autoRecoveryDaemonEnabled": True, **(conf or {})}
         with LocalCluster(num_bookies=bookies, base_dir=d, num_shards=shards,
-                          conf_overrides=dict(conf or {})) as cluster:
+                          conf_overrides=conf) as cluster:
             client = BookKeeper(cluster.metadata_uri)
             try:
                 held = 0
@@ -190,3 +192,19 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
             finally:
                 client.close()
     return out
+
+
+def format_row(row: dict) -> str:
+    """One line of a step's (or the churn's) numbers."""
+    cpu = row.get("idle_cpu", {})
+    head = (f"{row['ledgers']:>9} ledgers" if "ledgers" in row
+            else f"churn {row['churned']} deleted+created")
+    parts = [head, f"create+close {row['create_close_per_s']}/s"]
+    if "list_s" in row:
+        parts.append(f"list {row['list_s']}s" + (f" (sorted pages {row['list_sorted_s']}s)"
+                                                 if "list_sorted_s" in row else ""))
+    parts.append(f"db {row.get('db_mb')} MB" + (f" ({row['db_mb_compacted']} MB compacted)"
+                                                if "db_mb_compacted" in row else ""))
+    parts.append(f"etcd RSS {row.get('etcd_rss_mb')} MB")
+    parts.append(f"idle CPU etcd {cpu.get('etcd', 0):.1%} bookies {cpu.get('bookies', 0):.1%}")
+    return ", ".join(parts)

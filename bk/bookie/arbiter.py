@@ -55,6 +55,7 @@ from bk import metrics as M
 from bk import protocol as P
 from bk.bookie import control, layout
 from bk.bookie.gc import GarbageCollector
+from bk.meta.compactor import Compactor
 from bk.config import Config
 from bk.errors import BKError, ClusterIdentityError, EBADREQ, ProtocolError
 
@@ -128,6 +129,7 @@ class Arbiter:
         self.tasks: queue.Queue = queue.Queue()
         self.gc = None                         # bk.bookie.gc.GarbageCollector, once registered
         self.gc_round = None
+        self.compactor = None                  # bk.meta.compactor.Compactor candidate
         self.gc_forced = False                 # a full round asked for (SIGUSR1) meanwhile
         self.gc_running = False
         self.gc_pending: set[int] = set()      # shards whose GC round is not done
@@ -235,6 +237,11 @@ class Arbiter:
                                    os.path.abspath(conf.ledgerDirectories[0]),
                                    self.num_shards).start()
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
+        if conf.metadataCompactionIntervalSeconds > 0:
+            self.compactor = Compactor(self.store, conf.bookie_id,
+                                       conf.metadataCompactionIntervalSeconds,
+                                       ttl=conf.registrationTtlSeconds,
+                                       metrics=self.metrics).start()
         if conf.autoRecoveryDaemonEnabled:
             from bk.autorecovery import AutoRecovery
             self.autorecovery = AutoRecovery(conf, conf.bookie_id, self.metrics).start()
@@ -881,6 +888,8 @@ class Arbiter:
         self.tasks.put(None)
         if self.gc is not None:
             self.gc.stop()
+        if self.compactor is not None:
+            self.compactor.stop()
         for w in self.workers:
             if w.pid:
                 try:

@@ -879,27 +879,38 @@ class MetadataStore:
                 c.close()
         return out
 
+    def _alarm_request(self, c, action, member_id=0, alarm=etcdrpc.NONE):
+        return c.maintenancestub.Alarm(
+            etcdrpc.AlarmRequest(action=action, memberID=member_id, alarm=alarm),
+            c.timeout, credentials=c.call_credentials, metadata=c.metadata).alarms
+
     def alarms(self) -> list[str]:
         """Alarms etcd has raised (``["NOSPACE"]`` when its db reached the quota)."""
-        def run(c):
-            resp = c.maintenancestub.Alarm(
-                etcdrpc.AlarmRequest(action=etcdrpc.AlarmRequest.GET),
-                c.timeout, credentials=c.call_credentials, metadata=c.metadata)
-            return [etcdrpc.AlarmType.Name(a.alarm) for a in resp.alarms]
-        return sorted({a for r in self._each_endpoint("list alarms", run) for a in r})
+        got = self._each_endpoint("list alarms", lambda c: [
+            etcdrpc.AlarmType.Name(a.alarm)
+            for a in self._alarm_request(c, etcdrpc.AlarmRequest.GET)])
+        return sorted({a for r in got for a in r})
 
     def disarm_alarms(self) -> list[str]:
-        """Disarm every raised alarm (after compaction and defragmentation made room);
-        returns those that were raised."""
-        raised = self.alarms()
-        if raised:
-            self._each_endpoint("disarm alarms", lambda c: c.disarm_alarm())
-        return raised
+        """Disarm every raised alarm, member by member as etcd keeps them (after
+        compaction and defragmentation made room); returns those that were raised."""
+        def run(c):
+            raised = list(self._alarm_request(c, etcdrpc.AlarmRequest.GET))
+            for a in raised:
+                self._alarm_request(c, etcdrpc.AlarmRequest.DEACTIVATE, a.memberID, a.alarm)
+            return [etcdrpc.AlarmType.Name(a.alarm) for a in raised]
+        return sorted({a for r in self._each_endpoint("disarm alarms", run) for a in r})
 
     def defragment(self) -> None:
         """Defragment every member's db (gives the space compaction freed back to
         the file system; a member blocks while it runs)."""
         self._each_endpoint("defragment", lambda c: c.defragment())
+
+    def db_size(self) -> int:
+        """The largest db size (bytes) among the etcd members."""
+        return max(self._each_endpoint("read etcd's status", lambda c: c.maintenancestub.Status(
+            etcdrpc.StatusRequest(), c.timeout, credentials=c.call_credentials,
+            metadata=c.metadata).dbSize))
 
     def etcd_status(self) -> list[dict]:
         """Per endpoint: version, db size, revision, raft index, leader, alarms; and the

@@ -64,6 +64,7 @@ def test_deleted_while_down_is_learned_from_the_remembered_revision(cluster_fact
         wait_until(lambda: remembered_on_disk(b) > 0, what="a first round remembered")
         b.stop()
         client.delete_ledger(doomed)
+        deleted_at = c.store.revision()
         b.start()
         wait_until(lambda: not entries_held(c.store, b.bookie_id, doomed),
                    what="the ledger deleted while the bookie was down dropped")
@@ -71,7 +72,7 @@ def test_deleted_while_down_is_learned_from_the_remembered_revision(cluster_fact
         st = gc_state(c, b)
         # learned from the watch: no full reconcile was needed after the restart
         assert st["reconciles"] == 0, st
-        wait_until(lambda: remembered_on_disk(b) >= c.store.revision() - 1,
+        wait_until(lambda: remembered_on_disk(b) >= deleted_at,
                    what="the remembered revision advanced past the deletion")
 
 
