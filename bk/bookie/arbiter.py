@@ -19,7 +19,7 @@ wake-up pipe. Signal handlers only enqueue the signal and write to the pipe
   ``MAX_RESTARTS`` times within ``RESTART_WINDOW`` seconds: no restart loops.
 * SIGTERM / SIGINT: stop accepting, deregister, tell workers to drain and exit,
   wait for them, remove the pid file, exit 0.
-* SIGUSR1: run a garbage collection now.
+* SIGUSR1: run a garbage collection now (a full reconcile, see bk.bookie.gc).
 
 A new connection's HELLO frame is read here (exactly that frame, nothing
 more), then the socket is passed to the worker of the shard it names with
