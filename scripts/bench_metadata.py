@@ -8,6 +8,7 @@ defragmentation), etcd's RSS, and the CPU etcd and the bookies burn idle.
     scripts/bench_metadata.py                         # steps up to 1,000,000 ledgers
     scripts/bench_metadata.py --ledgers 100000 --json
     scripts/bench_metadata.py --steps 30000,100000 --set gcWaitTime=5000
+    scripts/bench_metadata.py --listing-only --ledgers 300000   # listing alone
 """
 
 import argparse
@@ -17,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bk.bench.metadata import bench_metadata, format_row  # noqa: E402
+from bk.bench.metadata import bench_listing, bench_metadata, format_row  # noqa: E402
 
 
 def main():
@@ -33,8 +34,17 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="bookie setting; repeatable")
     ap.add_argument("--dir", default=None, help="where the cluster keeps its data")
+    ap.add_argument("--listing-only", action="store_true",
+                    help="only time listing --ledgers ids (an etcd alone, keys put directly): "
+                         "by id windows vs plain pages")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.listing_only:
+        r = bench_listing(a.ledgers, base_dir=a.dir, progress=lambda r: None)
+        print(json.dumps(r) if a.json else
+              f"{r['ledgers']} ids listed: id windows {r['windows_s']}s"
+              + (f", plain pages {r['pages_s']}s ({r['ratio']}x)" if "pages_s" in r else ""))
+        return
     conf = dict(kv.split("=", 1) for kv in a.set)
     steps = [int(x) for x in a.steps.split(",")] if a.steps else None
     r = bench_metadata(a.ledgers, steps=steps, threads=a.threads, churn=a.churn,

@@ -25,7 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 
 from bk.client.bookkeeper import BookKeeper
-from bk.localcluster import LocalCluster
+from bk.localcluster import LocalCluster, etcd_flags
+from bk.meta.etcd_server import EtcdServer
+from bk.meta.store import MetadataStore, ledger_key_name
 
 PAYLOAD = b"x" * 100
 
@@ -216,3 +218,46 @@ def format_row(row: dict) -> str:
     parts.append(f"etcd RSS {row.get('etcd_rss_mb')} MB")
     parts.append(f"idle CPU etcd {cpu.get('etcd', 0):.1%} bookies {cpu.get('bookies', 0):.1%}")
     return ", ".join(parts)
+
+
+def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> dict:
+    """Listing alone, on an etcd with nothing but ``ledgers`` ledger keys (ids as
+    clients hand them out: blocks of 1024 from 8 writers, interleaved): seconds
+    to list them by id windows (the client's listing) and by plain pages."""
+    value = b'{"state":"CLOSED"}'
+    with tempfile.TemporaryDirectory(prefix="bk-bench-list-", dir=base_dir) as d, \
+            EtcdServer(d, extra_args=etcd_flags()) as etcd:
+        store = MetadataStore(etcd.uri("ledgers"), timeout=60)
+        store.format()
+        c = store._client()
+        made = 0
+        blocks = [store.reserve_ledger_ids() for _ in range(8)]
+        while made < ledgers:
+            ops = []
+            for i, b in enumerate(blocks):
+                take, blocks[i] = b[:13], b[13:]
+                ops += [c.transactions.put(store._key(ledger_key_name(lid)), value)
+                        for lid in take]
+                if not blocks[i]:
+                    blocks[i] = store.reserve_ledger_ids()
+            ops = ops[:ledgers - made]
+            store._txn_full("fill", [], ops)
+            made += len(ops)
+        store.compact(store.revision(), physical=True)
+
+        class _Client:               # what list_seconds needs of a client
+            _store = store
+
+            def list_ledgers(self):
+                return store.list_ledgers()
+        out = {"ledgers": made}
+        # plain pages grow quadratically: minutes at a million
+        for mode in ("windows", "pages") if made <= 300_000 else ("windows",):
+            secs, n = list_seconds(_Client(), mode)
+            out[f"{mode}_s"] = round(secs, 2)
+            assert n == made, (mode, n, made)
+        if "pages_s" in out:
+            out["ratio"] = round(out["pages_s"] / max(out["windows_s"], 1e-6), 1)
+        progress(out)
+        store.close()
+        return out

@@ -55,9 +55,9 @@ from bk import metrics as M
 from bk import protocol as P
 from bk.bookie import control, layout
 from bk.bookie.gc import GarbageCollector
-from bk.meta.compactor import Compactor
 from bk.config import Config
 from bk.errors import BKError, ClusterIdentityError, EBADREQ, ProtocolError
+from bk.meta.compactor import Compactor
 
 log = logging.getLogger("bk.bookie")
 

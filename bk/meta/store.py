@@ -7,15 +7,19 @@ Every key lives under ``<prefix>/`` (prefix ``/ledgers`` -> ``/ledgers/...``):
 ``ledgers/<id as 20 digits>``         ledger metadata (JSON, see :mod:`bk.meta.ledger`);
                                       zero padding makes key order = numeric order, so
                                       listings page with plain range requests
-``idgen``                             touched by every :meth:`new_ledger_id`; the id is
-                                      the cluster's id scope (from its instanceId) in the
-                                      high bits, the etcd revision of that write below
+``idgen``                             touched once per block of ids
+                                      (:meth:`reserve_ledger_ids`); an id is the
+                                      cluster's id scope (from its instanceId) in the
+                                      high bits, the etcd revision of that write times
+                                      2**ID_BLOCK_BITS (plus the index in the block) below
 ``bookies/available/<bookie id>``     JSON info of a writable bookie, bound to its lease
 ``bookies/readonly/<bookie id>``      same for a read-only bookie
 ``cookies/<bookie id>``               JSON cookie of a bookie's directories
 ``layout``                            JSON layout record with the cluster's
                                       ``instanceId``; written only by ``metaformat``
-(later) ``underreplication/...``, ``auditor``, ``logs/<name>``
+``compactor``, ``compaction``        the elected history compactor and the revision it
+                                      compacts to next (:mod:`bk.meta.compactor`)
+``underreplication/...``, ``auditor``, ``logs/<name>``: see their modules
 ====================================  ==================================================
 
 The "version" of a key is its etcd ``mod_revision``; every change of ledger
@@ -24,7 +28,14 @@ raises :class:`MetadataVersionError` and never overwrites.
 
 Every pyetcd/gRPC exception is translated at this boundary into
 :class:`MetadataError` (or a more specific subclass) whose message says what
-was asked and names the URI.
+was asked and names the URI: etcd's NOSPACE alarm becomes
+:class:`MetadataSpaceError` naming the way out, a read or watch of a compacted
+revision :class:`MetadataCompactedError`.
+
+Cost at scale: nothing here lists what it does not need. Listings of every
+ledger page over id windows (etcd 3.5 visits every key to the end of a range
+to count it, so plain paging is quadratic); reads of given ledgers are point
+reads in read-only transactions; no request asks etcd to sort.
 
 Threads and fork: one store may be shared by threads (gRPC channels are
 thread-safe; our own state is under a lock). A store used in a child after
@@ -668,8 +679,8 @@ class MetadataStore:
         etcd 3.5: to fill in a range's ``count`` it visits every key to the end
         of the range, whatever the limit (300k ledgers: 36 s to list). The
         window of the next request is the id span that held the last page (grown
-        while windows come back sparse), so each request visits about a page of
-        keys and a listing stays linear."""
+        toward a page at the density seen while windows come back sparse), so each
+        request visits about a page of keys and a listing stays linear."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, not {page_size}")
         lo, width = 0, 1 << 40
@@ -692,9 +703,10 @@ class MetadataStore:
                 width = max(1, last + 1 - lo)     # the span that held one page
                 lo = last + 1
             else:
+                # aim the next window at a page at this density, growing at most 16x
+                # (ids come in clumps: a writer's block, then a gap of other writes)
                 lo = hi
-                if resp.count < page_size // 2:
-                    width *= 2
+                width = int(width * min(16.0, page_size / max(resp.count, 1)))
 
     def _iter_after(self, what, start, end, page_size, keys_only):
         start = start + b"\0"
