@@ -136,3 +136,19 @@ def test_nospace_is_a_clear_error_and_writes_resume_after_metacompact(cluster_fa
         lh2 = client.create_ledger(3, 2, 2, password=PW)
         lh2.add_entry(b"after")
         lh2.close()
+
+
+def test_one_bookie_of_a_cluster_compacts(cluster_factory):
+    c = cluster_factory(3, conf_overrides={"metadataCompactionIntervalSeconds": 1})
+    for i in range(20):
+        c.store.put_json("junk/k", {"i": i})
+    wait_until(lambda: c.store.compact_revision() > 0, what="a compaction by a bookie")
+    wait_until(lambda: (c.store.get_json(compactor.RECORD)[0] or {}).get("compacted"),
+               what="the compaction recorded")
+    rec, _ = c.store.get_json(compactor.RECORD)
+
+    def logs(b):
+        with open(b.log_file) as f:
+            return f.read()
+    leaders = [b.bookie_id for b in c.bookies if "compacts etcd's history every" in logs(b)]
+    assert leaders == [rec["by"]]
