@@ -123,8 +123,9 @@ def list_seconds(client: BookKeeper, mode: str = "windows") -> tuple[float, int]
 
 
 def etcd_sizes(cluster: LocalCluster, defrag: bool) -> dict:
-    store = cluster.store
-    out = {"db_mb": round(store.etcd_status()[0]["dbSize"] / 1e6, 1)}
+    # a physical compaction and a defragmentation of a large db take minutes
+    store = MetadataStore(cluster.metadata_uri, timeout=600)
+    out = {"db_mb": round(store.db_size() / 1e6, 1)}
     try:
         rss = psutil.Process(cluster.etcd.pid).memory_info().rss
         out["etcd_rss_mb"] = round(rss / 1e6, 1)
@@ -133,7 +134,26 @@ def etcd_sizes(cluster: LocalCluster, defrag: bool) -> dict:
     if defrag:
         store.compact(store.revision(), physical=True)   # done before the defrag starts
         store.defragment()
-        out["db_mb_compacted"] = round(store.etcd_status()[0]["dbSize"] / 1e6, 1)
+        out["db_mb_compacted"] = round(store.db_size() / 1e6, 1)
+    store.close()
+    return out
+
+
+def _after_bk_compaction(cluster: LocalCluster, conf: dict) -> dict:
+    """The db once bk's own compactor has compacted past now (two intervals at
+    most), then defragmented: what an operator's occasional defrag gets back."""
+    interval = float(conf.get("metadataCompactionIntervalSeconds", 300))
+    if interval <= 0 or interval > 120:
+        return {}
+    store = MetadataStore(cluster.metadata_uri, timeout=600)
+    target = store.revision()
+    deadline = time.monotonic() + 3 * interval + 10
+    while store.compact_revision() < target and time.monotonic() < deadline:
+        time.sleep(1.0)
+    out = {"bk_compacted": store.compact_revision() >= target}
+    store.defragment()
+    out["db_mb_bk_compacted_defrag"] = round(store.db_size() / 1e6, 1)
+    store.close()
     return out
 
 
@@ -196,6 +216,7 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
                            "seconds": round(time.monotonic() - t0, 1)}
                     row.update(etcd_sizes(cluster, defrag=False))
                     row["idle_cpu"] = idle_cpu(cluster, idle_seconds)
+                    row.update(_after_bk_compaction(cluster, conf))
                     out["churn"] = row
                     progress(row)
             finally:
@@ -215,6 +236,9 @@ def format_row(row: dict) -> str:
         parts.append(f"list {row['list_s']}s" + (f" (plain {', '.join(old)})" if old else ""))
     parts.append(f"db {row.get('db_mb')} MB" + (f" ({row['db_mb_compacted']} MB compacted)"
                                                 if "db_mb_compacted" in row else ""))
+    if "db_mb_bk_compacted_defrag" in row:
+        parts.append(f"db {row['db_mb_bk_compacted_defrag']} MB after bk's compaction "
+                     f"and a defrag")
     parts.append(f"etcd RSS {row.get('etcd_rss_mb')} MB")
     parts.append(f"idle CPU etcd {cpu.get('etcd', 0):.1%} bookies {cpu.get('bookies', 0):.1%}")
     return ", ".join(parts)

@@ -273,7 +273,8 @@ def metacompact(c, revision, defrag, disarm, as_json):
       bkshell metacompact --defrag --disarm
     """
     from bk.meta.store import MetadataStore
-    with MetadataStore(c.uri(), timeout=c.timeout) as store:
+    # compacting physically and defragmenting a large db take minutes, not --timeout
+    with MetadataStore(c.uri(), timeout=max(c.timeout, 600.0)) as store:
         before = store.db_size()
         target = revision or store.revision()
         store.compact(target, physical=True)

@@ -908,7 +908,7 @@ class MetadataStore:
             c = MultiEndpointEtcd3Client(
                 endpoints=[Endpoint(host, port, secure=False, time_retry=0,
                                     opts=_grpc_options(self.timeout))],
-                timeout=max(self.timeout, 60.0), failover=False)
+                timeout=max(self.timeout, 600.0), failover=False)   # a defrag takes long
             try:
                 self.rpc_counts["maintenance"] += 1
                 out.append(fn(c))
