@@ -172,6 +172,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        minimum=0.0, maximum=1.0),
     _S("majorCompactionInterval", int, 86400, "Seconds between major compactions.",
        minimum=0),
+    _S("gcFullReconcileIntervalSeconds", int, 3600, "Seconds between a bookie's full "
+       "reconciles of the ledgers it holds with the metadata store (it asks only about its "
+       "own ledgers, in ranges, at one revision); between them it learns of deletions by "
+       "watching them from a revision it remembers across restarts. A reconcile also runs "
+       "at start when that revision is gone (compacted) and on SIGUSR1.", minimum=1),
+    _S("metadataCompactionIntervalSeconds", int, 300, "Seconds between compactions of etcd's "
+       "history by the one bookie elected compactor (through an etcd lease): each compacts "
+       "to the revision read one interval earlier, like the Kubernetes API server. 0 turns "
+       "it off (etcd's own --auto-compaction then must do it).", minimum=0),
     # --- process ---------------------------------------------------------------
     _S("registrationTtlSeconds", int, 10, "TTL of the bookie's registration lease in etcd; "
        "a dead bookie disappears within it.", minimum=2),

@@ -77,6 +77,19 @@ class MetadataError(BKError):
     """The metadata store (etcd) failed or is unreachable."""
 
 
+class MetadataSpaceError(MetadataError):
+    """etcd raised its NOSPACE alarm (its backend reached the quota): it refuses every
+    write until its history is compacted, its db defragmented and the alarm disarmed
+    (``bkshell metacompact --defrag --disarm``). Reads and adds to open ledgers go on."""
+
+
+class MetadataCompactedError(MetadataError):
+    """A read or watch asked for a revision etcd has compacted away;
+    ``compact_revision`` is the oldest revision still kept."""
+
+    compact_revision: int = 0
+
+
 class SecurityError(BKError):
     """TLS or authentication failed (a certificate that does not verify, ...)."""
 

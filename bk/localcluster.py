@@ -192,6 +192,20 @@ def _port_in_conf(path: str, key: str = "bookiePort") -> int | None:
     return None
 
 
+ETCD_QUOTA_BYTES = 2 << 30        # etcd's own default backend quota, made explicit
+
+
+def etcd_flags(quota_bytes: int = ETCD_QUOTA_BYTES) -> list[str]:
+    """etcd flags for a cluster bk runs: a backend quota (etcd raises NOSPACE there
+    instead of filling the disk), periodic auto-compaction keeping an hour of
+    history as a backstop to bk's own compactor (metadataCompactionIntervalSeconds),
+    and watch progress notifications every minute, so a bookie's GC can remember
+    how far it has seen deletions although none happened."""
+    return ["--quota-backend-bytes", str(int(quota_bytes)),
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h",
+            "--experimental-watch-progress-notify-interval", "1m"]
+
+
 class LocalCluster:
     """An etcd server plus N bookie processes on loopback, each in its own directory.
 
@@ -200,13 +214,15 @@ class LocalCluster:
 
     def __init__(self, num_bookies: int = 3, base_dir: str | None = None, num_shards: int = 2,
                  base_port: int = 0, etcd_port: int = 0, conf_overrides: dict | None = None,
-                 prefix: str = "ledgers", http_port: int | None = None):
+                 prefix: str = "ledgers", http_port: int | None = None,
+                 etcd_quota_bytes: int = ETCD_QUOTA_BYTES):
         self._own_dir = base_dir is None
         self.base_dir = os.path.abspath(base_dir or tempfile.mkdtemp(prefix="bk-cluster-"))
         self.num_bookies = num_bookies
         self.num_shards = num_shards
         self.base_port = base_port
         self.etcd_port = etcd_port
+        self.etcd_quota_bytes = int(etcd_quota_bytes)
         self.conf_overrides = dict(conf_overrides or {})
         self.prefix = prefix
         # None: no HTTP; else bookie i serves HTTP on http_port + i (0: free ports).
@@ -233,7 +249,8 @@ class LocalCluster:
 
     def start_etcd(self) -> None:
         os.makedirs(self.base_dir, exist_ok=True)
-        self.etcd = EtcdServer(os.path.join(self.base_dir, "etcd"), client_port=self.etcd_port)
+        self.etcd = EtcdServer(os.path.join(self.base_dir, "etcd"), client_port=self.etcd_port,
+                               extra_args=etcd_flags(self.etcd_quota_bytes))
         self.etcd.start()
         if not self.store.is_formatted():    # a restarted cluster keeps its identity
             self.store.format()

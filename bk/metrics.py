@@ -137,6 +137,13 @@ REPLICATED_BYTES = _m("replication_REREPLICATED_BYTES", COUNTER, "Payload bytes 
 AUTORECOVERY_METRICS = [UNDER_REPLICATED, UNDER_REPLICATED_AGE, AUDITOR_ELECTED,
                         REPLICATED_ENTRIES, REPLICATED_BYTES]
 
+# --- metadata (served by the bookie elected compactor, bk.meta.compactor) -----------------
+METADATA_COMPACTIONS = _m("bookkeeper_metadata_COMPACTIONS", COUNTER, "Compactions of etcd's "
+                          "history made by this bookie as the elected compactor.")
+METADATA_DB_SIZE = _m("bookkeeper_metadata_DB_SIZE_BYTES", GAUGE, "etcd's db size as the "
+                      "elected compactor last read it (its status).")
+METADATA_METRICS = [METADATA_COMPACTIONS, METADATA_DB_SIZE]
+
 # --- client ------------------------------------------------------------------------------
 CLIENT_ADD = _m("bookkeeper_client_ADD_ENTRY", HISTOGRAM, "Client adds by outcome: time from "
                 "add_entry to its confirmation (seconds).", ["success"], LATENCY_BUCKETS)
@@ -310,6 +317,8 @@ class BookieMetrics:
         self.reclaimed_bytes = 0
         self.readonly = False
         self.autorecovery: AutoRecoveryMetrics | None = None   # once it runs one
+        self.metadata_compactions = 0
+        self.metadata_db_size = None           # set once this bookie compacted etcd
         self.disk: dict = {}
         self.disk_source = None                # callable -> layout.disk_space dict
 
@@ -399,6 +408,10 @@ class BookieMetrics:
                          (COMPACTED_SEGMENTS, self.compacted_segments),
                          (RECLAIMED_BYTES, self.reclaimed_bytes)):
                 yield CounterMetricFamily(m.name, m.help, value=v)
+        if self.metadata_db_size is not None:
+            yield CounterMetricFamily(METADATA_COMPACTIONS.name, METADATA_COMPACTIONS.help,
+                                      value=self.metadata_compactions)
+            yield _gauge(METADATA_DB_SIZE, self.metadata_db_size)
         if self.autorecovery is not None:
             yield from self.autorecovery.collect()
 

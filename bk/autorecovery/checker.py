@@ -146,8 +146,10 @@ def claim_overreplicated(store, pool, bookie_id: str, ledger_ids, ttl: int = 10,
     ``candidates`` (ledgers it no longer belongs to) and ``claimed``."""
     local = set(ledger_ids)
     marked = {lid for lid, _, _ in UR.list_marked(store)}
-    candidates = [md.ledger_id for md, _ in store.list_ledger_metadata()
-                  if md.ledger_id in local and md.ledger_id not in marked and md.is_closed
+    # Only the metadata of the ledgers the bookie holds, a group of ids per request:
+    # the cost follows what this bookie holds, not the cluster's size.
+    candidates = [md.ledger_id for md, _ in store.read_ledgers(local)
+                  if md.ledger_id not in marked and md.is_closed
                   and not any(bookie_id in ens for _, ens in md.ensembles)]
     claimed = []
     if stats is not None:

@@ -19,7 +19,7 @@ wake-up pipe. Signal handlers only enqueue the signal and write to the pipe
   ``MAX_RESTARTS`` times within ``RESTART_WINDOW`` seconds: no restart loops.
 * SIGTERM / SIGINT: stop accepting, deregister, tell workers to drain and exit,
   wait for them, remove the pid file, exit 0.
-* SIGUSR1: run a garbage collection now.
+* SIGUSR1: run a garbage collection now (a full reconcile, see bk.bookie.gc).
 
 Each signal is handled by ``handle_<name>`` (``handle_term``, ...), each
 control message of a worker by ``handle_<message>``
@@ -30,8 +30,10 @@ more), then the socket is passed to the worker of the shard it names with
 ``send_fds``; the worker answers the HELLO. A worker whose heartbeat is older
 than ``workerTimeoutMSec`` is killed and so restarted.
 
-Blocking etcd work (read-only re-registration, the ledger listings of GC)
+Blocking etcd work (read-only re-registration, the metadata checks of GC)
 runs on one background thread so the loop keeps handing over connections.
+What GC deletes is decided by :mod:`bk.bookie.gc` (deletions learned by a
+watch, full reconciles rarely); the arbiter relays its rounds to the shards.
 
 Metrics: each worker's heartbeat carries its counts; the loop keeps them in
 :class:`bk.metrics.BookieMetrics`, which sums them over shards and carries a
@@ -59,6 +61,7 @@ from bk.autorecovery import AutoRecovery
 from bk.autorecovery.checker import claim_overreplicated
 from bk.bookie import control, layout
 from bk.bookie import http as bookie_http
+from bk.bookie.gc import GarbageCollector
 from bk.config import Config
 from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
 from bk.bookie.worker import ShardWorker
@@ -67,6 +70,7 @@ from bk.errors import (BKError, ClusterIdentityError, CookieMismatchError, EBADR
 from bk.exitcodes import (EXIT_BIND, EXIT_COOKIE, EXIT_CONFIG, EXIT_ERROR, EXIT_METADATA,
                           EXIT_OK, EXIT_WORKER_BOOT)
 from bk.http import HttpServer
+from bk.meta.compactor import Compactor
 from bk.meta.store import MetadataStore
 from bk.rawclient import BookiePool
 
@@ -129,11 +133,14 @@ class Arbiter:
         self.exit_code = EXIT_OK
         self.exit_message = ""
         self.tasks: queue.Queue = queue.Queue()
+        self.gc = None                         # bk.bookie.gc.GarbageCollector, once registered
+        self.gc_round = None
+        self.compactor = None                  # bk.meta.compactor.Compactor candidate
+        self.gc_forced = False                 # a full round asked for (SIGUSR1) meanwhile
         self.gc_running = False
         self.gc_pending: set[int] = set()      # shards whose GC round is not done
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
-        self.next_overrep: dict[int, float] = {}     # shard -> when to scan next
         self.last_overrep: dict[int, dict] = {}      # shard -> what its last scan found
         self.dropped: dict[int, threading.Event] = {}  # shard -> gc_drop answered
         self.metrics: M.BookieMetrics | None = None
@@ -229,7 +236,15 @@ class Arbiter:
             return
         if reg.readonly != self.readonly:     # the disks changed while it registered
             self.tasks.put(("readonly", self.readonly))
+        self.gc = GarbageCollector(conf, self.store, self.instance_id,
+                                   os.path.abspath(conf.ledgerDirectories[0]),
+                                   self.num_shards).start()
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
+        if conf.metadataCompactionIntervalSeconds > 0:
+            self.compactor = Compactor(self.store, conf.bookie_id,
+                                       conf.metadataCompactionIntervalSeconds,
+                                       ttl=conf.registrationTtlSeconds,
+                                       metrics=self.metrics).start()
         if conf.autoRecoveryDaemonEnabled:
             self.metrics.autorecovery = M.AutoRecoveryMetrics()
             self.autorecovery = AutoRecovery(conf, conf.bookie_id,
@@ -396,8 +411,8 @@ class Arbiter:
     handle_int = handle_term
 
     def handle_usr1(self, sig: int):
-        """Run a garbage collection round now."""
-        self._start_gc()
+        """Run a garbage collection round now, with a full reconcile (bk.bookie.gc)."""
+        self._start_gc(full=True)
 
     def _reap(self):
         while True:
@@ -462,7 +477,7 @@ class Arbiter:
         ev = self.dropped.get(w.shard)
         if ev is not None:              # its gc_drop will never be answered
             ev.set()
-        self.gc_pending.discard(w.shard)
+        self._gc_shard_done(w.shard)
         self._spawn(w)
 
     def _on_control(self, w: _Worker):
@@ -517,12 +532,21 @@ class Arbiter:
 
     def handle_gc_done(self, w: _Worker, stats):
         self.gc_results[w.shard] = stats
-        self.gc_pending.discard(w.shard)
-        if not self.gc_pending:
-            self.gc_running = False
-            self.last_gc = dict(self.gc_results)
-            self.metrics.gc_done(self.last_gc)
-            log.debug("gc done: %s", self.last_gc)
+        self._gc_shard_done(w.shard)
+
+    def _gc_shard_done(self, shard: int):
+        """A shard finished (or left: it died) the running GC round."""
+        if shard in self.gc_pending:
+            self.gc_pending.discard(shard)
+            if not self.gc_pending and self.gc_running:
+                self.gc_running = False
+                self.last_gc = dict(self.gc_results)
+                self.metrics.gc_done(self.last_gc)
+                log.debug("gc done: %s", self.last_gc)
+                deleted = sum(r.get("ledgers_deleted", 0) for r in self.last_gc.values())
+                self.tasks.put(("gc_finish", self.gc_round, set(self.last_gc), deleted))
+                if self.gc_forced:
+                    self._start_gc(full=True)
 
     def _check_heartbeats(self, now: float):
         limit = self.conf.workerTimeoutMSec / 1000.0
@@ -679,15 +703,26 @@ class Arbiter:
                     log.warning("shard %d: cannot send %s: %s", w.shard, msg[0], e)
 
     # --- garbage collection ------------------------------------------------------------
-    def _start_gc(self):
-        if self.gc_running or self.stopping:
+    def _start_gc(self, full: bool = False):
+        """Begin a GC round (bk.bookie.gc decides what it is): a full one asks each
+        shard for its ledgers (gc_begin), an incremental one goes straight to the
+        metadata thread with the deletions the watch reported."""
+        if self.gc is None or self.stopping:
+            return
+        if self.gc_running:
+            self.gc_forced = self.gc_forced or full
             return
         ready = [w for w in self.workers if w.ready and w.ctrl is not None]
         if not ready:
             return
+        self.gc_forced = False
+        rnd = self.gc_round = self.gc.begin([w.shard for w in ready], force_full=full)
         self.gc_running = True
         self.gc_results = {}
         self.gc_pending = {w.shard for w in ready}
+        if not rnd.full:
+            self.tasks.put(("gc_incremental", rnd))
+            return
         for w in ready:
             try:
                 with w.lock:
@@ -708,42 +743,39 @@ class Arbiter:
                     self.registration.set_readonly(task[1])
                 elif task[0] == "gc_check":
                     self._gc_check(task[1], task[2])
+                elif task[0] == "gc_incremental":
+                    dead = self.gc.incremental(task[1])
+                    for shard in task[1].shards:
+                        self._gc_send(shard, dead.get(shard, []))
+                elif task[0] == "gc_finish":
+                    self.gc.finish(task[1], task[2], task[3])
             except Exception as e:   # keep the thread alive: the next cycle retries
                 log.warning("metadata task %s failed (retried): %s", task[0], e)
                 if task[0] == "gc_check":
+                    self.gc_round.failed = True
                     self._gc_send(task[1], [])
+                elif task[0] == "gc_incremental":
+                    task[1].failed = True
+                    for shard in task[1].shards:
+                        self._gc_send(shard, [])
 
     def _gc_check(self, shard: int, local_ids: list[int]):
-        # The listing is taken after the worker reported its ledgers, so a ledger the
-        # worker holds and the listing lacks was deleted (ids are never reused). It
-        # comes only from this bookie's cluster while that cluster still holds its
-        # cookie (list_ledgers_as_member raises otherwise): a listing of a wiped or
-        # another cluster lacks every ledger, and acting on it would drop them all.
-        if not local_ids:
-            self._gc_send(shard, [])
-            return
-        try:
-            live = set(self.store.list_ledgers_as_member(self.conf.bookie_id,
-                                                          self.instance_id))
-        except ClusterIdentityError as e:
-            log.error("garbage collection skipped, nothing deleted: %s", e)
-            self._gc_send(shard, [])
-            return
-        dead = [lid for lid in local_ids if lid not in live]
-        self._gc_overreplicated(shard, [lid for lid in local_ids if lid in live])
+        # A full round: the worker reported its ledgers before the check, so one it
+        # holds that has no metadata at the checked revision was deleted (ids are
+        # never reused); bk.bookie.gc checks only this bookie's cluster.
+        dead = self.gc.check(self.gc_round, shard, local_ids)
+        if self.gc_round.overreplicated and not self.gc_round.failed:
+            gone = set(dead)
+            self._gc_overreplicated(shard, [lid for lid in local_ids if lid not in gone])
         self._gc_send(shard, dead)
 
     def _gc_overreplicated(self, shard: int, ledger_ids: list[int]):
         """Drop the entries of ledgers this bookie holds but was replaced in (it was
         away while they were re-replicated), once every bookie of their write
-        sets holds them; at start and every gcOverreplicatedLedgerWaitTime. The
+        sets holds them; at the first full GC round and then at the first after each
+        gcOverreplicatedLedgerWaitTime (reading the metadata of these ledgers only). The
         under-replication locks of those ledgers are held until the worker has
         dropped them (see bk.autorecovery.checker.claim_overreplicated)."""
-        interval = self.conf.gcOverreplicatedLedgerWaitTime / 1000.0
-        now = time.monotonic()
-        if interval <= 0 or now < self.next_overrep.get(shard, 0.0):
-            return
-        self.next_overrep[shard] = now + interval
         pool = BookiePool(self.store, timeout=10.0)
         stats = {"at": time.time(), "ledgers": len(ledger_ids)}
         try:
@@ -815,6 +847,10 @@ class Arbiter:
             except Exception as e:
                 log.warning("could not deregister: %s", e)
         self.tasks.put(None)
+        if self.gc is not None:
+            self.gc.stop()
+        if self.compactor is not None:
+            self.compactor.stop()
         for w in self.workers:
             if w.pid:
                 try:

@@ -70,4 +70,5 @@ def info(arbiter) -> dict:
                         "restarts": arbiter.metrics.restarts[w.shard]}
                        for w in arbiter.workers],
             "lastGc": {str(k): v for k, v in arbiter.last_gc.items()},
+            "gc": arbiter.gc.state() if arbiter.gc is not None else None,
             "lastOverreplicatedScan": {str(k): v for k, v in arbiter.last_overrep.items()}}

@@ -38,6 +38,9 @@ COOKIE_FILE = "bk-cookie.json"
 # 2: carries instanceId; ledgers map to shards by protocol.shard_of (version 1 used
 # ledger_id % shards, so a version-1 bookie's ledgers sit in other shards).
 COOKIE_VERSION = 2
+# What garbage collection remembers (bk.bookie.gc): the etcd revision up to which it
+# applied every deletion. It belongs to the cookie's cluster: a format removes it.
+GC_STATE_FILE = "gc-state.json"
 
 
 def _abs(paths) -> list[str]:
@@ -149,7 +152,8 @@ def _has_data(directory: str) -> bool:
     try:
         # The default pid and log files live in the first ledger directory too.
         return any(name not in ("lost+found", COOKIE_FILE, "bookie.pid", "bookie.log",
-                                "bookie.pid.tmp") for name in os.listdir(directory))
+                                "bookie.pid.tmp", GC_STATE_FILE, GC_STATE_FILE + ".tmp")
+                   for name in os.listdir(directory))
     except FileNotFoundError:
         return False
 
@@ -276,7 +280,8 @@ def wipe(conf: Config) -> list[str]:
         if not os.path.isdir(d):
             continue
         for name in os.listdir(d):
-            if name.startswith("shard-") or name in (COOKIE_FILE, COOKIE_FILE + ".tmp"):
+            if name.startswith("shard-") or name in (COOKIE_FILE, COOKIE_FILE + ".tmp",
+                                                     GC_STATE_FILE, GC_STATE_FILE + ".tmp"):
                 p = os.path.join(d, name)
                 if os.path.isdir(p):
                     shutil.rmtree(p)

@@ -314,8 +314,13 @@ def upgrade(conf_file, settings, **flags):
               help="Configuration override for every bookie; repeatable.")
 @click.option("--smoke/--no-smoke", default=True, show_default=True,
               help="Write and read back a ledger once the cluster is up.")
+@click.option("--etcd-quota-bytes", default=2 << 30, show_default=True,
+              type=click.IntRange(min=1 << 20),
+              help="etcd's backend quota: past it etcd raises NOSPACE and refuses writes "
+                   "(bkshell metacompact --defrag --disarm recovers).")
 @one_line_errors(PROG)
-def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, settings, smoke):
+def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, settings, smoke,
+                 etcd_quota_bytes):
     """Run an embedded etcd and N bookies in the foreground; Ctrl-C stops all.
 
     The first line printed is the metadata URI
@@ -323,6 +328,8 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
     so a restart finds the ledgers again. Every bookie serves HTTP (/metrics,
     /heartbeat, /api/v1/...) on its own port; their metrics URLs are printed.
     The bookies run auto-recovery (--set autoRecoveryDaemonEnabled=false: not).
+    etcd runs with a backend quota (--etcd-quota-bytes) and auto-compaction (an hour
+    of history; the bookies compact more often, see metadataCompactionIntervalSeconds).
     """
     from bk.localcluster import LocalCluster
 
@@ -332,7 +339,8 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
     signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
     cluster = LocalCluster(num_bookies=bookies, base_dir=base_dir, num_shards=shards,
                            base_port=base_port, etcd_port=etcd_port,
-                           conf_overrides=overrides, http_port=http_port)
+                           conf_overrides=overrides, http_port=http_port,
+                           etcd_quota_bytes=etcd_quota_bytes)
     cluster.start_etcd()
     click.echo(f"metadataServiceUri={cluster.metadata_uri}", color=False)
     sys.stdout.flush()

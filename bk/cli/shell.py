@@ -210,6 +210,92 @@ def metaformat(c, force, yes):
 
 
 @cli.command()
+@_json_opt
+@pass_ctx
+@handled
+def metastatus(c, as_json):
+    """etcd's state: per endpoint its version, db size, revision and leadership; the
+    revision history was last compacted to; raised alarms (NOSPACE); bk's elected
+    compactor and its last compaction.
+
+    \b
+    Example:
+      bkshell metastatus
+    """
+    from bk.meta import compactor
+    from bk.meta.store import MetadataStore
+    with MetadataStore(c.uri(), timeout=c.timeout) as store:
+        rows = store.etcd_status()
+        rec, _ = store.get_json(compactor.RECORD)
+        leader, _ = store.get_json(compactor.ELECTION)
+    out = {"endpoints": rows, "alarms": rows[0]["alarms"] if rows else [],
+           "compactRevision": rows[0]["compactRevision"] if rows else None,
+           "compactor": (leader or {}).get("id"), "lastCompaction": rec}
+    if as_json:
+        return _json_out(out)
+    for r in rows:
+        click.echo(f"{r['endpoint']}\tetcd {r['version']}\tdb {_size(r['dbSize'])}\t"
+                   f"revision {r['revision']}\t{'leader' if r['isLeader'] else 'follower'}")
+    if rows:
+        r = rows[0]
+        kept = r["revision"] - r["compactRevision"]
+        click.echo(f"history compacted to revision {r['compactRevision']} "
+                   f"({kept} revisions kept)" if r["compactRevision"]
+                   else "history never compacted")
+    click.echo("alarms: " + (", ".join(out["alarms"]) if out["alarms"] else "none"))
+    if out["alarms"]:
+        click.echo("etcd refuses writes: run 'bkshell metacompact --defrag --disarm'", err=True)
+    last = ""
+    if isinstance(rec, dict) and rec.get("compacted"):
+        last = (f", last compacted to {rec['compacted']} "
+                f"{time.time() - rec.get('at', time.time()):.0f}s ago")
+    click.echo(f"compactor: {out['compactor'] or 'none elected'}{last}")
+
+
+@cli.command()
+@click.option("--revision", type=click.IntRange(min=1), default=None,
+              help="Compact to this revision (default: the current one).")
+@click.option("--defrag", is_flag=True, help="Then defragment every member (gives the "
+              "space back to the file system; each member blocks while it runs).")
+@click.option("--disarm", is_flag=True, help="Then disarm raised alarms (NOSPACE), so etcd "
+              "accepts writes again.")
+@_json_opt
+@pass_ctx
+@handled
+def metacompact(c, revision, defrag, disarm, as_json):
+    """Compact etcd's history now (and defragment, and disarm NOSPACE).
+
+    The way out of etcd's NOSPACE alarm: 'metacompact --defrag --disarm'. Readers
+    and watchers of an older revision are told it was compacted and start over.
+
+    \b
+    Example:
+      bkshell metacompact --defrag --disarm
+    """
+    from bk.meta.store import MetadataStore
+    # compacting physically and defragmenting a large db take minutes, not --timeout
+    with MetadataStore(c.uri(), timeout=max(c.timeout, 600.0)) as store:
+        before = store.db_size()
+        target = revision or store.revision()
+        store.compact(target, physical=True)
+        out = {"compactedTo": target, "dbSizeBefore": before}
+        if defrag:
+            store.defragment()
+        out["dbSizeAfter"] = store.db_size()
+        out["disarmed"] = store.disarm_alarms() if disarm else []
+        out["alarms"] = store.alarms()
+    if as_json:
+        return _json_out(out)
+    click.echo(f"compacted to revision {target}; db {_size(before)} -> "
+               f"{_size(out['dbSizeAfter'])}" + ("" if defrag else " (defragment to give the "
+                                                  "space back: --defrag)"))
+    if out["disarmed"]:
+        click.echo("disarmed: " + ", ".join(out["disarmed"]))
+    if out["alarms"]:
+        click.echo("alarms still raised: " + ", ".join(out["alarms"]), err=True)
+
+
+@cli.command()
 @click.option("--readonly", "-ro", "mode", flag_value="readonly", help="Read-only bookies only.")
 @click.option("--all", "-a", "mode", flag_value="all", help="Writable and read-only bookies.")
 @_json_opt
@@ -1252,6 +1338,62 @@ def bench_bookie_cmd(c, bookie_id, entry_size, count, window, compare, as_json):
                    f"CPU per add")
 
 
+def _bench_settings(settings) -> dict:
+    """``--set KEY=VALUE`` of a benchmark: known bk settings only."""
+    from bk.config import SETTINGS
+
+    overrides = {}
+    for kv in settings:
+        key, sep, value = kv.partition("=")
+        if not sep or key not in SETTINGS:
+            raise click.BadParameter(f"{kv!r}: expected KEY=VALUE with a known key",
+                                     param_hint="--set")
+        overrides[key] = value
+    return overrides
+
+
+@bench.command("metadata")
+@click.option("--ledgers", default=1_000_000, show_default=True, type=click.IntRange(min=100),
+              help="Ledgers held at the last step (steps at 10k, 30k, 100k, ... below it).")
+@click.option("--steps", default=None, help="Comma-separated ledger counts instead.")
+@click.option("--threads", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Client threads creating and closing ledgers.")
+@click.option("--churn", default=None, type=click.IntRange(min=0),
+              help="Ledgers deleted and created again at the end (default: min(last "
+                   "step, 100k)).")
+@click.option("--idle-seconds", default=20.0, show_default=True,
+              type=click.FloatRange(min=1), help="Seconds of idle CPU measurement per step.")
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Bookie setting; repeatable.")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="Also run the replaced paths (an id write per ledger, sorted listing pages).")
+@_json_opt
+@handled
+def bench_metadata_cmd(ledgers, steps, threads, churn, idle_seconds, settings, compare, as_json):
+    """A local cluster (3 bookies, etcd) taking ledgers in steps: per step the
+    create+close rate, the time to list every id, etcd's db size (and after
+    compaction and defragmentation), its RSS, and the CPU etcd and the bookies
+    burn idle. Starts its own cluster; needs no --metadata.
+
+    \b
+    Example:
+      bkshell bench metadata --ledgers 100000
+    """
+    from bk.bench.metadata import bench_metadata, format_row
+    step_list = [int(x) for x in steps.split(",")] if steps else None
+
+    def show(row):
+        if not as_json:
+            click.echo(format_row(row))
+    r = bench_metadata(ledgers, steps=step_list, threads=threads, churn=churn,
+                       idle_seconds=idle_seconds, compare=compare,
+                       conf=_bench_settings(settings), progress=show)
+    if as_json:
+        return _json_out(r)
+    for name, x in r["compare"].items():
+        click.echo(f"compare {name}: {x}")
+
+
 @bench.command("log")
 @click.option("--record-size", default=100, show_default=True, type=click.IntRange(min=16))
 @click.option("--duration", default=10.0, show_default=True, type=click.FloatRange(min=0.5),
@@ -1416,15 +1558,7 @@ def bench_recovery_cmd(size, entry_size, ledgers, writers, writer_rate, registra
       bkshell bench recovery --set replicationRateByBytes=12000000
     """
     from bk.bench.recovery import bench_recovery
-    from bk.config import SETTINGS
-
-    overrides = {}
-    for kv in settings:
-        key, sep, value = kv.partition("=")
-        if not sep or key not in SETTINGS:
-            raise click.BadParameter(f"{kv!r}: expected KEY=VALUE with a known key",
-                                     param_hint="--set")
-        overrides[key] = value
+    overrides = _bench_settings(settings)
 
     def say(msg):
         click.echo(msg, err=True)

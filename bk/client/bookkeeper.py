@@ -63,6 +63,11 @@ class BookKeeper:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._shards: dict[str, int] = {}
+        # Ledger ids reserved in blocks (MetadataStore.reserve_ledger_ids): creating a
+        # ledger then costs one etcd transaction. The lock guards only this list; a
+        # thread that finds it empty reserves a block with no lock held.
+        self._ids_lock = threading.Lock()
+        self._ids: list[range] = []
         # Writable bookies as the watch of bookies/ last saw them (see _writable_view).
         self._view_lock = threading.Lock()
         self._view: frozenset | None = None
@@ -137,6 +142,9 @@ class BookKeeper:
             # first use; the executor's threads do not exist in the child.
             self._executor_obj = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix="bk-meta")
+            # The parent hands out the ids it reserved: the child reserves its own.
+            self._ids_lock = threading.Lock()
+            self._ids = []
             self._pid = os.getpid()
 
     # --- which bookies are writable ---------------------------------------------
@@ -249,7 +257,7 @@ class BookKeeper:
                 from None
         pw = bytes(password)
         for _ in range(10 if ledger_id is None else 1):
-            lid = self._store.new_ledger_id() if ledger_id is None else int(ledger_id)
+            lid = self._next_ledger_id() if ledger_id is None else int(ledger_id)
             md = LedgerMetadata(ledger_id=lid, ensemble_size=ensemble_size,
                                 write_quorum_size=write_quorum_size,
                                 ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
@@ -267,6 +275,22 @@ class BookKeeper:
         else:
             raise MetadataError("create ledger: could not allocate a free ledger id")
         return LedgerHandle(self, md, version, pw, writable=True)
+
+    def _next_ledger_id(self) -> int:
+        while True:
+            with self._ids_lock:
+                while self._ids:
+                    block = self._ids[0]
+                    if block:
+                        self._ids[0] = block[1:]
+                        return block[0]
+                    self._ids.pop(0)
+            # Several threads may reserve at once: each block is theirs alone, and the
+            # ids left over in one are skipped (ids are sparse anyway).
+            block = self._store.reserve_ledger_ids()
+            with self._ids_lock:
+                self._ids.append(block)
+                self._ids.sort(key=lambda r: r.start)
 
     def new_ledger_id(self) -> int:
         """A ledger id no ledger has or will be given (for ``create_ledger(ledger_id=)``)."""

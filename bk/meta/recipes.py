@@ -73,6 +73,13 @@ class LeaseLock:
         if self.token is not None:
             return True
         s = self.store
+        # Held by someone: say so after one read. Granting and revoking a lease for a
+        # doomed try costs etcd two raft writes (each an fsync), and candidates that
+        # campaign all the time would make an idle cluster's etcd busy.
+        held = s._call(f"check lock {self.rel}", "get",
+                       lambda c: c.get_response(self.key, count_only=True), idempotent=True)
+        if held.count:
+            return False
         lease = s._call(f"grant a {self.ttl}s lease for {self.rel}", "lease",
                         lambda c: c.lease(self.ttl))
         c = s._client()
@@ -183,8 +190,9 @@ class Election:
         self.lock = LeaseLock(store, rel, {"id": identifier, "since": time.time()}, ttl)
 
     def campaign(self, timeout: float | None = None) -> bool:
-        """Block until this candidate leads (False if ``timeout`` passed first)."""
-        return self.lock.acquire(timeout)
+        """Block until this candidate leads (False if ``timeout`` passed first). A
+        candidate looks about twice a second: a dead leader's lease outlives that."""
+        return self.lock.acquire(timeout, poll=0.5)
 
     def leader(self) -> str | None:
         """Who leads now, as the store says (None: nobody)."""

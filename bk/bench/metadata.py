@@ -1,0 +1,287 @@
+"""Metadata at scale (``scripts/bench_metadata.py``, ``bkshell bench metadata``).
+
+A local cluster (etcd + ``bookies`` bookies with production defaults and
+auto-recovery on, as ``bookie localcluster`` runs them, unless ``conf`` says otherwise) takes ledgers created and closed in steps (E3 Qw2 Qa2, one
+100-byte entry each, from ``threads`` threads of one client) up to ``ledgers``.
+After each step it measures what a large cluster costs: the create+close rate
+of the step, the time to list every ledger id, etcd's db size (as it is, then
+after a compaction to the current revision and a defragmentation), etcd's RSS,
+and the CPU etcd and the bookies burn while nobody uses the cluster. A churn
+phase then deletes and creates ``churn`` ledgers and reports the same.
+
+``compare=True`` also measures, in the same run and on the same cluster, the
+paths this replaced: a fresh id write per ledger (two etcd round trips per
+create instead of one) and listings by plain pages (each page visits every
+remaining key on etcd 3.5), with or without asking etcd to sort them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+
+from bk.client.bookkeeper import BookKeeper
+from bk.localcluster import LocalCluster, etcd_flags
+from bk.meta.etcd_server import EtcdServer
+from bk.meta.store import MetadataStore, ledger_key_name
+
+PAYLOAD = b"x" * 100
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        p = psutil.Process(pid)
+        return [p] + p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _cpu_seconds(procs) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def idle_cpu(cluster: LocalCluster, seconds: float) -> dict:
+    """Share of one core etcd and the bookies (arbiters and shards) use over
+    ``seconds`` while no client does anything."""
+    etcd = _tree(cluster.etcd.pid)
+    bookies = [p for b in cluster.bookies if b.alive for p in _tree(b.pid)]
+    e0, b0, t0 = _cpu_seconds(etcd), _cpu_seconds(bookies), time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    return {"etcd": round((_cpu_seconds(etcd) - e0) / dt, 4),
+            "bookies": round((_cpu_seconds(bookies) - b0) / dt, 4)}
+
+
+def create_close(client: BookKeeper, count: int, threads: int, fresh_ids: bool = False,
+                 out: list | None = None) -> float:
+    """Create, write one entry to and close ``count`` ledgers; ledgers/s.
+    ``fresh_ids``: the old path, one id write per ledger before its create."""
+    left = [count]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run():
+        while True:
+            with lock:
+                if left[0] <= 0 or errors:
+                    return
+                left[0] -= 1
+            try:
+                lid = client.new_ledger_id() if fresh_ids else None
+                h = client.create_ledger(3, 2, 2, password=b"bench", ledger_id=lid)
+                h.add_entry(PAYLOAD)
+                h.close()
+                if out is not None:
+                    out.append(h.ledger_id)
+            except BaseException as e:      # report the first failure after the step
+                errors.append(e)
+                return
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return count / (time.monotonic() - t0)
+
+
+def list_seconds(client: BookKeeper, mode: str = "windows") -> tuple[float, int]:
+    """(seconds, ids) to list every ledger id. ``windows``: the client's listing
+    (requests over id windows that hold about a page); ``pages``: plain pages
+    from the last key to the end of the prefix (etcd 3.5 visits every remaining
+    key for each page); ``sorted``: the same, asking etcd to sort each page."""
+    t0 = time.monotonic()
+    if mode == "windows":
+        n = sum(1 for _ in client.list_ledgers())
+        return time.monotonic() - t0, n
+    store = client._store
+    start = store._key("ledgers/")
+    end = start[:-1] + bytes([start[-1] + 1])
+    sort = {"sort_order": "ascend", "sort_target": "key"} if mode == "sorted" else {}
+    n = 0
+    while True:
+        resp = store._call("list (pages)", "range", lambda c: c.get_range_response(
+            start, end, limit=1000, keys_only=True, **sort), idempotent=True)
+        n += len(resp.kvs)
+        if not resp.more or not resp.kvs:
+            break
+        start = resp.kvs[-1].key + b"\0"
+    return time.monotonic() - t0, n
+
+
+def etcd_sizes(cluster: LocalCluster, defrag: bool) -> dict:
+    # a physical compaction and a defragmentation of a large db take minutes
+    store = MetadataStore(cluster.metadata_uri, timeout=600)
+    out = {"db_mb": round(store.db_size() / 1e6, 1)}
+    try:
+        rss = psutil.Process(cluster.etcd.pid).memory_info().rss
+        out["etcd_rss_mb"] = round(rss / 1e6, 1)
+    except psutil.Error:
+        pass
+    if defrag:
+        store.compact(store.revision(), physical=True)   # done before the defrag starts
+        store.defragment()
+        out["db_mb_compacted"] = round(store.db_size() / 1e6, 1)
+    store.close()
+    return out
+
+
+def _after_bk_compaction(cluster: LocalCluster, conf: dict) -> dict:
+    """The db once bk's own compactor has compacted past now (two intervals at
+    most), then defragmented: what an operator's occasional defrag gets back."""
+    interval = float(conf.get("metadataCompactionIntervalSeconds", 300))
+    if interval <= 0 or interval > 120:
+        return {}
+    store = MetadataStore(cluster.metadata_uri, timeout=600)
+    target = store.revision()
+    deadline = time.monotonic() + 3 * interval + 10
+    while store.compact_revision() < target and time.monotonic() < deadline:
+        time.sleep(1.0)
+    out = {"bk_compacted": store.compact_revision() >= target}
+    store.defragment()
+    out["db_mb_bk_compacted_defrag"] = round(store.db_size() / 1e6, 1)
+    store.close()
+    return out
+
+
+def _steps(total: int) -> list[int]:
+    marks = [m for m in (10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000) if m < total]
+    return marks + [total]
+
+
+def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, threads: int = 8,
+                   bookies: int = 3, shards: int = 2, churn: int | None = None,
+                   idle_seconds: float = 20.0, compare: bool = True, conf: dict | None = None,
+                   base_dir: str | None = None, progress=print) -> dict:
+    """Run the benchmark; returns ``{"steps": [...], "churn": {...}, "compare": {...}}``
+    and calls ``progress(row)`` after each step."""
+    steps = sorted(steps or _steps(ledgers))
+    churn = min(steps[-1], 100_000) if churn is None else churn
+    out: dict = {"steps": [], "compare": {}, "churn": None}
+    with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
+        # as 'bookie localcluster' runs them: auto-recovery on in every bookie
+        conf = {"autoRecoveryDaemonEnabled": True, **(conf or {})}
+        with LocalCluster(num_bookies=bookies, base_dir=d, num_shards=shards,
+                          conf_overrides=conf) as cluster:
+            client = BookKeeper(cluster.metadata_uri)
+            try:
+                held = 0
+                created: list[int] = []
+                for target in steps:
+                    rate = create_close(client, target - held, threads, out=created)
+                    held = target
+                    row = {"ledgers": held, "create_close_per_s": round(rate)}
+                    if compare and not out["compare"]:
+                        n = min(2000, max(200, held // 10))
+                        old = create_close(client, n, threads, fresh_ids=True, out=created)
+                        new = create_close(client, n, threads, out=created)
+                        held += 2 * n
+                        out["compare"]["create_close_per_s"] = {
+                            "fresh_id_per_ledger": round(old), "id_blocks": round(new),
+                            "ratio": round(new / old, 2)}
+                    row["list_s"], n_listed = list_seconds(client)
+                    row["list_s"] = round(row["list_s"], 2)
+                    row["listed"] = n_listed
+                    if compare and held <= 300_000:     # the old ways grow quadratically
+                        paged_s, _ = list_seconds(client, "pages")
+                        row["list_pages_s"] = round(paged_s, 2)
+                    if compare and held <= 100_000:
+                        sorted_s, _ = list_seconds(client, "sorted")
+                        row["list_sorted_s"] = round(sorted_s, 2)
+                    row["idle_cpu"] = idle_cpu(cluster, idle_seconds)
+                    row.update(etcd_sizes(cluster, defrag=True))
+                    out["steps"].append(row)
+                    progress(row)
+                if churn:
+                    t0 = time.monotonic()
+                    victims, created = created[:churn], created[churn:]
+                    with ThreadPoolExecutor(threads) as ex:
+                        list(ex.map(client.delete_ledger, victims))
+                    fresh: list[int] = []
+                    rate = create_close(client, len(victims), threads, out=fresh)
+                    row = {"churned": len(victims), "create_close_per_s": round(rate),
+                           "seconds": round(time.monotonic() - t0, 1)}
+                    row.update(etcd_sizes(cluster, defrag=False))
+                    row["idle_cpu"] = idle_cpu(cluster, idle_seconds)
+                    row.update(_after_bk_compaction(cluster, conf))
+                    out["churn"] = row
+                    progress(row)
+            finally:
+                client.close()
+    return out
+
+
+def format_row(row: dict) -> str:
+    """One line of a step's (or the churn's) numbers."""
+    cpu = row.get("idle_cpu", {})
+    head = (f"{row['ledgers']:>9} ledgers" if "ledgers" in row
+            else f"churn {row['churned']} deleted+created")
+    parts = [head, f"create+close {row['create_close_per_s']}/s"]
+    if "list_s" in row:
+        old = [f"{k} {row[f'list_{k}_s']}s" for k in ("pages", "sorted")
+               if f"list_{k}_s" in row]
+        parts.append(f"list {row['list_s']}s" + (f" (plain {', '.join(old)})" if old else ""))
+    parts.append(f"db {row.get('db_mb')} MB" + (f" ({row['db_mb_compacted']} MB compacted)"
+                                                if "db_mb_compacted" in row else ""))
+    if "db_mb_bk_compacted_defrag" in row:
+        parts.append(f"db {row['db_mb_bk_compacted_defrag']} MB after bk's compaction "
+                     f"and a defrag")
+    parts.append(f"etcd RSS {row.get('etcd_rss_mb')} MB")
+    parts.append(f"idle CPU etcd {cpu.get('etcd', 0):.1%} bookies {cpu.get('bookies', 0):.1%}")
+    return ", ".join(parts)
+
+
+def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> dict:
+    """Listing alone, on an etcd with nothing but ``ledgers`` ledger keys (ids as
+    clients hand them out: blocks of 1024 from 8 writers, interleaved): seconds
+    to list them by id windows (the client's listing) and by plain pages."""
+    value = b'{"state":"CLOSED"}'
+    with tempfile.TemporaryDirectory(prefix="bk-bench-list-", dir=base_dir) as d, \
+            EtcdServer(d, extra_args=etcd_flags()) as etcd:
+        store = MetadataStore(etcd.uri("ledgers"), timeout=60)
+        store.format()
+        c = store._client()
+        made = 0
+        blocks = [store.reserve_ledger_ids() for _ in range(8)]
+        while made < ledgers:
+            ops = []
+            for i, b in enumerate(blocks):
+                take, blocks[i] = b[:13], b[13:]
+                ops += [c.transactions.put(store._key(ledger_key_name(lid)), value)
+                        for lid in take]
+                if not blocks[i]:
+                    blocks[i] = store.reserve_ledger_ids()
+            ops = ops[:ledgers - made]
+            store._txn_full("fill", [], ops)
+            made += len(ops)
+        store.compact(store.revision(), physical=True)
+
+        class _Client:               # what list_seconds needs of a client
+            _store = store
+
+            def list_ledgers(self):
+                return store.list_ledgers()
+        out = {"ledgers": made}
+        # plain pages grow quadratically: minutes at a million
+        for mode in ("windows", "pages") if made <= 300_000 else ("windows",):
+            secs, n = list_seconds(_Client(), mode)
+            out[f"{mode}_s"] = round(secs, 2)
+            assert n == made, (mode, n, made)
+        if "pages_s" in out:
+            out["ratio"] = round(out["pages_s"] / max(out["windows_s"], 1e-6), 1)
+        progress(out)
+        store.close()
+        return out

@@ -1,0 +1,318 @@
+"""Garbage collection of deleted ledgers: which ledgers a bookie's shards may drop.
+
+Theory of operation
+-------------------
+A ledger's metadata is created before any bookie holds an entry of it, and ids
+are never reused, so a ledger a shard holds whose metadata is absent was
+deleted. The decision rule is today's and BookKeeper's; what changes is what it
+costs. The cluster may hold millions of ledgers, so nothing here reads them all:
+
+* **Watch** (between reconciles). A daemon thread watches ``ledgers/`` for
+  deletions only (etcd filters out puts) from the revision this bookie
+  remembers, in ``gc-state.json`` next to its cookie. The deleted ids are
+  *candidates*; etcd sends each deletion once, so the metadata cost follows
+  deletions, not ledgers.
+* **Rounds** (every ``gcWaitTime``). An incremental round takes the
+  candidates learned so far, checks that the cluster is still the bookie's
+  (:meth:`~bk.meta.store.MetadataStore.member_revision`: same instanceId,
+  cookie present) and that each candidate is absent *at that revision*, and
+  tells each shard to delete its own (``gc_delete``; a shard ignores ids it
+  does not hold). No candidates: no etcd request at all.
+* **Full reconcile** (at start when the remembered revision is unusable,
+  every ``gcFullReconcileIntervalSeconds``, on SIGUSR1, after the watch fell
+  behind a compaction, and when the over-replicated scan is due: every
+  ``gcOverreplicatedLedgerWaitTime``, it reads the metadata of the ledgers the
+  bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`). Each shard reports its ledgers (``gc_begin``);
+  those absent at the member revision are dropped. It asks only about the
+  shard's own ids, a group per request (``existing_ledgers``). It also catches
+  what a watch cannot: entries that reached a bookie after their ledger was
+  deleted, or written with no metadata at all.
+
+Safety does not rest on the watch: an event only nominates a ledger; the
+decision is always "absent at a revision at which the cluster was verified to
+be this bookie's", so a wiped, re-formatted or foreign etcd (whose watch sends a
+deletion for every key) makes the bookie drop nothing, and a crash anywhere only
+repeats work. The remembered revision advances only once every shard has
+finished a round that covered every deletion up to it; killed before that, the
+bookie watches again from the older revision and learns the same deletions
+again. If etcd compacted that revision away meanwhile, the watch fails with
+MetadataCompactedError, the bookie watches from now on, and a full reconcile
+covers the gap before the revision advances again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+from bk import protocol as P
+from bk.bookie.layout import GC_STATE_FILE
+from bk.errors import ClusterIdentityError, MetadataCompactedError, MetadataError
+
+log = logging.getLogger("bk.bookie.gc")
+
+STATE_FILE = GC_STATE_FILE
+
+
+def read_state(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            rec = json.load(f)
+        return rec if isinstance(rec, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_state(path: str, rec: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(rec, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class GcRound:
+    """One round: full (shards list their ledgers) or incremental (candidates)."""
+
+    __slots__ = ("full", "reason", "candidates", "safe", "shards", "revisions", "started",
+                 "failed", "overreplicated")
+
+    def __init__(self, full: bool, reason: str, candidates: set, safe: int, shards):
+        self.full = full
+        self.reason = reason
+        self.candidates = candidates    # ids the watch reported deleted (incremental)
+        self.safe = safe                # every deletion up to here is among them
+        self.shards = set(shards)       # shards taking part
+        self.revisions: dict[int, int] = {}   # shard -> member revision it was checked at
+        self.started = time.time()
+        self.failed = False
+        self.overreplicated = False     # also look for over-replicated ledgers
+
+
+class GarbageCollector:
+    """Decides what the shards of one bookie delete; the arbiter relays."""
+
+    def __init__(self, conf, store, instance_id: str, state_dir: str, num_shards: int):
+        self.conf = conf
+        self.store = store
+        self.instance_id = instance_id
+        self.bookie_id = conf.bookie_id
+        self.num_shards = num_shards
+        self.path = os.path.join(state_dir, STATE_FILE)
+        self.reconcile_interval = float(conf.gcFullReconcileIntervalSeconds)
+        self.overrep_interval = conf.gcOverreplicatedLedgerWaitTime / 1000.0
+        # like BookKeeper: the first scan one interval after start, not at every start
+        self._next_overrep = time.monotonic() + self.overrep_interval
+        self._lock = threading.Lock()          # guards the fields below (no I/O under it)
+        self._deleted: dict[int, int] = {}     # candidate id -> revision it was deleted at
+        self._watch_rev = 0                    # every deletion up to here was delivered
+        self._watch_from = 0                   # the current watch's start revision
+        self._remembered = 0                   # persisted revision
+        self._gap = True                       # deletions may be missing: reconcile first
+        self._gap_reason = "start"
+        self._next_reconcile = 0.0
+        self._stop = threading.Event()
+        self._broken = threading.Event()
+        self._break: BaseException | None = None   # why the watch broke
+        self._cancel = None
+        self._thread: threading.Thread | None = None
+        self.stats = {"rounds": 0, "reconciles": 0, "deleted": 0, "watchRestarts": 0,
+                      "lastReconcile": None, "lastRound": None}
+
+    # --- lifecycle ------------------------------------------------------------------
+    def start(self) -> "GarbageCollector":
+        rec = read_state(self.path)
+        rev = rec.get("revision") if rec.get("instanceId") == self.instance_id else None
+        if isinstance(rev, int) and rev > 0:
+            self._remembered = self._watch_rev = rev
+            self._watch_from = rev + 1
+            self._gap = False                   # unless the watch finds it compacted
+            self._next_reconcile = time.monotonic() + self.reconcile_interval
+        self._thread = threading.Thread(target=self._watch_loop, daemon=True,
+                                        name="bk-gc-watch")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._broken.set()
+        cancel, self._cancel = self._cancel, None
+        if cancel is not None:
+            cancel()
+
+    # --- the watch ------------------------------------------------------------------
+    def _on_deletions(self, ids, rev_or_error) -> None:
+        if ids is None:
+            self._break = rev_or_error
+            self._broken.set()
+            return
+        with self._lock:
+            for lid in ids:
+                self._deleted.setdefault(lid, rev_or_error)
+            self._watch_rev = max(self._watch_rev, rev_or_error)
+
+    def _watch_loop(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            with self._lock:
+                start = self._watch_from or 0
+            try:
+                if not start:
+                    # No usable revision: watch from now on; the reconcile that the
+                    # gap asks for covers everything before.
+                    start = self.store.revision() + 1
+                    with self._lock:
+                        self._watch_from = start
+                        self._watch_rev = max(self._watch_rev, start - 1)
+                self._broken.clear()
+                self._break = None
+                self._cancel = self.store.watch_ledger_deletions(start, self._on_deletions)
+                since = time.monotonic()
+                self._broken.wait()
+                if time.monotonic() - since > 10.0:
+                    backoff = 0.2                # it ran well: this is a new trouble
+                cancel, self._cancel = self._cancel, None
+                if cancel is not None:
+                    cancel()
+                if self._stop.is_set():
+                    return
+                if isinstance(self._break, MetadataCompactedError):
+                    raise self._break
+                log.info("gc: ledger deletion watch broke (%s); watching again", self._break)
+                with self._lock:
+                    self._watch_from = self._watch_rev + 1
+                self.stats["watchRestarts"] += 1
+                self._stop.wait(backoff)
+                backoff = min(2 * backoff, 5.0)
+            except MetadataCompactedError as e:
+                log.info("gc: deletions since revision %d were compacted away (%s); a full "
+                         "reconcile covers them", start, e)
+                with self._lock:
+                    self._gap, self._gap_reason = True, "compacted"
+                    self._watch_from = 0
+                self.stats["watchRestarts"] += 1
+            except MetadataError as e:
+                log.debug("gc: cannot watch ledger deletions: %s", e)
+                self._stop.wait(backoff)
+                backoff = min(2 * backoff, 5.0)
+            except Exception:  # pragma: no cover - the thread must not die silently
+                log.exception("gc: deletion watch failed")
+                self._stop.wait(1.0)
+
+    # --- rounds (begin on the arbiter's loop, the rest on its metadata thread) --------
+    def begin(self, shards, force_full: bool = False) -> GcRound:
+        """The plan of a round over ``shards``; no I/O."""
+        now = time.monotonic()
+        with self._lock:
+            overrep = self.overrep_interval > 0 and now >= self._next_overrep
+            if overrep:
+                self._next_overrep = now + self.overrep_interval
+            if force_full:
+                reason = "requested"
+            elif self._gap:
+                reason = self._gap_reason
+            elif now >= self._next_reconcile:
+                reason = "interval"
+            elif overrep:
+                reason = "overreplicated"    # the scan needs each shard's ledgers
+            else:
+                reason = None
+            rnd = GcRound(reason is not None, reason or "deletions", set(self._deleted),
+                          self._watch_rev, shards)
+            rnd.overreplicated = overrep
+            return rnd
+
+    def _member_revision(self, rnd: GcRound) -> int | None:
+        try:
+            return self.store.member_revision(self.bookie_id, self.instance_id)
+        except ClusterIdentityError as e:
+            log.error("garbage collection skipped, nothing deleted: %s", e)
+            rnd.failed = True
+            return None
+
+    def check(self, rnd: GcRound, shard: int, local_ids) -> list[int]:
+        """Full round: the ids of ``local_ids`` (what ``shard`` holds) that have no
+        metadata at a revision of this bookie's cluster."""
+        for attempt in range(2):
+            rev = self._member_revision(rnd)
+            if rev is None:
+                return []
+            try:
+                live = self.store.existing_ledgers(local_ids, revision=rev) if local_ids \
+                    else set()
+            except MetadataCompactedError:
+                if attempt:
+                    raise
+                continue            # compacted while we read: once more at a new revision
+            rnd.revisions[shard] = rev
+            return [lid for lid in local_ids if lid not in live]
+        return []
+
+    def incremental(self, rnd: GcRound) -> dict[int, list[int]]:
+        """Incremental round: per shard, the candidates absent at a revision of this
+        bookie's cluster (a shard ignores ids it does not hold)."""
+        if not rnd.candidates:
+            return {}
+        rev = self._member_revision(rnd)
+        if rev is None:
+            return {}
+        live = self.store.existing_ledgers(rnd.candidates, revision=rev)
+        if live:
+            # deleted and then present again: an etcd restored from a backup, or a
+            # deletion event of another cluster under this prefix. Never drop those.
+            log.warning("gc: %d ledgers reported deleted exist at revision %d (e.g. %d); "
+                        "keeping them", len(live), rev, min(live))
+        out: dict[int, list[int]] = {}
+        for lid in sorted(rnd.candidates - live):
+            out.setdefault(P.shard_of(lid, self.num_shards), []).append(lid)
+        for s in rnd.shards:
+            rnd.revisions[s] = rev
+        return out
+
+    def finish(self, rnd: GcRound, done_shards, deleted: int = 0) -> None:
+        """Every shard of ``done_shards`` has applied the round: forget the candidates
+        it covered and remember (durably) the revision up to which nothing is left."""
+        self.stats["rounds"] += 1
+        self.stats["deleted"] += deleted
+        complete = (not rnd.failed and set(done_shards) >= set(range(self.num_shards))
+                    and (not rnd.full or set(rnd.revisions) >= set(done_shards)))
+        summary = {"at": rnd.started, "full": rnd.full, "reason": rnd.reason,
+                   "candidates": len(rnd.candidates), "complete": complete,
+                   "seconds": round(time.time() - rnd.started, 3)}
+        self.stats["lastRound"] = summary
+        if rnd.full:
+            self.stats["lastReconcile"] = summary
+        if not complete:
+            return
+        with self._lock:
+            if rnd.full:
+                self.stats["reconciles"] += 1
+                self._next_reconcile = time.monotonic() + self.reconcile_interval
+                # Every deletion up to the oldest revision a shard was checked at is
+                # applied; the gap closes if the watch has run since then.
+                safe = min(rnd.revisions.values())
+                if self._watch_from and self._watch_from <= safe + 1:
+                    self._gap = False
+            else:
+                safe = rnd.safe
+            if self._gap:
+                return
+            for lid in rnd.candidates:
+                if self._deleted.get(lid, 0) <= safe:
+                    self._deleted.pop(lid, None)
+            if safe <= self._remembered:
+                return
+            self._remembered = safe
+        write_state(self.path, {"instanceId": self.instance_id, "revision": safe,
+                                "at": time.time()})
+
+    def state(self) -> dict:
+        """For the bookie's HTTP info: what GC knows and did."""
+        with self._lock:
+            return {"rememberedRevision": self._remembered, "watchRevision": self._watch_rev,
+                    "candidates": len(self._deleted), "reconcileNeeded": self._gap,
+                    **self.stats}

@@ -1,0 +1,154 @@
+"""etcd hygiene and metadata for many ledgers, against real etcd and bookies: one
+elected compactor, NOSPACE reported clearly and survived, reads of only the
+ledgers asked about, ids in blocks."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+import bk
+from bk.cli.shell import cli
+from bk.errors import MetadataCompactedError, MetadataError, MetadataSpaceError
+from bk.meta import compactor
+from bk.meta.compactor import Compactor
+from bk.meta.etcd_server import EtcdServer
+from bk.meta.store import ID_BLOCK_BITS, MetadataStore, ledger_key_name
+from bk.testing import wait_until
+
+PW = b"meta"
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    with EtcdServer(str(tmp_path_factory.mktemp("etcd"))) as server:
+        yield server
+
+
+@pytest.fixture
+def store(etcd, request):
+    with MetadataStore(etcd.uri(f"t-{request.node.name}"), timeout=5) as s:
+        s.format()
+        yield s
+
+
+def shell(uri, *args):
+    r = CliRunner().invoke(cli, ["--metadata", uri, *args], catch_exceptions=False,
+                           env={"BK_METADATA_URI": None, "BK_metadataServiceUri": None})
+    assert r.exit_code == 0, f"{args}: exit {r.exit_code}\n{r.output}"
+    return r.output
+
+
+def test_two_compactor_candidates_one_compacts(store):
+    a = MetadataStore(store.uri)
+    b = MetadataStore(store.uri)
+    ca = Compactor(a, "a", interval=0.3, ttl=2).start()
+    cb = Compactor(b, "b", interval=0.3, ttl=2).start()
+    try:
+        for i in range(50):
+            store.put_json("junk/k", {"i": i})        # history to compact
+        wait_until(lambda: ca.compactions + cb.compactions >= 3, what="three compactions")
+        leader, other = (ca, cb) if ca.compactions else (cb, ca)
+        assert other.compactions == 0 and leader.is_leader and not other.is_leader
+        rec, _ = store.get_json(compactor.RECORD)
+        assert rec["by"] == leader.identifier
+        first = store.compact_revision()
+        assert 0 < first <= store.revision()
+        # each compaction goes to the revision read one interval earlier: the newest
+        # history survives
+        assert store.compact_revision() <= rec["next"]
+        # the leader goes away: the other takes over and compacts further
+        leader.stop()
+        store.put_json("junk/k", {"i": "more"})
+        wait_until(lambda: other.compactions >= 2, what="the other candidate compacting")
+        assert store.compact_revision() > first
+        out = json.loads(shell(store.uri, "metastatus", "--json"))
+        assert out["compactor"] == other.identifier and out["alarms"] == []
+        assert out["compactRevision"] == store.compact_revision()
+    finally:
+        ca.stop()
+        cb.stop()
+        a.close()
+        b.close()
+
+
+def test_existing_ledgers_reads_only_the_ids_asked_at_one_revision(store):
+    ids = [store.new_ledger_id() for _ in range(250)]
+    for lid in ids:
+        store.put_json(ledger_key_name(lid), {"id": lid})
+    mine = ids[::10]                              # sparse among the others: point reads
+    before = store.revision()
+    store.delete_json(ledger_key_name(mine[3]))
+    assert store.existing_ledgers(mine, revision=before) == set(mine)
+    assert store.existing_ledgers(mine) == set(mine) - {mine[3]}
+    dense = ids[100:180]                          # one range over their span
+    assert store.existing_ledgers(dense + [ids[-1] + 12345]) == set(dense)
+    store.compact(store.revision())
+    with pytest.raises(MetadataCompactedError):
+        store.existing_ledgers(mine, revision=before)
+
+
+def test_ids_come_in_blocks_and_never_repeat(store):
+    blocks = []
+
+    def grab():
+        blocks.append(store.reserve_ledger_ids())
+    ts = [threading.Thread(target=grab) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    ids = [i for b in blocks for i in b]
+    assert len(ids) == 8 << ID_BLOCK_BITS and len(set(ids)) == len(ids)
+    assert store.new_ledger_id() > max(ids)
+
+
+def test_nospace_is_a_clear_error_and_writes_resume_after_metacompact(cluster_factory):
+    c = cluster_factory(3, etcd_quota_bytes=24 << 20,
+                        conf_overrides={"metadataCompactionIntervalSeconds": 0})
+    uri = c.metadata_uri
+    with bk.BookKeeper(uri) as client:
+        lh = client.create_ledger(3, 2, 2, password=PW)
+        lh.add_entries([b"before-%d" % i for i in range(10)])
+        blob = "x" * 400_000
+        with pytest.raises(MetadataSpaceError) as full:
+            for i in range(500):                  # history of one key fills the quota
+                c.store.put_json("junk/blob", {"i": i, "blob": blob})
+        assert "NOSPACE" in str(full.value) and "metacompact" in str(full.value)
+        assert c.store.alarms() == ["NOSPACE"]
+        with pytest.raises(MetadataError, match="NOSPACE"):
+            client.create_ledger(3, 2, 2, password=PW)
+        # adds to an open ledger go on: they touch no metadata
+        lh.add_entries([b"during-%d" % i for i in range(10)])
+        with pytest.raises(MetadataError, match="NOSPACE"):
+            lh.close()
+        out = shell(uri, "metacompact", "--defrag", "--disarm")
+        assert "disarmed: NOSPACE" in out
+        assert c.store.alarms() == []
+        lh.close()                                # retries just the metadata write
+        rh = client.open_ledger(lh.ledger_id, password=PW)
+        got = [e.data for e in rh.read_entries(0, 19)]
+        assert got == [b"before-%d" % i for i in range(10)] + [b"during-%d" % i
+                                                                 for i in range(10)]
+        lh2 = client.create_ledger(3, 2, 2, password=PW)
+        lh2.add_entry(b"after")
+        lh2.close()
+
+
+def test_one_bookie_of_a_cluster_compacts(cluster_factory):
+    c = cluster_factory(3, conf_overrides={"metadataCompactionIntervalSeconds": 1})
+    for i in range(20):
+        c.store.put_json("junk/k", {"i": i})
+    wait_until(lambda: c.store.compact_revision() > 0, what="a compaction by a bookie")
+    wait_until(lambda: (c.store.get_json(compactor.RECORD)[0] or {}).get("compacted"),
+               what="the compaction recorded")
+    rec, _ = c.store.get_json(compactor.RECORD)
+
+    def logs(b):
+        with open(b.log_file) as f:
+            return f.read()
+    leaders = [b.bookie_id for b in c.bookies if "compacts etcd's history every" in logs(b)]
+    assert leaders == [rec["by"]]
