@@ -9,16 +9,38 @@ cold-cache catch-up read MB/s of 1 KiB-entry ledgers written interleaved with
 
     python scripts/bench_scale.py --steps 1M,10M,100M                 # 100 B entries
     python scripts/bench_scale.py --steps 1M,10M --entry-size 1024    # the 1 KiB variant
+    python scripts/bench_scale.py --steps 1M,10M --bk-path /tmp/bk-old # an older bk's bookie
+
+--bk-path runs the same benchmark (this checkout's bk/bench/scale.py) against
+the bk package of another checkout, e.g. `git worktree add --detach
+/tmp/bk-old <commit>`: old vs new, one after the other, on the same machine.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
-from bk.bench.scale import bench_scale, parse_count  # noqa: E402
+
+def _bk_path() -> str:
+    if "--bk-path" in sys.argv:
+        return os.path.abspath(sys.argv[sys.argv.index("--bk-path") + 1])
+    return HERE
+
+
+# The benchmark module of this checkout, run against the bk on sys.path first
+# (and in the bookie processes it starts, through PYTHONPATH).
+sys.path.insert(0, _bk_path())
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_bk_path()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+_spec = importlib.util.spec_from_file_location("bk_bench_scale",
+                                               os.path.join(HERE, "bk", "bench", "scale.py"))
+scale = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scale)
+bench_scale, parse_count = scale.bench_scale, scale.parse_count
 
 
 def main():
@@ -34,6 +56,8 @@ def main():
     p.add_argument("--dir", default=None, help="where the bookie's data goes (default: TMPDIR)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="bookie configuration override; repeatable")
+    p.add_argument("--bk-path", default=HERE, help="checkout whose bk package is benchmarked "
+                   "(default: this one)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     conf = dict(kv.split("=", 1) for kv in a.set)

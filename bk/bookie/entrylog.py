@@ -148,18 +148,38 @@ class LogWriter:
             self._write()
         return off
 
-    def _write(self) -> None:
-        data, self._buf = self._buf, bytearray()
-        view = memoryview(data)
-        for at in range(0, len(data), WRITE_CHUNK):
-            piece = view[at:at + WRITE_CHUNK]
+    def append_pieces(self, pieces) -> int:
+        """Append byte pieces (whole records, in order); return the offset the
+        first starts at. A piece of a chunk or more is written from where it is
+        (no copy into the buffer while holding the GIL)."""
+        off = self.size
+        for piece in pieces:
+            if len(piece) < WRITE_CHUNK:
+                self._buf += piece
+                self.size += len(piece)
+                if len(self._buf) >= WRITE_CHUNK:
+                    self._write()
+                continue
+            if self._buf:
+                self._write()
+            self._write_from(memoryview(piece))
+            self.size += len(piece)
+        return off
+
+    def _write_from(self, view) -> None:
+        for at in range(0, len(view), WRITE_CHUNK):
+            chunk = view[at:at + WRITE_CHUNK]
             start = self._written
-            while piece:
-                k = os.write(self._fd, piece)
-                piece = piece[k:]
+            while chunk:
+                k = os.write(self._fd, chunk)
+                chunk = chunk[k:]
                 self._written += k
                 self._unsynced += k
             self._pace(start)
+
+    def _write(self) -> None:
+        data, self._buf = self._buf, bytearray()
+        self._write_from(memoryview(data))
 
     def _pace(self, start: int) -> None:
         """Writeback of what was written since ``start`` begins now; the chunks
