@@ -88,7 +88,7 @@ def create_close(client: BookKeeper, count: int, threads: int, fresh_ids: bool =
                 errors.append(e)
                 return
     t0 = time.monotonic()
-    ts = [threading.Thread(target=run) for _ in range(threads)]
+    ts = [threading.Thread(target=run, daemon=True) for _ in range(threads)]   # Ctrl-C ends it
     for t in ts:
         t.start()
     for t in ts:
