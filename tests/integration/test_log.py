@@ -227,7 +227,12 @@ def test_truncation_while_a_reader_is_behind(shared_cluster):
         records = _read_all(c, name)
         assert [r.position for r in records] == acked[7:]
         assert c.log_info(name).first_position == point
-        # A point past the end of the open segment would hide later records.
+        # A point past the end of the open segment would hide later records. The
+        # writer rolls in the background once a segment is full: wait until it has
+        # (the next segment is in the metadata and the writer writes to it).
+        wait_until(lambda: not (w._rolling or w._roll_wanted)
+                   and c.log_info(name).segments[-1]["segment"] == w._segment,
+                   timeout=10, what="the writer's roll to finish")
         with pytest.raises(ValueError, match="ends at entry"):
             c.truncate_log(name, before=Position(w._segment, 1000, 0))
         with pytest.raises(ValueError, match="past the log's end"):
