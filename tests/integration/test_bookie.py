@@ -426,7 +426,8 @@ def test_localcluster_stops_everything_even_on_repeated_ctrl_c(tmp_path):
     d = str(tmp_path / "lc")
     e = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
     p = subprocess.Popen([sys.executable, "-m", "bk.cli.bookie", "localcluster", "--dir", d,
-                          "--bookies", "2", "--shards", "1", "--no-smoke"],
+                          "--bookies", "2", "--shards", "1", "--no-smoke",
+                          "--base-port", "0", "--http-port", "0"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = []
