@@ -48,6 +48,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import random
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -56,8 +57,10 @@ from bk import protocol as P
 from bk.errors import (BKError, BookieUnavailableError, EOK, MetadataError,
                        MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
                        NotEnoughBookiesError, BadPasswordError, error_for_status)
+from bk.client.placement import PlacementPolicy
 from bk.meta.ledger import LedgerMetadata, LedgerState
-from bk.meta.store import MetadataStore
+from bk.meta.racks import DEFAULT_RACK, all_racks, get_rack, set_rack
+from bk.meta.store import MetadataStore, _check_bookie_id
 
 log = logging.getLogger("bk.admin")
 
@@ -322,8 +325,11 @@ class Admin:
 
     def __init__(self, uri: str, timeout: float = 5.0, bookie_timeout: float = 10.0,
                  password: bytes | None = None, rate_bytes: int = -1,
-                 max_frame: int = P.DEFAULT_MAX_FRAME_SIZE):
+                 max_frame: int = P.DEFAULT_MAX_FRAME_SIZE, placement: PlacementPolicy | None = None):
         self.uri = uri
+        # where re-replicated fragments go (ensemblePlacementPolicy of the caller's conf)
+        self.placement = placement or PlacementPolicy()
+        self._racks_at: tuple = (0.0, None)
         self.store = MetadataStore(uri, timeout=timeout)
         self.bookies = BookiePool(self.store, bookie_timeout)
         self.password = password
@@ -344,7 +350,11 @@ class Admin:
         recovery goes through the client's implementation."""
         if self._client is None:
             from bk.client.bookkeeper import BookKeeper
+            pl = self.placement
             self._client = BookKeeper(self.uri,
+                                      ensemblePlacementPolicy=pl.name,
+                                      minNumRacksPerWriteQuorum=pl.min_racks,
+                                      enforceMinNumRacksPerWriteQuorum=pl.enforce,
                                       metadataTimeoutMillis=max(1, int(self._timeout * 1000)),
                                       readEntryTimeoutSec=self._bookie_timeout,
                                       addEntryTimeoutSec=self._bookie_timeout)
@@ -371,9 +381,10 @@ class Admin:
         return self.store.instance_id
 
     def list_bookies(self, readonly: bool = False, all: bool = False) -> list[dict]:  # noqa: A002
-        """[{id, address, state, shards, pid, httpPort}] of registered bookies (writable by
-        default); httpPort is None unless the bookie serves HTTP."""
+        """[{id, address, state, rack, shards, pid, httpPort}] of registered bookies
+        (writable by default); httpPort is None unless the bookie serves HTTP."""
         out = []
+        racks = all_racks(self.store)
         for bid, info in self.store.all_bookies().items():
             ro = bool(info.get("readonly"))
             if not all and ro != readonly:
@@ -381,9 +392,20 @@ class Admin:
             addr = f"{info['address']}:{info['port']}" if info.get("address") and \
                 info.get("port") else bid
             out.append({"id": bid, "address": addr, "state": "readonly" if ro else "writable",
-                        "shards": info.get("numShards"), "pid": info.get("pid"),
+                        "rack": racks.get(bid, DEFAULT_RACK), "shards": info.get("numShards"), "pid": info.get("pid"),
                         "httpPort": info.get("httpPort")})
         return out
+
+    def set_rack(self, bookie_id: str, rack: str) -> str:
+        """Put a bookie in ``/region/rack`` (it need not be running); returns the path."""
+        _check_bookie_id(bookie_id)
+        return set_rack(self.store, bookie_id, rack)
+
+    def get_rack(self, bookie_id: str) -> dict:
+        """{id, rack, stored}: the bookie's rack (the default one if none is stored)."""
+        _check_bookie_id(bookie_id)
+        rack = get_rack(self.store, bookie_id)
+        return {"id": bookie_id, "rack": rack or DEFAULT_RACK, "stored": rack is not None}
 
     def require_bookie(self, bookie_id: str) -> dict:
         """The registration info of a live bookie; BKError naming it otherwise."""
@@ -585,6 +607,15 @@ class Admin:
             return True
         return self.store.read_cookie(bookie_id)[0] is not None
 
+    def _racks(self) -> dict:
+        """bookie -> rack, read at most every few seconds (a recovery picks a target
+        per fragment; one etcd range read each would be too many)."""
+        t, racks = self._racks_at
+        if racks is None or time.monotonic() - t > 5.0:
+            racks = all_racks(self.store)
+            self._racks_at = (time.monotonic(), racks)
+        return racks
+
     def _pick_replacement(self, md, index, ensemble, bookie_id, writable) -> str:
         candidates = [b for b in writable if b not in ensemble and b != bookie_id]
         if not candidates:
@@ -592,6 +623,12 @@ class Admin:
                 f"ledger {md.ledger_id} fragment at entry {md.ensembles[index][0]}: no writable "
                 f"bookie outside its ensemble {ensemble} to replace {bookie_id}")
         key = f"{md.ledger_id}/{md.ensembles[index][0]}/".encode()
+        if self.placement.rack_aware:
+            # the same pick on a re-run (seeded by the fragment), within the policy
+            _, mapping = self.placement.replace_bookies(
+                candidates, list(ensemble), [bookie_id], md.write_quorum_size,
+                self._racks(), rng=random.Random(zlib.crc32(key)))
+            return mapping[bookie_id]
         return min(candidates, key=lambda b: (zlib.crc32(key + b.encode()), b))
 
     def recover_bookie(self, bookie_id: str, dry_run: bool = False, skip_open: bool = False,

@@ -98,6 +98,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("bookiePort", int, 3181, "TCP port the bookie listens on.", minimum=0, maximum=65535),
     _S("advertisedAddress", str, "127.0.0.1", "Address clients use to reach this bookie."),
     _S("bindAddress", str, "", "Address to bind. Empty: the advertisedAddress."),
+    _S("bookieRack", str, "", "This bookie's rack, /region/rack, written to the metadata "
+       "store at start when it has none for the bookie (bkshell setrack overrides it). "
+       "Empty: none is written; a bookie without one is in /default-region/default-rack."),
     _S("metadataServiceUri", str, "", "etcd://host:port[,host:port...]/prefix of the "
        "metadata store.", scope=BOTH),
     _S("authToken", str, "", "Shared secret a client must present in HELLO. Empty: no "
@@ -211,6 +214,17 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        scope=CLIENT, minimum=1),
     _S("metadataTimeoutMillis", int, 5000, "Timeout (ms) of one metadata store request, "
        "and of connecting to it.", scope=BOTH, minimum=100),
+    _S("ensemblePlacementPolicy", str, "random", "How ensembles (and replacements in "
+       "ensemble changes, recovery and re-replication) are chosen: random; rackaware "
+       "(every write quorum spans minNumRacksPerWriteQuorum racks, from bkshell setrack / "
+       "bookieRack); regionaware (the same over regions, the first part of /region/rack).",
+       scope=BOTH),
+    _S("minNumRacksPerWriteQuorum", int, 2, "Racks (regions, with regionaware) each write "
+       "quorum spans at least (at most Qw counts).", scope=BOTH, minimum=1),
+    _S("enforceMinNumRacksPerWriteQuorum", bool, False, "true: creating or changing an "
+       "ensemble that cannot meet minNumRacksPerWriteQuorum fails with "
+       "NotEnoughBookiesError naming the racks; false: the best spread is used and a "
+       "warning logged.", scope=BOTH),
     _S("throttle", int, 5000, "Most adds a ledger handle keeps outstanding; add_entries "
        "blocks beyond it.", scope=CLIENT, minimum=1),
     _S("readWindowBytes", int, 64 * 1024 * 1024, "Bytes of entries a read_entries call keeps "

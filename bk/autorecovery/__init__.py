@@ -63,6 +63,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bk.autorecovery import checker
+from bk.client.placement import PlacementPolicy
 from bk.errors import BKError, LockLostError, MetadataError, NoSuchLedgerError
 from bk.meta import underreplication as UR
 from bk.meta.recipes import Election, LeaseLock
@@ -89,7 +90,8 @@ class AutoRecovery:
         self._admin = Admin(self.conf.metadataServiceUri,
                             timeout=self.conf.metadataTimeoutMillis / 1000.0,
                             rate_bytes=self.conf.replicationRateByBytes,
-                            max_frame=self.conf.nettyMaxFrameSizeBytes)
+                            max_frame=self.conf.nettyMaxFrameSizeBytes,
+                            placement=PlacementPolicy.from_conf(self.conf))
         if self.metrics is not None:
             self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):

@@ -53,7 +53,8 @@ from bk import metrics as M
 from bk import protocol as P
 from bk.bookie import control, layout
 from bk.config import Config
-from bk.errors import BKError, ClusterIdentityError, EBADREQ, ProtocolError
+from bk.errors import BKError, ClusterIdentityError, ConfigError, EBADREQ, ProtocolError
+from bk.meta.racks import check_rack, set_rack_if_absent
 
 log = logging.getLogger("bk.bookie")
 
@@ -167,6 +168,11 @@ class Arbiter:
             raise BookieExit(EXIT_CONFIG, "metadataServiceUri is not set (conf file, "
                                           "BK_metadataServiceUri or --metadata)")
         self._check_segment_size()
+        if self.conf.bookieRack:
+            try:
+                check_rack(self.conf.bookieRack)
+            except ConfigError as e:
+                raise BookieExit(EXIT_CONFIG, f"bookieRack: {e}") from None
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
@@ -226,6 +232,13 @@ class Arbiter:
             return
         if reg.readonly != self.readonly:     # the disks changed while it registered
             self.tasks.put(("readonly", self.readonly))
+        if conf.bookieRack:
+            # the bookie's own rack counts only where an operator set none (setrack wins)
+            try:
+                if set_rack_if_absent(self.store, conf.bookie_id, conf.bookieRack):
+                    log.info("bookie %s: rack %s recorded", conf.bookie_id, conf.bookieRack)
+            except BKError as e:
+                log.warning("bookie %s: could not record bookieRack: %s", conf.bookie_id, e)
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
         if conf.autoRecoveryDaemonEnabled:
             from bk.autorecovery import AutoRecovery

@@ -216,8 +216,8 @@ def metaformat(c, force, yes):
 @pass_ctx
 @handled
 def listbookies(c, mode, as_json):
-    """List registered bookies (writable ones by default): id, address, state, and
-    the HTTP endpoint of a bookie that serves one (httpServerEnabled).
+    """List registered bookies (writable ones by default): id, address, state, rack,
+    and the HTTP endpoint of a bookie that serves one (httpServerEnabled).
 
     \b
     Example:
@@ -232,7 +232,47 @@ def listbookies(c, mode, as_json):
     for r in rows:
         http = f"\thttp://{r['address'].rsplit(':', 1)[0]}:{r['httpPort']}" \
             if r.get("httpPort") else ""
-        click.echo(f"{r['id']}\t{r['address']}\t{r['state']}{http}")
+        click.echo(f"{r['id']}\t{r['address']}\t{r['state']}\t{r['rack']}{http}")
+
+
+@cli.command()
+@click.argument("bookie_id")
+@click.argument("rack")
+@pass_ctx
+@handled
+def setrack(c, bookie_id, rack):
+    """Put a bookie in a rack, /region/rack (a bare /rack is in /default-region).
+
+    Rack-aware placement (ensemblePlacementPolicy=rackaware|regionaware) spreads
+    each write quorum over racks from the next ensemble it chooses; existing
+    ensembles stay as they are. Overrides the bookie's own bookieRack.
+
+    \b
+    Example:
+      bkshell setrack 10.0.1.5:3181 /eu-west/rack-a
+    """
+    with c.admin() as a:
+        path = a.set_rack(bookie_id, rack)
+    click.echo(f"{bookie_id}\t{path}")
+
+
+@cli.command()
+@click.argument("bookie_id")
+@_json_opt
+@pass_ctx
+@handled
+def getrack(c, bookie_id, as_json):
+    """Show a bookie's rack (/default-region/default-rack when none is stored).
+
+    \b
+    Example:
+      bkshell getrack 10.0.1.5:3181 --json
+    """
+    with c.admin() as a:
+        r = a.get_rack(bookie_id)
+    if as_json:
+        return _json_out(r)
+    click.echo(f"{r['id']}\t{r['rack']}" + ("" if r["stored"] else "\t(default)"))
 
 
 @cli.command()

@@ -11,13 +11,14 @@ import time
 from bk.client import digest as _digest
 from bk.client.connection import DeadConnection, IOLoop
 from bk.client.ledger import LedgerHandle
-from bk.client.placement import choose_ensemble
+from bk.client.placement import PlacementPolicy
 from bk.client.recovery import check_password, recover_ledger
 from bk.config import Config
 from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
                        LedgerExistsError, MetadataError, NotEnoughBookiesError)
 from bk.errors import EOK
 from bk.meta.ledger import LedgerMetadata, LedgerState
+from bk.meta.racks import all_racks
 from bk import protocol
 
 log = logging.getLogger("bk.client")
@@ -53,6 +54,7 @@ class BookKeeper:
         if conf.metadataServiceUri != uri:
             conf = conf.with_overrides(metadataServiceUri=uri)
         self.conf = conf
+        self._placement = PlacementPolicy.from_conf(conf)
         self._closed = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -163,6 +165,11 @@ class BookKeeper:
         except NotEnoughBookiesError:
             return choose(self._store.list_bookies())
 
+    def _racks(self) -> dict:
+        """bookie id -> rack, read from etcd when the placement policy needs them
+        (once per placement: an operator's setrack counts from the next one)."""
+        return all_racks(self._store) if self._placement.rack_aware else {}
+
     @property
     def max_entry_size(self) -> int:
         """The largest payload one add takes (nettyMaxFrameSizeBytes less an ADD's
@@ -240,7 +247,9 @@ class BookKeeper:
                 raise TypeError(f"create ledger: custom metadata value of {k!r} must be bytes")
             custom[k] = bytes(v)
         try:
-            ensemble = self._place(lambda writable: choose_ensemble(writable, ensemble_size))
+            racks = self._racks()
+            ensemble = self._place(lambda writable: self._placement.new_ensemble(
+                writable, ensemble_size, write_quorum_size, racks))
         except NotEnoughBookiesError as e:
             raise NotEnoughBookiesError(f"create ledger with ensemble size {ensemble_size}: {e}") \
                 from None

@@ -66,7 +66,6 @@ import time
 from bk import protocol
 from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_segments
-from bk.client.placement import replace_bookies
 from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataError,
@@ -925,8 +924,11 @@ class LedgerHandle:
         self._failed_at = {b: t for b, t in self._failed_at.items()
                            if now - t < self._quarantine or b in failed}
         quarantined = set(self._failed_at)
-        new_ens, mapping = self._client._place(
-            lambda writable: replace_bookies(writable, old_ens, failed, quarantined))
+        client = self._client
+        racks = client._racks()
+        new_ens, mapping = client._place(
+            lambda writable: client._placement.replace_bookies(writable, old_ens, failed,
+                                                                self._qw, racks, quarantined))
         if self._recovery:
             # Kept in memory until the recovery closes the ledger with it. Stored
             # now, it would outlive a recovery that then fails: the next recovery
