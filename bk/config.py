@@ -205,9 +205,17 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     # --- client ----------------------------------------------------------------
     _S("addEntryTimeoutSec", float, 10.0, "Seconds before a bookie that has not "
        "acknowledged an add is replaced.", scope=CLIENT, minimum=0.1),
-    _S("bookieQuarantineTimeSeconds", float, 60.0, "Seconds a bookie that failed a ledger "
-       "handle's add is not picked again as a replacement by that handle (a bookie "
-       "that came back after that may be).", scope=CLIENT, minimum=0),
+    _S("bookieQuarantineTimeSeconds", float, 60.0, "Seconds a bookie that failed this "
+       "client (a connection that could not be made or broke, a request that timed out, "
+       "an add it failed) stays quarantined: reads ask it after the other replicas "
+       "(reorderReadSequenceEnabled) and writers do not pick it as a replacement. A "
+       "bookie that answers again leaves quarantine at once.", scope=CLIENT, minimum=0),
+    _S("reorderReadSequenceEnabled", bool, True, "Reads ask the healthy replicas of an "
+       "entry before quarantined ones, so an unreachable bookie costs the connect timeout "
+       "once per quarantine instead of once per ledger read.", scope=CLIENT),
+    _S("speculativeReadTimeout", int, 2000, "Milliseconds a read waits for a replica "
+       "before also asking the next one (the first good copy wins). 0: only after the "
+       "replica failed or readEntryTimeoutSec passed.", scope=CLIENT, minimum=0),
     _S("readEntryTimeoutSec", float, 10.0, "Seconds before a read from one bookie is "
        "abandoned for the next replica.", scope=CLIENT, minimum=0.1),
     _S("clientConnectTimeoutMillis", int, 5000, "Timeout (ms) to connect to a bookie.",

@@ -143,10 +143,13 @@ CLIENT_RECOVERIES = _m("bookkeeper_client_LEDGER_RECOVER", COUNTER, "Ledger reco
                        "by this client, by outcome.", ["success"])
 CLIENT_BOOKIE_ERRORS = _m("bookkeeper_client_BOOKIE_ERRORS", COUNTER, "Errors from bookies "
                           "(error answers, timeouts, broken connections), by kind.", ["kind"])
+CLIENT_SPECULATIVE_READS = _m("bookkeeper_client_SPECULATIVE_READS", COUNTER, "Reads also "
+                              "sent to the next replica because one had not answered within "
+                              "speculativeReadTimeout.")
 
 ALL = SHARD_METRICS + ARBITER_METRICS + AUTORECOVERY_METRICS + [CLIENT_ADD, CLIENT_READ,
                                          CLIENT_ENSEMBLE_CHANGES, CLIENT_RECOVERIES,
-                                         CLIENT_BOOKIE_ERRORS]
+                                         CLIENT_BOOKIE_ERRORS, CLIENT_SPECULATIVE_READS]
 
 
 # --- shard worker side ---------------------------------------------------------------
@@ -429,6 +432,8 @@ class ClientMetrics:
                                   CLIENT_RECOVERIES.labels, registry=r)
         self.bookie_errors = Counter(CLIENT_BOOKIE_ERRORS.name, CLIENT_BOOKIE_ERRORS.help,
                                      CLIENT_BOOKIE_ERRORS.labels, registry=r)
+        self.speculative_reads = Counter(CLIENT_SPECULATIVE_READS.name,
+                                         CLIENT_SPECULATIVE_READS.help, registry=r)
 
 
 def observe_many(hist, values) -> None:

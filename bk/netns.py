@@ -333,6 +333,14 @@ class Network:
                     _ip("link", "set", self.hosts[x].port_link, "up", check=False)
                 del self._faults[key]
 
+    def dropped(self, h) -> int:
+        """Packets host ``h`` has sent into its silent partitions so far (each connect
+        attempt across one costs a SYN and its retransmissions): what a test counts
+        to see how often a client knocked on a host it cannot reach."""
+        r = _ip("-j", "-s", "-n", self.host(h).ns, "link", "show", "drop0")
+        stats = json.loads(r.stdout)[0]
+        return int(stats.get("stats64", stats.get("stats", {}))["rx"]["packets"])
+
     @property
     def faults(self) -> list[tuple]:
         """The faults in place: ``(kind, host, other_host_or_None)``."""
@@ -558,6 +566,12 @@ class HostCluster:
         for b in self.bookies:
             b.wait_registered()
         return self
+
+    def bookie(self, bookie_id: str) -> BookieProcess:
+        for b in self.bookies:
+            if b.bookie_id == bookie_id:
+                return b
+        raise KeyError(bookie_id)
 
     def bookie_on(self, h) -> BookieProcess:
         name = self.net.host(h).name

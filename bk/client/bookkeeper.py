@@ -10,6 +10,7 @@ import time
 
 from bk.client import digest as _digest
 from bk.client.connection import DeadConnection, IOLoop
+from bk.client.health import BookieHealth
 from bk.client.ledger import LedgerHandle
 from bk.client.placement import PlacementPolicy
 from bk.client.recovery import check_password, recover_ledger
@@ -81,8 +82,16 @@ class BookKeeper:
                           connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
                           auth_token=conf.authToken or None,
                           batching=conf.frameBatching)
+        self._health = BookieHealth(conf.bookieQuarantineTimeSeconds)
+        self._io.health = self._health
         self._executor_obj = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="bk-meta")
+
+    def bookie_health(self) -> dict:
+        """The bookies this client saw fail: ``{bookie id: {"failures": n,
+        "quarantined": bool}}`` (quarantined ones are read from last and not picked
+        as replacements for ``bookieQuarantineTimeSeconds``)."""
+        return self._health.snapshot()
 
     @property
     def metrics_registry(self):

@@ -371,6 +371,8 @@ class Connection:
         self.state = READY
         self.down_until = 0.0
         self.loop._connecting.discard(self)
+        if self.loop.health is not None:
+            self.loop.health.ok(self.bookie_id)
         if self.queued or self.addq:
             self.out.extend(self.queued)
             self.queued = []
@@ -590,6 +592,8 @@ class Connection:
         """Close the socket and fail every outstanding request with ``exc``."""
         if self.state in (CONNECTING, HELLO) and not fast:
             self.down_until = time.monotonic() + _FAIL_FAST_SEC
+        if not fast and self.loop.health is not None:
+            self.loop.health.failed(self.bookie_id)
         self.loop._connecting.discard(self)
         if self.sock is not None:
             try:
@@ -652,6 +656,7 @@ class IOLoop:
         self.auth_token = auth_token
         self.name = name
         self.addresses: dict[str, tuple] = {}
+        self.health = None        # a bk.client.health.BookieHealth, told of failures
         self.rids = itertools.count(1)
         self.generation = 0
         self._forked = False
@@ -909,6 +914,8 @@ class IOLoop:
                 del od[rid]
                 req = conn.inflight.pop(rid, None)
                 if req is not None:
+                    if self.health is not None:
+                        self.health.failed(conn.bookie_id)
                     try:
                         req.on_error(conn, TimeoutError(
                             f"bookie {conn.bookie_id} did not answer within {timeout:g}s"))

@@ -221,9 +221,15 @@ class _ReadBatch:
 
 
 class _ReadOp:
-    """Read one entry, trying the bookies of its write set in order (I/O thread)."""
+    """Read one entry, trying the bookies of its write set in order (I/O thread).
 
-    __slots__ = ("h", "entry_id", "conns", "idx", "batch", "result", "errors", "timeout")
+    ``conns`` is the write set, quarantined bookies last (``bk.client.health``).
+    ``idx`` is the next replica to ask, ``outstanding`` the requests in flight:
+    with ``speculativeReadTimeout`` the next replica is asked too when one has
+    not answered within it, and the first good copy wins."""
+
+    __slots__ = ("h", "entry_id", "conns", "idx", "batch", "result", "errors", "timeout",
+                 "outstanding", "done")
 
     def __init__(self, h, entry_id, conns, batch, timeout):
         self.h = h
@@ -234,12 +240,45 @@ class _ReadOp:
         self.result = None
         self.errors = []
         self.timeout = timeout
+        self.outstanding = 0
+        self.done = False
 
     def start(self):
         conn = self.conns[self.idx]
-        rid = next(self.h._loop.rids)
-        conn.send(rid, self, _encode(protocol.read(rid, self.h._lid, self.entry_id)),
-                  self.timeout)
+        self.idx += 1
+        self.outstanding += 1
+        h = self.h
+        rid = next(h._loop.rids)
+        conn.send(rid, self, _encode(protocol.read(rid, h._lid, self.entry_id)), self.timeout)
+        self.speculate_later()
+
+    def speculate_later(self):
+        spec = self.h._spec_timeout
+        if spec and not self.done and self.idx < len(self.conns):
+            self.h._loop._add_timer(self.h._loop.now + spec, self._speculate, (self.idx,))
+
+    def _speculate(self, idx):
+        # still waiting for the replicas asked so far: ask the next one as well
+        if not self.done and self.idx == idx and self.outstanding:
+            self.h._m.speculative_reads.inc()
+            self.start()
+
+    def complete(self, entry):
+        if not self.done:
+            self.done = True
+            self.result = entry
+            self.batch.one_done()
+
+    def failed(self, bookie_id, exc):
+        self.outstanding -= 1
+        if self.done:
+            return
+        self.errors.append((bookie_id, exc))
+        if self.idx < len(self.conns):
+            self.start()
+        elif self.outstanding <= 0:
+            self.done = True
+            self.batch.one_done()
 
     def on_reply(self, conn, msg):
         status = msg[2]
@@ -247,27 +286,16 @@ class _ReadOp:
             try:
                 length = self.h._digest.verify(self.entry_id, msg[5], msg[6], msg[7])
             except DigestMismatchError as e:
-                self.errors.append((conn.bookie_id, e))
+                self.failed(conn.bookie_id, e)
             else:
-                self.result = LedgerEntry(self.h._lid, self.entry_id, msg[7], length)
-                self.batch.one_done()
-                return
-        else:
-            self.errors.append((conn.bookie_id,
-                                error_for_status(status if status != EOK else ENOENTRY,
-                                                 f"bookie {conn.bookie_id}")))
-        self._next()
+                self.outstanding -= 1
+                self.complete(LedgerEntry(self.h._lid, self.entry_id, msg[7], length))
+            return
+        self.failed(conn.bookie_id, error_for_status(status if status != EOK else ENOENTRY,
+                                                     f"bookie {conn.bookie_id}"))
 
     def on_error(self, conn, exc):
-        self.errors.append((conn.bookie_id, exc))
-        self._next()
-
-    def _next(self):
-        self.idx += 1
-        if self.idx < len(self.conns):
-            self.start()
-        else:
-            self.batch.one_done()
+        self.failed(conn.bookie_id, exc)
 
     def error(self) -> BKError:
         what = f"read entry {self.entry_id} of ledger {self.h._lid}"
@@ -282,11 +310,12 @@ class _ReadOp:
 
 class _RangeRead:
     """READ_RANGE of the entries of ``ops`` (consecutive reads of one fragment whose
-    first replica is the bookie of ``conn``), on the I/O thread: each entry that
-    comes back with a good digest completes its op; an entry the bookie lacks or
-    sent corrupt, or every op left when the bookie fails, moves on to its next
-    replica by a single READ (``_ReadOp._next``). A bookie without the feature
-    gets single READs. Answers cut by the byte budget are followed up from ``next``."""
+    first replica to ask is the bookie of ``conn``), on the I/O thread: each entry
+    that comes back with a good digest completes its op; an entry the bookie lacks
+    or sent corrupt, or every op left when the bookie fails, moves on to its next
+    replica by a single READ (``_ReadOp.failed``), as does every op still waiting
+    after ``speculativeReadTimeout``. A bookie without the feature gets single
+    READs. Answers cut by the byte budget are followed up from ``next``."""
 
     __slots__ = ("h", "conn", "ops", "stride", "offset", "budget", "first", "last")
 
@@ -300,6 +329,20 @@ class _RangeRead:
         self.first = ops[0].entry_id
         self.last = ops[-1].entry_id
 
+    def begin(self):
+        """The first request: each op counts it as its ask of its first replica."""
+        for op in self.ops.values():
+            op.idx = 1
+            op.outstanding = 1
+        self.start()
+        spec = self.h._spec_timeout
+        if spec:
+            self.h._loop._add_timer(self.h._loop.now + spec, self._speculate, ())
+
+    def _speculate(self):
+        for op in list(self.ops.values()):
+            op._speculate(1)
+
     def start(self):
         h = self.h
         rid = next(h._loop.rids)
@@ -310,9 +353,11 @@ class _RangeRead:
             h._read_timeout)
 
     def unsupported(self, conn):
-        for op in self.ops.values():
-            op.start()
-        self.ops = {}
+        ops, self.ops = self.ops, {}
+        for op in ops.values():
+            if not op.done and op.idx == 1 and op.outstanding == 1:
+                op.idx = op.outstanding = 0
+                op.start()
 
     def on_reply(self, conn, msg):
         ops = self.ops
@@ -330,18 +375,15 @@ class _RangeRead:
                 try:
                     length = verify(e, entries[i + 1], entries[i + 2], entries[i + 3])
                 except DigestMismatchError as err:
-                    op.errors.append((bid, err))
-                    op._next()
+                    op.failed(bid, err)
                     continue
-                op.result = LedgerEntry(lid, e, entries[i + 3], length)
-                op.batch.one_done()
+                op.outstanding -= 1
+                op.complete(LedgerEntry(lid, e, entries[i + 3], length))
             if type(nxt) is int and nxt > self.first:
                 # covered up to nxt - 1: what is missing there, this bookie lacks
                 missing = [e for e in ops if e < nxt]
                 for e in missing:
-                    op = ops.pop(e)
-                    op.errors.append((bid, NoSuchEntryError(f"bookie {bid}: no entry {e}")))
-                    op._next()
+                    ops.pop(e).failed(bid, NoSuchEntryError(f"bookie {bid}: no entry {e}"))
                 if ops:
                     self.first = min(ops)
                     self.start()
@@ -352,8 +394,7 @@ class _RangeRead:
     def on_error(self, conn, exc):
         ops, self.ops = self.ops, {}
         for op in ops.values():
-            op.errors.append((conn.bookie_id, exc))
-            op._next()
+            op.failed(conn.bookie_id, exc)
 
 
 class LedgerHandle:
@@ -390,6 +431,8 @@ class LedgerHandle:
         self._read_lock = threading.Lock()
         self._closed = False
         self._read_timeout = float(self._conf.readEntryTimeoutSec)
+        self._reorder = bool(self._conf.reorderReadSequenceEnabled)
+        self._spec_timeout = float(self._conf.speculativeReadTimeout) / 1000.0
         self._read_window_bytes = int(self._conf.readWindowBytes)
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
@@ -1159,7 +1202,8 @@ class LedgerHandle:
         md = self._md
         self._prepare_conns({b for _, ens in md.ensembles for b in ens})
         batch = _ReadBatch(len(entry_ids))
-        ops = [_ReadOp(self, e, self._conns_of(md.write_set(e)), batch, self._read_timeout)
+        order = self._client._health.order if self._reorder else _same
+        ops = [_ReadOp(self, e, self._conns_of(order(md.write_set(e))), batch, self._read_timeout)
                for e in entry_ids]
         if len(ops) > 1 and self._loop.batching:
             self._loop.call_soon(self._start_ranged, ops)
@@ -1195,11 +1239,13 @@ class LedgerHandle:
                 by_slot.setdefault(op.entry_id % E, []).append(op)
             share = max(1, budget // max(1, len(by_slot)))
             for s, sops in by_slot.items():
-                conn = self._bconns.get(ens[s])
-                if conn is None:
+                # the first replica to ask (healthy ones first): every entry of the
+                # slot has the same write set, so the same order
+                conn = sops[0].conns[0]
+                if isinstance(conn, DeadConnection):
                     _start_all(sops)
                 else:
-                    _RangeRead(self, conn, sops, E, s, share).start()
+                    _RangeRead(self, conn, sops, E, s, share).begin()
             i = j
 
     def read_entry(self, entry_id: int) -> LedgerEntry:
@@ -1316,6 +1362,10 @@ class LedgerHandle:
 
     def _lac_after(self, entry_id):
         return self._readable_last()
+
+
+def _same(bookies):
+    return bookies
 
 
 def _start_all(ops):

@@ -1,0 +1,141 @@
+"""Network partitions between namespace hosts (bk.netns): a client cut off from
+one bookie, reads whose bookie is unreachable, a writer cut off from etcd, a
+rack lost. Every acknowledged entry is read back afterwards, and checked on
+every bookie of its write set where the test says so."""
+
+import pytest
+
+from bk import netns
+from bk.testing import TEST_DEFAULTS, entries_held, wait_until
+
+pytestmark = pytest.mark.skipif(netns.unavailable() is not None,
+                                reason=f"needs test hosts: {netns.unavailable()}")
+
+
+@pytest.fixture
+def net():
+    with netns.Network() as n:
+        yield n
+
+
+@pytest.fixture
+def hosts_cluster(net, tmp_path):
+    """Four bookie hosts b0..b3, etcd on host meta, and a client host."""
+    made = []
+
+    def make(n=4, racks=None, conf=None, **kw):
+        bookies = [net.add_host(f"b{i}") for i in range(n)]
+        meta = net.add_host("meta")
+        client = net.add_host("client")
+        c = netns.HostCluster(net, str(tmp_path / "cluster"), bookies, meta,
+                              {**TEST_DEFAULTS, **(conf or {})}, racks=racks, **kw)
+        made.append(c)
+        c.start()
+        return c, bookies, client
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+WRITER = """
+import threading, bk
+c = bk.BookKeeper({uri!r}, addEntryTimeoutSec={timeout}, clientConnectTimeoutMillis=2000)
+lh = c.create_ledger({E}, {qw}, {qa})
+acked = []
+errors = []
+stop = threading.Event()
+def _write():
+    i = 0
+    while not stop.is_set():
+        try:
+            acked.append(lh.add_entry(b"entry-%d" % i + b"." * 4000))
+        except Exception as e:
+            errors.append(repr(e))
+            return
+        i += 1
+writer = threading.Thread(target=_write, daemon=True)
+"""
+
+
+def test_client_cut_from_one_bookie_changes_ensemble(net, hosts_cluster):
+    """E3 Qw3 Qa2 with a fourth bookie free; the client is silently cut from one
+    bookie of its ensemble. Two bookies still answer, so every add reaches Qa:
+    the third must still be replaced after addEntryTimeoutSec, the entries it
+    never got resent, and its connection's entries let go."""
+    cluster, bookies, ch = hosts_cluster(4)
+    py = ch.python()
+    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=2, E=3, qw=3, qa=2))
+    py.exec("writer.start()")
+    wait_until(lambda: py.eval("len(acked)") >= 50, what="writes before the cut")
+    lid = py.eval("lh.ledger_id")
+    victim = py.eval("lh.metadata.last_ensemble[1]")
+    vhost = cluster.bookie(victim).host
+    net.partition(ch, vhost)
+    at_cut = py.eval("len(acked)")
+    wait_until(lambda: victim not in py.eval("lh.metadata.last_ensemble"), timeout=30,
+               what="the cut bookie replaced by an ensemble change")
+    n = py.eval("len(acked)")
+    wait_until(lambda: py.eval("len(acked)") >= n + 50, timeout=30,
+               what="writes going on after the ensemble change")
+    py.exec("stop.set(); writer.join(30); lh.close()")
+    assert py.eval("errors") == []
+    acked = py.eval("acked")
+    assert acked == list(range(len(acked))) and len(acked) > at_cut
+    # the client holds nothing more for the bookie it replaced
+    assert py.eval(f"sum(len(cn.adds.get({lid}, ())) for cn in c._io._conns.values() "
+                   f"if cn.bookie_id == {victim!r})") == 0
+
+    # every acknowledged entry is on every bookie of its write set (Qw copies),
+    # the ones acknowledged during the cut included
+    md, _ = cluster.store.read_ledger(lid)
+    assert md.last_entry_id == acked[-1]
+    held = {b.bookie_id: entries_held(cluster.store, b.bookie_id, lid)
+            for b in cluster.bookies}
+    missing = [(e, b) for e in acked for b in md.write_set(e) if e not in held[b]]
+    assert missing == [], f"{len(missing)} copies missing, first {missing[:5]}"
+    # and read back, from another client on another host
+    py2 = ch.python()
+    py2.exec(f"import bk; c = bk.BookKeeper({cluster.metadata_uri!r})\n"
+             f"h = c.open_ledger({lid})")
+    assert py2.eval(f"all(e.data.startswith(b'entry-%d.' % e.entry_id) "
+                    f"for e in h.read_entries(0, {acked[-1]}))")
+
+
+def test_reads_skip_an_unreachable_bookie(net, hosts_cluster):
+    """20 closed ledgers on three bookies; a new client cut off from one of them
+    reads them all: it learns once that the bookie does not answer and reads
+    from the others, instead of paying the connect timeout for every ledger."""
+    cluster, bookies, ch = hosts_cluster(3)
+    writer = ch.python()
+    writer.exec(f"import bk; c = bk.BookKeeper({cluster.metadata_uri!r})\n"
+                "lids = []\n"
+                "for n in range(20):\n"
+                "    lh = c.create_ledger(3, 3, 2)\n"
+                "    lh.add_entries([b'%d-%d' % (n, i) for i in range(10)])\n"
+                "    lh.close(); lids.append(lh.ledger_id)\n"
+                "c.close()")
+    lids = writer.eval("lids")
+    net.partition(ch, bookies[0])
+    before = net.dropped(ch)
+    py = ch.python()
+    py.exec(f"import bk; c = bk.BookKeeper({cluster.metadata_uri!r}, "
+            f"clientConnectTimeoutMillis=2000, readEntryTimeoutSec=2)")
+    # an application reading one ledger now and then (paced: a client that only
+    # remembered a failure for a moment would pay the connect timeout each time)
+    py.exec("import time\n"
+            "def read_all(lids):\n"
+            "    out = []\n"
+            "    for l in lids:\n"
+            "        out.append([e.data.decode() for e in\n"
+            "                    c.open_ledger_no_recovery(l).read_entries(0, 9)])\n"
+            "        time.sleep(0.3)\n"
+            "    return out")
+    got = py.eval(f"read_all({lids})", timeout=180)
+    assert got == [[f"{n}-{i}" for i in range(10)] for n in range(20)]
+    # Each connect attempt across the cut costs a SYN (and a retransmission a
+    # second later); a client that forgot the failure would knock ~20 times.
+    knocks = net.dropped(ch) - before
+    assert knocks <= 6, f"{knocks} packets sent to the unreachable bookie"
+    health = py.eval("c.bookie_health()")
+    assert health[bookies[0].address + ":3181"]["quarantined"] is True
