@@ -146,13 +146,14 @@ def sweep_stale() -> list[str]:
             _kill_ns_pids(name)
             _ip("netns", "del", name, check=False)
             gone.append(name)
-    r = _ip("-o", "link", "show", "type", "bridge", check=False)
+    r = _ip("-o", "link", "show", check=False)
     for line in r.stdout.splitlines():
         parts = line.split(":")
         if len(parts) < 2:
             continue
         name = parts[1].strip().split("@")[0]
-        if name.startswith("bkh") and "n" in name[3:]:
+        if name.startswith("bkh") and "n" in name[3:] and "v" not in name[3:]:
+            # a network's bridge (bkh<pid>n<k>) or its observer's drop device (...d)
             pid = name[3:].split("n", 1)[0]
             if pid.isdigit() and not _pid_alive(int(pid)):
                 _ip("link", "del", name, check=False)
@@ -182,16 +183,23 @@ def _pick_subnet(seed: int) -> ipaddress.IPv4Network:
 
 
 class Host:
-    """One network namespace on the bridge: ``name``, ``ns``, ``address``."""
+    """One network namespace on the bridge: ``name``, ``ns``, ``address``.
+    (``Network.observer`` is the root namespace's end of the bridge: ``ns`` None.)"""
 
-    def __init__(self, net: "Network", name: str, index: int):
+    def __init__(self, net: "Network", name: str, index: int, observer: bool = False):
         self.net = net
         self.name = name
         self.index = index
-        self.ns = f"{net.ns_prefix}{name}"
+        self.ns = None if observer else f"{net.ns_prefix}{name}"
         self.address = str(net.subnet.network_address + index)
         self.port_link = f"{net.link_prefix}v{index}"    # the root side of its veth
+        self.drop_link = f"{net.link_prefix}d" if observer else "drop0"
         self.procs: list[subprocess.Popen] = []
+
+    def ip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """``ip`` run in this host's namespace."""
+        return _ip(*args, check=check) if self.ns is None else \
+            _ip("-n", self.ns, *args, check=check)
 
     @property
     def exec_prefix(self) -> list[str]:
@@ -255,7 +263,9 @@ class Network:
         self.bridge = self.link_prefix
         self.subnet = _pick_subnet(pid + k)
         self.observer_address = str(self.subnet.network_address + 254)
-        self.hosts: dict[str, Host] = {}
+        # this process's end of the bridge, as a host faults can name
+        self.observer = Host(self, "observer", 254, observer=True)
+        self.hosts: dict[str, Host] = {"observer": self.observer}
         self._faults: dict[tuple, str] = {}     # (kind, a, b) -> what was done
         self._lock = threading.Lock()
         self._closed = False
@@ -266,6 +276,8 @@ class Network:
             _ip("addr", "add", f"{self.observer_address}/{self.subnet.prefixlen}", "dev",
                 self.bridge)
             _ip("link", "set", self.bridge, "up")
+            _ip("link", "add", self.observer.drop_link, "type", "ifb")
+            _ip("link", "set", self.observer.drop_link, "up")
         except NetnsError:
             self.close()
             raise
@@ -274,7 +286,7 @@ class Network:
         """A new host (namespace) on the bridge, with the next address."""
         if name in self.hosts:
             raise ValueError(f"host {name!r} exists")
-        index = len(self.hosts) + 1
+        index = len(self.hosts)
         if index >= 254:
             raise NetnsError("a network holds at most 253 hosts")
         h = Host(self, name, index)
@@ -288,9 +300,9 @@ class Network:
     # --- faults ----------------------------------------------------------------
     def _route(self, a: Host, b: Host, kind: str) -> None:
         if kind == "silent":
-            _ip("-n", a.ns, "route", "replace", f"{b.address}/32", "dev", "drop0")
+            a.ip("route", "replace", f"{b.address}/32", "dev", a.drop_link)
         else:
-            _ip("-n", a.ns, "route", "replace", "unreachable", f"{b.address}/32")
+            a.ip("route", "replace", "unreachable", f"{b.address}/32")
         self._faults[("route", a.name, b.name)] = kind
 
     def partition(self, a, b, reject: bool = False, oneway: bool = False) -> None:
@@ -312,6 +324,8 @@ class Network:
     def isolate(self, h) -> None:
         """Take the host's bridge port down: it vanishes for everyone, without a FIN."""
         h = self.host(h)
+        if h.ns is None:
+            raise ValueError("the observer cannot be isolated (partition it instead)")
         with self._lock:
             _ip("link", "set", h.port_link, "down")
             self._faults[("isolate", h.name, None)] = "down"
@@ -327,8 +341,7 @@ class Network:
                 if a is not None and b is None and not names & {x, y}:
                     continue
                 if kind == "route":
-                    _ip("-n", self.hosts[x].ns, "route", "del", f"{self.hosts[y].address}/32",
-                        check=False)
+                    self.hosts[x].ip("route", "del", f"{self.hosts[y].address}/32", check=False)
                 else:
                     _ip("link", "set", self.hosts[x].port_link, "up", check=False)
                 del self._faults[key]
@@ -337,7 +350,8 @@ class Network:
         """Packets host ``h`` has sent into its silent partitions so far (each connect
         attempt across one costs a SYN and its retransmissions): what a test counts
         to see how often a client knocked on a host it cannot reach."""
-        r = _ip("-j", "-s", "-n", self.host(h).ns, "link", "show", "drop0")
+        h = self.host(h)
+        r = h.ip("-j", "-s", "link", "show", h.drop_link)
         stats = json.loads(r.stdout)[0]
         return int(stats.get("stats64", stats.get("stats", {}))["rx"]["packets"])
 
@@ -356,7 +370,10 @@ class Network:
         self._closed = True
         for p in self._pythons:
             p.close()
+        self.heal()
         for h in self.hosts.values():
+            if h.ns is None:
+                continue
             for proc in h.procs:
                 if proc.poll() is None:
                     try:
@@ -370,6 +387,7 @@ class Network:
             _kill_ns_pids(h.ns)
             _ip("netns", "del", h.ns, check=False)
             _ip("link", "del", h.port_link, check=False)
+        _ip("link", "del", self.observer.drop_link, check=False)
         _ip("link", "del", self.bridge, check=False)
 
     def __enter__(self) -> "Network":

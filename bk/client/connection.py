@@ -200,6 +200,9 @@ class DeadConnection:
     def send_featured(self, feature, rid, req, frame, timeout=None):
         self.send(rid, req, frame, timeout)
 
+    def forget_adds(self, lid):
+        pass
+
     def __repr__(self):
         return f"<DeadConnection {self.bookie_id}: {self.reason}>"
 
@@ -302,6 +305,20 @@ class Connection:
                 self.loop.call_soon(self._fail_queued_fast)
             else:
                 self._connect()
+
+    def forget_adds(self, lid):
+        """A write handle replaced this bookie: stop holding the adds of ledger
+        ``lid`` (queued or awaiting confirmation). A connection then left with
+        nothing to wait for but bytes the socket has not taken (a peer that stopped
+        reading: a silent partition) is closed, so that what it buffered is freed
+        rather than held until TCP gives up, many minutes later."""
+        self.adds.pop(lid, None)
+        if self.addq:
+            self.addq = [(ops, seg) for ops, seg in self.addq if ops[0].handle._lid != lid]
+        if self.sock is not None and self.wq and not self.adds and not self.inflight:
+            self._fail(BookieUnavailableError(
+                f"bookie {self.bookie_id}: connection closed, its writer replaced the "
+                f"bookie while the socket was not draining"), fast=True)
 
     def _take_add(self, d, e, v):
         """``v`` is the list of ops of the same (ledger, entry): the oldest answers."""
@@ -475,7 +492,7 @@ class Connection:
                     h = op.handle
                     touched.append(h)
                     bit = h._ack_bits.get(self, 0)
-                if op.done or not bit or op.acked & bit:
+                if not bit or op.acked & bit:
                     continue
                 op.acked |= bit
                 op.nacks += 1

@@ -26,8 +26,17 @@ whatever order bookies answer in.
 A bookie that fails (connection error, an error status, or an add older than
 ``addEntryTimeoutSec`` it has not confirmed) starts an *ensemble change*:
 acknowledgements stop (the LAC freezes, so the first unacknowledged entry is a
-stable fragment start), a worker thread picks a writable replacement and CASes
-the metadata with a new fragment starting at LAC + 1. A lost CAS re-reads: a
+stable fragment start), a worker thread picks a writable replacement (by the
+placement policy, ``bk.client.placement``) and CASes the metadata with a new
+fragment starting at LAC + 1, or earlier: at the first entry of the current
+fragment that was acknowledged by Qa bookies but never confirmed by the failed
+one. Such entries are kept (``_unconfirmed``) until every bookie of their write
+set confirmed them, and a bookie still silent about the oldest after
+``addEntryTimeoutSec`` is replaced even though Qa was reached: otherwise a
+client cut off from one bookie would leave every later entry with Qa copies
+instead of Qw and hold them all in memory for the silent bookie. Moving
+acknowledged entries to a new fragment is safe: each keeps the Qa copies of
+bookies that stay in its write set, and the replacement is sent it at once. A lost CAS re-reads: a
 ledger still OPEN is merged and retried, one IN_RECOVERY or CLOSED fences the
 writer. A recovery's write handle changes its ensemble in memory only: the
 recovery stores the new fragments with its closing CAS (``bk.client.recovery``).
@@ -42,8 +51,8 @@ longer be reached: every pending and later add fails with LedgerFencedError.
 A bookie that answers ETOOMANYREQUESTS is alive but overloaded: the add is
 resent to that same bookie after a back-off (2 ms, doubling), and only a
 bookie still refusing once the add is ``addEntryTimeoutSec`` old is failed
-(ensemble change). An add acknowledged by Qa other bookies meanwhile stops
-waiting for it, as for a slow bookie. EREADONLY is a failure at once: a
+(ensemble change). An add acknowledged by Qa other bookies meanwhile is still
+resent to it: it must get its copy. EREADONLY is a failure at once: a
 read-only bookie takes no writes until its disk frees up, and a bookie that
 failed is not picked again as a replacement by this handle for
 ``bookieQuarantineTimeSeconds`` (then, registered and writable again, it may
@@ -59,6 +68,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -151,11 +161,12 @@ class PendingAdd:
         h = self.handle
         if msg[2] == EOK:
             bit = h._ack_bits.get(conn, 0)
-            if self.done or not bit or self.acked & bit:
+            if not bit or self.acked & bit:
                 return
             self.acked |= bit
             self.nacks += 1
-            if self.nacks >= h._qa:
+            # (an acknowledged op still counts its late confirmations: see _unconfirmed)
+            if not self.done and self.nacks >= h._qa:
                 pending = h._pending
                 if pending and pending[0] is self:
                     h._advance()
@@ -163,8 +174,9 @@ class PendingAdd:
             h._add_error(self, conn, msg[2])
 
     def on_error(self, conn, exc):
-        if not self.done:
-            self.handle._bookie_failed(conn, exc)
+        # also once acknowledged: a bookie of its write set that fails before it
+        # confirmed is replaced, so that the entry gets its Qw copies
+        self.handle._bookie_failed(conn, exc)
 
 
 class _Waiter:
@@ -516,6 +528,14 @@ class LedgerHandle:
         self._error = None                  # (exception class, reason) once the handle is broken
         self._changing = False
         self._failed_slots: set = set()
+        # Entries acknowledged (Qa) before every bookie of their write set confirmed
+        # them, in entry order (I/O thread). A bookie that has not confirmed the
+        # oldest within addEntryTimeoutSec is replaced like one that failed, and the
+        # new fragment starts at the first entry it lacks (_change_from), so those
+        # entries are resent and get their Qw copies; until then they are held here
+        # and by the bookie's connection, at most addEntryTimeoutSec of them.
+        self._unconfirmed = collections.deque()
+        self._change_from = None
         self._change_lock = threading.Lock()
         self._close_lock = threading.Lock()  # close() retries: one metadata write at a time
         self._failed_at: dict = {}          # bookie -> monotonic time it failed this handle
@@ -785,12 +805,16 @@ class LedgerHandle:
         now = self._loop.now
         lats = []
         observe = lats.append
+        qw = self._qw
+        unconfirmed = self._unconfirmed
         while pending:
             op = pending[0]
             if op.nacks < qa:
                 break
             pending.popleft()
             op.done = True
+            if op.nacks < qw:
+                unconfirmed.append(op)
             observe(now - op.t_sent)
             self._lac = op.entry_id
             self._length = op.length
@@ -830,12 +854,13 @@ class LedgerHandle:
         pending = self._pending
         while pending:
             self._fail_op(pending.popleft())
+        self._unconfirmed.clear()
         with self._cond:
             self._cond.notify_all()
 
     def _add_error(self, op, conn, status):
-        if op.done:
-            return
+        if op.done and (self._error is not None or status == EFENCED):
+            return      # failed already, or acknowledged: later adds see the fence
         if status == EFENCED:
             op.nfenced = nfenced = getattr(op, "nfenced", 0) + 1
             if nfenced > self._qw - self._qa:
@@ -882,9 +907,9 @@ class LedgerHandle:
         self._loop.call_later(min(delay, left), self._resend_busy, op, conn)
 
     def _resend_busy(self, op, conn):
-        # Acknowledged meanwhile (Qa others have it), or the bookie was replaced:
-        # nothing left to do.
-        if op.done or self._error is not None or conn not in self._ack_bits:
+        # The bookie confirmed it meanwhile, or was replaced: nothing left to do.
+        bit = self._ack_bits.get(conn)
+        if self._error is not None or bit is None or op.acked & bit:
             return
         conn.send_adds([op])
 
@@ -900,34 +925,58 @@ class LedgerHandle:
             return
         log.warning("ledger %d: bookie %s failed (%s); replacing it", self._lid,
                     conn.bookie_id, exc)
+        first = self._first_unconfirmed_by(slot)
         with self._change_lock:
             self._failed_slots.add(slot)
+            if first is not None and (self._change_from is None or first < self._change_from):
+                self._change_from = first
         self._ack_bits.pop(conn, None)
         if not self._changing:
             self._changing = True
             self._client._executor.submit(self._change_ensemble)
 
+    def _first_unconfirmed_by(self, slot):
+        """The first acknowledged entry of the last fragment whose write set holds
+        ``slot`` and that it has not confirmed (I/O thread), or None."""
+        unc = self._unconfirmed
+        if not unc:
+            return None
+        bit = 1 << slot
+        E, qw = self._E, self._qw
+        frag = self._md.ensembles[-1][0]
+        for op in unc:
+            e = op.entry_id
+            if e >= frag and not op.acked & bit and (slot - e) % E < qw:
+                return e
+        return None
+
     def _tick(self, now):
-        if self._closed and not self._pending:
+        if self._closed and not self._pending and not self._unconfirmed:
             self._ticker_on = False
             return False
         if self._explicit_lac and self._lac > self._lac_sent and not self._recovery \
                 and now - self._lac_sent_at >= self._explicit_lac:
             self._send_explicit_lac(now)
-        pending = self._pending
-        if not pending or self._changing or self._error is not None:
+        if self._changing or self._error is not None:
             return
-        op = pending[0]
-        if now - op.t_sent < self._add_timeout:
-            return
-        e = op.entry_id
-        for i in range(self._qw):
-            s = (e + i) % self._E
-            conn = self._ens_conns[s]
-            if not op.acked & (1 << s):
-                self._bookie_failed(conn, TimeoutError(
-                    f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
-                    f"{self._add_timeout:g}s"))
+        unc = self._unconfirmed
+        if unc:
+            # drop what every bookie confirmed, and what lies in an earlier
+            # fragment (its ensemble is history: auto-recovery's to repair)
+            qw, frag = self._qw, self._md.ensembles[-1][0]
+            while unc and (unc[0].nacks >= qw or unc[0].entry_id < frag):
+                unc.popleft()
+        for op in (self._pending[0] if self._pending else None, unc[0] if unc else None):
+            if op is None or now - op.t_sent < self._add_timeout:
+                continue
+            e = op.entry_id
+            for i in range(self._qw):
+                s = (e + i) % self._E
+                conn = self._ens_conns[s]
+                if not op.acked & (1 << s):
+                    self._bookie_failed(conn, TimeoutError(
+                        f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
+                        f"{self._add_timeout:g}s"))
 
     def _send_explicit_lac(self, now):
         lac = self._lac
@@ -959,6 +1008,11 @@ class LedgerHandle:
         start = self._lac + 1               # frozen while _changing
         with self._change_lock:
             failed_slots = set(self._failed_slots)
+            if self._change_from is not None:
+                # acknowledged entries a failed bookie never confirmed move to the
+                # new fragment (never below the current one's start) and are resent
+                start = max(md.ensembles[-1][0], min(start, self._change_from))
+                self._change_from = None
         old_ens = md.last_ensemble
         failed = [old_ens[s] for s in sorted(failed_slots)]
         now = time.monotonic()
@@ -1008,8 +1062,12 @@ class LedgerHandle:
         self._loop.call_soon(self._commit_change, new_md, new_version, new_conns)
 
     def _commit_change(self, new_md, new_version, new_conns):
+        start = new_md.ensembles[-1][0]         # the new fragment's first entry
         self._md, self._version = new_md, new_version
         old_conns = list(self._ens_conns)
+        for s in new_conns:
+            # the replaced bookie's connection stops holding this ledger's adds
+            old_conns[s].forget_adds(self._lid)
         with self._change_lock:
             self._failed_slots -= set(new_conns)
         self._set_ensemble(new_md.last_ensemble)
@@ -1017,7 +1075,8 @@ class LedgerHandle:
             E, qw = self._E, self._qw
             still_failed = self._failed_slots
             resend = {}
-            for op in self._pending:
+            moved = [op for op in self._unconfirmed if op.entry_id >= start]
+            for op in itertools.chain(moved, self._pending):
                 e = op.entry_id
                 resent = False
                 for i in range(qw):
@@ -1057,6 +1116,22 @@ class LedgerHandle:
                 self._waiting -= 1
         return True
 
+    def _settle(self, timeout):
+        """Before closing, wait (bounded) until every acknowledged entry is confirmed by
+        its whole write set, or the bookies that did not were replaced (and the
+        entries resent) and no ensemble change is running: a closed ledger cannot
+        change its ensembles any more."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._unconfirmed or self._changing) and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("ledger %d: closing with %d acknowledged entries not yet on "
+                                "every bookie of their write set", self._lid,
+                                len(self._unconfirmed))
+                    return
+                self._cond.wait(min(left, 0.05))
+
     def close(self) -> None:
         """Close: writers wait for outstanding adds, then CAS the ledger to CLOSED.
 
@@ -1077,6 +1152,8 @@ class LedgerHandle:
                     self._loop.call_soon(self._error_out, LedgerClosedError,
                                          "ledger handle was closed before the add completed")
                     self._drain(5.0)
+                self._settle(self._add_timeout * 2
+                             + float(self._conf.metadataTimeoutMillis) / 1000 * 3)
                 self._loop.call_soon(self._stop_ticker)
             elif self._md.state == LedgerState.CLOSED:
                 return

@@ -2,6 +2,7 @@
 connects time out, a reject fails them at once, isolation silences a host, heal
 restores, and nothing is left behind."""
 
+import inspect
 import subprocess
 import time
 
@@ -24,13 +25,18 @@ def _accept():
 threading.Thread(target=_accept, daemon=True).start()
 """
 
-PROBE = """
 def probe(addr, timeout):
-    import socket, time, errno
+    """("ok" | "timeout" | errno name, seconds) of a connect + echo to addr:7000."""
+    import errno
+    import socket
+    import time
     t = time.monotonic()
-    s = socket.socket(); s.settimeout(timeout)
+    s = socket.socket()
+    s.settimeout(timeout)
     try:
-        s.connect((addr, 7000)); s.sendall(b"x"); s.recv(1)
+        s.connect((addr, 7000))
+        s.sendall(b"x")
+        s.recv(1)
         return ["ok", time.monotonic() - t]
     except socket.timeout:
         return ["timeout", time.monotonic() - t]
@@ -38,7 +44,9 @@ def probe(addr, timeout):
         return [errno.errorcode.get(e.errno, str(e)), time.monotonic() - t]
     finally:
         s.close()
-"""
+
+
+PROBE = inspect.getsource(probe)
 
 
 @pytest.fixture
@@ -55,20 +63,20 @@ def test_hosts_faults_and_heal(net):
     pa, pc = a.python(), c.python()
     for p in (pa, pc):
         p.exec(PROBE)
-    probe = f"probe({b.address!r}, 1.0)"
-    assert pa.eval(probe)[0] == "ok"
+    to_b = f"probe({b.address!r}, 1.0)"
+    assert pa.eval(to_b)[0] == "ok"
 
     # silent: the connect times out (nothing answers, no local error)
     net.partition(a, b)
-    kind, took = pa.eval(probe)
+    kind, took = pa.eval(to_b)
     assert kind == "timeout" and took >= 0.9
-    assert pc.eval(probe)[0] == "ok"            # c is not cut
+    assert pc.eval(to_b)[0] == "ok"            # c is not cut
     net.heal(a, b)
-    assert pa.eval(probe)[0] == "ok"
+    assert pa.eval(to_b)[0] == "ok"
 
     # reject: fails at once with EHOSTUNREACH
     net.partition(a, b, reject=True)
-    kind, took = pa.eval(probe)
+    kind, took = pa.eval(to_b)
     assert kind == "EHOSTUNREACH" and took < 0.5
     net.heal()
     assert net.faults == []
@@ -82,12 +90,20 @@ def test_hosts_faults_and_heal(net):
     assert ei.value.type == "TimeoutError"
     net.heal()
 
+    # the observer (this process) can be cut from a host like any other
+    assert probe(b.address, 1.0)[0] == "ok"
+    net.partition(net.observer, b)
+    assert probe(b.address, 0.5)[0] == "timeout"
+    assert pa.eval(f"probe({b.address!r}, 1.0)")[0] == "ok"
+    net.heal(net.observer, b)
+    assert probe(b.address, 1.0)[0] == "ok"
+
     # isolation: b vanishes for everyone, the observer included
     net.isolate(b)
-    assert pa.eval(probe)[0] == "timeout"
-    assert pc.eval(probe)[0] == "timeout"
+    assert pa.eval(to_b)[0] == "timeout"
+    assert pc.eval(to_b)[0] == "timeout"
     net.heal(b)
-    assert pc.eval(probe)[0] == "ok"
+    assert pc.eval(to_b)[0] == "ok"
 
 
 def test_one_way_cut(net):

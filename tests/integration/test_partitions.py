@@ -139,3 +139,88 @@ def test_reads_skip_an_unreachable_bookie(net, hosts_cluster):
     assert knocks <= 6, f"{knocks} packets sent to the unreachable bookie"
     health = py.eval("c.bookie_health()")
     assert health[bookies[0].address + ":3181"]["quarantined"] is True
+
+
+def test_writer_cut_from_etcd_is_fenced_by_recovery(net, hosts_cluster):
+    """The writer loses etcd but not its bookies: its adds go on (they need no
+    metadata) until another client recovers the ledger; then the writer is fenced,
+    its later adds fail, and nothing it had acknowledged is lost."""
+    cluster, bookies, ch = hosts_cluster(3)
+    py = ch.python()
+    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=3, E=3, qw=2, qa=2))
+    py.exec("writer.start()")
+    wait_until(lambda: py.eval("len(acked)") >= 50, what="writes before the cut")
+    lid = py.eval("lh.ledger_id")
+    net.partition(ch, cluster.etcd_host)
+    n = py.eval("len(acked)")
+    wait_until(lambda: py.eval("len(acked)") >= n + 50, timeout=30,
+               what="adds going on without etcd")
+    import bk
+    with bk.BookKeeper(cluster.metadata_uri) as other:
+        recovered = other.open_ledger(lid)
+        last = recovered.metadata.last_entry_id
+        wait_until(lambda: py.eval("errors") != [], timeout=30,
+                   what="the old writer's adds failing once fenced")
+        assert "LedgerFencedError" in py.eval("errors")[0]
+        acked = py.eval("acked")
+        assert acked == list(range(len(acked)))
+        assert acked[-1] <= last, f"acknowledged entry {acked[-1]} lost: recovered to {last}"
+        entries = recovered.read_entries(0, last)
+        assert all(e.data.startswith(b"entry-%d." % e.entry_id) for e in entries)
+    # closing the cut-off writer fails (fenced, or etcd unreachable) within bounds
+    with pytest.raises(netns.RemoteError) as ei:
+        py.exec("lh.close()", timeout=60)
+    assert ei.value.type in ("LedgerFencedError", "MetadataError"), ei.value
+
+
+def test_rack_lost_with_rackaware_placement(net, hosts_cluster):
+    """Six bookies in three racks, E3 Qw2 Qa2 placed rack-aware; a whole rack's
+    hosts vanish (links down): writers replace its bookies and go on, auto-recovery
+    re-replicates the closed ledgers within the two racks left, and every
+    acknowledged entry reads back."""
+    racks = {f"b{i}": f"/dc/rack{i // 2}" for i in range(6)}
+    policy = {"ensemblePlacementPolicy": "rackaware", "minNumRacksPerWriteQuorum": 2}
+    cluster, bookies, ch = hosts_cluster(6, racks=racks, conf={
+        **policy, "autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0,
+        "openLedgerRereplicationGracePeriod": 30000, "rwRereplicateBackoffMs": 200})
+    py = ch.python()
+    py.exec(f"import bk; c = bk.BookKeeper({cluster.metadata_uri!r}, addEntryTimeoutSec=2, "
+            f"clientConnectTimeoutMillis=2000, ensemblePlacementPolicy='rackaware')\n"
+            "closed = []\n"
+            "for n in range(6):\n"
+            "    lh = c.create_ledger(3, 2, 2)\n"
+            "    lh.add_entries([b'%d-%d' % (n, i) for i in range(30)])\n"
+            "    lh.close(); closed.append(lh.ledger_id)\n"
+            "open_h = c.create_ledger(3, 2, 2)\n"
+            "open_h.add_entries([b'open-%d' % i for i in range(30)])")
+    rack_of = {f"{h.address}:3181": racks[h.name] for h in bookies}
+    for lid in py.eval("closed") + [py.eval("open_h.ledger_id")]:
+        md, _ = cluster.store.read_ledger(lid)
+        ens = md.last_ensemble
+        assert all(rack_of[ens[i]] != rack_of[ens[(i + 1) % 3]] for i in range(3)), ens
+    lost = [h for h in bookies if racks[h.name] == "/dc/rack0"]
+    lost_ids = {f"{h.address}:3181" for h in lost}
+    for h in lost:
+        net.isolate(h)
+    # the open ledger's writer replaces the lost bookies and goes on
+    py.exec("open_h.add_entries([b'open-%d' % i for i in range(30, 60)]); open_h.close()",
+            timeout=60)
+    closed = py.eval("closed")
+
+    def repaired():
+        for lid in closed:
+            md, _ = cluster.store.read_ledger(lid)
+            if any(b in lost_ids for _, ens in md.ensembles for b in ens):
+                return False
+        return True
+    wait_until(repaired, timeout=90, what="auto-recovery re-replicating the lost rack's copies")
+    for lid in closed:
+        md, _ = cluster.store.read_ledger(lid)
+        for _, ens in md.ensembles:
+            assert {rack_of[b] for b in ens} <= {"/dc/rack1", "/dc/rack2"}
+    got = py.eval(f"[[e.data.decode() for e in c.open_ledger(l).read_entries(0, 29)] "
+                  f"for l in closed]", timeout=120)
+    assert got == [[f"{n}-{i}" for i in range(30)] for n in range(6)]
+    lid = py.eval("open_h.ledger_id")
+    assert py.eval(f"[e.data.decode() for e in c.open_ledger({lid}).read_entries(0, 59)]",
+                   timeout=60) == [f"open-{i}" for i in range(60)]
