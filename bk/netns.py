@@ -478,6 +478,15 @@ class RemotePython:
     def eval(self, expr: str, timeout: float = 120.0):
         return self._call("eval", expr, timeout)
 
+    def kill(self) -> None:
+        """SIGKILL the process (a client host that crashes)."""
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait(10)
+
     def close(self) -> None:
         if self._proc.poll() is None:
             try:

@@ -224,3 +224,82 @@ def test_rack_lost_with_rackaware_placement(net, hosts_cluster):
     lid = py.eval("open_h.ledger_id")
     assert py.eval(f"[e.data.decode() for e in c.open_ledger({lid}).read_entries(0, 59)]",
                    timeout=60) == [f"open-{i}" for i in range(60)]
+
+
+def test_writer_dies_after_moving_acknowledged_entries(net, hosts_cluster):
+    """The moment that matters for the add timeout's ensemble change: it moves
+    entries acknowledged by two bookies to a fragment whose third bookie never
+    got them (the client is cut from it too), and the writer dies right then.
+    Recovery by another client still finds every acknowledged entry."""
+    cluster, bookies, ch = hosts_cluster(4)
+    py = ch.python()
+    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=2, E=3, qw=3, qa=2))
+    py.exec("writer.start()")
+    wait_until(lambda: py.eval("len(acked)") >= 30, what="writes before the cut")
+    lid = py.eval("lh.ledger_id")
+    ens = py.eval("lh.metadata.last_ensemble")
+    free = next(b for b in cluster.bookies if b.bookie_id not in ens)
+    net.partition(ch, cluster.bookie(ens[2]).host)
+    net.partition(ch, free.host)
+    wait_until(lambda: len(cluster.store.read_ledger(lid)[0].ensembles) > 1, timeout=30,
+               what="the ensemble change to the bookie the client cannot reach")
+    acked = py.eval("list(acked)")
+    py.kill()
+    md = cluster.store.read_ledger(lid)[0]
+    start, new_ens = md.ensembles[-1]
+    assert free.bookie_id in new_ens and start <= acked[-1] + 1
+    assert start < acked[-1], "the change should have moved acknowledged entries"
+    net.heal()
+    import bk
+    with bk.BookKeeper(cluster.metadata_uri) as other:
+        h = other.open_ledger(lid)
+        last = h.metadata.last_entry_id
+        assert last >= acked[-1], f"acknowledged entry {acked[-1]} lost: recovered to {last}"
+        assert all(e.data.startswith(b"entry-%d." % e.entry_id)
+                   for e in h.read_entries(0, last))
+
+
+def test_bookie_cut_from_etcd_keeps_serving(net, hosts_cluster):
+    """A bookie that loses etcd but not its clients: its lease expires (clients
+    and the auditor stop counting it), it still serves the ledgers it is in, and
+    it registers again once the cut heals."""
+    cluster, bookies, ch = hosts_cluster(3)
+    b = cluster.bookies[0]
+    py = ch.python()
+    py.exec(f"import bk; c = bk.BookKeeper({cluster.metadata_uri!r}, addEntryTimeoutSec=2)\n"
+            "lh = c.create_ledger(3, 3, 3)\n"
+            "lh.add_entries([b'before-%d' % i for i in range(20)])")
+    net.partition(b.host, cluster.etcd_host)
+    wait_until(lambda: b.bookie_id not in cluster.store.list_bookies(), timeout=30,
+               what="the cut bookie's registration lease to expire")
+    # it still takes adds (Qa = 3: every add needs it) and serves reads
+    py.exec("lh.add_entries([b'during-%d' % i for i in range(20)])", timeout=30)
+    assert b.bookie_id in py.eval("lh.metadata.last_ensemble")
+    net.heal()
+    wait_until(lambda: b.bookie_id in cluster.store.list_bookies(), timeout=30,
+               what="the bookie registering again after the heal")
+    py.exec("lh.close()")
+    assert py.eval("[e.data.decode() for e in c.open_ledger(lh.ledger_id).read_entries(0, 39)]") \
+        == [f"before-{i}" for i in range(20)] + [f"during-{i}" for i in range(20)]
+
+
+def test_isolated_host_detected_within_add_timeout(net, hosts_cluster):
+    """A bookie host whose link goes down without a FIN leaves the writer's
+    established connection half-open: the writer notices within
+    addEntryTimeoutSec (the adds go unconfirmed), replaces the bookie and goes on."""
+    cluster, bookies, ch = hosts_cluster(4)
+    py = ch.python()
+    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=2, E=3, qw=2, qa=2))
+    py.exec("writer.start()")
+    wait_until(lambda: py.eval("len(acked)") >= 30, what="writes before the isolation")
+    victim = py.eval("lh.metadata.last_ensemble[0]")
+    net.isolate(cluster.bookie(victim).host)
+    wait_until(lambda: victim not in py.eval("lh.metadata.last_ensemble"), timeout=20,
+               what="the isolated bookie replaced")
+    n = py.eval("len(acked)")
+    wait_until(lambda: py.eval("len(acked)") >= n + 30, timeout=20, what="writes going on")
+    py.exec("stop.set(); writer.join(30); lh.close()")
+    assert py.eval("errors") == []
+    acked = py.eval("acked")
+    assert py.eval(f"all(e.data.startswith(b'entry-%d.' % e.entry_id) for e in "
+                   f"c.open_ledger(lh.ledger_id).read_entries(0, {acked[-1]}))")
