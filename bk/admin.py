@@ -57,7 +57,7 @@ from bk import protocol as P
 from bk.errors import (BKError, BookieUnavailableError, EOK, MetadataError,
                        MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
                        NotEnoughBookiesError, BadPasswordError, error_for_status)
-from bk.client.placement import PlacementPolicy
+from bk.client.placement import PlacementPolicy, write_quorum_racks
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.racks import DEFAULT_RACK, all_racks, get_rack, set_rack
 from bk.meta.store import MetadataStore, _check_bookie_id
@@ -508,6 +508,25 @@ class Admin:
     def list_ledger_metadata(self):
         for md, _ in self.store.list_ledger_metadata():
             yield md
+
+    def placement_check(self, policy: PlacementPolicy) -> list[dict]:
+        """Fragments whose write quorums span fewer racks (regions) than ``policy``
+        asks, where the racks that have writable bookies now could meet it:
+        ``[{ledger, first_entry, ensemble, racks, min_racks}]``, racks being the
+        fewest any write quorum of the fragment spans."""
+        racks = all_racks(self.store)
+        domain = policy._domain(racks)
+        available = len({domain(b) for b in self.store.list_bookies()})
+        out = []
+        for md in self.list_ledger_metadata():
+            for first, ens in md.ensembles:
+                if not policy.adheres(ens, md.write_quorum_size, racks, available):
+                    out.append({"ledger": md.ledger_id, "first_entry": first,
+                                "ensemble": list(ens),
+                                "racks": min(write_quorum_racks(ens, md.write_quorum_size,
+                                                                domain)),
+                                "min_racks": policy.min_racks})
+        return out
 
     def master_key(self, md: LedgerMetadata) -> bytes:
         """The key the bookies hold for the ledger: from the metadata, else from the

@@ -52,7 +52,10 @@ class Ctx:
 
     def admin(self):
         from bk.admin import Admin
-        return Admin(self.uri(), timeout=self.timeout, password=self.password)
+        from bk.client.placement import PlacementPolicy
+        # re-replication (recover, decommissionbookie) places by the conf's policy
+        return Admin(self.uri(), timeout=self.timeout, password=self.password,
+                     placement=PlacementPolicy.from_conf(self.conf))
 
     def client(self, **overrides):
         import bk
@@ -254,6 +257,42 @@ def setrack(c, bookie_id, rack):
     with c.admin() as a:
         path = a.set_rack(bookie_id, rack)
     click.echo(f"{bookie_id}\t{path}")
+
+
+@cli.command()
+@click.option("--min-racks", type=click.IntRange(min=1), default=None,
+              help="Racks each write quorum should span [minNumRacksPerWriteQuorum of --conf, "
+                   "else 2].")
+@click.option("--regions", is_flag=True, help="Check regions instead of racks (regionaware).")
+@_json_opt
+@pass_ctx
+@handled
+def placementcheck(c, min_racks, regions, as_json):
+    """List ledger fragments whose write quorums span fewer racks than
+    rack-aware placement asks (where the racks with writable bookies could
+    meet it): ledgers written before racks were set, or while racks were down.
+    Exits 1 when there are any. `recover BOOKIE_ID` moves a bookie's copies
+    under the placement policy of --conf.
+
+    \b
+    Example:
+      bkshell placementcheck --min-racks 2 --json
+    """
+    from bk.client.placement import PlacementPolicy
+    policy = PlacementPolicy("regionaware" if regions else "rackaware",
+                             min_racks or c.conf.minNumRacksPerWriteQuorum)
+    with c.admin() as a:
+        rows = a.placement_check(policy)
+    if as_json:
+        _json_out(rows)
+    else:
+        for r in rows:
+            click.echo(f"ledger {r['ledger']} from entry {r['first_entry']}: "
+                       f"{' '.join(r['ensemble'])} spans {r['racks']} of {r['min_racks']} "
+                       f"{'regions' if regions else 'racks'}")
+        click.echo(f"{len(rows)} fragments not adhering to the placement policy", err=True)
+    if rows:
+        sys.exit(1)
 
 
 @cli.command()

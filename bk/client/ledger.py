@@ -34,7 +34,9 @@ one. Such entries are kept (``_unconfirmed``) until every bookie of their write
 set confirmed them, and a bookie still silent about the oldest after
 ``addEntryTimeoutSec`` is replaced even though Qa was reached: otherwise a
 client cut off from one bookie would leave every later entry with Qa copies
-instead of Qw and hold them all in memory for the silent bookie. Moving
+instead of Qw and hold them all in memory for the silent bookie. They count
+against ``throttle`` like unacknowledged adds, so what the client holds for a
+silent bookie is bounded (the writer waits for the replacement instead). Moving
 acknowledged entries to a new fragment is safe: each keeps the Qa copies of
 bookies that stay in its write set, and the replacement is sent it at once. A lost CAS re-reads: a
 ledger still OPEN is merged and retried, one IN_RECOVERY or CLOSED fences the
@@ -597,16 +599,22 @@ class LedgerHandle:
             cls, reason = self._error
             raise cls(f"add entry {self._next_entry} to ledger {self._lid}: {reason}")
 
+    def _outstanding(self):
+        # adds not yet acknowledged, plus acknowledged ones a bookie of their write
+        # set has not confirmed (held for it): both count against the throttle, so
+        # a silent bookie bounds what the client holds instead of growing it
+        return self._submitted - self._completed + len(self._unconfirmed)
+
     def _wait_window(self, n):
         limit = self._throttle
-        if self._submitted - self._completed + n <= limit:
+        if self._outstanding() + n <= limit:
             return
         if threading.current_thread() is self._loop._thread:
             return      # an add from a callback: waiting here would stop the I/O thread
         with self._cond:
             self._waiting += 1
             try:
-                while self._submitted - self._completed + n > limit and self._error is None:
+                while self._outstanding() + n > limit and self._error is None:
                     self._cond.wait(0.05)
             finally:
                 self._waiting -= 1
@@ -643,7 +651,7 @@ class LedgerHandle:
     def _submit_one(self, data, cb):
         """``_submit`` of one checked payload, the path of every add_entry_async:
         one op, no lists."""
-        if self._submitted - self._completed >= self._throttle:
+        if self._submitted - self._completed + len(self._unconfirmed) >= self._throttle:
             self._check_open()
             self._wait_window(1)
         with self._lock:
@@ -825,12 +833,16 @@ class LedgerHandle:
                     cb(None, op.entry_id)
                 except Exception:
                     log.exception("add callback failed")
+        popped = False
+        while unconfirmed and unconfirmed[0].nacks >= qw:
+            unconfirmed.popleft()
+            popped = True
         if n:
             observe_many(self._m_add_ok, lats)
             self._completed += n
-            if self._waiting:
-                with self._cond:
-                    self._cond.notify_all()
+        if (n or popped) and self._waiting:
+            with self._cond:
+                self._cond.notify_all()
 
     def _fail_op(self, op, exc=None):
         if op.done:
@@ -964,8 +976,12 @@ class LedgerHandle:
             # drop what every bookie confirmed, and what lies in an earlier
             # fragment (its ensemble is history: auto-recovery's to repair)
             qw, frag = self._qw, self._md.ensembles[-1][0]
+            n = len(unc)
             while unc and (unc[0].nacks >= qw or unc[0].entry_id < frag):
                 unc.popleft()
+            if n != len(unc) and self._waiting:
+                with self._cond:
+                    self._cond.notify_all()
         for op in (self._pending[0] if self._pending else None, unc[0] if unc else None):
             if op is None or now - op.t_sent < self._add_timeout:
                 continue

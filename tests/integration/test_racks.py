@@ -130,3 +130,25 @@ def test_enforced_policy_names_the_racks(racked):
         h = client.create_ledger(3, 3, 2)
         h.add_entry(b"ok")
         h.close()
+
+
+def test_placementcheck_lists_fragments_in_too_few_racks(racked):
+    c = racked
+    uri = c.metadata_uri
+    with bk.BookKeeper(uri, **RACKAWARE) as client:
+        good = client.create_ledger(3, 2, 2)
+        good.add_entry(b"x")
+        good.close()
+    r = sh(uri, "placementcheck", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == []
+    # two bookies of the ledger's ensemble move into one rack: a write quorum
+    # (consecutive slots, cyclic) now sits in a single rack
+    ens = good.metadata.last_ensemble
+    for b in ens[:2]:
+        assert sh(uri, "setrack", b, "/r/z").exit_code == 0
+    r = sh(uri, "placementcheck", "--json")
+    assert r.exit_code == 1
+    rows = json.loads(r.stdout)
+    assert [(x["ledger"], x["first_entry"], x["racks"]) for x in rows] == \
+        [(good.ledger_id, 0, 1)]
+    assert sh(uri, "placementcheck", "--min-racks", "1").exit_code == 0
