@@ -63,9 +63,11 @@ import time
 import traceback
 import weakref
 
+import psutil
+
 from bk.errors import BKError
-from bk.localcluster import BookieProcess, _child_env
-from bk.meta.etcd_server import EtcdServer
+from bk.localcluster import BookieProcess, LocalCluster, _child_env
+from bk.meta.etcd_server import EtcdServer, find_etcd_binary
 
 NS_PREFIX = "bkh-"
 BOOKIE_PORT = 3181
@@ -122,16 +124,6 @@ def unavailable() -> str | None:
     return _unavailable
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete the namespaces and bridges of networks whose creating process is gone
     (a test run killed before it could clean up). Returns what was deleted."""
@@ -142,7 +134,7 @@ def sweep_stale() -> list[str]:
         if not name.startswith(NS_PREFIX):
             continue
         pid = name[len(NS_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             _kill_ns_pids(name)
             _ip("netns", "del", name, check=False)
             gone.append(name)
@@ -155,7 +147,7 @@ def sweep_stale() -> list[str]:
         if name.startswith("bkh") and "n" in name[3:] and "v" not in name[3:]:
             # a network's bridge (bkh<pid>n<k>) or its observer's drop device (...d)
             pid = name[3:].split("n", 1)[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
                 _ip("link", "del", name, check=False)
                 gone.append(name)
     return gone
@@ -540,89 +532,111 @@ class _HostEtcd(EtcdServer):
         return [*self.net_host.exec_prefix, *super()._command()]
 
 
-class HostCluster:
-    """etcd on one host and one bookie on each of ``bookie_hosts`` (port 3181, bound to
-    and advertising the host's address), reachable from the observer.
+class HostEtcdCluster:
+    """One etcd member on each of ``hosts`` (a Raft cluster across hosts)."""
 
-    ``racks``: ``{host name: "/region/rack"}`` written as each bookie's
+    def __init__(self, hosts, base_dir: str):
+        self.hosts = list(hosts)
+        initial = ",".join(f"bk-etcd-{h.name}=http://{h.address}:{ETCD_PEER_PORT}"
+                           for h in self.hosts)
+        token = f"bk-etcd-{os.getpid()}-{self.hosts[0].address}"
+        self.members = [_HostEtcd(h, os.path.join(base_dir, f"etcd-{h.name}"),
+                                  initial_cluster=initial, cluster_token=token)
+                        for h in self.hosts]
+
+    def uri(self, prefix: str = "ledgers") -> str:
+        return f"etcd://{','.join(m.endpoint for m in self.members)}/{prefix.strip('/')}"
+
+    def start(self, timeout: float = 60.0) -> "HostEtcdCluster":
+        deadline = time.monotonic() + timeout
+        try:
+            for m in self.members:
+                m._spawn()
+            for m in self.members:
+                m._wait_ready(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def leader(self) -> Host | None:
+        """The host of the member that is the Raft leader now (None if no leader)."""
+        ctl = os.path.join(os.path.dirname(find_etcd_binary()), "etcdctl")
+        r = subprocess.run([ctl, "--endpoints", ",".join(m.endpoint for m in self.members),
+                            "--dial-timeout", "1s", "--command-timeout", "2s",
+                            "endpoint", "status", "-w", "json"],
+                           capture_output=True, text=True, timeout=30)
+        try:
+            rows = json.loads(r.stdout or "[]")
+        except ValueError:
+            return None
+        for row in rows:
+            st = row.get("Status", {})
+            if st.get("leader") and st.get("leader") == st.get("header", {}).get("member_id"):
+                host = row.get("Endpoint", "").rpartition(":")[0]
+                return next((h for h in self.hosts if h.address == host), None)
+        return None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for m in self.members:
+            m.stop(timeout)
+
+
+class HostCluster(LocalCluster):
+    """etcd on one host and one bookie on each of ``bookie_hosts`` (port 3181, bound to
+    and advertising the host's address), reachable from the observer: a
+    :class:`bk.localcluster.LocalCluster` whose processes run in hosts.
+
+    ``etcd_host``: one host, or a list of hosts for an etcd cluster of one member
+    on each. ``racks``: ``{host name: "/region/rack"}`` written as each bookie's
     ``bookieRack``. Bookies run with the registry defaults plus ``conf_overrides``."""
 
     def __init__(self, net: Network, base_dir: str, bookie_hosts, etcd_host,
                  conf_overrides: dict | None = None, num_shards: int = 1,
                  prefix: str = "ledgers", racks: dict | None = None):
+        hosts = [net.host(h) for h in bookie_hosts]
+        super().__init__(num_bookies=len(hosts), base_dir=base_dir, num_shards=num_shards,
+                         conf_overrides=conf_overrides, prefix=prefix)
         self.net = net
-        self.base_dir = os.path.abspath(base_dir)
-        self.bookie_hosts = [net.host(h) for h in bookie_hosts]
-        self.etcd_host = net.host(etcd_host)
-        self.conf_overrides = dict(conf_overrides or {})
-        self.num_shards = num_shards
-        self.prefix = prefix
+        self.bookie_hosts = hosts
+        if isinstance(etcd_host, (list, tuple)):
+            self.etcd_hosts = [net.host(h) for h in etcd_host]
+        else:
+            self.etcd_hosts = [net.host(etcd_host)]
+        self.etcd_host = self.etcd_hosts[0]
         self.racks = dict(racks or {})
-        self.etcd: _HostEtcd | None = None
-        self.bookies: list[BookieProcess] = []
-        self._store = None
 
-    @property
-    def metadata_uri(self) -> str:
-        return self.etcd.uri(self.prefix)
-
-    @property
-    def store(self):
-        if self._store is None:
-            from bk.meta.store import MetadataStore
-            self._store = MetadataStore(self.metadata_uri)
-        return self._store
-
-    def start(self) -> "HostCluster":
+    def start_etcd(self) -> None:
         os.makedirs(self.base_dir, exist_ok=True)
-        self.etcd = _HostEtcd(self.etcd_host, os.path.join(self.base_dir, "etcd"))
+        if len(self.etcd_hosts) > 1:
+            self.etcd = HostEtcdCluster(self.etcd_hosts, self.base_dir)
+        else:
+            self.etcd = _HostEtcd(self.etcd_host, os.path.join(self.base_dir, "etcd"))
         self.etcd.start()
         if not self.store.is_formatted():
             self.store.format()
-        for h in self.bookie_hosts:
-            conf = dict(self.conf_overrides)
-            if h.name in self.racks:
-                conf["bookieRack"] = self.racks[h.name]
-            b = BookieProcess(self.metadata_uri, os.path.join(self.base_dir, f"bookie-{h.name}"),
-                              BOOKIE_PORT, self.num_shards, conf, store=self.store,
-                              address=h.address, command_prefix=h.exec_prefix)
-            b.host = h
-            self.bookies.append(b)
-        for b in self.bookies:
-            b.start(wait=False)
-        for b in self.bookies:
-            b.wait_registered()
-        return self
 
-    def bookie(self, bookie_id: str) -> BookieProcess:
-        for b in self.bookies:
-            if b.bookie_id == bookie_id:
-                return b
-        raise KeyError(bookie_id)
+    def _new_bookie(self, **overrides) -> BookieProcess:
+        h = self.bookie_hosts[self._next]
+        self._next += 1
+        conf = dict(self.conf_overrides)
+        if h.name in self.racks:
+            conf["bookieRack"] = self.racks[h.name]
+        conf.update(overrides)
+        b = BookieProcess(self.metadata_uri, os.path.join(self.base_dir, f"bookie-{h.name}"),
+                          BOOKIE_PORT, self.num_shards, conf, store=self.store,
+                          address=h.address, command_prefix=h.exec_prefix)
+        b.host = h
+        self.bookies.append(b)
+        return b
 
     def bookie_on(self, h) -> BookieProcess:
+        """The bookie running on host ``h``."""
         name = self.net.host(h).name
         for b in self.bookies:
             if b.host.name == name:
                 return b
         raise KeyError(name)
-
-    def stop(self) -> None:
-        threads = [threading.Thread(target=b.stop) for b in self.bookies if b.alive]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for b in self.bookies:
-            b.kill()
-        if self._store is not None:
-            try:
-                self._store.close()
-            except Exception:
-                pass
-            self._store = None
-        if self.etcd is not None:
-            self.etcd.stop()
 
     def __enter__(self) -> "HostCluster":
         try:
@@ -630,9 +644,6 @@ class HostCluster:
         except BaseException:
             self.stop()
             raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 __all__ = ["Network", "Host", "HostCluster", "RemotePython", "RemoteError", "NetnsError",

@@ -303,3 +303,44 @@ def test_isolated_host_detected_within_add_timeout(net, hosts_cluster):
     acked = py.eval("acked")
     assert py.eval(f"all(e.data.startswith(b'entry-%d.' % e.entry_id) for e in "
                    f"c.open_ledger(lh.ledger_id).read_entries(0, {acked[-1]}))")
+
+
+def test_etcd_leader_host_isolated(net, tmp_path):
+    """Three etcd members on three hosts; the leader's host vanishes. Adds to an
+    open ledger go on (they need no metadata); metadata calls either fail with a
+    MetadataError naming the store or succeed once a new leader is elected, and
+    none hangs past its timeout; then close and read back everything."""
+    bookies = [net.add_host(f"b{i}") for i in range(3)]
+    etcds = [net.add_host(f"e{i}") for i in range(3)]
+    ch = net.add_host("client")
+    with netns.HostCluster(net, str(tmp_path / "c"), bookies, etcds, TEST_DEFAULTS) as cluster:
+        py = ch.python()
+        py.exec(f"import bk, time; c = bk.BookKeeper({cluster.metadata_uri!r}, "
+                f"metadataTimeoutMillis=3000)\n"
+                "lh = c.create_ledger(3, 2, 2)\n"
+                "lh.add_entries([b'a-%d' % i for i in range(20)])\n"
+                "def try_create():\n"
+                "    t = time.monotonic()\n"
+                "    try:\n"
+                "        h = c.create_ledger(3, 2, 2); h.close()\n"
+                "        return ['ok', time.monotonic() - t]\n"
+                "    except bk.errors.MetadataError as e:\n"
+                "        return ['MetadataError: ' + str(e), time.monotonic() - t]")
+        wait_until(lambda: cluster.etcd.leader() is not None, what="an etcd leader")
+        leader = cluster.etcd.leader()
+        net.isolate(leader)
+        # adds go on without etcd's leader
+        py.exec("lh.add_entries([b'b-%d' % i for i in range(20)])", timeout=30)
+        outcomes = []
+
+        def created():
+            outcomes.append(py.eval("try_create()", timeout=30))
+            return outcomes[-1][0] == "ok"
+        wait_until(created, timeout=60, what="a ledger created after the election")
+        for what, took in outcomes:
+            assert what == "ok" or ("MetadataError" in what and "etcd://" in what), what
+            assert took < 3 * 3 + 5, f"a metadata call took {took:.1f}s"
+        py.exec("lh.close()", timeout=30)
+        assert py.eval("[e.data.decode() for e in c.open_ledger(lh.ledger_id).read_entries(0, 39)]",
+                       timeout=30) == [f"a-{i}" for i in range(20)] + [f"b-{i}" for i in range(20)]
+        net.heal()
