@@ -176,6 +176,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "checks: GET_LIST_OF_ENTRIES on every bookie of each write quorum of the closed "
        "ledgers; a bookie lacking an entry gets the ledger marked and a worker copies the "
        "entry back to it. 0 disables (BookKeeper's default).", minimum=0),
+    _S("auditorPeriodicPlacementPolicyCheckInterval", int, 0, "Seconds between the "
+       "auditor's checks that every ledger fragment's write quorums span the racks "
+       "ensemblePlacementPolicy asks (metric auditor_NUM_LEDGERS_NOT_ADHERING_TO_PLACEMENT_"
+       "POLICY; bkshell placementcheck lists them). 0 disables.", minimum=0),
     _S("auditorMaxNumberOfConcurrentOpenLedgerOperations", int, 8, "Ledgers the auditor's "
        "periodic checks examine at once (each a few bookie requests).", minimum=1),
     _S("replicationRateByBytes", int, -1, "Bytes per second a replication worker (and "

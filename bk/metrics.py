@@ -129,8 +129,11 @@ REPLICATED_ENTRIES = _m("replication_REREPLICATED_ENTRIES", COUNTER, "Entries co
                         "replacement bookie by this process's replication worker.")
 REPLICATED_BYTES = _m("replication_REREPLICATED_BYTES", COUNTER, "Payload bytes copied by "
                       "this process's replication worker (rate(): bytes/s replicated).")
+NOT_ADHERING = _m("auditor_NUM_LEDGERS_NOT_ADHERING_TO_PLACEMENT_POLICY", GAUGE, "Ledgers "
+                  "with a fragment whose write quorums span fewer racks than the placement "
+                  "policy asks, at the auditor's last placement check.")
 AUTORECOVERY_METRICS = [UNDER_REPLICATED, UNDER_REPLICATED_AGE, AUDITOR_ELECTED,
-                        REPLICATED_ENTRIES, REPLICATED_BYTES]
+                        REPLICATED_ENTRIES, REPLICATED_BYTES, NOT_ADHERING]
 
 # --- client ------------------------------------------------------------------------------
 CLIENT_ADD = _m("bookkeeper_client_ADD_ENTRY", HISTOGRAM, "Client adds by outcome: time from "
@@ -294,6 +297,7 @@ class BookieMetrics:
         self.readonly = False
         self.under_replicated = None           # set while this bookie is the auditor
         self.under_replicated_age = 0.0
+        self.not_adhering = None               # set by the auditor's placement check
         self.auditor = None                    # 0/1 once this bookie runs auto-recovery
         self.replicated_entries = 0
         self.replicated_bytes = 0
@@ -389,6 +393,8 @@ class BookieMetrics:
             if self.under_replicated is not None:
                 yield _gauge(UNDER_REPLICATED, self.under_replicated)
                 yield _gauge(UNDER_REPLICATED_AGE, self.under_replicated_age)
+            if self.not_adhering is not None:
+                yield _gauge(NOT_ADHERING, self.not_adhering)
             if self.auditor is not None:
                 yield _gauge(AUDITOR_ELECTED, self.auditor)
                 yield CounterMetricFamily(REPLICATED_ENTRIES.name, REPLICATED_ENTRIES.help,

@@ -145,6 +145,7 @@ class AutoRecovery:
                 election.resign()
                 if self.metrics is not None:
                     self.metrics.under_replicated = None     # only the auditor reports
+                    self.metrics.not_adhering = None
                     self.metrics.auditor = 0
 
     def _lead(self, election):
@@ -239,6 +240,26 @@ class AutoRecovery:
                 if time.time() - last.get("at", 0) < interval:
                     continue
                 self._run_check(election, name, fn, closed_only)
+            interval = self.conf.auditorPeriodicPlacementPolicyCheckInterval
+            if interval > 0 and election.is_leader and \
+                    time.time() - (done.get("placement") or {}).get("at", 0) >= interval:
+                self._placement_check(election)
+
+    def _placement_check(self, election):
+        """Count the ledgers whose write quorums do not span the racks the placement
+        policy asks (reported, not marked: re-replicating a healthy copy elsewhere
+        is the operator's call, bkshell placementcheck lists them)."""
+        t0 = time.time()
+        rows = self._admin.placement_check(self._admin.placement)
+        n = len({r["ledger"] for r in rows})
+        if self.metrics is not None:
+            self.metrics.not_adhering = n
+        record = {"at": time.time(), "started": t0, "seconds": round(time.time() - t0, 3),
+                  "not_adhering": n, "by": self.identifier}
+        UR.record_check(self.store, "placement", record, guards=[election.lock.guard()])
+        if n:
+            log.warning("auditor placement check: %d ledgers do not adhere to the "
+                        "placement policy (bkshell placementcheck lists them)", n)
 
     def _run_check(self, election, name, fn, closed_only):
         from bk.admin import BookiePool

@@ -152,3 +152,28 @@ def test_placementcheck_lists_fragments_in_too_few_racks(racked):
     assert [(x["ledger"], x["first_entry"], x["racks"]) for x in rows] == \
         [(good.ledger_id, 0, 1)]
     assert sh(uri, "placementcheck", "--min-racks", "1").exit_code == 0
+
+
+def test_auditor_counts_ledgers_not_adhering(cluster_factory):
+    from bk.meta import underreplication as UR
+    c = cluster_factory(4, num_shards=1, conf_overrides={
+        **RACKAWARE, "autoRecoveryDaemonEnabled": True,
+        "auditorPeriodicPlacementPolicyCheckInterval": 1})
+    uri = c.metadata_uri
+    for i, b in enumerate(c.bookies):
+        assert sh(uri, "setrack", b.bookie_id, f"/r/{'abcd'[i]}").exit_code == 0
+
+    def placement():
+        done, _ = c.store.get_json(UR.CHECKS)
+        return (done or {}).get("placement") or {}
+    with bk.BookKeeper(uri, **RACKAWARE) as client:
+        h = client.create_ledger(3, 3, 2)
+        h.add_entry(b"x")
+        h.close()
+    wait_until(lambda: placement().get("not_adhering") == 0, what="a clean placement check")
+    spare = next(b for b in c.bookies if b.bookie_id not in h.metadata.last_ensemble)
+    for b in h.metadata.last_ensemble:
+        assert sh(uri, "setrack", b, "/r/z").exit_code == 0
+    assert sh(uri, "setrack", spare.bookie_id, "/r/y").exit_code == 0
+    wait_until(lambda: placement().get("not_adhering") == 1, timeout=30,
+               what="the auditor counting the ledger whose quorum sits in one rack")
