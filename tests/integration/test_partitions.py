@@ -344,3 +344,42 @@ def test_etcd_leader_host_isolated(net, tmp_path):
         assert py.eval("[e.data.decode() for e in c.open_ledger(lh.ledger_id).read_entries(0, 39)]",
                        timeout=30) == [f"a-{i}" for i in range(20)] + [f"b-{i}" for i in range(20)]
         net.heal()
+
+
+def test_bookie_cut_from_etcd_is_rereplicated_then_drops_its_copies(net, hosts_cluster):
+    """A bookie cut from etcd but not from the others: its lease expires, the
+    auditor counts it lost and the workers re-replicate its closed ledgers; when
+    the cut heals it registers again and drops the copies nobody needs any more."""
+    cluster, bookies, ch = hosts_cluster(4, conf={
+        "autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0,
+        "rwRereplicateBackoffMs": 200, "gcWaitTime": 1000,
+        "gcOverreplicatedLedgerWaitTime": 2000})
+    victim = cluster.bookies[0]
+    import bk
+    with bk.BookKeeper(cluster.metadata_uri) as client:
+        lids = []
+        for n in range(12):
+            lh = client.create_ledger(3, 3, 2)
+            lh.add_entries([b"%d-%d" % (n, i) for i in range(20)])
+            lh.close()
+            lids.append(lh.ledger_id)
+        mine = [lid for lid in lids
+                if victim.bookie_id in client.ledger_metadata(lid).last_ensemble]
+        assert mine
+        net.partition(victim.host, cluster.etcd_host)
+        wait_until(lambda: victim.bookie_id not in cluster.store.list_bookies(), timeout=30,
+                   what="the cut bookie's lease to expire")
+
+        def moved():
+            return all(victim.bookie_id not in client.ledger_metadata(lid).last_ensemble
+                       for lid in mine)
+        wait_until(moved, timeout=90, what="its ledgers re-replicated elsewhere")
+        net.heal()
+        wait_until(lambda: victim.bookie_id in cluster.store.list_bookies(), timeout=30,
+                   what="the bookie registering again")
+        wait_until(lambda: all(not entries_held(cluster.store, victim.bookie_id, lid)
+                               for lid in mine), timeout=90,
+                   what="the bookie dropping its over-replicated copies")
+        for n, lid in enumerate(lids):
+            got = [e.data for e in client.open_ledger(lid).read_entries(0, 19)]
+            assert got == [b"%d-%d" % (n, i) for i in range(20)]
