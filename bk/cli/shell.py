@@ -219,7 +219,7 @@ def metaformat(c, force, yes):
 @pass_ctx
 @handled
 def listbookies(c, mode, as_json):
-    """List registered bookies (writable ones by default): id, address, state, rack,
+    """List registered bookies (writable ones by default): id, address, rack, state,
     and the HTTP endpoint of a bookie that serves one (httpServerEnabled).
 
     \b
@@ -235,7 +235,7 @@ def listbookies(c, mode, as_json):
     for r in rows:
         http = f"\thttp://{r['address'].rsplit(':', 1)[0]}:{r['httpPort']}" \
             if r.get("httpPort") else ""
-        click.echo(f"{r['id']}\t{r['address']}\t{r['state']}\t{r['rack']}{http}")
+        click.echo(f"{r['id']}\t{r['address']}\t{r['rack']}\t{r['state']}{http}")
 
 
 @cli.command()
