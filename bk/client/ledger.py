@@ -927,8 +927,8 @@ class LedgerHandle:
 
     def _bookie_failed(self, conn, exc):
         self._m.bookie_errors.labels(type(exc).__name__).inc()
-        if self._error is not None:
-            return
+        if self._error is not None or self._md.state == LedgerState.CLOSED:
+            return      # (a closed ledger's ensembles are final)
         if self._client._closed:
             self._error_out(BookieUnavailableError, "the client was closed")
             return
@@ -1174,6 +1174,12 @@ class LedgerHandle:
             elif self._md.state == LedgerState.CLOSED:
                 return
             self._close_metadata()
+            # what close could not wait out stays under-replicated for the auditor
+            if self._unconfirmed:
+                try:
+                    self._loop.call_soon(self._unconfirmed.clear)
+                except BKError:
+                    pass            # the client's I/O is gone: nothing holds them
 
     def _stop_ticker(self):
         if self._ticker_on and self._tick in self._loop._tickers:
