@@ -67,7 +67,7 @@ import psutil
 
 from bk.errors import BKError
 from bk.localcluster import BookieProcess, LocalCluster, _child_env
-from bk.meta.etcd_server import EtcdServer, find_etcd_binary
+from bk.meta.etcd_server import EtcdCluster, EtcdServer, find_etcd_binary
 
 NS_PREFIX = "bkh-"
 BOOKIE_PORT = 3181
@@ -532,32 +532,19 @@ class _HostEtcd(EtcdServer):
         return [*self.net_host.exec_prefix, *super()._command()]
 
 
-class HostEtcdCluster:
+class HostEtcdCluster(EtcdCluster):
     """One etcd member on each of ``hosts`` (a Raft cluster across hosts)."""
 
-    def __init__(self, hosts, base_dir: str):
+    def __init__(self, hosts, base_dir: str):   # members of its own, not EtcdCluster's
         self.hosts = list(hosts)
+        self.base_dir = os.path.abspath(base_dir)
+        self.host = None
         initial = ",".join(f"bk-etcd-{h.name}=http://{h.address}:{ETCD_PEER_PORT}"
                            for h in self.hosts)
         token = f"bk-etcd-{os.getpid()}-{self.hosts[0].address}"
         self.members = [_HostEtcd(h, os.path.join(base_dir, f"etcd-{h.name}"),
                                   initial_cluster=initial, cluster_token=token)
                         for h in self.hosts]
-
-    def uri(self, prefix: str = "ledgers") -> str:
-        return f"etcd://{','.join(m.endpoint for m in self.members)}/{prefix.strip('/')}"
-
-    def start(self, timeout: float = 60.0) -> "HostEtcdCluster":
-        deadline = time.monotonic() + timeout
-        try:
-            for m in self.members:
-                m._spawn()
-            for m in self.members:
-                m._wait_ready(deadline)
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def leader(self) -> Host | None:
         """The host of the member that is the Raft leader now (None if no leader)."""
@@ -576,10 +563,6 @@ class HostEtcdCluster:
                 host = row.get("Endpoint", "").rpartition(":")[0]
                 return next((h for h in self.hosts if h.address == host), None)
         return None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for m in self.members:
-            m.stop(timeout)
 
 
 class HostCluster(LocalCluster):
