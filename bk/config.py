@@ -212,8 +212,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("bookieQuarantineTimeSeconds", float, 60.0, "Seconds a bookie that failed this "
        "client (a connection that could not be made or broke, a request that timed out, "
        "an add it failed) stays quarantined: reads ask it after the other replicas "
-       "(reorderReadSequenceEnabled) and writers do not pick it as a replacement. A "
-       "bookie that answers again leaves quarantine at once.", scope=CLIENT, minimum=0),
+       "(reorderReadSequenceEnabled), and new ensembles and replacements avoid it while "
+       "enough other bookies are writable. A bookie that answers again leaves "
+       "quarantine at once.", scope=CLIENT, minimum=0),
     _S("reorderReadSequenceEnabled", bool, True, "Reads ask the healthy replicas of an "
        "entry before quarantined ones, so an unreachable bookie costs the connect timeout "
        "once per quarantine instead of once per ledger read.", scope=CLIENT),

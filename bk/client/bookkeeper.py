@@ -166,11 +166,19 @@ class BookKeeper:
         return self._view
 
     def _place(self, choose):
-        """``choose(writable)`` on the watched view; if that finds too few bookies,
-        once more on a fresh read (the watch may lag a bookie that registered a
-        moment ago, e.g. right after ``bkshell`` or a test added it)."""
+        """``choose(writable)`` on the watched view less the bookies this client has
+        quarantined (``bk.client.health``); if that finds too few, on the whole
+        view; then once more on a fresh read (the watch may lag a bookie that
+        registered a moment ago, e.g. right after ``bkshell`` or a test added it)."""
+        view = self._writable_view()
+        bad = self._health.quarantined_set()
+        if bad and view & bad:
+            try:
+                return choose(view - bad)
+            except NotEnoughBookiesError:
+                pass
         try:
-            return choose(self._writable_view())
+            return choose(view)
         except NotEnoughBookiesError:
             return choose(self._store.list_bookies())
 

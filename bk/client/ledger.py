@@ -937,6 +937,7 @@ class LedgerHandle:
             return
         log.warning("ledger %d: bookie %s failed (%s); replacing it", self._lid,
                     conn.bookie_id, exc)
+        self._client._health.failed(conn.bookie_id)
         first = self._first_unconfirmed_by(slot)
         with self._change_lock:
             self._failed_slots.add(slot)

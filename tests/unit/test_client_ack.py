@@ -6,6 +6,7 @@ import random
 import pytest
 
 from bk import protocol as P
+from bk.client.health import BookieHealth
 from bk.client.ledger import LedgerHandle
 from bk.config import Config
 from bk.errors import EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, LedgerFencedError
@@ -89,6 +90,7 @@ class FakeClient:
         self.conns = {b: FakeConn(b) for b in bookies}
         self._executor = FakeExecutor()
         self._closed = False
+        self._health = BookieHealth(60)
 
     def _connection(self, bid, lid):
         return self.conns.setdefault(bid, FakeConn(bid))
