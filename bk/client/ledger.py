@@ -74,6 +74,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 
 from bk import protocol
 from bk.client import digest as _digest
@@ -243,7 +244,7 @@ class _ReadOp:
     not answered within it, and the first good copy wins."""
 
     __slots__ = ("h", "entry_id", "conns", "idx", "batch", "result", "errors", "timeout",
-                 "outstanding", "done")
+                 "outstanding", "done", "__weakref__")
 
     def __init__(self, h, entry_id, conns, batch, timeout):
         self.h = h
@@ -269,7 +270,10 @@ class _ReadOp:
     def speculate_later(self):
         spec = self.h._spec_timeout
         if spec and not self.done and self.idx < len(self.conns):
-            self.h._loop._add_timer(self.h._loop.now + spec, self._speculate, (self.idx,))
+            # a weak reference: the timer must not keep a read (and its entry's
+            # data) alive after the caller has it
+            self.h._loop._add_timer(self.h._loop.now + spec, _speculate_ref,
+                                    (weakref.ref(self), self.idx))
 
     def _speculate(self, idx):
         # still waiting for the replicas asked so far: ask the next one as well
@@ -535,7 +539,7 @@ class LedgerHandle:
         # oldest within addEntryTimeoutSec is replaced like one that failed, and the
         # new fragment starts at the first entry it lacks (_change_from), so those
         # entries are resent and get their Qw copies; until then they are held here
-        # and by the bookie's connection, at most addEntryTimeoutSec of them.
+        # and by the bookie's connection, and count against the throttle.
         self._unconfirmed = collections.deque()
         self._change_from = None
         self._change_lock = threading.Lock()
@@ -1462,6 +1466,12 @@ class LedgerHandle:
 
     def _lac_after(self, entry_id):
         return self._readable_last()
+
+
+def _speculate_ref(ref, idx):
+    op = ref()
+    if op is not None:
+        op._speculate(idx)
 
 
 def _same(bookies):
