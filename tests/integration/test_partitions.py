@@ -186,7 +186,10 @@ def test_rack_lost_with_rackaware_placement(net, hosts_cluster):
     policy = {"ensemblePlacementPolicy": "rackaware", "minNumRacksPerWriteQuorum": 2}
     cluster, bookies, ch = hosts_cluster(6, racks=racks, conf={
         **policy, "autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0,
-        "openLedgerRereplicationGracePeriod": 30000, "rwRereplicateBackoffMs": 200})
+        "openLedgerRereplicationGracePeriod": 30000, "rwRereplicateBackoffMs": 200,
+        # a repair may pick the rack's other bookie before its lease ran out: retry
+        # soon rather than after the default 5 minutes
+        "lockReleaseOfFailedLedgerGracePeriod": 2000})
     py = ch.python()
     py.exec(f"import bk; c = bk.BookKeeper({cluster.metadata_uri!r}, addEntryTimeoutSec=2, "
             f"clientConnectTimeoutMillis=2000, ensemblePlacementPolicy='rackaware')\n"
@@ -357,6 +360,7 @@ def test_bookie_cut_from_etcd_is_rereplicated_then_drops_its_copies(net, hosts_c
     cluster, bookies, ch = hosts_cluster(4, conf={
         "autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0,
         "rwRereplicateBackoffMs": 200, "gcWaitTime": 1000,
+        "lockReleaseOfFailedLedgerGracePeriod": 2000,
         "gcOverreplicatedLedgerWaitTime": 2000})
     victim = cluster.bookies[0]
     import bk
