@@ -25,10 +25,12 @@ from bk.autorecovery.replicator import (FragmentReport, RecoveryReport,  # noqa:
                                         Replicator)
 from bk.autorecovery.status import auditor_id
 from bk.client import digest
+from bk.client.placement import PlacementPolicy
 from bk.errors import BKError, EOK, NoSuchEntryError, error_for_status
 from bk.meta import underreplication as UR
 from bk.meta.ledger import LedgerMetadata, LedgerState
-from bk.meta.store import MetadataStore
+from bk.meta.racks import DEFAULT_RACK, all_racks, get_rack, set_rack
+from bk.meta.store import MetadataStore, _check_bookie_id
 from bk.rawclient import BookiePool
 
 log = logging.getLogger("bk.admin")
@@ -39,18 +41,22 @@ class Admin:
 
     def __init__(self, uri: str, timeout: float = 5.0, bookie_timeout: float = 10.0,
                  password: bytes | None = None, rate_bytes: int = -1,
-                 max_frame: int = P.DEFAULT_MAX_FRAME_SIZE):
+                 max_frame: int = P.DEFAULT_MAX_FRAME_SIZE, placement: PlacementPolicy | None = None):
         self.uri = uri
+        # where re-replicated fragments go (ensemblePlacementPolicy of the caller's conf)
+        self.placement = placement or PlacementPolicy()
         self.store = MetadataStore(uri, timeout=timeout)
         self.bookies = BookiePool(self.store, bookie_timeout)
         self.password = password
         self.replicator = Replicator(self.store, self.bookies, uri, timeout=timeout,
                                      bookie_timeout=bookie_timeout, password=password,
-                                     rate_bytes=rate_bytes, max_frame=max_frame)
+                                     rate_bytes=rate_bytes, max_frame=max_frame,
+                                     placement=self.placement)
 
     @property
     def client(self):
-        """A :class:`bk.BookKeeper` on the same cluster (made on first use)."""
+        """A :class:`bk.BookKeeper` on the same cluster (made on first use, with
+        this admin's placement policy)."""
         return self.replicator.client
 
     def close(self) -> None:
@@ -72,9 +78,10 @@ class Admin:
         return self.store.instance_id
 
     def list_bookies(self, readonly: bool = False, all: bool = False) -> list[dict]:  # noqa: A002
-        """[{id, address, state, shards, pid, httpPort}] of registered bookies (writable by
-        default); httpPort is None unless the bookie serves HTTP."""
+        """[{id, address, state, rack, shards, pid, httpPort}] of registered bookies
+        (writable by default); httpPort is None unless the bookie serves HTTP."""
         out = []
+        racks = all_racks(self.store)
         for bid, info in self.store.all_bookies().items():
             ro = bool(info.get("readonly"))
             if not all and ro != readonly:
@@ -82,9 +89,20 @@ class Admin:
             addr = f"{info['address']}:{info['port']}" if info.get("address") and \
                 info.get("port") else bid
             out.append({"id": bid, "address": addr, "state": "readonly" if ro else "writable",
-                        "shards": info.get("numShards"), "pid": info.get("pid"),
+                        "rack": racks.get(bid, DEFAULT_RACK), "shards": info.get("numShards"), "pid": info.get("pid"),
                         "httpPort": info.get("httpPort")})
         return out
+
+    def set_rack(self, bookie_id: str, rack: str) -> str:
+        """Put a bookie in ``/region/rack`` (it need not be running); returns the path."""
+        _check_bookie_id(bookie_id)
+        return set_rack(self.store, bookie_id, rack)
+
+    def get_rack(self, bookie_id: str) -> dict:
+        """{id, rack, stored}: the bookie's rack (the default one if none is stored)."""
+        _check_bookie_id(bookie_id)
+        rack = get_rack(self.store, bookie_id)
+        return {"id": bookie_id, "rack": rack or DEFAULT_RACK, "stored": rack is not None}
 
     def require_bookie(self, bookie_id: str) -> dict:
         """The registration info of a live bookie; BKError naming it otherwise."""
@@ -186,6 +204,11 @@ class Admin:
     def list_ledger_metadata(self):
         for md, _ in self.store.list_ledger_metadata():
             yield md
+
+    def placement_check(self, policy: PlacementPolicy | None = None) -> list[dict]:
+        """Fragments that do not adhere to ``policy`` (default: this admin's)
+        (:meth:`Replicator.placement_check`)."""
+        return self.replicator.placement_check(policy)
 
     def master_key(self, md: LedgerMetadata) -> bytes:
         """The key the bookies hold for the ledger (see :meth:`Replicator.master_key`)."""

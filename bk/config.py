@@ -98,6 +98,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("bookiePort", int, 3181, "TCP port the bookie listens on.", minimum=0, maximum=65535),
     _S("advertisedAddress", str, "127.0.0.1", "Address clients use to reach this bookie."),
     _S("bindAddress", str, "", "Address to bind. Empty: the advertisedAddress."),
+    _S("bookieRack", str, "", "This bookie's rack, /region/rack, written to the metadata "
+       "store at start when it has none for the bookie (bkshell setrack overrides it). "
+       "Empty: none is written; a bookie without one is in /default-region/default-rack."),
     _S("metadataServiceUri", str, "", "etcd://host:port[,host:port...]/prefix of the "
        "metadata store.", scope=BOTH),
     _S("authToken", str, "", "Shared secret a client must present in HELLO. Empty: no "
@@ -207,6 +210,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "checks: GET_LIST_OF_ENTRIES on every bookie of each write quorum of the closed "
        "ledgers; a bookie lacking an entry gets the ledger marked and a worker copies the "
        "entry back to it. 0 disables (BookKeeper's default).", minimum=0),
+    _S("auditorPeriodicPlacementPolicyCheckInterval", int, 0, "Seconds between the "
+       "auditor's checks that every ledger fragment's write quorums span the racks "
+       "ensemblePlacementPolicy asks (metric auditor_NUM_LEDGERS_NOT_ADHERING_TO_PLACEMENT_"
+       "POLICY; bkshell placementcheck lists them). 0 disables.", minimum=0),
     _S("auditorMaxNumberOfConcurrentOpenLedgerOperations", int, 8, "Ledgers the auditor's "
        "periodic checks examine at once (each a few bookie requests).", minimum=1),
     _S("replicationRateByBytes", int, -1, "Bytes per second a replication worker (and "
@@ -236,15 +243,35 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     # --- client ----------------------------------------------------------------
     _S("addEntryTimeoutSec", float, 10.0, "Seconds before a bookie that has not "
        "acknowledged an add is replaced.", scope=CLIENT, minimum=0.1),
-    _S("bookieQuarantineTimeSeconds", float, 60.0, "Seconds a bookie that failed a ledger "
-       "handle's add is not picked again as a replacement by that handle (a bookie "
-       "that came back after that may be).", scope=CLIENT, minimum=0),
+    _S("bookieQuarantineTimeSeconds", float, 60.0, "Seconds a bookie that failed this "
+       "client (a connection that could not be made or broke, a request that timed out, "
+       "an add it failed) stays quarantined: reads ask it after the other replicas "
+       "(reorderReadSequenceEnabled), and new ensembles and replacements avoid it while "
+       "enough other bookies are writable. A bookie that answers again leaves "
+       "quarantine at once.", scope=CLIENT, minimum=0),
+    _S("reorderReadSequenceEnabled", bool, True, "Reads ask the healthy replicas of an "
+       "entry before quarantined ones, so an unreachable bookie costs the connect timeout "
+       "once per quarantine instead of once per ledger read.", scope=CLIENT),
+    _S("speculativeReadTimeout", int, 2000, "Milliseconds a read waits for a replica "
+       "before also asking the next one (the first good copy wins). 0: only after the "
+       "replica failed or readEntryTimeoutSec passed.", scope=CLIENT, minimum=0),
     _S("readEntryTimeoutSec", float, 10.0, "Seconds before a read from one bookie is "
        "abandoned for the next replica.", scope=CLIENT, minimum=0.1),
     _S("clientConnectTimeoutMillis", int, 5000, "Timeout (ms) to connect to a bookie.",
        scope=CLIENT, minimum=1),
     _S("metadataTimeoutMillis", int, 5000, "Timeout (ms) of one metadata store request, "
        "and of connecting to it.", scope=BOTH, minimum=100),
+    _S("ensemblePlacementPolicy", str, "random", "How ensembles (and replacements in "
+       "ensemble changes, recovery and re-replication) are chosen: random; rackaware "
+       "(every write quorum spans minNumRacksPerWriteQuorum racks, from bkshell setrack / "
+       "bookieRack); regionaware (the same over regions, the first part of /region/rack).",
+       scope=BOTH),
+    _S("minNumRacksPerWriteQuorum", int, 2, "Racks (regions, with regionaware) each write "
+       "quorum spans at least (at most Qw counts).", scope=BOTH, minimum=1),
+    _S("enforceMinNumRacksPerWriteQuorum", bool, False, "true: creating or changing an "
+       "ensemble that cannot meet minNumRacksPerWriteQuorum fails with "
+       "NotEnoughBookiesError naming the racks; false: the best spread is used and a "
+       "warning logged.", scope=BOTH),
     _S("throttle", int, 5000, "Most adds a ledger handle keeps outstanding; add_entries "
        "blocks beyond it.", scope=CLIENT, minimum=1),
     _S("readWindowBytes", int, 64 * 1024 * 1024, "Bytes of entries a read_entries call keeps "

@@ -48,14 +48,20 @@ def _tail(path: str, lines: int = 15) -> str:
 
 
 class BookieProcess:
-    """One bookie run as a child process (``bookie start --conf <dir>/bk_server.conf``)."""
+    """One bookie run as a child process (``bookie start --conf <dir>/bk_server.conf``).
+
+    ``address``: the address it binds and advertises; ``command_prefix``: argv put
+    before the command (``bk.netns`` runs it in a host's network namespace)."""
 
     def __init__(self, metadata_uri: str, directory: str, port: int, num_shards: int = 2,
-                 conf_overrides: dict | None = None, store=None):
+                 conf_overrides: dict | None = None, store=None, address: str = "127.0.0.1",
+                 command_prefix=()):
         self.metadata_uri = metadata_uri
         self.dir = os.path.abspath(directory)
         self.port = port
-        self.bookie_id = f"127.0.0.1:{port}"
+        self.address = address
+        self.command_prefix = list(command_prefix)
+        self.bookie_id = f"{address}:{port}"
         self.num_shards = num_shards
         self.conf_overrides = dict(conf_overrides or {})
         self.conf_file = os.path.join(self.dir, "bk_server.conf")
@@ -70,7 +76,7 @@ class BookieProcess:
         """(Re)write the conf file; ``extra`` settings are kept for later starts."""
         self.conf_overrides.update(extra)
         values = {
-            "bookiePort": self.port, "advertisedAddress": "127.0.0.1",
+            "bookiePort": self.port, "advertisedAddress": self.address,
             "metadataServiceUri": self.metadata_uri, "numShards": self.num_shards,
             "journalDirectories": os.path.join(self.dir, "journal"),
             "ledgerDirectories": os.path.join(self.dir, "ledgers"),
@@ -98,7 +104,8 @@ class BookieProcess:
             raise BKError(f"bookie {self.bookie_id} is already running")
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bk.cli.bookie", "start", "--conf", self.conf_file],
+            [*self.command_prefix, sys.executable, "-m", "bk.cli.bookie", "start",
+             "--conf", self.conf_file],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env=_child_env())
         log.close()

@@ -134,8 +134,11 @@ REPLICATED_ENTRIES = _m("replication_REREPLICATED_ENTRIES", COUNTER, "Entries co
                         "replacement bookie by this process's replication worker.")
 REPLICATED_BYTES = _m("replication_REREPLICATED_BYTES", COUNTER, "Payload bytes copied by "
                       "this process's replication worker (rate(): bytes/s replicated).")
+NOT_ADHERING = _m("auditor_NUM_LEDGERS_NOT_ADHERING_TO_PLACEMENT_POLICY", GAUGE, "Ledgers "
+                  "with a fragment whose write quorums span fewer racks than the placement "
+                  "policy asks, at the auditor's last placement check.")
 AUTORECOVERY_METRICS = [UNDER_REPLICATED, UNDER_REPLICATED_AGE, AUDITOR_ELECTED,
-                        REPLICATED_ENTRIES, REPLICATED_BYTES]
+                        REPLICATED_ENTRIES, REPLICATED_BYTES, NOT_ADHERING]
 
 # --- metadata (served by the bookie elected compactor, bk.meta.compactor) -----------------
 METADATA_COMPACTIONS = _m("bookkeeper_metadata_COMPACTIONS", COUNTER, "Compactions of etcd's "
@@ -155,10 +158,13 @@ CLIENT_RECOVERIES = _m("bookkeeper_client_LEDGER_RECOVER", COUNTER, "Ledger reco
                        "by this client, by outcome.", ["success"])
 CLIENT_BOOKIE_ERRORS = _m("bookkeeper_client_BOOKIE_ERRORS", COUNTER, "Errors from bookies "
                           "(error answers, timeouts, broken connections), by kind.", ["kind"])
+CLIENT_SPECULATIVE_READS = _m("bookkeeper_client_SPECULATIVE_READS", COUNTER, "Reads also "
+                              "sent to the next replica because one had not answered within "
+                              "speculativeReadTimeout.")
 
 ALL = SHARD_METRICS + ARBITER_METRICS + AUTORECOVERY_METRICS + [CLIENT_ADD, CLIENT_READ,
                                          CLIENT_ENSEMBLE_CHANGES, CLIENT_RECOVERIES,
-                                         CLIENT_BOOKIE_ERRORS]
+                                         CLIENT_BOOKIE_ERRORS, CLIENT_SPECULATIVE_READS]
 
 
 # --- shard worker side ---------------------------------------------------------------
@@ -420,12 +426,14 @@ class AutoRecoveryMetrics:
     """The numbers of one process's auto-recovery (a bookie's, or ``bookie
     autorecovery``'s), as a prometheus_client collector. Its threads set the
     attributes; the under-replicated gauges are served only while it is the
-    auditor (``under_replicated`` is None otherwise)."""
+    auditor (``under_replicated`` is None otherwise), the placement gauge only
+    once it ran a placement check as the auditor."""
 
     def __init__(self):
         self.auditor = 0                       # 1 while this process is the auditor
         self.under_replicated: int | None = None
         self.under_replicated_age = 0.0
+        self.not_adhering: int | None = None   # set by the auditor's placement check
         self.replicated_entries = 0
         self.replicated_bytes = 0
 
@@ -433,6 +441,8 @@ class AutoRecoveryMetrics:
         if self.under_replicated is not None:
             yield _gauge(UNDER_REPLICATED, self.under_replicated)
             yield _gauge(UNDER_REPLICATED_AGE, self.under_replicated_age)
+        if self.not_adhering is not None:
+            yield _gauge(NOT_ADHERING, self.not_adhering)
         yield _gauge(AUDITOR_ELECTED, self.auditor)
         yield CounterMetricFamily(REPLICATED_ENTRIES.name, REPLICATED_ENTRIES.help,
                                   value=self.replicated_entries)
@@ -479,6 +489,8 @@ class ClientMetrics:
                                   CLIENT_RECOVERIES.labels, registry=r)
         self.bookie_errors = Counter(CLIENT_BOOKIE_ERRORS.name, CLIENT_BOOKIE_ERRORS.help,
                                      CLIENT_BOOKIE_ERRORS.labels, registry=r)
+        self.speculative_reads = Counter(CLIENT_SPECULATIVE_READS.name,
+                                         CLIENT_SPECULATIVE_READS.help, registry=r)
 
 
 def observe_many(hist, values) -> None:

@@ -19,6 +19,15 @@ the nemesis kills, pauses and restarts bookies. For --duration seconds:
   once, or from a client closed under it half way: a crashed recoverer), or
   tails one without recovery.
 
+With --hosts every bookie runs on its own network-namespace host (bk.netns,
+needs root) with etcd on another, the writers and recoverers on this process's
+end of the bridge, and a partition nemesis runs beside the process one: it
+silently cuts (or rejects) the clients from a bookie, a bookie from etcd (its
+lease expires while it still serves), two bookies from each other, isolates a
+host (link down, no FIN) or, with --racks, a whole rack, and heals after a few
+seconds. With --racks the bookies are spread over that many racks and the
+clients place rack-aware.
+
 Then it heals the cluster and checks, with a fresh client, every ledger:
 (1) every acknowledged entry id <= the ledger's last entry; (2) every entry
 0..last reads back byte-identical to what a writer submitted for that id (so
@@ -55,7 +64,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bk  # noqa: E402
 from bk import protocol as P  # noqa: E402
 from bk.errors import ENOLEDGER, EOK, BKError  # noqa: E402
-from bk.testing import BookieConnection, LocalCluster  # noqa: E402
+from bk import netns  # noqa: E402
+from bk.testing import TEST_DEFAULTS, BookieConnection, LocalCluster  # noqa: E402
 
 PASSWORD = b"soak"
 # (E, Qw, Qa); only shapes with E <= bookies - 1 are used, so one bookie down
@@ -518,6 +528,65 @@ class Nemesis(threading.Thread):
         return False
 
 
+class PartitionNemesis(threading.Thread):
+    """Network faults between namespace hosts (--hosts): see the module doc."""
+
+    KINDS = ("cut-client", "cut-client", "reject-client", "cut-etcd", "cut-pair",
+             "isolate", "rack")
+
+    def __init__(self, net, cluster, racks, hist, rng_seed, stop, interval):
+        super().__init__(name="partition-nemesis", daemon=True)
+        self.net, self.cluster, self.racks, self.hist, self.stop = \
+            net, cluster, racks, hist, stop
+        self.rng = random.Random(rng_seed)
+        self.interval = interval
+        self.now: list[str] = []
+        self.busy_since = None
+        self.doing = ""
+
+    def run(self):
+        while not self.stop.wait(self.rng.uniform(*self.interval)):
+            try:
+                self.one_round()
+            except Exception as e:
+                self.hist.anomaly(f"partition nemesis: unexpected {fmt_exc(e)}\n"
+                                  f"{traceback.format_exc()}")
+            finally:
+                self.heal()
+
+    def one_round(self):
+        rng, net = self.rng, self.net
+        hosts = [b.host for b in self.cluster.bookies]
+        kind = rng.choice([k for k in self.KINDS if k != "rack" or self.racks])
+        a = rng.choice(hosts)
+        if kind == "cut-client":
+            net.partition(net.observer, a)
+        elif kind == "reject-client":
+            net.partition(net.observer, a, reject=True)
+        elif kind == "cut-etcd":
+            net.partition(a, self.cluster.etcd_host)
+        elif kind == "cut-pair":
+            net.partition(a, rng.choice([h for h in hosts if h is not a]))
+        elif kind == "isolate":
+            net.isolate(a)
+        else:
+            rack = rng.choice(sorted(set(self.racks.values())))
+            for h in hosts:
+                if self.racks[h.name] == rack:
+                    net.isolate(h)
+            a = rack
+        self.now = [f"{k} {x}" + (f"-{y}" if y else "") for k, x, y in net.faults]
+        self.hist.nemesis[kind] += 1
+        self.hist.event(f"partition nemesis: {kind} {getattr(a, 'name', a)}: {self.now}")
+        self.stop.wait(rng.uniform(2, 8))
+
+    def heal(self):
+        if self.net.faults:
+            self.net.heal()
+            self.hist.event("partition nemesis: healed")
+        self.now = []
+
+
 # --- the check ---------------------------------------------------------------------------
 class Copies:
     """Which entries of a ledger each bookie holds (GET_LIST_OF_ENTRIES, raw protocol)."""
@@ -727,11 +796,21 @@ def main():
                         "checks every 15 s, over-replicated GC every 3 s), so the nemesis's "
                         "victims get re-replicated, come back and drop their stale copies; "
                         "after healing, the under-replicated list must empty")
+    p.add_argument("--hosts", action="store_true",
+                   help="bookies and etcd on network-namespace hosts, with a partition "
+                        "nemesis beside the process one (needs root and iproute2)")
+    p.add_argument("--racks", type=int, default=0,
+                   help="with --hosts: spread the bookies over this many racks and place "
+                        "rack-aware (the partition nemesis then also isolates whole racks)")
     p.add_argument("--keep", action="store_true", help="keep the cluster directory on PASS")
     p.add_argument("--dir", help="cluster directory (default: a new temp dir)")
     a = p.parse_args()
     if a.bookies < 3:
         p.error("--bookies must be at least 3")
+    if a.hosts and netns.unavailable():
+        p.error(f"--hosts: {netns.unavailable()}")
+    if a.racks and not a.hosts:
+        p.error("--racks needs --hosts")
     seed = a.seed if a.seed is not None else int(time.time() * 1000) % 1_000_000
     shapes = [s for s in SHAPES if s[0] <= a.bookies - 1]
     max_down = 2 if a.bookies >= 5 else 1
@@ -752,8 +831,22 @@ def main():
         f"{a.writers} writers, shapes {['/'.join(map(str, s)) for s in shapes]}")
     say(f"soak: cluster directory {base} (bookie-*/bookie.log, client.log, events.log)")
     hist.event(f"soak starts: seed {seed} args {vars(a)}")
-    cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards,
-                           conf_overrides=AUTORECOVERY if a.autorecovery else None)
+    net = None
+    racks = {}
+    if a.hosts:
+        net = netns.Network()
+        hosts = [net.add_host(f"b{i}") for i in range(a.bookies)]
+        if a.racks:
+            racks = {h.name: f"/soak/rack{i % a.racks}" for i, h in enumerate(hosts)}
+            CLIENT_SETTINGS.update(ensemblePlacementPolicy="rackaware")
+        conf = {**TEST_DEFAULTS, **(AUTORECOVERY if a.autorecovery else {}),
+                **({"ensemblePlacementPolicy": "rackaware"} if racks else {})}
+        cluster = netns.HostCluster(net, base, hosts, net.add_host("meta"), conf,
+                                    num_shards=a.shards, racks=racks)
+        say(f"soak: hosts on {net.subnet} (bridge {net.bridge}), racks {racks or 'none'}")
+    else:
+        cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards,
+                               conf_overrides=AUTORECOVERY if a.autorecovery else None)
     stop = threading.Event()
     threads = []
     clients = []
@@ -773,6 +866,11 @@ def main():
                               stop, active, a.recovery_interval)
         nemesis = Nemesis(cluster, hist, seed * 100 + 60, stop, max_down, a.nemesis_interval)
         threads = writers + [recoverer] + ([] if a.no_nemesis else [nemesis])
+        pnemesis = None
+        if net is not None and not a.no_nemesis:
+            pnemesis = PartitionNemesis(net, cluster, racks, hist, seed * 100 + 70, stop,
+                                        a.nemesis_interval)
+            threads.append(pnemesis)
         for t in threads:
             t.start()
 
@@ -782,6 +880,8 @@ def main():
                 n_ack = sum(len(r.acked) for r in hist.ledgers.values())
                 n_fail = sum(hist.failures.values())
             down = ", ".join(f"{k} {v}" for k, v in sorted(nemesis.down.items())) or "none"
+            if pnemesis is not None and pnemesis.now:
+                down += "; network: " + ", ".join(pnemesis.now)
             return (f"{n_led} ledgers, {n_ack} acknowledged, {n_fail} failures, "
                     f"{hist.recovery['closed']} recovered, down: {down}")
 
@@ -807,6 +907,8 @@ def main():
                 buf.append(f"--- thread {name}\n" + "".join(traceback.format_stack(frame)))
             log.error("stacks of all threads:\n%s", "\n".join(buf))
         say("soak: healing the cluster")
+        if net is not None:
+            net.heal()
         nemesis.heal()
         nemesis.wait_all_registered()
         say(status())
@@ -838,7 +940,11 @@ def main():
         for b in cluster.bookies:       # a paused bookie cannot drain
             if b.alive:
                 b.kill(signal.SIGCONT)
+        if net is not None:
+            net.heal()
         cluster.stop()
+        if net is not None:
+            net.close()
 
     # --- summary ------------------------------------------------------------------------
     recs = hist.ledgers.values()

@@ -65,6 +65,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bk.autorecovery import checker
 from bk.autorecovery.replicator import Replicator
+from bk.client.placement import PlacementPolicy
 from bk.errors import BKError, LockLostError, MetadataError, NoSuchLedgerError
 from bk.meta import underreplication as UR
 from bk.meta.recipes import Election, LeaseLock
@@ -98,7 +99,8 @@ class AutoRecovery:
         self._replicator = Replicator(self.store, self._pool, conf.metadataServiceUri,
                                       timeout=conf.metadataTimeoutMillis / 1000.0,
                                       rate_bytes=conf.replicationRateByBytes,
-                                      max_frame=conf.nettyMaxFrameSizeBytes)
+                                      max_frame=conf.nettyMaxFrameSizeBytes,
+                                      placement=PlacementPolicy.from_conf(conf))
         self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
             t = threading.Thread(target=self._guarded, args=(target,), daemon=True,
@@ -147,6 +149,7 @@ class AutoRecovery:
             finally:
                 election.resign()
                 self.metrics.under_replicated = None     # only the auditor reports
+                self.metrics.not_adhering = None
                 self.metrics.auditor = 0
 
     def _lead(self, election):
@@ -241,6 +244,25 @@ class AutoRecovery:
                 if time.time() - last.get("at", 0) < interval:
                     continue
                 self._run_check(election, name, fn, closed_only)
+            interval = self.conf.auditorPeriodicPlacementPolicyCheckInterval
+            if interval > 0 and election.is_leader and \
+                    time.time() - (done.get("placement") or {}).get("at", 0) >= interval:
+                self._placement_check(election)
+
+    def _placement_check(self, election):
+        """Count the ledgers whose write quorums do not span the racks the placement
+        policy asks (reported, not marked: re-replicating a healthy copy elsewhere
+        is the operator's call, bkshell placementcheck lists them)."""
+        t0 = time.time()
+        rows = self._replicator.placement_check()
+        n = len({r["ledger"] for r in rows})
+        self.metrics.not_adhering = n
+        record = {"at": time.time(), "started": t0, "seconds": round(time.time() - t0, 3),
+                  "not_adhering": n, "by": self.identifier}
+        UR.record_check(self.store, "placement", record, guards=[election.lock.guard()])
+        if n:
+            log.warning("auditor placement check: %d ledgers do not adhere to the "
+                        "placement policy (bkshell placementcheck lists them)", n)
 
     def _run_check(self, election, name, fn, closed_only):
         store = self.store

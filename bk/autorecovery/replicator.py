@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import random
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -51,9 +52,11 @@ from bk import protocol as P
 from bk.autorecovery.checker import expected_entries, owned_entries
 from bk.client import digest, recovery
 from bk.client.bookkeeper import BookKeeper
+from bk.client.placement import PlacementPolicy, write_quorum_racks
 from bk.errors import (BKError, EOK, BadPasswordError, NoSuchLedgerError,
                        NotEnoughBookiesError, error_for_status)
 from bk.meta.ledger import LedgerMetadata
+from bk.meta.racks import all_racks
 from bk.rawclient import BookiePool
 from bk.retry import retry_cas
 
@@ -176,8 +179,12 @@ class Replicator:
 
     def __init__(self, store, pool: BookiePool, uri: str, timeout: float = 5.0,
                  bookie_timeout: float = 10.0, password: bytes | None = None,
-                 rate_bytes: int = -1, max_frame: int = P.DEFAULT_MAX_FRAME_SIZE):
+                 rate_bytes: int = -1, max_frame: int = P.DEFAULT_MAX_FRAME_SIZE,
+                 placement: PlacementPolicy | None = None):
         self.store = store
+        # where re-replicated fragments go (ensemblePlacementPolicy of the caller's conf)
+        self.placement = placement or PlacementPolicy()
+        self._racks_at: tuple = (0.0, None)
         self.bookies = pool
         self.uri = uri
         self.password = password
@@ -197,7 +204,11 @@ class Replicator:
         """A client on the same cluster (made on first use): ledger recovery goes
         through the client's implementation."""
         if self._client is None:
+            pl = self.placement
             self._client = BookKeeper(self.uri,
+                                      ensemblePlacementPolicy=pl.name,
+                                      minNumRacksPerWriteQuorum=pl.min_racks,
+                                      enforceMinNumRacksPerWriteQuorum=pl.enforce,
                                       metadataTimeoutMillis=max(1, int(self._timeout * 1000)),
                                       readEntryTimeoutSec=self._bookie_timeout,
                                       addEntryTimeoutSec=self._bookie_timeout)
@@ -254,6 +265,35 @@ class Replicator:
             return True
         return self.store.read_cookie(bookie_id)[0] is not None
 
+    def placement_check(self, policy: PlacementPolicy | None = None) -> list[dict]:
+        """Fragments whose write quorums span fewer racks (regions) than ``policy``
+        (default: this replicator's) asks, where the racks that have writable
+        bookies now could meet it: ``[{ledger, first_entry, ensemble, racks,
+        min_racks}]``, racks being the fewest any write quorum of the fragment spans."""
+        policy = policy or self.placement
+        racks = all_racks(self.store)
+        domain = policy._domain(racks)
+        available = len({domain(b) for b in self.store.list_bookies()})
+        out = []
+        for md, _ in self.store.list_ledger_metadata():
+            for first, ens in md.ensembles:
+                if not policy.adheres(ens, md.write_quorum_size, racks, available):
+                    out.append({"ledger": md.ledger_id, "first_entry": first,
+                                "ensemble": list(ens),
+                                "racks": min(write_quorum_racks(ens, md.write_quorum_size,
+                                                                domain)),
+                                "min_racks": policy.min_racks})
+        return out
+
+    def _racks(self) -> dict:
+        """bookie -> rack, read at most every few seconds (a recovery picks a target
+        per fragment; one etcd range read each would be too many)."""
+        t, racks = self._racks_at
+        if racks is None or time.monotonic() - t > 5.0:
+            racks = all_racks(self.store)
+            self._racks_at = (time.monotonic(), racks)
+        return racks
+
     def _pick_replacement(self, md, index, ensemble, bookie_id, writable) -> str:
         candidates = [b for b in writable if b not in ensemble and b != bookie_id]
         if not candidates:
@@ -261,6 +301,12 @@ class Replicator:
                 f"ledger {md.ledger_id} fragment at entry {md.ensembles[index][0]}: no writable "
                 f"bookie outside its ensemble {ensemble} to replace {bookie_id}")
         key = f"{md.ledger_id}/{md.ensembles[index][0]}/".encode()
+        if self.placement.rack_aware:
+            # the same pick on a re-run (seeded by the fragment), within the policy
+            _, mapping = self.placement.replace_bookies(
+                candidates, list(ensemble), [bookie_id], md.write_quorum_size,
+                self._racks(), rng=random.Random(zlib.crc32(key)))
+            return mapping[bookie_id]
         return min(candidates, key=lambda b: (zlib.crc32(key + b.encode()), b))
 
     def recover_bookie(self, bookie_id: str, dry_run: bool = False, skip_open: bool = False,

@@ -65,12 +65,13 @@ from bk.bookie.gc import GarbageCollector
 from bk.config import Config
 from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
 from bk.bookie.worker import ShardWorker
-from bk.errors import (BKError, ClusterIdentityError, CookieMismatchError, EBADREQ, MetadataError,
-                       ProtocolError)
+from bk.errors import (BKError, ClusterIdentityError, ConfigError, CookieMismatchError, EBADREQ,
+                       MetadataError, ProtocolError)
 from bk.exitcodes import (EXIT_BIND, EXIT_COOKIE, EXIT_CONFIG, EXIT_ERROR, EXIT_METADATA,
                           EXIT_OK, EXIT_WORKER_BOOT)
 from bk.http import HttpServer
 from bk.meta.compactor import Compactor
+from bk.meta.racks import check_rack, set_rack_if_absent
 from bk.meta.store import MetadataStore
 from bk.rawclient import BookiePool
 
@@ -177,6 +178,11 @@ class Arbiter:
             raise BookieExit(EXIT_CONFIG, "metadataServiceUri is not set (conf file, "
                                           "BK_metadataServiceUri or --metadata)")
         self._check_segment_size()
+        if self.conf.bookieRack:
+            try:
+                check_rack(self.conf.bookieRack)
+            except ConfigError as e:
+                raise BookieExit(EXIT_CONFIG, f"bookieRack: {e}") from None
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
@@ -239,6 +245,13 @@ class Arbiter:
         self.gc = GarbageCollector(conf, self.store, self.instance_id,
                                    os.path.abspath(conf.ledgerDirectories[0]),
                                    self.num_shards).start()
+        if conf.bookieRack:
+            # the bookie's own rack counts only where an operator set none (setrack wins)
+            try:
+                if set_rack_if_absent(self.store, conf.bookie_id, conf.bookieRack):
+                    log.info("bookie %s: rack %s recorded", conf.bookie_id, conf.bookieRack)
+            except BKError as e:
+                log.warning("bookie %s: could not record bookieRack: %s", conf.bookie_id, e)
         threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
         if conf.metadataCompactionIntervalSeconds > 0:
             self.compactor = Compactor(self.store, conf.bookie_id,

@@ -52,7 +52,10 @@ class Ctx:
 
     def admin(self):
         from bk.admin import Admin
-        return Admin(self.uri(), timeout=self.timeout, password=self.password)
+        from bk.client.placement import PlacementPolicy
+        # re-replication (recover, decommissionbookie) places by the conf's policy
+        return Admin(self.uri(), timeout=self.timeout, password=self.password,
+                     placement=PlacementPolicy.from_conf(self.conf))
 
     def client(self, **overrides):
         import bk
@@ -302,8 +305,8 @@ def metacompact(c, revision, defrag, disarm, as_json):
 @pass_ctx
 @handled
 def listbookies(c, mode, as_json):
-    """List registered bookies (writable ones by default): id, address, state, and
-    the HTTP endpoint of a bookie that serves one (httpServerEnabled).
+    """List registered bookies (writable ones by default): id, address, rack, state,
+    and the HTTP endpoint of a bookie that serves one (httpServerEnabled).
 
     \b
     Example:
@@ -318,7 +321,83 @@ def listbookies(c, mode, as_json):
     for r in rows:
         http = f"\thttp://{r['address'].rsplit(':', 1)[0]}:{r['httpPort']}" \
             if r.get("httpPort") else ""
-        click.echo(f"{r['id']}\t{r['address']}\t{r['state']}{http}")
+        click.echo(f"{r['id']}\t{r['address']}\t{r['rack']}\t{r['state']}{http}")
+
+
+@cli.command()
+@click.argument("bookie_id")
+@click.argument("rack")
+@pass_ctx
+@handled
+def setrack(c, bookie_id, rack):
+    """Put a bookie in a rack, /region/rack (a bare /rack is in /default-region).
+
+    Rack-aware placement (ensemblePlacementPolicy=rackaware|regionaware) spreads
+    each write quorum over racks from the next ensemble it chooses; existing
+    ensembles stay as they are. Overrides the bookie's own bookieRack.
+
+    \b
+    Example:
+      bkshell setrack 10.0.1.5:3181 /eu-west/rack-a
+    """
+    with c.admin() as a:
+        path = a.set_rack(bookie_id, rack)
+    click.echo(f"{bookie_id}\t{path}")
+
+
+@cli.command()
+@click.option("--min-racks", type=click.IntRange(min=1), default=None,
+              help="Racks each write quorum should span [minNumRacksPerWriteQuorum of --conf, "
+                   "else 2].")
+@click.option("--regions", is_flag=True, help="Check regions instead of racks (regionaware).")
+@_json_opt
+@pass_ctx
+@handled
+def placementcheck(c, min_racks, regions, as_json):
+    """List ledger fragments whose write quorums span fewer racks than
+    rack-aware placement asks (where the racks with writable bookies could
+    meet it): ledgers written before racks were set, or while racks were down.
+    Exits 1 when there are any. `recover BOOKIE_ID` moves a bookie's copies
+    under the placement policy of --conf.
+
+    \b
+    Example:
+      bkshell placementcheck --min-racks 2 --json
+    """
+    from bk.client.placement import PlacementPolicy
+    policy = PlacementPolicy("regionaware" if regions else "rackaware",
+                             min_racks or c.conf.minNumRacksPerWriteQuorum)
+    with c.admin() as a:
+        rows = a.placement_check(policy)
+    if as_json:
+        _json_out(rows)
+    else:
+        for r in rows:
+            click.echo(f"ledger {r['ledger']} from entry {r['first_entry']}: "
+                       f"{' '.join(r['ensemble'])} spans {r['racks']} of {r['min_racks']} "
+                       f"{'regions' if regions else 'racks'}")
+        click.echo(f"{len(rows)} fragments not adhering to the placement policy", err=True)
+    if rows:
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("bookie_id")
+@_json_opt
+@pass_ctx
+@handled
+def getrack(c, bookie_id, as_json):
+    """Show a bookie's rack (/default-region/default-rack when none is stored).
+
+    \b
+    Example:
+      bkshell getrack 10.0.1.5:3181 --json
+    """
+    with c.admin() as a:
+        r = a.get_rack(bookie_id)
+    if as_json:
+        return _json_out(r)
+    click.echo(f"{r['id']}\t{r['rack']}" + ("" if r["stored"] else "\t(default)"))
 
 
 @cli.command()

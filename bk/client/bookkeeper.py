@@ -10,8 +10,9 @@ import time
 
 from bk.client import digest as _digest
 from bk.client.connection import DeadConnection, IOLoop
+from bk.client.health import BookieHealth
 from bk.client.ledger import _FRAME_OVERHEAD, LedgerHandle
-from bk.client.placement import choose_ensemble
+from bk.client.placement import PlacementPolicy
 from bk.client.recovery import check_password, recover_ledger
 from bk import log as bklog
 from bk.config import Config
@@ -22,6 +23,7 @@ from bk.log.reader import LogReader
 from bk.log.records import check_log_name
 from bk.log.writer import CONF_KEYS, SHAPE_KEYS, LogWriter
 from bk.meta.ledger import LedgerMetadata, LedgerState
+from bk.meta.racks import all_racks
 from bk.meta.store import MetadataStore
 from bk.metrics import client_registry
 from bk import protocol
@@ -59,6 +61,7 @@ class BookKeeper:
         if conf.metadataServiceUri != uri:
             conf = conf.with_overrides(metadataServiceUri=uri)
         self.conf = conf
+        self._placement = PlacementPolicy.from_conf(conf)
         self._closed = False
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -89,8 +92,16 @@ class BookKeeper:
                           connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
                           auth_token=conf.authToken or None,
                           batching=conf.frameBatching)
+        self._health = BookieHealth(conf.bookieQuarantineTimeSeconds)
+        self._io.health = self._health
         self._executor_obj = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="bk-meta")
+
+    def bookie_health(self) -> dict:
+        """The bookies this client saw fail: ``{bookie id: {"failures": n,
+        "quarantined": bool}}`` (quarantined ones are read from last and not picked
+        as replacements for ``bookieQuarantineTimeSeconds``)."""
+        return self._health.snapshot()
 
     @property
     def metrics_registry(self):
@@ -167,13 +178,26 @@ class BookKeeper:
         return self._view
 
     def _place(self, choose):
-        """``choose(writable)`` on the watched view; if that finds too few bookies,
-        once more on a fresh read (the watch may lag a bookie that registered a
-        moment ago, e.g. right after ``bkshell`` or a test added it)."""
+        """``choose(writable)`` on the watched view less the bookies this client has
+        quarantined (``bk.client.health``); if that finds too few, on the whole
+        view; then once more on a fresh read (the watch may lag a bookie that
+        registered a moment ago, e.g. right after ``bkshell`` or a test added it)."""
+        view = self._writable_view()
+        bad = self._health.quarantined_set()
+        if bad and view & bad:
+            try:
+                return choose(view - bad)
+            except NotEnoughBookiesError:
+                pass
         try:
-            return choose(self._writable_view())
+            return choose(view)
         except NotEnoughBookiesError:
             return choose(self._store.list_bookies())
+
+    def _racks(self) -> dict:
+        """bookie id -> rack, read from etcd when the placement policy needs them
+        (once per placement: an operator's setrack counts from the next one)."""
+        return all_racks(self._store) if self._placement.rack_aware else {}
 
     @property
     def max_entry_size(self) -> int:
@@ -251,7 +275,9 @@ class BookKeeper:
                 raise TypeError(f"create ledger: custom metadata value of {k!r} must be bytes")
             custom[k] = bytes(v)
         try:
-            ensemble = self._place(lambda writable: choose_ensemble(writable, ensemble_size))
+            racks = self._racks()
+            ensemble = self._place(lambda writable: self._placement.new_ensemble(
+                writable, ensemble_size, write_quorum_size, racks))
         except NotEnoughBookiesError as e:
             raise NotEnoughBookiesError(f"create ledger with ensemble size {ensemble_size}: {e}") \
                 from None

@@ -200,6 +200,9 @@ class DeadConnection:
     def send_featured(self, feature, rid, req, frame, timeout=None):
         self.send(rid, req, frame, timeout)
 
+    def forget_adds(self, lid):
+        pass
+
     def __repr__(self):
         return f"<DeadConnection {self.bookie_id}: {self.reason}>"
 
@@ -303,6 +306,20 @@ class Connection:
             else:
                 self._connect()
 
+    def forget_adds(self, lid):
+        """A write handle replaced this bookie: stop holding the adds of ledger
+        ``lid`` (queued or awaiting confirmation). A connection then left with
+        nothing to wait for but bytes the socket has not taken (a peer that stopped
+        reading: a silent partition) is closed, so that what it buffered is freed
+        rather than held until TCP gives up, many minutes later."""
+        self.adds.pop(lid, None)
+        if self.addq:
+            self.addq = [(ops, seg) for ops, seg in self.addq if ops[0].handle._lid != lid]
+        if self.sock is not None and self.wq and not self.adds and not self.inflight:
+            self._fail(BookieUnavailableError(
+                f"bookie {self.bookie_id}: connection closed, its writer replaced the "
+                f"bookie while the socket was not draining"), fast=True)
+
     def _take_add(self, d, e, v):
         """``v`` is the list of ops of the same (ledger, entry): the oldest answers."""
         op = v.pop(0)
@@ -371,6 +388,8 @@ class Connection:
         self.state = READY
         self.down_until = 0.0
         self.loop._connecting.discard(self)
+        if self.loop.health is not None:
+            self.loop.health.ok(self.bookie_id)
         if self.queued or self.addq:
             self.out.extend(self.queued)
             self.queued = []
@@ -473,7 +492,7 @@ class Connection:
                     h = op.handle
                     touched.append(h)
                     bit = h._ack_bits.get(self, 0)
-                if op.done or not bit or op.acked & bit:
+                if not bit or op.acked & bit:
                     continue
                 op.acked |= bit
                 op.nacks += 1
@@ -590,6 +609,8 @@ class Connection:
         """Close the socket and fail every outstanding request with ``exc``."""
         if self.state in (CONNECTING, HELLO) and not fast:
             self.down_until = time.monotonic() + _FAIL_FAST_SEC
+        if not fast and self.loop.health is not None:
+            self.loop.health.failed(self.bookie_id)
         self.loop._connecting.discard(self)
         if self.sock is not None:
             try:
@@ -652,6 +673,7 @@ class IOLoop:
         self.auth_token = auth_token
         self.name = name
         self.addresses: dict[str, tuple] = {}
+        self.health = None        # a bk.client.health.BookieHealth, told of failures
         self.rids = itertools.count(1)
         self.generation = 0
         self._forked = False
@@ -909,6 +931,8 @@ class IOLoop:
                 del od[rid]
                 req = conn.inflight.pop(rid, None)
                 if req is not None:
+                    if self.health is not None:
+                        self.health.failed(conn.bookie_id)
                     try:
                         req.on_error(conn, TimeoutError(
                             f"bookie {conn.bookie_id} did not answer within {timeout:g}s"))

@@ -26,8 +26,19 @@ whatever order bookies answer in.
 A bookie that fails (connection error, an error status, or an add older than
 ``addEntryTimeoutSec`` it has not confirmed) starts an *ensemble change*:
 acknowledgements stop (the LAC freezes, so the first unacknowledged entry is a
-stable fragment start), a worker thread picks a writable replacement and CASes
-the metadata with a new fragment starting at LAC + 1. A lost CAS re-reads: a
+stable fragment start), a worker thread picks a writable replacement (by the
+placement policy, ``bk.client.placement``) and CASes the metadata with a new
+fragment starting at LAC + 1, or earlier: at the first entry of the current
+fragment that was acknowledged by Qa bookies but never confirmed by the failed
+one. Such entries are kept (``_unconfirmed``) until every bookie of their write
+set confirmed them, and a bookie still silent about the oldest after
+``addEntryTimeoutSec`` is replaced even though Qa was reached: otherwise a
+client cut off from one bookie would leave every later entry with Qa copies
+instead of Qw and hold them all in memory for the silent bookie. They count
+against ``throttle`` like unacknowledged adds, so what the client holds for a
+silent bookie is bounded (the writer waits for the replacement instead). Moving
+acknowledged entries to a new fragment is safe: each keeps the Qa copies of
+bookies that stay in its write set, and the replacement is sent it at once. A lost CAS re-reads: a
 ledger still OPEN is merged and retried, one IN_RECOVERY or CLOSED fences the
 writer. A recovery's write handle changes its ensemble in memory only: the
 recovery stores the new fragments with its closing CAS (``bk.client.recovery``).
@@ -42,8 +53,8 @@ longer be reached: every pending and later add fails with LedgerFencedError.
 A bookie that answers ETOOMANYREQUESTS is alive but overloaded: the add is
 resent to that same bookie after a back-off (2 ms, doubling), and only a
 bookie still refusing once the add is ``addEntryTimeoutSec`` old is failed
-(ensemble change). An add acknowledged by Qa other bookies meanwhile stops
-waiting for it, as for a slow bookie. EREADONLY is a failure at once: a
+(ensemble change). An add acknowledged by Qa other bookies meanwhile is still
+resent to it: it must get its copy. EREADONLY is a failure at once: a
 read-only bookie takes no writes until its disk frees up, and a bookie that
 failed is not picked again as a replacement by this handle for
 ``bookieQuarantineTimeSeconds`` (then, registered and writable again, it may
@@ -59,14 +70,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
+import weakref
 
 from bk import protocol
 from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_segments
-from bk.client.placement import replace_bookies
 from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataError,
@@ -153,11 +165,12 @@ class PendingAdd:
         h = self.handle
         if msg[2] == EOK:
             bit = h._ack_bits.get(conn, 0)
-            if self.done or not bit or self.acked & bit:
+            if not bit or self.acked & bit:
                 return
             self.acked |= bit
             self.nacks += 1
-            if self.nacks >= h._qa:
+            # (an acknowledged op still counts its late confirmations: see _unconfirmed)
+            if not self.done and self.nacks >= h._qa:
                 pending = h._pending
                 if pending and pending[0] is self:
                     h._advance()
@@ -165,8 +178,9 @@ class PendingAdd:
             h._add_error(self, conn, msg[2])
 
     def on_error(self, conn, exc):
-        if not self.done:
-            self.handle._bookie_failed(conn, exc)
+        # also once acknowledged: a bookie of its write set that fails before it
+        # confirmed is replaced, so that the entry gets its Qw copies
+        self.handle._bookie_failed(conn, exc)
 
 
 class _Waiter:
@@ -233,9 +247,17 @@ class _ReadBatch:
 
 
 class _ReadOp:
-    """Read one entry, trying the bookies of its write set in order (I/O thread)."""
+    """Read one entry, trying the bookies of its write set in order (I/O thread).
 
-    __slots__ = ("h", "entry_id", "conns", "idx", "batch", "result", "errors", "timeout")
+    ``conns`` is the write set, quarantined bookies last (``bk.client.health``).
+    ``idx`` is the next replica to ask, ``outstanding`` the requests in flight:
+    with ``speculativeReadTimeout`` the next replica is asked too when one has
+    not answered within it, and the first good copy wins. The entry ends in its
+    batch: ``results`` when read, ``failed`` (this op, for the error) when no
+    replica could give it."""
+
+    __slots__ = ("h", "entry_id", "conns", "idx", "batch", "result", "errors", "timeout",
+                 "outstanding", "done", "__weakref__")
 
     def __init__(self, h, entry_id, conns, batch, timeout):
         self.h = h
@@ -246,43 +268,72 @@ class _ReadOp:
         self.result = None
         self.errors = []
         self.timeout = timeout
+        self.outstanding = 0
+        self.done = False
 
     def start(self):
         conn = self.conns[self.idx]
-        rid = next(self.h._loop.rids)
-        conn.send(rid, self, _encode(protocol.read(rid, self.h._lid, self.entry_id)),
-                  self.timeout)
+        self.idx += 1
+        self.send(conn)
+        self.speculate_later()
+
+    def send(self, conn):
+        """A single READ of the entry to ``conn`` (counted in flight)."""
+        self.outstanding += 1
+        h = self.h
+        rid = next(h._loop.rids)
+        conn.send(rid, self, _encode(protocol.read(rid, h._lid, self.entry_id)), self.timeout)
+
+    def speculate_later(self):
+        spec = self.h._spec_timeout
+        if spec and not self.done and self.idx < len(self.conns):
+            # a weak reference: the timer must not keep a read (and its entry's
+            # data) alive after the caller has it
+            self.h._loop._add_timer(self.h._loop.now + spec, _speculate_ref,
+                                    (weakref.ref(self), self.idx))
+
+    def _speculate(self, idx):
+        # still waiting for the replicas asked so far: ask the next one as well
+        if not self.done and self.idx == idx and self.outstanding:
+            self.h._m.speculative_reads.inc()
+            self.start()
+
+    def complete(self, entry):
+        if not self.done:
+            self.done = True
+            self.result = entry
+            batch = self.batch
+            batch.results[self.entry_id - batch.first] = entry
+            batch.one_done()
+
+    def failed(self, bookie_id, exc):
+        self.outstanding -= 1
+        if self.done:
+            return
+        self.errors.append((bookie_id, exc))
+        if self.idx < len(self.conns):
+            self.start()
+        elif self.outstanding <= 0:
+            self.done = True
+            self.batch.failed[self.entry_id] = self
+            self.batch.one_done()
 
     def on_reply(self, conn, msg):
         status = msg[2]
-        if status == EOK and msg[7] is not None:
+        if status == EOK:
             try:
                 length = self.h._digest.verify(self.entry_id, msg[5], msg[6], msg[7])
             except DigestMismatchError as e:
-                self.errors.append((conn.bookie_id, e))
+                self.failed(conn.bookie_id, e)
             else:
-                self.result = LedgerEntry(self.h._lid, self.entry_id, msg[7], length)
-                batch = self.batch
-                batch.results[self.entry_id - batch.first] = self.result
-                batch.one_done()
-                return
-        else:
-            self.errors.append((conn.bookie_id,
-                                error_for_status(status if status != EOK else ENOENTRY,
-                                                 f"bookie {conn.bookie_id}")))
-        self._next()
+                self.outstanding -= 1
+                self.complete(LedgerEntry(self.h._lid, self.entry_id, msg[7], length))
+            return
+        self.failed(conn.bookie_id, error_for_status(status if status != EOK else ENOENTRY,
+                                                     f"bookie {conn.bookie_id}"))
 
     def on_error(self, conn, exc):
-        self.errors.append((conn.bookie_id, exc))
-        self._next()
-
-    def _next(self):
-        self.idx += 1
-        if self.idx < len(self.conns):
-            self.start()
-        else:
-            self.batch.failed[self.entry_id] = self
-            self.batch.one_done()
+        self.failed(conn.bookie_id, exc)
 
     def error(self) -> BKError:
         what = f"read entry {self.entry_id} of ledger {self.h._lid}"
@@ -297,50 +348,100 @@ class _ReadOp:
 
 class _RangeRead:
     """READ_RANGE of the entries ``first..last`` with id ``offset`` mod ``stride``
-    (one fragment's entries whose first replica is the bookie of ``conn``), on
-    the I/O thread. An answer is verified and stored in bulk (no object per
-    entry but the LedgerEntry handed back); only an entry the bookie lacks or
-    sent corrupt, or every entry left when the bookie fails, gets a single-entry
-    read op that moves on to its next replica (``_ReadOp``). A bookie without
-    the feature gets single READs. Answers cut by the byte budget are followed
-    up from ``next``."""
+    (one fragment's entries whose first replica to ask is ``conns[0]``: their
+    write set, healthy bookies first), on the I/O thread. An answer is verified
+    and stored in bulk (no object per entry but the LedgerEntry handed back);
+    only an entry the bookie lacks or sent corrupt, or every entry left when the
+    bookie fails, gets a single-entry read op that moves on to its next replica
+    (``_ReadOp``). With ``speculativeReadTimeout``, every entry of a request not
+    answered within it gets a read op asking its next replica as well (``spec``:
+    the op counts this request as in flight, and the first good copy wins). A
+    bookie without the feature gets single READs. Answers cut by the byte budget
+    are followed up from ``next``."""
 
-    __slots__ = ("h", "conn", "first", "last", "stride", "offset", "budget", "batch")
+    __slots__ = ("h", "conn", "conns", "first", "last", "stride", "offset", "budget", "batch",
+                 "spec", "rid", "__weakref__")
 
-    def __init__(self, h, conn, first, last, stride, offset, budget, batch):
+    def __init__(self, h, conns, first, last, stride, offset, budget, batch):
         self.h = h
-        self.conn = conn
+        self.conns = conns
+        self.conn = conns[0]
         self.first = first          # the next entry wanted (aligned on offset)
         self.last = last
         self.stride = stride
         self.offset = offset
         self.budget = budget
         self.batch = batch
+        self.spec = None            # entry -> _ReadOp also asking its next replicas
+        self.rid = None
+
+    def begin(self):
+        self.start()
 
     def start(self):
         h = self.h
-        rid = next(h._loop.rids)
+        rid = self.rid = next(h._loop.rids)
         self.conn.send_featured(
             protocol.FEATURE_READ_RANGE, rid, self,
             _encode(protocol.read_range(rid, h._lid, self.first, self.last, self.budget,
                                         stride=self.stride, offset=self.offset)),
             h._read_timeout)
+        spec = h._spec_timeout
+        if spec and len(self.conns) > 1:
+            h._loop._add_timer(h._loop.now + spec, _speculate_ref, (weakref.ref(self), rid))
+
+    def _speculate(self, rid):
+        # the request ``rid`` still unanswered: each entry it waits for asks its
+        # next replica as well
+        if rid != self.rid or self.first > self.last:
+            return
+        h = self.h
+        batch = self.batch
+        results, base = batch.results, batch.first
+        spec = self.spec if self.spec is not None else {}
+        for e in range(self.first, self.last + 1, self.stride):
+            if e in spec or results[e - base] is not None:
+                continue
+            op = _ReadOp(h, e, self.conns, batch, h._read_timeout)
+            op.idx = op.outstanding = 1         # this request is its ask of conns[0]
+            spec[e] = op
+            h._m.speculative_reads.inc()
+            op.start()
+        self.spec = spec
 
     def _fallback(self, entries, bookie_id=None, error=None):
         """Single reads of ``entries``: from the next replica if this bookie
         failed them (``error``), else from the first."""
         h = self.h
-        md = h._md
         for e in entries:
-            op = _ReadOp(h, e, h._conns_of(md.write_set(e)), self.batch, h._read_timeout)
+            op = _ReadOp(h, e, self.conns, self.batch, h._read_timeout)
             if error is None:
                 op.start()
             else:
-                op.errors.append((bookie_id, error))
-                op._next()
+                op.idx = op.outstanding = 1
+                op.failed(bookie_id, error)
+
+    def _fail(self, e, bookie_id, error):
+        """This bookie could not give entry ``e``: its read moves on."""
+        op = self.spec.pop(e, None) if self.spec else None
+        if op is not None:
+            op.failed(bookie_id, error)
+        else:
+            self._fallback((e,), bookie_id, error)
 
     def unsupported(self, conn):
-        self._fallback(range(self.first, self.last + 1, self.stride))
+        entries = range(self.first, self.last + 1, self.stride)
+        self.first = self.last + 1
+        spec, self.spec = self.spec, None
+        plain = []
+        for e in entries:
+            op = spec.pop(e, None) if spec else None
+            if op is None:
+                plain.append(e)
+            elif not op.done:
+                op.outstanding -= 1         # the READ_RANGE it counted: a single READ instead
+                op.send(conn)
+        self._fallback(plain)
 
     def on_reply(self, conn, msg):
         status = msg[2]
@@ -355,24 +456,34 @@ class _RangeRead:
             lid = self.h._lid
             first, stride, offset = self.first, self.stride, self.offset
             top = min(self.last, nxt - 1)
+            spec = self.spec
             got = 0
+            seen = 0
             for i in range(0, len(ok), 3):
                 e = ok[i]
-                if first <= e <= top and (e - offset) % stride == 0 and \
-                        results[e - base] is None:
-                    results[e - base] = LedgerEntry(lid, e, ok[i + 1], ok[i + 2])
-                    got += 1
+                if first <= e <= top and (e - offset) % stride == 0:
+                    op = spec.pop(e, None) if spec else None
+                    if op is not None:          # also asked elsewhere: first copy wins
+                        op.outstanding -= 1
+                        op.complete(LedgerEntry(lid, e, ok[i + 1], ok[i + 2]))
+                        seen += 1
+                    elif results[e - base] is None:
+                        results[e - base] = LedgerEntry(lid, e, ok[i + 1], ok[i + 2])
+                        got += 1
             bid = conn.bookie_id
             for e, err in bad:
                 if first <= e <= top and (e - offset) % stride == 0:
-                    self._fallback((e,), bid, err)
+                    self._fail(e, bid, err)
             wanted = range(first, top + 1, stride)
-            if got + len(bad) < len(wanted):
+            if got + seen + len(bad) < len(wanted):
                 # covered up to nxt - 1: what is missing there, this bookie lacks
                 badset = {e for e, _ in bad}
                 missing = [e for e in wanted if results[e - base] is None and e not in badset]
                 for e in missing:
-                    self._fallback((e,), bid, NoSuchEntryError(f"bookie {bid}: no entry {e}"))
+                    self._fail(e, bid, NoSuchEntryError(f"bookie {bid}: no entry {e}"))
+            if spec:
+                for e in wanted:
+                    spec.pop(e, None)
             if got:
                 batch.done(got)
             self.first = first + len(wanted) * stride
@@ -385,7 +496,9 @@ class _RangeRead:
     def on_error(self, conn, exc):
         entries = range(self.first, self.last + 1, self.stride)
         self.first = self.last + 1
-        self._fallback(entries, conn.bookie_id, exc)
+        bid = conn.bookie_id if conn is not None else self.conn.bookie_id
+        for e in entries:
+            self._fail(e, bid, exc)
 
 
 class LedgerHandle:
@@ -422,6 +535,8 @@ class LedgerHandle:
         self._read_lock = threading.Lock()
         self._closed = False
         self._read_timeout = float(self._conf.readEntryTimeoutSec)
+        self._reorder = bool(self._conf.reorderReadSequenceEnabled)
+        self._spec_timeout = float(self._conf.speculativeReadTimeout) / 1000.0
         self._read_window_bytes = int(self._conf.readWindowBytes)
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
@@ -580,6 +695,14 @@ class LedgerHandle:
         self._error = None                  # (exception class, reason) once the handle is broken
         self._changing = False
         self._failed_slots: set = set()
+        # Entries acknowledged (Qa) before every bookie of their write set confirmed
+        # them, in entry order (I/O thread). A bookie that has not confirmed the
+        # oldest within addEntryTimeoutSec is replaced like one that failed, and the
+        # new fragment starts at the first entry it lacks (_change_from), so those
+        # entries are resent and get their Qw copies; until then they are held here
+        # and by the bookie's connection, and count against the throttle.
+        self._unconfirmed = collections.deque()
+        self._change_from = None
         self._change_lock = threading.Lock()
         self._close_lock = threading.Lock()  # close() retries: one metadata write at a time
         self._failed_at: dict = {}          # bookie -> monotonic time it failed this handle
@@ -641,16 +764,22 @@ class LedgerHandle:
             cls, reason = self._error
             raise cls(f"add entry {self._next_entry} to ledger {self._lid}: {reason}")
 
+    def _outstanding(self):
+        # adds not yet acknowledged, plus acknowledged ones a bookie of their write
+        # set has not confirmed (held for it): both count against the throttle, so
+        # a silent bookie bounds what the client holds instead of growing it
+        return self._submitted - self._completed + len(self._unconfirmed)
+
     def _wait_window(self, n):
         limit = self._throttle
-        if self._submitted - self._completed + n <= limit:
+        if self._outstanding() + n <= limit:
             return
         if threading.current_thread() is self._loop._thread:
             return      # an add from a callback: waiting here would stop the I/O thread
         with self._cond:
             self._waiting += 1
             try:
-                while self._submitted - self._completed + n > limit and self._error is None:
+                while self._outstanding() + n > limit and self._error is None:
                     self._cond.wait(0.05)
             finally:
                 self._waiting -= 1
@@ -687,7 +816,7 @@ class LedgerHandle:
     def _submit_one(self, data, cb):
         """``_submit`` of one checked payload, the path of every add_entry_async:
         one op, no lists."""
-        if self._submitted - self._completed >= self._throttle:
+        if self._submitted - self._completed + len(self._unconfirmed) >= self._throttle:
             self._check_open()
             self._wait_window(1)
         with self._lock:
@@ -849,12 +978,16 @@ class LedgerHandle:
         now = self._loop.now
         lats = []
         observe = lats.append
+        qw = self._qw
+        unconfirmed = self._unconfirmed
         while pending:
             op = pending[0]
             if op.nacks < qa:
                 break
             pending.popleft()
             op.done = True
+            if op.nacks < qw:
+                unconfirmed.append(op)
             observe(now - op.t_sent)
             self._lac = op.entry_id
             self._length = op.length
@@ -865,12 +998,16 @@ class LedgerHandle:
                     cb(None, op.entry_id)
                 except Exception:
                     log.exception("add callback failed")
+        popped = False
+        while unconfirmed and unconfirmed[0].nacks >= qw:
+            unconfirmed.popleft()
+            popped = True
         if n:
             observe_many(self._m_add_ok, lats)
             self._completed += n
-            if self._waiting:
-                with self._cond:
-                    self._cond.notify_all()
+        if (n or popped) and self._waiting:
+            with self._cond:
+                self._cond.notify_all()
 
     def _fail_op(self, op, exc=None):
         if op.done:
@@ -894,12 +1031,13 @@ class LedgerHandle:
         pending = self._pending
         while pending:
             self._fail_op(pending.popleft())
+        self._unconfirmed.clear()
         with self._cond:
             self._cond.notify_all()
 
     def _add_error(self, op, conn, status):
-        if op.done:
-            return
+        if op.done and (self._error is not None or status == EFENCED):
+            return      # failed already, or acknowledged: later adds see the fence
         if status == EFENCED:
             op.nfenced = nfenced = getattr(op, "nfenced", 0) + 1
             if nfenced > self._qw - self._qa:
@@ -946,16 +1084,16 @@ class LedgerHandle:
         self._loop.call_later(min(delay, left), self._resend_busy, op, conn)
 
     def _resend_busy(self, op, conn):
-        # Acknowledged meanwhile (Qa others have it), or the bookie was replaced:
-        # nothing left to do.
-        if op.done or self._error is not None or conn not in self._ack_bits:
+        # The bookie confirmed it meanwhile, or was replaced: nothing left to do.
+        bit = self._ack_bits.get(conn)
+        if self._error is not None or bit is None or op.acked & bit:
             return
         conn.send_adds([op])
 
     def _bookie_failed(self, conn, exc):
         self._m.bookie_errors.labels(type(exc).__name__).inc()
-        if self._error is not None:
-            return
+        if self._error is not None or self._md.state == LedgerState.CLOSED:
+            return      # (a closed ledger's ensembles are final)
         if self._client._closed:
             self._error_out(BookieUnavailableError, "the client was closed")
             return
@@ -964,34 +1102,63 @@ class LedgerHandle:
             return
         log.warning("ledger %d: bookie %s failed (%s); replacing it", self._lid,
                     conn.bookie_id, exc)
+        self._client._health.failed(conn.bookie_id)
+        first = self._first_unconfirmed_by(slot)
         with self._change_lock:
             self._failed_slots.add(slot)
+            if first is not None and (self._change_from is None or first < self._change_from):
+                self._change_from = first
         self._ack_bits.pop(conn, None)
         if not self._changing:
             self._changing = True
             self._client._executor.submit(self._change_ensemble)
 
+    def _first_unconfirmed_by(self, slot):
+        """The first acknowledged entry of the last fragment whose write set holds
+        ``slot`` and that it has not confirmed (I/O thread), or None."""
+        unc = self._unconfirmed
+        if not unc:
+            return None
+        bit = 1 << slot
+        E, qw = self._E, self._qw
+        frag = self._md.ensembles[-1][0]
+        for op in unc:
+            e = op.entry_id
+            if e >= frag and not op.acked & bit and (slot - e) % E < qw:
+                return e
+        return None
+
     def _tick(self, now):
-        if self._closed and not self._pending:
+        if self._closed and not self._pending and not self._unconfirmed:
             self._ticker_on = False
             return False
         if self._explicit_lac and self._lac > self._lac_sent and not self._recovery \
                 and now - self._lac_sent_at >= self._explicit_lac:
             self._send_explicit_lac(now)
-        pending = self._pending
-        if not pending or self._changing or self._error is not None:
+        if self._changing or self._error is not None:
             return
-        op = pending[0]
-        if now - op.t_sent < self._add_timeout:
-            return
-        e = op.entry_id
-        for i in range(self._qw):
-            s = (e + i) % self._E
-            conn = self._ens_conns[s]
-            if not op.acked & (1 << s):
-                self._bookie_failed(conn, TimeoutError(
-                    f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
-                    f"{self._add_timeout:g}s"))
+        unc = self._unconfirmed
+        if unc:
+            # drop what every bookie confirmed, and what lies in an earlier
+            # fragment (its ensemble is history: auto-recovery's to repair)
+            qw, frag = self._qw, self._md.ensembles[-1][0]
+            n = len(unc)
+            while unc and (unc[0].nacks >= qw or unc[0].entry_id < frag):
+                unc.popleft()
+            if n != len(unc) and self._waiting:
+                with self._cond:
+                    self._cond.notify_all()
+        for op in (self._pending[0] if self._pending else None, unc[0] if unc else None):
+            if op is None or now - op.t_sent < self._add_timeout:
+                continue
+            e = op.entry_id
+            for i in range(self._qw):
+                s = (e + i) % self._E
+                conn = self._ens_conns[s]
+                if not op.acked & (1 << s):
+                    self._bookie_failed(conn, TimeoutError(
+                        f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
+                        f"{self._add_timeout:g}s"))
 
     def _send_explicit_lac(self, now):
         lac = self._lac
@@ -1023,6 +1190,11 @@ class LedgerHandle:
         start = self._lac + 1               # frozen while _changing
         with self._change_lock:
             failed_slots = set(self._failed_slots)
+            if self._change_from is not None:
+                # acknowledged entries a failed bookie never confirmed move to the
+                # new fragment (never below the current one's start) and are resent
+                start = max(md.ensembles[-1][0], min(start, self._change_from))
+                self._change_from = None
         old_ens = md.last_ensemble
         failed = [old_ens[s] for s in sorted(failed_slots)]
         now = time.monotonic()
@@ -1031,8 +1203,11 @@ class LedgerHandle:
         self._failed_at = {b: t for b, t in self._failed_at.items()
                            if now - t < self._quarantine or b in failed}
         quarantined = set(self._failed_at)
-        new_ens, mapping = self._client._place(
-            lambda writable: replace_bookies(writable, old_ens, failed, quarantined))
+        client = self._client
+        racks = client._racks()
+        new_ens, mapping = client._place(
+            lambda writable: client._placement.replace_bookies(writable, old_ens, failed,
+                                                                self._qw, racks, quarantined))
         if self._recovery:
             # Kept in memory until the recovery closes the ledger with it. Stored
             # now, it would outlive a recovery that then fails: the next recovery
@@ -1069,8 +1244,12 @@ class LedgerHandle:
         self._loop.call_soon(self._commit_change, new_md, new_version, new_conns)
 
     def _commit_change(self, new_md, new_version, new_conns):
+        start = new_md.ensembles[-1][0]         # the new fragment's first entry
         self._md, self._version = new_md, new_version
         old_conns = list(self._ens_conns)
+        for s in new_conns:
+            # the replaced bookie's connection stops holding this ledger's adds
+            old_conns[s].forget_adds(self._lid)
         with self._change_lock:
             self._failed_slots -= set(new_conns)
         self._set_ensemble(new_md.last_ensemble)
@@ -1078,7 +1257,8 @@ class LedgerHandle:
             E, qw = self._E, self._qw
             still_failed = self._failed_slots
             resend = {}
-            for op in self._pending:
+            moved = [op for op in self._unconfirmed if op.entry_id >= start]
+            for op in itertools.chain(moved, self._pending):
                 e = op.entry_id
                 resent = False
                 for i in range(qw):
@@ -1118,6 +1298,22 @@ class LedgerHandle:
                 self._waiting -= 1
         return True
 
+    def _settle(self, timeout):
+        """Before closing, wait (bounded) until every acknowledged entry is confirmed by
+        its whole write set, or the bookies that did not were replaced (and the
+        entries resent) and no ensemble change is running: a closed ledger cannot
+        change its ensembles any more."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._unconfirmed or self._changing) and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("ledger %d: closing with %d acknowledged entries not yet on "
+                                "every bookie of their write set", self._lid,
+                                len(self._unconfirmed))
+                    return
+                self._cond.wait(min(left, 0.05))
+
     def close(self) -> None:
         """Close: writers wait for outstanding adds, then CAS the ledger to CLOSED.
 
@@ -1138,10 +1334,18 @@ class LedgerHandle:
                     self._loop.call_soon(self._error_out, LedgerClosedError,
                                          "ledger handle was closed before the add completed")
                     self._drain(5.0)
+                self._settle(self._add_timeout * 2
+                             + float(self._conf.metadataTimeoutMillis) / 1000 * 3)
                 self._loop.call_soon(self._stop_ticker)
             elif self._md.state == LedgerState.CLOSED:
                 return
             self._close_metadata()
+            # what close could not wait out stays under-replicated for the auditor
+            if self._unconfirmed:
+                try:
+                    self._loop.call_soon(self._unconfirmed.clear)
+                except BKError:
+                    pass            # the client's I/O is gone: nothing holds them
 
     def _stop_ticker(self):
         if self._ticker_on and self._tick in self._loop._tickers:
@@ -1270,10 +1474,14 @@ class LedgerHandle:
         md = self._md
         self._prepare_conns({b for _, ens in md.ensembles for b in ens})
         batch = _ReadBatch(len(entry_ids), entry_ids[0] if entry_ids else 0)
+        # healthy replicas first (reorderReadSequenceEnabled)
+        order = self._client._health.order if self._reorder else _same
         if len(entry_ids) > 1 and self._loop.batching:
-            self._loop.call_soon(self._start_ranged, entry_ids[0], entry_ids[-1], batch, avg)
+            self._loop.call_soon(self._start_ranged, entry_ids[0], entry_ids[-1], batch, avg,
+                                 order)
         elif entry_ids:
-            ops = [_ReadOp(self, e, self._conns_of(md.write_set(e)), batch, self._read_timeout)
+            ops = [_ReadOp(self, e, self._conns_of(order(md.write_set(e))), batch,
+                           self._read_timeout)
                    for e in entry_ids]
             self._loop.call_soon(_start_all, ops)
         # generous bound: every replica may time out in turn
@@ -1282,11 +1490,12 @@ class LedgerHandle:
                                f"{self._lid}: no answer")
         return batch
 
-    def _start_ranged(self, first, last, batch, avg):
+    def _start_ranged(self, first, last, batch, avg, order):
         """Start the reads of ``first..last`` as READ_RANGEs (I/O thread): per
         fragment, each bookie is asked for the entries it is the first replica
-        of (stride E, offset its slot), in requests of about a frame's budget
-        sent at once, so the answers stream back pipelined."""
+        to ask of (``order``: quarantined bookies last; stride E, offset the
+        slot), in requests of about a frame's budget sent at once, so the
+        answers stream back pipelined."""
         md = self._md
         frags = md.ensembles
         budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2))
@@ -1300,14 +1509,17 @@ class LedgerHandle:
             E = len(ens)
             per = max(1, budget // max(1, avg))          # entries of one request
             for a in range(e, min(e + E, end + 1)):
-                conn = self._bconns.get(ens[a % E])
+                # the replicas to ask, healthy ones first: every entry of the slot
+                # has the same write set, so the same order
+                conns = self._conns_of(order(md.write_set(a)))
+                dead = isinstance(conns[0], DeadConnection)
                 while a <= end:
                     b = min(end, a + (per - 1) * E)
-                    rr = _RangeRead(self, conn, a, b, E, a % E, budget, batch)
-                    if conn is None:
+                    rr = _RangeRead(self, conns, a, b, E, a % E, budget, batch)
+                    if dead:
                         rr.unsupported(None)
                     else:
-                        rr.start()
+                        rr.begin()
                     a = b + E
             e = end + 1
 
@@ -1425,6 +1637,16 @@ class LedgerHandle:
 
     def _lac_after(self, entry_id):
         return self._readable_last()
+
+
+def _speculate_ref(ref, idx):
+    op = ref()
+    if op is not None:
+        op._speculate(idx)
+
+
+def _same(bookies):
+    return bookies
 
 
 def _start_all(ops):

