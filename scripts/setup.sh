@@ -9,6 +9,13 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "setup: Python >= 3.11 is required ($("$PY" --version 2>&1))" >&2; exit 1
 fi
+# The partition tests make hosts out of network namespaces: they need root and
+# iproute2 (they skip, saying why, without them), so set-up installs it if it can.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q iproute2 >/dev/null 2>&1 || \
+   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1)) || \
+    echo "setup: could not install iproute2: the partition tests will be skipped" >&2
+fi
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
