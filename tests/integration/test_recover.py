@@ -15,7 +15,7 @@ from bk.cli.shell import cli
 from bk.client.recovery import recover_ledger
 from bk.errors import BadPasswordError, LedgerFencedError, BKError
 from bk.meta.ledger import LedgerState
-from bk.testing import entries_held
+from bk.testing import entries_held, wait_until
 
 PW = b"recover-test"
 
@@ -71,6 +71,11 @@ def test_recover_dead_bookie(cluster_factory):
     open_payloads = [b"open entry %d" % j for j in range(30)]
     w.add_entries(open_payloads)
     data[w.ledger_id] = open_payloads
+    # Every bookie confirmed every entry: a writer replaces a bookie that dies
+    # holding acknowledged entries it had not confirmed (addEntryTimeoutSec), and
+    # this test wants the victim to stay in the open ledger's last ensemble.
+    wait_until(lambda: not w._unconfirmed, timeout=10,
+               what="the victim to confirm every entry of the open ledger")
 
     cluster.bookies[0].kill()
     new = cluster.add_bookie()
