@@ -248,7 +248,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "an add it failed) stays quarantined: reads ask it after the other replicas "
        "(reorderReadSequenceEnabled), and new ensembles and replacements avoid it while "
        "enough other bookies are writable. A bookie that answers again leaves "
-       "quarantine at once.", scope=CLIENT, minimum=0),
+       "quarantine at once. Auto-recovery's re-replication likewise avoids, for this "
+       "long, a replacement bookie that a copy failed to reach.", scope=BOTH, minimum=0),
     _S("reorderReadSequenceEnabled", bool, True, "Reads ask the healthy replicas of an "
        "entry before quarantined ones, so an unreachable bookie costs the connect timeout "
        "once per quarantine instead of once per ledger read.", scope=CLIENT),

@@ -100,7 +100,8 @@ class AutoRecovery:
                                       timeout=conf.metadataTimeoutMillis / 1000.0,
                                       rate_bytes=conf.replicationRateByBytes,
                                       max_frame=conf.nettyMaxFrameSizeBytes,
-                                      placement=PlacementPolicy.from_conf(conf))
+                                      placement=PlacementPolicy.from_conf(conf),
+                                      quarantine_seconds=conf.bookieQuarantineTimeSeconds)
         self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
             t = threading.Thread(target=self._guarded, args=(target,), daemon=True,

@@ -52,9 +52,10 @@ from bk import protocol as P
 from bk.autorecovery.checker import expected_entries, owned_entries
 from bk.client import digest, recovery
 from bk.client.bookkeeper import BookKeeper
+from bk.client.health import BookieHealth
 from bk.client.placement import PlacementPolicy, write_quorum_racks
 from bk.errors import (BKError, EOK, BadPasswordError, NoSuchLedgerError,
-                       NotEnoughBookiesError, error_for_status)
+                       NotEnoughBookiesError, TransientError, error_for_status)
 from bk.meta.ledger import LedgerMetadata
 from bk.meta.racks import all_racks
 from bk.rawclient import BookiePool
@@ -175,13 +176,18 @@ class Replicator:
     ``uri`` and ``timeout`` / ``bookie_timeout`` make the client used for ledger
     recovery (on first use); ``password``: for ledgers whose metadata has no
     master key; ``rate_bytes``: replicationRateByBytes (<= 0: no limit);
-    ``max_frame``: the bookies' nettyMaxFrameSizeBytes."""
+    ``max_frame``: the bookies' nettyMaxFrameSizeBytes; ``quarantine_seconds``:
+    how long a replacement that failed a copy is avoided (bookieQuarantineTimeSeconds)."""
 
     def __init__(self, store, pool: BookiePool, uri: str, timeout: float = 5.0,
                  bookie_timeout: float = 10.0, password: bytes | None = None,
                  rate_bytes: int = -1, max_frame: int = P.DEFAULT_MAX_FRAME_SIZE,
-                 placement: PlacementPolicy | None = None):
+                 placement: PlacementPolicy | None = None, quarantine_seconds: float = 60.0):
         self.store = store
+        # Replacements that failed a copy (unreachable from here, say, though still
+        # registered): the next pick avoids them while others exist. Without this
+        # the deterministic pick below chose the same dead end on every retry.
+        self.health = BookieHealth(quarantine_seconds)
         # where re-replicated fragments go (ensemblePlacementPolicy of the caller's conf)
         self.placement = placement or PlacementPolicy()
         self._racks_at: tuple = (0.0, None)
@@ -300,6 +306,12 @@ class Replicator:
             raise NotEnoughBookiesError(
                 f"ledger {md.ledger_id} fragment at entry {md.ensembles[index][0]}: no writable "
                 f"bookie outside its ensemble {ensemble} to replace {bookie_id}")
+        bad = self.health.quarantined_set()
+        healthy = [b for b in candidates if b not in bad]
+        if healthy and len(healthy) < len(candidates):
+            log.info("ledger %d: not copying to %s (a copy to it failed lately)", md.ledger_id,
+                     sorted(set(candidates) - set(healthy)))
+        candidates = healthy or candidates       # a preference, never an exclusion
         key = f"{md.ledger_id}/{md.ensembles[index][0]}/".encode()
         if self.placement.rack_aware:
             # the same pick on a re-run (seeded by the fragment), within the policy
@@ -387,7 +399,13 @@ class Replicator:
             report.fragments.append(fr)
             if dry_run:
                 continue
-            self._copy_fragment(md, ens, bookie_id, target, mine, mk, fr, alive)
+            try:
+                self._copy_fragment(md, ens, bookie_id, target, mine, mk, fr, alive)
+            except TransientError:
+                # most likely the target (sources have fallbacks): avoid it next time
+                self.health.failed(target)
+                raise
+            self.health.ok(target)
             self._swap_bookie(lid, first, bookie_id, target, guards)
             fr.done = True
 

@@ -177,18 +177,22 @@ class BookKeeper:
                     self._view_pid = pid
         return self._view
 
-    def _place(self, choose):
-        """``choose(writable)`` on the watched view less the bookies this client has
-        quarantined (``bk.client.health``); if that finds too few, on the whole
-        view; then once more on a fresh read (the watch may lag a bookie that
-        registered a moment ago, e.g. right after ``bkshell`` or a test added it)."""
+    def _place(self, choose, avoid=frozenset()):
+        """``choose(writable)`` on the watched view less the bookies to avoid: those
+        this client has quarantined (``bk.client.health``) and ``avoid`` (a
+        handle's own memory of bookies that failed it). Avoiding is a preference,
+        never an exclusion: if too few are left, on the whole view (a bookie that
+        failed a while ago beats no ensemble at all); then once more on a fresh
+        read (the watch may lag a bookie that registered a moment ago, e.g. right
+        after ``bkshell`` or a test added it)."""
         view = self._writable_view()
-        bad = self._health.quarantined_set()
+        bad = self._health.quarantined_set() | set(avoid)
         if bad and view & bad:
             try:
                 return choose(view - bad)
-            except NotEnoughBookiesError:
-                pass
+            except NotEnoughBookiesError as e:
+                log.info("placement: not enough bookies without the quarantined %s (%s); "
+                         "using them", sorted(view & bad), e)
         try:
             return choose(view)
         except NotEnoughBookiesError:

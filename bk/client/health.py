@@ -7,8 +7,10 @@ reads try it after the healthy replicas of an entry
 connect timeout once per quarantine, not once per ledger read. A quarantined
 bookie is still tried when no other replica has an entry, and a successful
 HELLO or answer from it lifts the quarantine at once (a bookie that is back is
-used again). Writers also avoid quarantined bookies when they replace one
-(``bk.client.ledger``).
+used again). Writers also avoid quarantined bookies when they place or replace
+one (``bk.client.ledger``), and auto-recovery avoids a replacement a copy
+failed to reach (``bk.autorecovery.replicator``): a preference, never an
+exclusion, so a small cluster never runs out of bookies.
 
 Every method is cheap and called on the client's I/O thread; ``snapshot`` may
 be called from any thread (a dict copy).

@@ -56,9 +56,10 @@ bookie still refusing once the add is ``addEntryTimeoutSec`` old is failed
 (ensemble change). An add acknowledged by Qa other bookies meanwhile is still
 resent to it: it must get its copy. EREADONLY is a failure at once: a
 read-only bookie takes no writes until its disk frees up, and a bookie that
-failed is not picked again as a replacement by this handle for
-``bookieQuarantineTimeSeconds`` (then, registered and writable again, it may
-be: a long-lived ledger must not run out of bookies).
+failed is avoided as a replacement by this handle for
+``bookieQuarantineTimeSeconds``: avoided, not refused, since it is taken when
+no other writable bookie is left (a long-lived ledger must not run out of
+bookies).
 
 Reads try the write set's bookies in order and move on when one fails, lacks
 the entry, or returns a copy whose digest does not verify. A reader's length
@@ -1202,12 +1203,14 @@ class LedgerHandle:
             self._failed_at[b] = now
         self._failed_at = {b: t for b, t in self._failed_at.items()
                            if now - t < self._quarantine or b in failed}
-        quarantined = set(self._failed_at)
         client = self._client
         racks = client._racks()
+        # The failed bookies leave (they are in old_ens, which replace_bookies never
+        # picks from); bookies that failed this handle earlier are only avoided.
         new_ens, mapping = client._place(
             lambda writable: client._placement.replace_bookies(writable, old_ens, failed,
-                                                                self._qw, racks, quarantined))
+                                                                self._qw, racks),
+            avoid=set(self._failed_at) - set(failed))
         if self._recovery:
             # Kept in memory until the recovery closes the ledger with it. Stored
             # now, it would outlive a recovery that then fails: the next recovery

@@ -1,0 +1,91 @@
+"""A writer's memory of bookies that failed it is a preference, never an exclusion:
+when the only bookie left to replace a failed one is a bookie that failed this
+handle earlier (and is back), the ensemble change takes it instead of failing the
+writes with "not enough bookies"."""
+
+import signal
+
+import bk
+from bk.autorecovery.replicator import Replicator
+from bk.rawclient import BookiePool
+from bk.testing import wait_until
+
+
+def test_ensemble_change_reuses_a_bookie_that_failed_earlier(cluster_factory):
+    cluster = cluster_factory(4)
+    with bk.BookKeeper(cluster.metadata_uri, bookieQuarantineTimeSeconds=600,
+                       addEntryTimeoutSec=5) as c:
+        lh = c.create_ledger(3, 3, 2)
+        lh.add_entries([b"a%d" % i for i in range(20)])
+        first, second, third = lh.metadata.last_ensemble
+        spare = next(b.bookie_id for b in cluster.bookies
+                     if b.bookie_id not in (first, second, third))
+
+        cluster.bookie(first).kill()               # replaced by the spare
+        lh.add_entries([b"b%d" % i for i in range(20)])
+        wait_until(lambda: first not in lh.metadata.last_ensemble, timeout=30,
+                   what="the killed bookie replaced")
+        assert spare in lh.metadata.last_ensemble
+
+        cluster.bookie(first).restart()            # back, but remembered as failed
+        cluster.bookie(second).kill()              # the only candidate left: `first`
+        lh.add_entries([b"c%d" % i for i in range(20)])
+        wait_until(lambda: second not in lh.metadata.last_ensemble, timeout=30,
+                   what="the second killed bookie replaced")
+        assert first in lh.metadata.last_ensemble, lh.metadata.last_ensemble
+        lh.add_entries([b"d%d" % i for i in range(5)])
+        lh.close()
+
+    with bk.BookKeeper(cluster.metadata_uri) as r:
+        h = r.open_ledger(lh.ledger_id)
+        got = [e.data for e in h.read_entries(0, h.last_add_confirmed)]
+    want = ([b"a%d" % i for i in range(20)] + [b"b%d" % i for i in range(20)]
+            + [b"c%d" % i for i in range(20)] + [b"d%d" % i for i in range(5)])
+    assert got == want
+
+
+def test_rereplication_avoids_a_target_it_could_not_reach(cluster_factory):
+    """A registered bookie that the re-replicating process cannot reach (SIGSTOPped
+    here: connects hang, as behind a silent partition) is avoided on the next run:
+    before, the per-fragment pick chose the same dead end on every retry and the
+    ledgers it picked for could never be re-replicated."""
+    cluster = cluster_factory(3, conf_overrides={"registrationTtlSeconds": 120})
+    with bk.BookKeeper(cluster.metadata_uri) as c:
+        ledgers = []
+        for i in range(6):
+            lh = c.create_ledger(3, 3, 2)
+            lh.add_entries([b"l%d-%d" % (i, j) for j in range(10)])
+            lh.close()
+            ledgers.append(lh.ledger_id)
+    victim = cluster.bookies[0].bookie_id
+    cut = cluster.add_bookie()
+    good = cluster.add_bookie()
+    cluster.bookie(victim).kill()
+    store = cluster.store
+    rep = Replicator(store, BookiePool(store, timeout=1.5), cluster.metadata_uri,
+                     bookie_timeout=1.5, quarantine_seconds=600)
+    try:
+        plan = rep.recover_bookie(victim, dry_run=True)
+        picked = {f.ledger_id: f.replacement for f in plan.fragments}
+        assert set(picked) == set(ledgers)
+        if cut.bookie_id not in picked.values():      # the picks hash (ledger, fragment)
+            cut, good = good, cut
+        to_cut = sorted(lid for lid, b in picked.items() if b == cut.bookie_id)
+        cut.kill(signal.SIGSTOP)
+        try:
+            first = rep.recover_bookie(victim)
+            # only the first ledger that tried the unreachable target failed; the
+            # others of the same run already copied elsewhere
+            assert len(first.failed) == 1 and set(first.failed) <= set(to_cut), \
+                (first.failed, to_cut)
+            second = rep.recover_bookie(victim)
+            assert second.ok, second.to_dict()
+            assert {f.replacement for f in second.fragments} == {good.bookie_id}
+        finally:
+            cut.kill(signal.SIGCONT)
+    finally:
+        rep.close()
+    for lid in ledgers:
+        md, _ = store.read_ledger(lid)
+        assert victim not in md.last_ensemble
+        assert all(set(range(10)) <= cluster.entries_on(b, lid) for b in md.last_ensemble)
