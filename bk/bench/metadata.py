@@ -11,7 +11,8 @@ phase then deletes and creates ``churn`` ledgers and reports the same.
 
 ``compare=True`` also measures, in the same run and on the same cluster, the
 paths this replaced: a fresh id write per ledger (two etcd round trips per
-create instead of one) and listings by plain pages (each page visits every
+create instead of one), one etcd transaction per ledger write instead of
+concurrent writes sharing them (:mod:`bk.meta.combiner`) and listings by plain pages (each page visits every
 remaining key on etcd 3.5), with or without asking etcd to sort them.
 """
 
@@ -192,6 +193,16 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
                         out["compare"]["create_close_per_s"] = {
                             "fresh_id_per_ledger": round(old), "id_blocks": round(new),
                             "ratio": round(new / old, 2)}
+                        # one etcd txn per write vs concurrent writes sharing txns
+                        combiner = client._store._combiner
+                        combiner.enabled = False
+                        alone = create_close(client, n, threads, out=created)
+                        combiner.enabled = True
+                        shared = create_close(client, n, threads, out=created)
+                        held += 2 * n
+                        out["compare"]["create_close_per_s"].update(
+                            one_txn_per_write=round(alone), shared_txns=round(shared),
+                            shared_ratio=round(shared / alone, 2))
                     row["list_s"], n_listed = list_seconds(client)
                     row["list_s"] = round(row["list_s"], 2)
                     row["listed"] = n_listed

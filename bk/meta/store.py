@@ -68,6 +68,7 @@ from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
                        CookieMismatchError, LedgerExistsError, LockLostError,
                        MetadataCompactedError, MetadataError, MetadataSpaceError,
                        MetadataVersionError, NoSuchLedgerError)
+from bk.meta.combiner import TxnCombiner
 from bk.meta.ledger import LedgerMetadata
 from bk.retry import Backoff
 
@@ -222,6 +223,8 @@ class MetadataStore:
         # requests sent, by kind ("get", "range", "txn", "lease", ...): for tests and
         # benchmarks; approximate when several threads share the store
         self.rpc_counts: collections.Counter = collections.Counter()
+        # concurrent ledger creates and CAS writes share transactions (bk.meta.combiner)
+        self._combiner = TxnCombiner(self._txn_batch)
 
     # --- connection -----------------------------------------------------------
     def _new_client(self) -> MultiEndpointEtcd3Client:
@@ -615,12 +618,20 @@ class MetadataStore:
         lid = _check_ledger_id(md.ledger_id)
         key = self._key(ledger_key_name(lid))
         c = self._client()
-        ok, rev, _ = self._txn_full(f"create ledger {lid}", [c.transactions.create(key) == 0],
-                                    [c.transactions.put(key, md.to_json())])
-        if not ok:
-            raise LedgerExistsError(f"create ledger {lid}: ledger {lid} already exists "
-                                    f"({self.uri})")
-        return rev
+        compare, put = c.transactions.create(key) == 0, c.transactions.put(key, md.to_json())
+
+        def alone():
+            ok, rev, _ = self._txn_full(f"create ledger {lid}", [compare], [put])
+            if not ok:
+                raise LedgerExistsError(f"create ledger {lid}: ledger {lid} already exists "
+                                        f"({self.uri})")
+            return rev
+        return self._combiner.write(key, compare, put, alone)
+
+    def _txn_batch(self, compares, puts) -> tuple[bool, int]:
+        """One transaction for several ledger writes (:mod:`bk.meta.combiner`)."""
+        ok, rev, _ = self._txn_full(f"write {len(puts)} ledgers", compares, puts)
+        return ok, rev
 
     def _parse_ledger(self, lid: int, raw: bytes) -> LedgerMetadata:
         try:
@@ -648,18 +659,23 @@ class MetadataStore:
         key = self._key(ledger_key_name(lid))
         c = self._client()
         what = f"write ledger {lid} at version {version}"
-        ok, rev, responses = self._txn_full(
-            what, [c.transactions.mod(key) == int(version), *guards],
-            [c.transactions.put(key, md.to_json())], [c.transactions.get(key)])
-        if ok:
-            return rev
-        kvs = responses[0].response_range.kvs
-        if not kvs:
-            raise NoSuchLedgerError(f"{what}: no such ledger ({self.uri})")
-        if guards and kvs[0].mod_revision == int(version):
-            raise LockLostError(f"{what}: the lock it was written under is no longer held")
-        raise MetadataVersionError(f"{what}: lost to another writer, the version is now "
-                                   f"{kvs[0].mod_revision}")
+        compare, put = c.transactions.mod(key) == int(version), c.transactions.put(key, md.to_json())
+
+        def alone():
+            ok, rev, responses = self._txn_full(what, [compare, *guards], [put],
+                                                [c.transactions.get(key)])
+            if ok:
+                return rev
+            kvs = responses[0].response_range.kvs
+            if not kvs:
+                raise NoSuchLedgerError(f"{what}: no such ledger ({self.uri})")
+            if guards and kvs[0].mod_revision == int(version):
+                raise LockLostError(f"{what}: the lock it was written under is no longer held")
+            raise MetadataVersionError(f"{what}: lost to another writer, the version is now "
+                                       f"{kvs[0].mod_revision}")
+        if guards:
+            return alone()          # a lock's guard is that writer's own: not shared
+        return self._combiner.write(key, compare, put, alone)
 
     def delete_ledger(self, ledger_id: int, version: int | None = None) -> None:
         """Delete (if at ``version`` when given); NoSuchLedgerError if absent."""
