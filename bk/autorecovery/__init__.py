@@ -54,6 +54,13 @@ or ``bookie autorecovery``) runs two threads:
   until then: no tight loop.
 
 ``bkshell autorecovery --disable`` pauses both (the ``autorecovery`` key).
+
+Idle cost: nothing here polls etcd at a short interval. The auditor and the
+worker sleep until an etcd watch wakes them (bookies registering or leaving,
+cookies, marks, the ``autorecovery`` switches), until a deadline of their own
+comes (a lost bookie's delay, a retry time, a periodic check), or at the
+latest every ``IDLE_LOOK`` seconds, so a quiet cluster costs etcd a few reads
+per process per ``IDLE_LOOK`` however many ledgers it holds.
 """
 
 from __future__ import annotations
@@ -75,6 +82,10 @@ from bk.rawclient import BookiePool
 
 log = logging.getLogger("bk.autorecovery")
 
+# The longest the auditor or a worker sleeps without a watch waking it (a safety
+# net: a watch being re-created after an etcd restart wakes them anyway).
+IDLE_LOOK = 5.0
+
 
 class AutoRecovery:
     """The auditor candidate and the replication worker of one process."""
@@ -89,6 +100,10 @@ class AutoRecovery:
         self._pool: BookiePool | None = None
         self._replicator: Replicator | None = None
         self._not_before: dict[int, float] = {}   # open ledgers left to their writer
+        # set by etcd watches (see the module doc) and by stop()
+        self._wake_auditor = threading.Event()
+        self._wake_worker = threading.Event()
+        self._cancel_watches: list = []
 
     # --- life cycle ---------------------------------------------------------------------
     def start(self) -> "AutoRecovery":
@@ -103,6 +118,11 @@ class AutoRecovery:
                                       placement=PlacementPolicy.from_conf(conf),
                                       quarantine_seconds=conf.bookieQuarantineTimeSeconds)
         self.metrics.auditor = 0
+        both = lambda: (self._wake_auditor.set(), self._wake_worker.set())   # noqa: E731
+        for rel, wake in (("bookies/", self._wake_auditor.set),
+                          ("cookies/", self._wake_auditor.set),
+                          (UR.SETTINGS, both), (UR.LEDGERS, self._wake_worker.set)):
+            self._cancel_watches.append(self.store.watch_changes(rel, wake))
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
             t = threading.Thread(target=self._guarded, args=(target,), daemon=True,
                                  name=f"bk-{name}")
@@ -114,6 +134,11 @@ class AutoRecovery:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self._wake_auditor.set()
+        self._wake_worker.set()
+        for cancel in self._cancel_watches:
+            cancel()
+        self._cancel_watches = []
         for t in self._threads:
             t.join(timeout)
         if self._replicator is not None:
@@ -170,7 +195,14 @@ class AutoRecovery:
         next_count = 0.0
         bookie_check = self.conf.auditorPeriodicBookieCheckInterval
         next_bookie_check = time.monotonic() + bookie_check
-        while not self._stop.wait(0.25) and election.is_leader:
+        wake = self._wake_auditor
+        due_at = time.monotonic()
+        while not self._stop.is_set() and election.is_leader:
+            # until a watch fires, a deadline of ours comes, or IDLE_LOOK at most
+            wake.wait(max(0.0, min(IDLE_LOOK, due_at - time.monotonic())))
+            wake.clear()
+            if self._stop.is_set() or not election.is_leader:
+                break
             if time.monotonic() >= next_count:
                 next_count = time.monotonic() + 5.0
                 ctimes = [rec.get("ctime", 0) for _, rec, _ in UR.list_marked(store)]
@@ -200,6 +232,10 @@ class AutoRecovery:
             periodic = bookie_check > 0 and now >= next_bookie_check
             if periodic:
                 next_bookie_check = now + bookie_check
+            # the next look: the metrics refresh, a missing bookie's delay, the check
+            due_at = min([next_count] + [t + delay for b, t in missing_since.items()
+                                         if b not in due]
+                         + ([next_bookie_check] if bookie_check > 0 else []))
             if due - audited or (triggered and due) or (periodic and due):
                 self._audit(due, election)
                 audited |= due
@@ -329,20 +365,33 @@ class AutoRecovery:
     # --- replication worker ----------------------------------------------------------------
     def _worker_loop(self):
         backoff = self.conf.rwRereplicateBackoffMs / 1000.0
+        wake = self._wake_worker
         while not self._stop.is_set():
+            wake.clear()
             busy = False
+            next_due = time.time() + IDLE_LOOK
             if self._enabled():
                 now = time.time()
                 for lid, rec, version in list(UR.list_marked(self.store)):
                     if self._stop.is_set():
                         return
-                    if rec.get("retryAt", 0) > now or self._not_before.get(lid, 0) > now:
+                    later = max(rec.get("retryAt", 0), self._not_before.get(lid, 0))
+                    if later > now:
+                        next_due = min(next_due, later)
                         continue
                     try:
-                        busy |= self._take(lid, rec, version)
+                        done = self._take(lid, rec, version)
                     except LockLostError as e:
                         log.warning("replication of ledger %d abandoned: %s", lid, e)
-            self._stop.wait(0.05 if busy else min(backoff, 0.5))
+                        continue
+                    busy |= done
+                    if not done:       # left to its writer, or locked by another worker
+                        nb = self._not_before.get(lid)
+                        next_due = min(next_due, nb if nb else time.time() + min(backoff, 0.5))
+            if busy:
+                self._stop.wait(0.05)
+            else:        # a watch wakes us on new marks and switches; else the next due
+                wake.wait(max(0.0, min(IDLE_LOOK, next_due - time.time())))
 
     def _take(self, lid: int, rec: dict, version: int) -> bool:
         """Repair one marked ledger under its lock; True if work was done."""

@@ -219,7 +219,7 @@ class MetadataStore:
         self._cluster: dict | None = None   # the layout record, once read (see cluster())
         self._closed = False
         self._registrations: "weakref.WeakSet[BookieRegistration]" = weakref.WeakSet()
-        self._watches: "weakref.WeakSet[_BookieWatch]" = weakref.WeakSet()
+        self._watches: "weakref.WeakSet[_PrefixWatch]" = weakref.WeakSet()
         # requests sent, by kind ("get", "range", "txn", "lease", ...): for tests and
         # benchmarks; approximate when several threads share the store
         self.rpc_counts: collections.Counter = collections.Counter()
@@ -1138,6 +1138,18 @@ class MetadataStore:
             self._watches.add(w)
         return w.cancel
 
+    def watch_changes(self, rel_prefix: str, on_change: Callable[[], None]) -> Callable[[], None]:
+        """Call ``on_change()`` from a daemon thread once the watch is up and after
+        every batch of changes under ``rel_prefix`` (a key or a prefix), and again
+        whenever the watch had to be re-created (etcd restarted): the caller
+        re-reads what it needs, so it never misses a change. Returns ``cancel()``."""
+        w = _PrefixWatch(self, self._check_rel(rel_prefix.rstrip("/")) and rel_prefix,
+                         on_change)
+        w.start()
+        with self._lock:
+            self._watches.add(w)
+        return w.cancel
+
     # --- cookies --------------------------------------------------------------
     def read_cookie(self, bookie_id: str) -> tuple[dict | None, int | None]:
         _check_bookie_id(bookie_id)
@@ -1470,25 +1482,114 @@ class BookieRegistration:
 
 # --- bookie watch -----------------------------------------------------------------
 
-class _BookieWatch:
-    """Calls back with (writable, readonly) on each change of ``bookies/``.
+class _PrefixWatch:
+    """Calls ``on_wake()`` once the watch on ``rel_prefix`` is up, then after every
+    batch of changes under it, from a daemon thread; survives etcd restarts.
 
-    An etcd watch only wakes the thread; the thread then re-reads the sets, so
+    An etcd watch only wakes the thread; ``on_wake`` re-reads what it needs, so
     coalesced or missed events (etcd restart, compaction) can never leave the
-    caller with a wrong view. If the watch breaks it is re-created and the sets
-    re-read.
+    caller with a wrong view: the watch is made *before* each re-read, so no
+    change falls between them. If the watch breaks it is re-created and
+    ``on_wake`` called again. ``on_wake`` may raise MetadataError (etcd down):
+    the watch is then re-created after a back-off.
     """
 
-    def __init__(self, store: MetadataStore, callback):
+    name = "bk-watch"
+
+    def __init__(self, store: MetadataStore, rel_prefix: str, on_wake: Callable[[], None]):
         self.store = store
-        self.callback = callback
+        self.rel_prefix = rel_prefix
+        self.on_wake = on_wake
         self._cancelled = threading.Event()
-        self._events: queue.Queue | None = None
-        self._last: tuple[frozenset, frozenset] | None = None
+        self._events: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._watch: tuple[Any, int] | None = None
 
-    def _deliver(self, sets) -> None:
+    def start(self, woken: bool = False) -> None:
+        """Start the thread (``woken``: the caller has just read the current state
+        itself, after :meth:`_add_watch`)."""
+        self._thread = threading.Thread(target=self._run, args=(woken,), daemon=True,
+                                        name=self.name)
+        self._thread.start()
+
+    def _add_watch(self) -> None:
+        q = self._events
+        key = self.store._key(self.rel_prefix)
+
+        def add(c):
+            return c, c.add_watch_prefix_callback(key, q.put)
+        self._watch = self.store._call(f"watch {self.rel_prefix}", "watch", add)
+
+    def _drop_watch(self) -> None:
+        w, self._watch = self._watch, None
+        if w is not None:
+            try:
+                w[0].cancel_watch(w[1])
+            except Exception:
+                pass
+
+    def _run(self, woken: bool) -> None:
+        schedule = WATCH_BACKOFF.start()
+        while not self._cancelled.is_set():
+            try:
+                if self._watch is None:
+                    self._add_watch()
+                    woken = False
+                if not woken:
+                    self.on_wake()
+                    woken = True
+                schedule.reset()
+                while not self._cancelled.is_set():
+                    try:
+                        item = self._events.get(timeout=0.5)
+                    except queue.Empty:
+                        continue
+                    # coalesce whatever else is queued, then re-read once
+                    broken = item is None or isinstance(item, Exception)
+                    while True:
+                        try:
+                            more = self._events.get_nowait()
+                        except queue.Empty:
+                            break
+                        broken = broken or more is None or isinstance(more, Exception)
+                    if broken:
+                        raise MetadataError(f"watch of {self.rel_prefix} broke: {item!r}")
+                    self.on_wake()
+            except MetadataError as e:
+                if self._cancelled.is_set():
+                    break
+                log.debug("%s: %s; re-creating it", self.name, e)
+                self._drop_watch()
+                woken = False
+                self._cancelled.wait(schedule.next_delay())
+            except Exception:  # pragma: no cover
+                log.exception("%s failed; re-creating it", self.name)
+                self._drop_watch()
+                woken = False
+                self._cancelled.wait(1.0)
+        self._drop_watch()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._events.put(None)
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=self.store.timeout + 2)
+
+
+class _BookieWatch(_PrefixWatch):
+    """Calls back with (writable, readonly) on each change of ``bookies/`` (the sets
+    re-read on each wake; a callback only when they changed)."""
+
+    name = "bk-bookie-watch"
+
+    def __init__(self, store: MetadataStore, callback):
+        super().__init__(store, "bookies/", self._reread)
+        self.callback = callback
+        self._last: tuple[frozenset, frozenset] | None = None
+
+    def _reread(self) -> None:
+        sets, _ = self.store._bookie_sets()
         snapshot = (frozenset(sets[0]), frozenset(sets[1]))
         if snapshot == self._last:
             return
@@ -1499,79 +1600,7 @@ class _BookieWatch:
             log.exception("bookie watch callback failed")
 
     def start(self) -> None:
-        self._events = queue.Queue()
-        sets, rev = self.store._bookie_sets()   # raises MetadataError if etcd is down
-        self._deliver(sets)
-        self._thread = threading.Thread(target=self._run, args=(rev,), daemon=True,
-                                        name="bk-bookie-watch")
-        self._thread.start()
-
-    def _add_watch(self, start_revision: int) -> None:
-        q = self._events
-        key = self.store._key("bookies/")
-
-        def add(c):
-            wid = c.add_watch_prefix_callback(key, q.put, start_revision=start_revision)
-            return c, wid
-        self._watch = self.store._call("watch bookies", "watch", add)
-
-    def _drop_watch(self) -> None:
-        w, self._watch = self._watch, None
-        if w is not None:
-            try:
-                w[0].cancel_watch(w[1])
-            except Exception:
-                pass
-
-    def _run(self, rev: int) -> None:
-        schedule = WATCH_BACKOFF.start()
-        need_resync = False
-        while not self._cancelled.is_set():
-            try:
-                if need_resync:
-                    sets, rev = self.store._bookie_sets()
-                    self._deliver(sets)
-                    need_resync = False
-                self._add_watch(rev + 1)
-                schedule.reset()
-                while not self._cancelled.is_set():
-                    try:
-                        item = self._events.get(timeout=0.5)
-                    except queue.Empty:
-                        continue
-                    if item is None or isinstance(item, Exception):
-                        raise MetadataError(f"bookie watch broke: {item!r}")
-                    # coalesce whatever else is queued, then read the current sets
-                    broken = False
-                    while True:
-                        try:
-                            more = self._events.get_nowait()
-                        except queue.Empty:
-                            break
-                        if more is None or isinstance(more, Exception):
-                            broken = True
-                    sets, rev = self.store._bookie_sets()
-                    self._deliver(sets)
-                    if broken:
-                        raise MetadataError("bookie watch broke")
-            except MetadataError as e:
-                if self._cancelled.is_set():
-                    break
-                log.debug("bookie watch: %s; re-creating it", e)
-                self._drop_watch()
-                need_resync = True
-                self._cancelled.wait(schedule.next_delay())
-            except Exception:  # pragma: no cover
-                log.exception("bookie watch failed; re-creating it")
-                self._drop_watch()
-                need_resync = True
-                self._cancelled.wait(1.0)
-        self._drop_watch()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        if self._events is not None:
-            self._events.put(None)
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=self.store.timeout + 2)
+        # the first sets in the caller's thread (MetadataError if etcd is down)
+        self._add_watch()
+        self._reread()
+        super().start(woken=True)

@@ -1,47 +1,12 @@
-"""A writer's memory of bookies that failed it is a preference, never an exclusion:
-when the only bookie left to replace a failed one is a bookie that failed this
-handle earlier (and is back), the ensemble change takes it instead of failing the
-writes with "not enough bookies"."""
+"""Auto-recovery remembers the bookies a copy failed to reach, as a client does
+(bk.client.health): a preference, never an exclusion (for writers, see
+test_client.py::test_failed_bookie_that_came_back_is_picked_after_its_quarantine)."""
 
 import signal
 
 import bk
 from bk.autorecovery.replicator import Replicator
 from bk.rawclient import BookiePool
-from bk.testing import wait_until
-
-
-def test_ensemble_change_reuses_a_bookie_that_failed_earlier(cluster_factory):
-    cluster = cluster_factory(4)
-    with bk.BookKeeper(cluster.metadata_uri, bookieQuarantineTimeSeconds=600,
-                       addEntryTimeoutSec=5) as c:
-        lh = c.create_ledger(3, 3, 2)
-        lh.add_entries([b"a%d" % i for i in range(20)])
-        first, second, third = lh.metadata.last_ensemble
-        spare = next(b.bookie_id for b in cluster.bookies
-                     if b.bookie_id not in (first, second, third))
-
-        cluster.bookie(first).kill()               # replaced by the spare
-        lh.add_entries([b"b%d" % i for i in range(20)])
-        wait_until(lambda: first not in lh.metadata.last_ensemble, timeout=30,
-                   what="the killed bookie replaced")
-        assert spare in lh.metadata.last_ensemble
-
-        cluster.bookie(first).restart()            # back, but remembered as failed
-        cluster.bookie(second).kill()              # the only candidate left: `first`
-        lh.add_entries([b"c%d" % i for i in range(20)])
-        wait_until(lambda: second not in lh.metadata.last_ensemble, timeout=30,
-                   what="the second killed bookie replaced")
-        assert first in lh.metadata.last_ensemble, lh.metadata.last_ensemble
-        lh.add_entries([b"d%d" % i for i in range(5)])
-        lh.close()
-
-    with bk.BookKeeper(cluster.metadata_uri) as r:
-        h = r.open_ledger(lh.ledger_id)
-        got = [e.data for e in h.read_entries(0, h.last_add_confirmed)]
-    want = ([b"a%d" % i for i in range(20)] + [b"b%d" % i for i in range(20)]
-            + [b"c%d" % i for i in range(20)] + [b"d%d" % i for i in range(5)])
-    assert got == want
 
 
 def test_rereplication_avoids_a_target_it_could_not_reach(cluster_factory):
