@@ -1060,13 +1060,7 @@ class MetadataStore:
             kind, _, bid = rel.partition("/")
             if kind not in ("available", "readonly") or not bid:
                 continue
-            try:
-                info = json.loads(kv.value) if kv.value else {}
-            except ValueError:
-                info = {}
-            if not isinstance(info, dict):
-                info = {"info": info}
-            info["readonly"] = kind == "readonly"
+            info = _registration_info(kv.value, kind == "readonly")
             # a bookie caught between available/ and readonly/ cannot be both: the
             # move is one transaction; if it somehow is, read-only wins
             if bid not in out or info["readonly"]:
@@ -1092,14 +1086,7 @@ class MetadataStore:
         _, (rw_kv, ro_kv) = self._get_at_one_revision(f"read bookie {bookie_id}", [rw, ro])
         for kv, readonly in ((ro_kv, True), (rw_kv, False)):
             if kv is not None:
-                try:
-                    info = json.loads(kv.value) if kv.value else {}
-                except ValueError:
-                    info = {}
-                if not isinstance(info, dict):
-                    info = {"info": info}
-                info["readonly"] = readonly
-                return info
+                return _registration_info(kv.value, readonly)
         return None
 
     def _bookie_sets(self) -> tuple[tuple[set, set], int]:
@@ -1481,6 +1468,19 @@ class BookieRegistration:
 
 
 # --- bookie watch -----------------------------------------------------------------
+
+def _registration_info(raw: bytes, readonly: bool) -> dict:
+    """A bookie's registration value as a dict with ``readonly`` (a value that is not
+    a JSON object is kept under ``info``, an unreadable one ignored)."""
+    try:
+        info = json.loads(raw) if raw else {}
+    except ValueError:
+        info = {}
+    if not isinstance(info, dict):
+        info = {"info": info}
+    info["readonly"] = readonly
+    return info
+
 
 class _PrefixWatch:
     """Calls ``on_wake()`` once the watch on ``rel_prefix`` is up, then after every
