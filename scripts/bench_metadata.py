@@ -26,7 +26,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ledgers", type=int, default=1_000_000)
     ap.add_argument("--steps", default=None, help="comma-separated ledger counts")
-    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=32)
     ap.add_argument("--churn", type=int, default=None)
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     ap.add_argument("--no-compare", action="store_true",
