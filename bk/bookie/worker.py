@@ -432,30 +432,40 @@ class ShardWorker:
             log.warning("shard %d: control channel closed; exiting", self.shard)
             self.stopping = True
             return
-        kind = msg[0]
-        if kind == "conn":
-            for fd in fds:
-                self._adopt(fd, msg[1])
-        elif kind == "readonly":
-            self.readonly = bool(msg[1])
-            log.info("shard %d is now %s", self.shard, "read-only" if self.readonly else "writable")
-        elif kind == "gc_begin":
-            control.send_chunked(self.ctrl, "gc_ledgers", self.storage.ledgers())
-        elif kind == "gc_drop":
-            # Over-replicated ledgers: the arbiter holds their under-replication
-            # locks until this answer, so no re-replication to us races the drop.
-            self._quiesce()
-            n = self.storage.drop_ledgers(msg[1])
-            if n:
-                log.info("shard %d gc: dropped the entries of %d over-replicated ledgers",
-                         self.shard, n)
-            control.send(self.ctrl, "gc_dropped", n)
-        elif kind == "gc_delete":
-            self._gc_deleted.extend(msg[1])
-            if msg[2]:
-                self._collect_garbage(msg[3] if len(msg) > 3 else 0.0)
-        elif kind == "stop":
-            self.stopping = True
+        control.dispatch(self, control.TO_WORKER, msg, fds=fds)
+
+    # --- control messages from the arbiter (bk.bookie.control), by name -------------------
+    def handle_conn(self, peer, fds=()):
+        """Connections handed over by the arbiter."""
+        for fd in fds:
+            self._adopt(fd, peer)
+
+    def handle_readonly(self, readonly):
+        self.readonly = bool(readonly)
+        log.info("shard %d is now %s", self.shard, "read-only" if self.readonly else "writable")
+
+    def handle_gc_begin(self):
+        """A full GC round: report every ledger this shard holds."""
+        control.send_chunked(self.ctrl, "gc_ledgers", self.storage.ledgers())
+
+    def handle_gc_drop(self, ids):
+        # Over-replicated ledgers: the arbiter holds their under-replication
+        # locks until this answer, so no re-replication to us races the drop.
+        self._quiesce()
+        n = self.storage.drop_ledgers(ids)
+        if n:
+            log.info("shard %d gc: dropped the entries of %d over-replicated ledgers",
+                     self.shard, n)
+        control.send(self.ctrl, "gc_dropped", n)
+
+    def handle_gc_delete(self, ids, last, threshold=0.0):
+        """Deleted ledgers (a round may send them in several messages; ``last`` ends it)."""
+        self._gc_deleted.extend(ids)
+        if last:
+            self._collect_garbage(threshold)
+
+    def handle_stop(self):
+        self.stopping = True
 
     def _collect_garbage(self, threshold: float):
         ids, self._gc_deleted = self._gc_deleted, []
