@@ -72,6 +72,7 @@ from bk.meta.recipes import Election, LeaseLock
 from bk.meta.store import MetadataStore
 from bk.metrics import AutoRecoveryMetrics
 from bk.rawclient import BookiePool
+from bk.security import ClientSecurity, client_settings
 
 log = logging.getLogger("bk.autorecovery")
 
@@ -95,12 +96,14 @@ class AutoRecovery:
         conf = self.conf
         self.store = MetadataStore(conf.metadataServiceUri,
                                    timeout=conf.metadataTimeoutMillis / 1000.0)
-        self._pool = BookiePool(self.store)
+        self.security = ClientSecurity.from_conf(conf)
+        self._pool = BookiePool(self.store, security=self.security)
         self._replicator = Replicator(self.store, self._pool, conf.metadataServiceUri,
                                       timeout=conf.metadataTimeoutMillis / 1000.0,
                                       rate_bytes=conf.replicationRateByBytes,
                                       max_frame=conf.nettyMaxFrameSizeBytes,
-                                      placement=PlacementPolicy.from_conf(conf))
+                                      placement=PlacementPolicy.from_conf(conf),
+                                      client_settings=client_settings(conf))
         self.metrics.auditor = 0
         for name, target in (("auditor", self._auditor_loop), ("replication", self._worker_loop)):
             t = threading.Thread(target=self._guarded, args=(target,), daemon=True,
@@ -277,7 +280,8 @@ class AutoRecovery:
             with lock:
                 pool = pools.get(tid)
                 if pool is None:
-                    pool = pools[tid] = BookiePool(store, timeout=10.0)
+                    pool = pools[tid] = BookiePool(store, timeout=10.0,
+                                                   security=self.security)
             return fn(pool, md)
 
         (writable, readonly), _ = store._bookie_sets()

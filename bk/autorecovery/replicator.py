@@ -180,8 +180,9 @@ class Replicator:
     def __init__(self, store, pool: BookiePool, uri: str, timeout: float = 5.0,
                  bookie_timeout: float = 10.0, password: bytes | None = None,
                  rate_bytes: int = -1, max_frame: int = P.DEFAULT_MAX_FRAME_SIZE,
-                 placement: PlacementPolicy | None = None):
+                 placement: PlacementPolicy | None = None, client_settings: dict | None = None):
         self.store = store
+        self._client_settings = client_settings or {}   # TLS and token (bk.security)
         # where re-replicated fragments go (ensemblePlacementPolicy of the caller's conf)
         self.placement = placement or PlacementPolicy()
         self._racks_at: tuple = (0.0, None)
@@ -211,7 +212,8 @@ class Replicator:
                                       enforceMinNumRacksPerWriteQuorum=pl.enforce,
                                       metadataTimeoutMillis=max(1, int(self._timeout * 1000)),
                                       readEntryTimeoutSec=self._bookie_timeout,
-                                      addEntryTimeoutSec=self._bookie_timeout)
+                                      addEntryTimeoutSec=self._bookie_timeout,
+                                      **self._client_settings)
         return self._client
 
     def close(self) -> None:

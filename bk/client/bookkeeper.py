@@ -26,6 +26,7 @@ from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.racks import all_racks
 from bk.meta.store import MetadataStore
 from bk.metrics import client_registry
+from bk.security import ClientSecurity
 from bk import protocol
 
 log = logging.getLogger("bk.client")
@@ -61,6 +62,7 @@ class BookKeeper:
         if conf.metadataServiceUri != uri:
             conf = conf.with_overrides(metadataServiceUri=uri)
         self.conf = conf
+        security = ClientSecurity.from_conf(conf)   # bad TLS files or token: fail first
         self._placement = PlacementPolicy.from_conf(conf)
         self._closed = False
         self._pid = os.getpid()
@@ -90,7 +92,7 @@ class BookKeeper:
             raise MetadataError(f"connect to metadata store {uri}: {e}") from None
         self._io = IOLoop(max_frame_size=conf.nettyMaxFrameSizeBytes,
                           connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
-                          auth_token=conf.authToken or None,
+                          security=security,
                           batching=conf.frameBatching)
         self._health = BookieHealth(conf.bookieQuarantineTimeSeconds)
         self._io.health = self._health
