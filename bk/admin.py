@@ -33,6 +33,7 @@ from bk.meta.racks import DEFAULT_RACK, all_racks, get_rack, set_rack
 from bk.meta.store import MetadataStore, _check_bookie_id
 from bk.rawclient import BookiePool
 from bk.security import ClientSecurity, client_settings
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.admin")
 
@@ -49,7 +50,8 @@ class Admin:
         self.placement = placement or PlacementPolicy()
         # TLS and token towards bookies (bk.security), from the caller's conf if any
         security = ClientSecurity.from_conf(conf) if conf is not None else None
-        self.store = MetadataStore(uri, timeout=timeout)
+        etcd = EtcdCredentials.from_conf(conf) if conf is not None else None
+        self.store = MetadataStore(uri, timeout=timeout, credentials=etcd)
         self.bookies = BookiePool(self.store, bookie_timeout, security=security)
         self.password = password
         self.replicator = Replicator(self.store, self.bookies, uri, timeout=timeout,

@@ -73,6 +73,7 @@ from bk.meta.store import MetadataStore
 from bk.metrics import AutoRecoveryMetrics
 from bk.rawclient import BookiePool
 from bk.security import ClientSecurity, client_settings
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.autorecovery")
 
@@ -95,7 +96,8 @@ class AutoRecovery:
     def start(self) -> "AutoRecovery":
         conf = self.conf
         self.store = MetadataStore(conf.metadataServiceUri,
-                                   timeout=conf.metadataTimeoutMillis / 1000.0)
+                                   timeout=conf.metadataTimeoutMillis / 1000.0,
+                                   credentials=EtcdCredentials.from_conf(conf))
         self.security = ClientSecurity.from_conf(conf)
         self._pool = BookiePool(self.store, security=self.security)
         self._replicator = Replicator(self.store, self._pool, conf.metadataServiceUri,

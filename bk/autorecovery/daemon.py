@@ -28,6 +28,7 @@ from bk.http import HttpServer, heartbeat, json_reply, metrics_view
 from bk.meta.store import MetadataStore
 from bk.metrics import AutoRecoveryMetrics, registry_of
 from bk.security import http_security
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.autorecovery")
 
@@ -81,7 +82,8 @@ class AutoRecoveryDaemon:
                                           "BK_metadataServiceUri or --metadata)")
         try:
             self.store = MetadataStore(conf.metadataServiceUri,
-                                       timeout=conf.metadataTimeoutMillis / 1000.0)
+                                       timeout=conf.metadataTimeoutMillis / 1000.0,
+                                       credentials=EtcdCredentials.from_conf(conf))
             self.store.cluster()              # no cluster under the prefix: say so
         except ValueError as e:
             raise DaemonExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None

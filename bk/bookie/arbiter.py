@@ -75,6 +75,7 @@ from bk.meta.racks import check_rack, set_rack_if_absent
 from bk.meta.store import MetadataStore
 from bk.rawclient import BookiePool
 from bk.security import ClientSecurity, auth, http_security, tls
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.bookie")
 
@@ -191,11 +192,14 @@ class Arbiter:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         try:
             self.store = MetadataStore(conf.metadataServiceUri,
-                                       timeout=conf.metadataTimeoutMillis / 1000.0)
+                                       timeout=conf.metadataTimeoutMillis / 1000.0,
+                                       credentials=EtcdCredentials.from_conf(conf))
             self.num_shards = layout.check_cookie(conf, self.store)
             self.instance_id = self.store.instance_id
         except CookieMismatchError as e:
             raise BookieExit(EXIT_COOKIE, str(e)) from None
+        except ConfigError as e:
+            raise BookieExit(EXIT_CONFIG, str(e)) from None
         except ValueError as e:
             raise BookieExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None
         except MetadataError as e:

@@ -245,8 +245,10 @@ def format(conf_file, settings, force, **flags):  # noqa: A001 - the command's n
     if conf.metadataServiceUri:
         from bk.meta.store import MetadataStore
         try:
+            from bk.security.etcd import EtcdCredentials
             with MetadataStore(conf.metadataServiceUri,
-                               timeout=conf.metadataTimeoutMillis / 1000.0) as store:
+                               timeout=conf.metadataTimeoutMillis / 1000.0,
+                               credentials=EtcdCredentials.from_conf(conf)) as store:
                 cookie, _ = store.read_cookie(conf.bookie_id)
                 if cookie is not None:
                     store.delete_cookie(conf.bookie_id)

@@ -50,6 +50,11 @@ class Ctx:
         parse_metadata_uri(uri)          # ValueError naming the URI
         return uri
 
+    def etcd(self):
+        """etcd's TLS and user of --conf (bk.security.etcd)."""
+        from bk.security.etcd import EtcdCredentials
+        return EtcdCredentials.from_conf(self.conf)
+
     def admin(self):
         from bk.admin import Admin
         from bk.client.placement import PlacementPolicy
@@ -228,7 +233,7 @@ def metastatus(c, as_json):
     """
     from bk.meta import compactor
     from bk.meta.store import MetadataStore
-    with MetadataStore(c.uri(), timeout=c.timeout) as store:
+    with MetadataStore(c.uri(), timeout=c.timeout, credentials=c.etcd()) as store:
         rows = store.etcd_status()
         rec, _ = store.get_json(compactor.RECORD)
         leader, _ = store.get_json(compactor.ELECTION)
@@ -278,7 +283,7 @@ def metacompact(c, revision, defrag, disarm, as_json):
     """
     from bk.meta.store import MetadataStore
     # compacting physically and defragmenting a large db take minutes, not --timeout
-    with MetadataStore(c.uri(), timeout=max(c.timeout, 600.0)) as store:
+    with MetadataStore(c.uri(), timeout=max(c.timeout, 600.0), credentials=c.etcd()) as store:
         before = store.db_size()
         target = revision or store.revision()
         store.compact(target, physical=True)

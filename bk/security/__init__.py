@@ -37,8 +37,11 @@ PLAINTEXT = ClientSecurity()
 
 # The settings a client brings to bookies (and etcd): what a component that makes a
 # client out of its own configuration (auto-recovery's replicator) passes along.
+# (bk.security.etcd is not imported here: it loads gRPC, which a shard worker never needs.)
+ETCD_KEYS = ("etcdTrustStore", "etcdCertificatePath", "etcdKeyStore", "etcdUser",
+             "etcdPasswordFile")
 CLIENT_KEYS = ("tlsEnabled", "tlsTrustStore", "tlsCertificatePath", "tlsKeyStore",
-               "tlsHostnameVerificationEnabled", "authToken", "authTokenFile")
+               "tlsHostnameVerificationEnabled", "authToken", "authTokenFile") + ETCD_KEYS
 
 
 def http_security(conf) -> dict:
@@ -51,5 +54,5 @@ def client_settings(conf) -> dict:
     """The client-side security settings of ``conf``, as overrides for a client."""
     return {k: conf[k] for k in CLIENT_KEYS}
 
-__all__ = ["ClientSecurity", "PLAINTEXT", "CLIENT_KEYS", "client_settings", "http_security", "auth",
+__all__ = ["ClientSecurity", "PLAINTEXT", "CLIENT_KEYS", "ETCD_KEYS", "client_settings", "http_security", "auth",
            "tls"]
