@@ -320,9 +320,13 @@ def upgrade(conf_file, settings, **flags):
               type=click.IntRange(min=1 << 20),
               help="etcd's backend quota: past it etcd raises NOSPACE and refuses writes "
                    "(bkshell metacompact --defrag --disarm recovers).")
+@click.option("--secure", is_flag=True,
+              help="TLS and tokens everywhere: a CA and certificates under DIR/security, "
+                   "etcd with TLS, client certificates and a user limited to the prefix, "
+                   "bookies requiring TLS and tokens, HTTPS; prints the client.conf to use.")
 @one_line_errors(PROG)
 def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, settings, smoke,
-                 etcd_quota_bytes):
+                 etcd_quota_bytes, secure):
     """Run an embedded etcd and N bookies in the foreground; Ctrl-C stops all.
 
     The first line printed is the metadata URI
@@ -342,9 +346,14 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
     cluster = LocalCluster(num_bookies=bookies, base_dir=base_dir, num_shards=shards,
                            base_port=base_port, etcd_port=etcd_port,
                            conf_overrides=overrides, http_port=http_port,
-                           etcd_quota_bytes=etcd_quota_bytes)
+                           etcd_quota_bytes=etcd_quota_bytes, secure=secure)
     cluster.start_etcd()
     click.echo(f"metadataServiceUri={cluster.metadata_uri}", color=False)
+    client_conf = os.path.join(os.path.abspath(base_dir), "client.conf")
+    if secure:
+        click.echo(f"client configuration (TLS, token, etcd credentials): {client_conf}\n"
+                   + "".join(f"  {line}\n" for line in cluster.client_conf().splitlines()),
+                   nl=False)
     sys.stdout.flush()
     try:
         cluster.start_bookies()
@@ -352,11 +361,16 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
             click.echo(f"bookie {b.bookie_id} running (pid {b.pid}, data {b.dir})"
                        + (f", metrics {b.metrics_url}" if b.metrics_url else ""))
         if smoke:
-            click.echo(_smoke(cluster.metadata_uri))
-        click.echo(f"\nTry:\n  bkshell --metadata {cluster.metadata_uri} listbookies\n"
-                   f"  bkshell --metadata {cluster.metadata_uri} simpletest --entries 100\n"
-                   f"  export BK_METADATA_URI={cluster.metadata_uri}\n"
-                   f"Press Ctrl-C to stop.")
+            click.echo(_smoke(cluster.metadata_uri, cluster.client_settings()))
+        if secure:
+            click.echo(f"\nTry:\n  bkshell --conf {client_conf} listbookies\n"
+                       f"  bkshell --conf {client_conf} simpletest --entries 100\n"
+                       f"Press Ctrl-C to stop.")
+        else:
+            click.echo(f"\nTry:\n  bkshell --metadata {cluster.metadata_uri} listbookies\n"
+                       f"  bkshell --metadata {cluster.metadata_uri} simpletest --entries 100\n"
+                       f"  export BK_METADATA_URI={cluster.metadata_uri}\n"
+                       f"Press Ctrl-C to stop.")
         sys.stdout.flush()
         while not stop:
             time.sleep(0.5)
@@ -398,11 +412,11 @@ def autorecovery(conf_file, settings, **flags):
         fail(PROG, str(e), e.code)
 
 
-def _smoke(uri: str) -> str:
+def _smoke(uri: str, settings: dict | None = None) -> str:
     """Write and read back a small ledger: proof that the cluster does real work."""
     try:
         import bk
-        with bk.BookKeeper(uri) as client:
+        with bk.BookKeeper(uri, **(settings or {})) as client:
             lh = client.create_ledger(ensemble_size=3, write_quorum_size=2, ack_quorum_size=2,
                                       password=b"localcluster")
             for i in range(10):
