@@ -246,14 +246,19 @@ class MetadataStore:
         # time_retry: how long pyetcd shuns an endpoint after a failure. With one
         # endpoint it must never be shunned (etcd may be back at the next call).
         retry = 0.0 if len(self.endpoints) == 1 else min(1.0, self.timeout)
+        return self._etcd_client(self.endpoints, self.timeout, retry)
+
+    def _etcd_client(self, endpoints, timeout: float, retry: float) -> MultiEndpointEtcd3Client:
+        """A pyetcd client of ``endpoints`` with this store's TLS and user (which it
+        authenticates now: MetadataError if etcd refuses)."""
         opts = _grpc_options(self.timeout)
         cred = self.credentials
         channel = cred.channel_credentials()
         eps = [Endpoint(h, p, secure=channel is not None, creds=channel, time_retry=retry,
                         opts=opts)
-               for h, p in self.endpoints]
+               for h, p in endpoints]
         try:
-            return MultiEndpointEtcd3Client(endpoints=eps, timeout=self.timeout,
+            return MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout,
                                             failover=len(eps) > 1, user=cred.user,
                                             password=cred.password)
         except (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError) as exc:
@@ -978,10 +983,7 @@ class MetadataStore:
         alarms are per member)."""
         out = []
         for host, port in self.endpoints:
-            c = MultiEndpointEtcd3Client(
-                endpoints=[Endpoint(host, port, secure=False, time_retry=0,
-                                    opts=_grpc_options(self.timeout))],
-                timeout=max(self.timeout, 600.0), failover=False)   # a defrag takes long
+            c = self._etcd_client([(host, port)], max(self.timeout, 600.0), 0)  # defrag: long
             try:
                 self.rpc_counts["maintenance"] += 1
                 out.append(fn(c))
