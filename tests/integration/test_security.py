@@ -32,8 +32,8 @@ class Pki:
         self.ca.cert_pem.write_to_path(self.trust)
         self.name = name
 
-    def issue(self, label, *hosts, common_name=None):
-        cert = self.ca.issue_cert(*hosts, common_name=common_name)
+    def issue(self, label, *hosts, common_name=None, **validity):
+        cert = self.ca.issue_cert(*hosts, common_name=common_name, **validity)
         crt = os.path.join(self.root, f"{self.name}-{label}.crt")
         key = os.path.join(self.root, f"{self.name}-{label}.key")
         with open(crt, "wb") as f:
@@ -305,3 +305,41 @@ def test_https_admin_views_need_a_super_user_token(cluster_factory, tmp_path, au
     # plain HTTP is not served on an HTTPS port
     from bk.testing import http_get
     assert http_get(port, "/heartbeat")[0] != 200
+
+
+def test_expired_bookie_certificate_is_refused(cluster_factory, tmp_path):
+    import datetime
+    pki = Pki(str(tmp_path))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    crt, key = pki.issue("bookie", "127.0.0.1", not_before=now - datetime.timedelta(days=10),
+                         not_after=now - datetime.timedelta(days=1))
+    c = cluster_factory(0)
+    b = c.add_bookie(tlsCertificatePath=crt, tlsKeyStore=key)
+    with pytest.raises(SecurityError, match="expired"):
+        BookieConnection(b.bookie_id, 0, security=client_security(pki.trust))
+
+
+def test_a_tailing_reader_long_polls_over_tls_while_a_writer_adds(secure):
+    import threading
+    with sec_client(secure, "app") as writer, sec_client(secure, "reader") as reader:
+        lh = writer.create_ledger(3, 3, 2, password=PASSWORD)
+        lh.add_entry(b"t0")
+        rh = reader.open_ledger_no_recovery(lh.ledger_id, password=PASSWORD)
+        got = []
+
+        def tail():
+            next_id = 0
+            while next_id < 30:
+                _lac, entry = rh.read_last_add_confirmed_and_entry(next_id, timeout=2.0)
+                if entry is not None:
+                    got.append(entry.data)
+                    next_id += 1
+        t = threading.Thread(target=tail)
+        t.start()
+        for i in range(1, 31):
+            lh.add_entry(b"t%d" % i)
+        t.join(60)
+        assert not t.is_alive()
+        assert got == [b"t%d" % i for i in range(30)]
+        lh.close()
+        rh.close()
