@@ -353,6 +353,10 @@ SECTIONS: list[tuple[str, str]] = [
 ]
 
 
+# Settings whose value is itself a secret (the others name files holding secrets).
+SECRET_KEYS = frozenset({"authToken"})
+
+
 def sections() -> list[tuple[str, list[Setting]]]:
     """The settings grouped as the registry groups them: ``[(title, [Setting, ...])]``."""
     starts = {first: title for title, first in SECTIONS}
@@ -394,8 +398,9 @@ class Config(Mapping):
     def __len__(self):
         return len(self._values)
 
-    def __repr__(self):
-        return f"Config({self._values!r})"
+    def __repr__(self):         # a secret never reaches a log line through a repr
+        shown = {k: ("<secret>" if k in SECRET_KEYS and v else v) for k, v in self._values.items()}
+        return f"Config({shown!r})"
 
     def with_overrides(self, **overrides) -> "Config":
         """A copy with some settings replaced (values are validated)."""

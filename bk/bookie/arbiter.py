@@ -235,6 +235,8 @@ class Arbiter:
         try:
             tls.server_context(self.conf)
             auth.Authenticator(self.conf)
+            if self.conf.httpServerEnabled:
+                http_security(self.conf)
             self.security = ClientSecurity.from_conf(self.conf)   # to other bookies
         except ConfigError as e:
             raise BookieExit(EXIT_CONFIG, str(e)) from None

@@ -1247,7 +1247,9 @@ def checkledgers(c, master, partitions, as_json):
              .getOrCreate())
     try:
         spark.sparkContext.setLogLevel("ERROR")
-        rows = [r.asDict() for r in bk.spark.check_ledgers(spark, uri, partitions).collect()]
+        from bk.security import client_settings
+        rows = [r.asDict() for r in bk.spark.check_ledgers(
+            spark, uri, partitions, security=client_settings(c.conf)).collect()]
     finally:
         spark.stop()
     rows.sort(key=lambda r: (r["ledger_id"], r["entry_id"], r["bookie"]))

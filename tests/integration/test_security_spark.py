@@ -69,3 +69,13 @@ def test_spark_writes_and_reads_a_log_over_tls(spark, secure):
                 assert batch
                 out.extend(batch)
         assert sorted(rec.data for rec in out) == got
+
+
+def test_the_distributed_check_runs_over_tls(spark, secure):
+    with bk.BookKeeper(secure.metadata_uri, **secure.client_settings()) as client:
+        with client.create_ledger(3, 2, 2, password=b"pw") as lh:
+            for i in range(40):
+                lh.add_entry(b"c%d" % i)
+    rows = bk.spark.check_ledgers(spark, secure.metadata_uri, 2,
+                                  security=secure.client_settings()).collect()
+    assert rows == []

@@ -94,6 +94,7 @@ def test_secrets_stay_out_of_reprs(tmp_path, key_file):
     assert creds.password == "correct horse" and "correct horse" not in repr(creds)
     token = auth.create_token(auth.read_secret_key(key_file), "app")
     assert token not in repr(ClientSecurity(None, token))
+    assert token not in repr(conf(authToken=token))
     with pytest.raises(ConfigError, match="etcdPasswordFile"):
         EtcdCredentials.from_conf(conf(etcdUser="bk"))
 
