@@ -556,6 +556,8 @@ class ShardWorker:
         rid, version, _shard, flags = msg[1], msg[2], msg[3], msg[4]
         status, reason, kind = EOK, None, None
         start_tls = type(flags) is int and flags & P.HELLO_START_TLS
+        if conn.tls and start_tls:
+            raise ProtocolError("START_TLS on a connection that is already TLS")
         if version != P.PROTOCOL_VERSION:
             status, reason = EBADVERSION, f"protocol version {version!r} is not {P.PROTOCOL_VERSION}"
         elif flags is not None and type(flags) is not int:
@@ -566,7 +568,7 @@ class ShardWorker:
         elif start_tls and self.tls is None:
             status, kind = ESECURITY, "tls_not_offered"
             reason = f"bookie {self.bookie_id} does not offer TLS (no tlsCertificatePath)"
-        elif not start_tls and self.tls_required:
+        elif not start_tls and self.tls_required and not conn.tls:
             status, kind = ESECURITY, "tls_required"
             reason = (f"bookie {self.bookie_id} requires TLS (tlsRequired=true): connect "
                       f"with tlsEnabled=true")

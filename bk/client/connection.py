@@ -416,10 +416,12 @@ class Connection:
     # --- TLS and AUTH (see the module's docstring) ------------------------------------
     def _start_tls(self):
         loop = self.loop
-        loop.sel.unregister(self.sock)
+        raw = self.sock
+        loop.sel.unregister(raw)
         try:
-            self.sock = loop.security.wrap(self.sock, self.addr[0])
+            self.sock = loop.security.wrap(raw, self.addr[0])
         except (ssl.SSLError, OSError, ValueError) as e:
+            raw.close()
             self.sock = None
             self._fail(SecurityError(f"TLS with bookie {self.bookie_id}: {tls.reason(e)}"))
             return
