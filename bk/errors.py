@@ -204,6 +204,11 @@ class LockLostError(BKError):
 
 # --- metadata ---------------------------------------------------------------------------
 
+class MetadataPermissionError(MetadataError, AuthError):
+    """etcd refused the request: the etcd user's role does not allow it (a read-only
+    identity that creates, recovers or deletes a ledger)."""
+
+
 class LedgerExistsError(MetadataError):
     """A ledger with this id already exists."""
 

@@ -280,19 +280,22 @@ class LocalCluster:
         ca.issue("client", hosts, common_name="client")
         auth.write_secret_key(self._sec("token.key"), auth.create_secret_key())
         key = auth.read_secret_key(self._sec("token.key"))
-        for role in ("bookie", "client", "admin"):
+        for role in ("bookie", "client", "admin", "reader"):
             _write_secret(self._sec(f"{role}.token"), auth.create_token(key, role))
-        for name in ("etcd-root", "etcd-bk"):
+        for name in ("etcd-root", "etcd-bk", "etcd-reader"):
             _write_secret(self._sec(f"{name}.password"), secrets.token_urlsafe(24))
 
     def _security_settings(self, who: str) -> dict:
-        """Settings of a bookie (``who="bookie"``) or a client in secure mode."""
+        """Settings of a bookie (``who="bookie"``) or a client (``client``, ``admin``
+        or the read-only ``reader``) in secure mode."""
+        cert = "bookie" if who == "bookie" else "client"
+        etcd_user = "reader" if who == "reader" else "bk"
         s = {"tlsEnabled": True, "tlsTrustStore": self._sec("ca.pem"),
              "authTokenFile": self._sec(f"{who}.token"),
              "etcdTrustStore": self._sec("ca.pem"),
-             "etcdCertificatePath": self._sec(f"{who}.crt"),
-             "etcdKeyStore": self._sec(f"{who}.key"),
-             "etcdUser": "bk", "etcdPasswordFile": self._sec("etcd-bk.password")}
+             "etcdCertificatePath": self._sec(f"{cert}.crt"),
+             "etcdKeyStore": self._sec(f"{cert}.key"),
+             "etcdUser": etcd_user, "etcdPasswordFile": self._sec(f"etcd-{etcd_user}.password")}
         if who == "bookie":
             s.update(tlsCertificatePath=self._sec("bookie.crt"),
                      tlsKeyStore=self._sec("bookie.key"), authProvider="token",
@@ -300,10 +303,11 @@ class LocalCluster:
                      clientRoles="client", readOnlyRoles="reader")
         return s
 
-    def client_settings(self) -> dict:
-        """What a client of this cluster needs besides the URI (secure mode: TLS, its
-        token and etcd credentials, all as file paths; otherwise nothing)."""
-        return self._security_settings("client") if self.secure else {}
+    def client_settings(self, role: str = "client") -> dict:
+        """What a client of this cluster needs besides the URI (secure mode: TLS, the
+        token of ``role`` (client, admin or the read-only reader) and etcd credentials,
+        all as file paths; otherwise nothing)."""
+        return self._security_settings(role) if self.secure else {}
 
     def client_conf(self) -> str:
         """A client.conf for this cluster."""
@@ -336,9 +340,11 @@ class LocalCluster:
             if not os.path.exists(marker):
                 with open(self._sec("etcd-root.password")) as f:
                     root = f.read().strip()
-                with open(self._sec("etcd-bk.password")) as f:
-                    bk_password = f.read().strip()
-                enable_auth(self.etcd.endpoint, tls["credentials"], root, "bk", bk_password,
+                users = {}
+                for name in ("bk", "reader"):
+                    with open(self._sec(f"etcd-{name}.password")) as f:
+                        users[name] = (f.read().strip(), name == "reader")
+                enable_auth(self.etcd.endpoint, tls["credentials"], root, users,
                             "/" + self.prefix.strip("/") + "/")
                 open(marker, "w").close()
             self._etcd_credentials = EtcdCredentials.from_conf(

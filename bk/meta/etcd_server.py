@@ -133,11 +133,12 @@ def _probe(host: str, port: int, timeout: float, credentials=None) -> bool:
         client.close()
 
 
-def enable_auth(endpoint: str, credentials, root_password: str, user: str, password: str,
+def enable_auth(endpoint: str, credentials, root_password: str, users: dict,
                 prefix: str) -> None:
-    """Turn on etcd's authentication: a ``root`` user, and ``user`` whose role (named
-    after it) may read and write only the keys under ``prefix``. ``credentials``: the
-    TLS material to reach etcd (an EtcdCredentials without a user)."""
+    """Turn on etcd's authentication: a ``root`` user, and ``users`` (``{name:
+    (password, read_only)}``), each with a role (named after it) that may read, or
+    read and write, only the keys under ``prefix``. ``credentials``: the TLS
+    material to reach etcd (an EtcdCredentials without a user)."""
     import grpc
     from pyetcd import etcdrpc
     from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
@@ -151,11 +152,15 @@ def enable_auth(endpoint: str, credentials, root_password: str, user: str, passw
     stub = client.authstub
     key = prefix.encode()
     try:
-        for name, pw, role in (("root", root_password, "root"), (user, password, user)):
+        accounts = [("root", root_password, False)] + [(n, pw, ro) for n, (pw, ro) in
+                                                      users.items()]
+        for name, pw, read_only in accounts:
+            role = name
             stub.UserAdd(etcdrpc.AuthUserAddRequest(name=name, password=pw), 10)
             if role != "root":
                 stub.RoleAdd(etcdrpc.AuthRoleAddRequest(name=role), 10)
-                perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE, key=key,
+                kind = etcdrpc.Permission.READ if read_only else etcdrpc.Permission.READWRITE
+                perm = etcdrpc.Permission(permType=kind, key=key,
                                           range_end=prefix_range_end(key))
                 stub.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(
                     name=role, perm=perm), 10)

@@ -72,7 +72,8 @@ from pyetcd.utils import prefix_range_end
 
 from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
                        CookieMismatchError, LedgerExistsError, LockLostError,
-                       MetadataCompactedError, MetadataError, MetadataSpaceError,
+                       MetadataCompactedError, MetadataError, MetadataPermissionError,
+                       MetadataSpaceError,
                        MetadataVersionError, NoSuchLedgerError)
 from bk.meta.ledger import LedgerMetadata
 from bk.retry import Backoff
@@ -303,6 +304,10 @@ class MetadataStore:
                 f"defragments it and disarms the alarm: 'bkshell metacompact --defrag "
                 f"--disarm' (or etcdctl compact / defrag / alarm disarm); reads and adds to "
                 f"open ledgers go on ({self.uri})")
+        if code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in details:
+            return MetadataPermissionError(
+                f"{what}: etcd refused it: permission denied for etcd user "
+                f"{self.credentials.user!r} ({self.uri})")
         if isinstance(exc, etcd_exc.RevisionCompactedError) or (
                 code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details):
             err = MetadataCompactedError(f"{what}: the revision asked for was compacted away "

@@ -96,6 +96,34 @@ def test_etcd_needs_tls_a_client_certificate_and_a_user_limited_to_the_prefix(se
             store.is_formatted()
 
 
+def test_read_only_identity_reads_and_cannot_add_fence_or_delete(secure_cluster):
+    # A read-only role on the bookies and a read-only etcd user: every write of
+    # either kind is refused with AuthError, and nothing changes.
+    from bk.errors import AuthError
+    from bk.meta.ledger import LedgerState
+    c = secure_cluster
+    with bk.BookKeeper(c.metadata_uri, **c.client_settings()) as client, \
+            bk.BookKeeper(c.metadata_uri, **c.client_settings("reader")) as reader:
+        lh = client.create_ledger(3, 3, 2, password=PASSWORD)       # left open
+        for i in range(5):
+            lh.add_entry(b"x%d" % i)
+        lid = lh.ledger_id
+        with reader.open_ledger_no_recovery(lid, password=PASSWORD) as rh:
+            assert [e.data for e in rh.read_entries(0, 3)] == [b"x%d" % i for i in range(4)]
+        with pytest.raises(AuthError):
+            reader.open_ledger(lid, password=PASSWORD)              # recovery: fence + CAS
+        with pytest.raises(AuthError):
+            reader.delete_ledger(lid)
+        with pytest.raises(AuthError):
+            reader.create_ledger(3, 3, 2, password=PASSWORD)
+        md, _ = c.store.read_ledger(lid)
+        assert md.state == LedgerState.OPEN                         # nothing changed
+        lh.add_entry(b"x5")
+        lh.close()
+        with client.open_ledger(lid, password=PASSWORD) as rh:
+            assert rh.last_add_confirmed == 5
+
+
 def test_auto_recovery_rereplicates_a_killed_bookie_over_tls_and_tokens(secure_cluster):
     c = secure_cluster
     with bk.BookKeeper(c.metadata_uri, **c.client_settings(), addEntryTimeoutSec=3,
