@@ -7,14 +7,21 @@ import signal
 import sys
 import time
 
-import click
+# The arbiter forks shard workers (and restarts them) while its etcd client's gRPC
+# threads run. gRPC's own fork handlers then wait in fork() for those threads, which
+# wait for the GIL that fork() holds: the bookie hung at start, seen with TLS to etcd.
+# Workers never use gRPC, so they need none of its fork handling: turn it off before
+# gRPC starts in this process.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from bk.bookie import layout
-from bk.bookie.storage import Tombstones
-from bk.bookie.upgrade import needs_upgrade, upgrade_shard
-from bk.cli.common import fail, one_line_errors, setup_logging
-from bk.config import Config
-from bk.exitcodes import EXIT_CONFIG, EXIT_NOT_RUNNING
+import click  # noqa: E402
+
+from bk.bookie import layout  # noqa: E402
+from bk.bookie.storage import Tombstones  # noqa: E402
+from bk.bookie.upgrade import needs_upgrade, upgrade_shard  # noqa: E402
+from bk.cli.common import fail, one_line_errors, setup_logging  # noqa: E402
+from bk.config import Config  # noqa: E402
+from bk.exitcodes import EXIT_CONFIG, EXIT_NOT_RUNNING  # noqa: E402
 
 PROG = "bookie"
 
