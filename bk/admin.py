@@ -32,6 +32,8 @@ from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.racks import DEFAULT_RACK, all_racks, get_rack, set_rack
 from bk.meta.store import MetadataStore, _check_bookie_id
 from bk.rawclient import BookiePool
+from bk.security import ClientSecurity, client_settings
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.admin")
 
@@ -41,17 +43,22 @@ class Admin:
 
     def __init__(self, uri: str, timeout: float = 5.0, bookie_timeout: float = 10.0,
                  password: bytes | None = None, rate_bytes: int = -1,
-                 max_frame: int = P.DEFAULT_MAX_FRAME_SIZE, placement: PlacementPolicy | None = None):
+                 max_frame: int = P.DEFAULT_MAX_FRAME_SIZE, placement: PlacementPolicy | None = None,
+                 conf=None):
         self.uri = uri
         # where re-replicated fragments go (ensemblePlacementPolicy of the caller's conf)
         self.placement = placement or PlacementPolicy()
-        self.store = MetadataStore(uri, timeout=timeout)
-        self.bookies = BookiePool(self.store, bookie_timeout)
+        # TLS and token towards bookies (bk.security), from the caller's conf if any
+        security = ClientSecurity.from_conf(conf) if conf is not None else None
+        etcd = EtcdCredentials.from_conf(conf) if conf is not None else None
+        self.store = MetadataStore(uri, timeout=timeout, credentials=etcd)
+        self.bookies = BookiePool(self.store, bookie_timeout, security=security)
         self.password = password
         self.replicator = Replicator(self.store, self.bookies, uri, timeout=timeout,
                                      bookie_timeout=bookie_timeout, password=password,
                                      rate_bytes=rate_bytes, max_frame=max_frame,
-                                     placement=self.placement)
+                                     placement=self.placement,
+                                     client_settings=client_settings(conf) if conf else None)
 
     @property
     def client(self):

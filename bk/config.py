@@ -103,8 +103,6 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "Empty: none is written; a bookie without one is in /default-region/default-rack."),
     _S("metadataServiceUri", str, "", "etcd://host:port[,host:port...]/prefix of the "
        "metadata store.", scope=BOTH),
-    _S("authToken", str, "", "Shared secret a client must present in HELLO. Empty: no "
-       "authentication.", scope=BOTH),
     # --- storage ---------------------------------------------------------------
     _S("journalDirectories", list, ["/tmp/bk-txn"], "Directories of the journal segments "
        "(every write goes there first; put them on a fast device). Shards are spread over "
@@ -240,6 +238,52 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        minimum=0, maximum=65535),
     _S("enableStatistics", bool, True, "Count the metrics /metrics serves. false: shard "
        "workers count nothing (the HTTP endpoints still answer)."),
+    # --- security (bk.security; see docs/security.md) ----------------------------
+    _S("tlsCertificatePath", str, "", "PEM certificate chain. On a bookie: the certificate "
+       "it serves (TLS is offered once it is set) and presents to other bookies; on a "
+       "client: its own certificate for mutual TLS.", scope=BOTH),
+    _S("tlsKeyStore", str, "", "PEM private key of tlsCertificatePath.", scope=BOTH),
+    _S("tlsTrustStore", str, "", "PEM CA bundle. On a bookie: the CAs of client "
+       "certificates; on a client (and a bookie talking to other bookies): the CAs of "
+       "bookie certificates. Empty on a client: the system's CAs.", scope=BOTH),
+    _S("tlsClientAuthentication", bool, False, "Mutual TLS: a client must present a "
+       "certificate signed by tlsTrustStore."),
+    _S("tlsRequired", bool, True, "With a certificate set: refuse plaintext connections "
+       "(they get an error saying TLS is required). false: serve both."),
+    _S("tlsCertFilesRefreshDurationSeconds", int, 0, "How often (seconds) a bookie checks "
+       "its certificate, key and trust files and loads them again when they changed; new "
+       "connections use them. 0: never.", minimum=0),
+    _S("tlsEnabled", bool, False, "Connect to bookies with TLS (a bookie that does not "
+       "offer it is an error, never a plaintext fallback). On a bookie: for bookie-to-bookie "
+       "traffic (re-replication, recovery).", scope=BOTH),
+    _S("tlsHostnameVerificationEnabled", bool, True, "Check that a bookie's certificate "
+       "names the host connected to.", scope=BOTH),
+    _S("authProvider", str, "none", "How a bookie identifies its clients: none, token "
+       "(a signed token checked with tokenSecretKeyFile, its subject is the role) or tls "
+       "(the client certificate's subject CN is the role)."),
+    _S("tokenSecretKeyFile", str, "", "File holding the HS256 key tokens are signed with "
+       "(bkshell tokens create-secret-key)."),
+    _S("superUserRoles", str, "", "Comma-separated roles allowed everything: bookies, "
+       "auto-recovery and administrators (the HTTP admin views)."),
+    _S("clientRoles", str, "", "Comma-separated roles allowed the client's ops: adds, "
+       "reads, fencing by a recovery open, LAC reads and writes."),
+    _S("readOnlyRoles", str, "", "Comma-separated roles allowed reads and LAC reads only."),
+    _S("authToken", str, "", "The signed token this client (or bookie, to other bookies) "
+       "presents (bkshell tokens create). Prefer authTokenFile: a conf file is often "
+       "readable by many.", scope=BOTH),
+    _S("authTokenFile", str, "", "File holding the token to present.", scope=BOTH),
+    _S("httpServerTlsEnable", bool, False, "Serve HTTPS with the bookie's certificate "
+       "(tlsCertificatePath, tlsKeyStore)."),
+    _S("httpServerAuthMetrics", bool, False, "With authProvider set, /heartbeat and "
+       "/metrics also need a bearer token of a super-user role."),
+    _S("etcdTrustStore", str, "", "PEM CA bundle of etcd's server certificate: talk to "
+       "etcd over TLS.", scope=BOTH),
+    _S("etcdCertificatePath", str, "", "PEM client certificate for etcd (etcd's "
+       "--client-cert-auth).", scope=BOTH),
+    _S("etcdKeyStore", str, "", "PEM private key of etcdCertificatePath.", scope=BOTH),
+    _S("etcdUser", str, "", "etcd user (etcd's auth); its password is read from "
+       "etcdPasswordFile.", scope=BOTH),
+    _S("etcdPasswordFile", str, "", "File holding etcdUser's password.", scope=BOTH),
     # --- client ----------------------------------------------------------------
     _S("addEntryTimeoutSec", float, 10.0, "Seconds before a bookie that has not "
        "acknowledged an add is replaced.", scope=CLIENT, minimum=0.1),
@@ -304,9 +348,14 @@ SECTIONS: list[tuple[str, str]] = [
     ("Disk space and garbage collection", "diskUsageThreshold"),
     ("Process, registration and auto-recovery", "registrationTtlSeconds"),
     ("Observability", "httpServerEnabled"),
+    ("Security", "tlsCertificatePath"),
     ("Client", "addEntryTimeoutSec"),
     ("Logs (bk.log)", "logRollBytes"),
 ]
+
+
+# Settings whose value is itself a secret (the others name files holding secrets).
+SECRET_KEYS = frozenset({"authToken"})
 
 
 def sections() -> list[tuple[str, list[Setting]]]:
@@ -350,8 +399,9 @@ class Config(Mapping):
     def __len__(self):
         return len(self._values)
 
-    def __repr__(self):
-        return f"Config({self._values!r})"
+    def __repr__(self):         # a secret never reaches a log line through a repr
+        shown = {k: ("<secret>" if k in SECRET_KEYS and v else v) for k, v in self._values.items()}
+        return f"Config({shown!r})"
 
     def with_overrides(self, **overrides) -> "Config":
         """A copy with some settings replaced (values are validated)."""

@@ -10,8 +10,9 @@ when they do not care which error of it they got:
   :mod:`bk.retry` retries these.
 * :class:`MetadataError`: the metadata store (etcd) failed, is unreachable,
   holds no cluster or another one.
-* :class:`SecurityError` / :class:`AuthError`: TLS and identities (reserved
-  for the security work; nothing raises them yet).
+* :class:`SecurityError` / :class:`AuthError`: TLS and identities (a
+  certificate that does not verify, TLS required or not offered; a token or
+  role refused). See ``bk.security``.
 
 A lost compare-and-swap (:class:`MetadataVersionError`) is none of these: it is
 the protocol's normal conflict, and the caller re-reads and decides.
@@ -38,6 +39,8 @@ EBADVERSION = 6
 EFENCED = 7
 EREADONLY = 8
 ETOOMANYREQUESTS = 9
+EAUTH = 10          # bk's own: an identity or an op refused (BookKeeper: EUA)
+ESECURITY = 11      # bk's own: TLS required by the bookie, or not offered
 
 STATUS_NAMES: dict[int, str] = {EOK: "EOK"}         # filled by _status
 STATUS_ERRORS: dict[int, type] = {}                  # filled by _status
@@ -91,7 +94,8 @@ class MetadataCompactedError(MetadataError):
 
 
 class SecurityError(BKError):
-    """TLS or authentication failed (a certificate that does not verify, ...)."""
+    """TLS or authentication failed (a certificate that does not verify, TLS
+    required by the bookie or not offered by it, ...)."""
 
 
 class AuthError(SecurityError):
@@ -153,6 +157,17 @@ class TooManyRequestsError(BookieError, TransientError):
     """ETOOMANYREQUESTS: the bookie is overloaded; back off and retry."""
 
 
+@_status(ESECURITY, "ESECURITY", "TLS refused")
+class TLSRefusedError(BookieError, SecurityError):
+    """ESECURITY: the bookie requires TLS and the client did not ask for it, or the
+    client asked and the bookie offers none."""
+
+
+@_status(EAUTH, "EAUTH", "not authorized")
+class NotAuthorizedError(BookieError, AuthError):
+    """EAUTH: the bookie refused the identity presented, or the op for its role."""
+
+
 # --- client-side failures ------------------------------------------------------------
 
 class BookieUnavailableError(TransientError):
@@ -188,6 +203,11 @@ class LockLostError(BKError):
 
 
 # --- metadata ---------------------------------------------------------------------------
+
+class MetadataPermissionError(MetadataError, AuthError):
+    """etcd refused the request: the etcd user's role does not allow it (a read-only
+    identity that creates, recovers or deletes a ledger)."""
+
 
 class LedgerExistsError(MetadataError):
     """A ledger with this id already exists."""

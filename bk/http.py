@@ -13,12 +13,19 @@ that raises: 500 with the error, and the server goes on.
 
 The server binds at construction, so a taken port fails the daemon's start
 with a clear error instead of a silent thread failure.
+
+With a TLS context it serves HTTPS: the listening socket is wrapped without
+handshaking at accept, and each request's thread runs its own handshake, so
+a stalled client never holds up the accept loop. A ``guard``
+(:class:`bk.security.auth.HttpGuard`) decides per path who may see a view:
+401 without a valid identity, 403 for a role that may not.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -78,12 +85,38 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(r.body)
 
+    def setup(self):
+        super().setup()
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()     # under the handler's timeout
+
+    def _refused(self, path: str):
+        guard = self.server.guard
+        if guard is None:
+            return None
+        peer = None
+        if isinstance(self.connection, ssl.SSLSocket):
+            cert = self.connection.getpeercert() or {}
+            peer = next((v for rdn in cert.get("subject", ()) for k, v in rdn
+                         if k == "commonName"), None)
+        refused = guard.check(path, self.headers.get("Authorization"), peer)
+        if refused is None:
+            return None
+        code, reason = refused
+        log.warning("http %s refused (%d) for %s: %s", path, code, self.client_address[0],
+                    reason)
+        return Reply(code, json.dumps({"error": reason}).encode() + b"\n", "application/json",
+                     {"WWW-Authenticate": "Bearer"} if code == 401 else {})
+
     def do_GET(self):
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         routes = self.server.routes
         try:
+            refused = self._refused(path)
             view = routes.get(path)
-            if view is None:
+            if refused is not None:
+                self._send(refused)
+            elif view is None:
                 self._send(json_reply({"error": f"no such path: {path}",
                                        "paths": list(routes)}, 404))
             else:
@@ -104,15 +137,26 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        # a failed TLS handshake or a client gone: one line, not a traceback on stderr
+        log.info("http request from %s failed", client_address[0])
+
+
 class HttpServer:
     """Serves ``routes`` (``{path: view}``) on ``host:port`` (0: a free port, then
     :attr:`port`). Binds at construction (``OSError`` if it cannot), serves
     after :meth:`start`, until :meth:`stop`."""
 
-    def __init__(self, routes: dict[str, Callable[[], Reply]], host: str, port: int):
-        self.server = ThreadingHTTPServer((host, port), _Handler)
+    def __init__(self, routes: dict[str, Callable[[], Reply]], host: str, port: int,
+                 tls_context: ssl.SSLContext | None = None, guard=None):
+        self.server = _Server((host, port), _Handler)
         self.server.daemon_threads = True
         self.server.routes = dict(routes)
+        self.server.guard = guard
+        if tls_context is not None:
+            self.server.socket = tls_context.wrap_socket(
+                self.server.socket, server_side=True, do_handshake_on_connect=False)
         self.port = self.server.server_address[1]
         self.thread: threading.Thread | None = None
 

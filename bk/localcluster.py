@@ -10,12 +10,20 @@
 Every bookie is a ``bookie start`` child process in its own process group, with
 its own directory holding its conf file, data and log. Nothing outlives
 :meth:`LocalCluster.stop` (also called on ``with`` exit and at interpreter exit).
+
+``LocalCluster(secure=True)`` (``bookie localcluster --secure``) makes a CA,
+certificates, a token key, tokens and etcd passwords under
+``<base_dir>/security``; etcd serves TLS, requires client certificates and has
+authentication on, with a user whose role reaches only the cluster's prefix;
+bookies require TLS and tokens. :meth:`LocalCluster.client_settings` is what
+a client needs (also written to ``<base_dir>/client.conf``).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -27,8 +35,10 @@ import weakref
 
 from bk.config import SETTINGS
 from bk.errors import BKError
-from bk.meta.etcd_server import EtcdServer
+from bk.meta.etcd_server import EtcdServer, enable_auth
 from bk.meta.store import MetadataStore
+from bk.security import auth, pki
+from bk.security.etcd import EtcdCredentials
 from bk.util import free_port
 
 _live: "weakref.WeakSet[BookieProcess]" = weakref.WeakSet()
@@ -172,7 +182,9 @@ class BookieProcess:
         v = self.conf_overrides.get("httpServerEnabled")
         if v not in (True, "true") or not self.conf_overrides.get("httpServerPort"):
             return None
-        return f"http://127.0.0.1:{self.conf_overrides['httpServerPort']}/metrics"
+        scheme = "https" if self.conf_overrides.get("httpServerTlsEnable") in (True, "true") \
+            else "http"
+        return f"{scheme}://127.0.0.1:{self.conf_overrides['httpServerPort']}/metrics"
 
     def __repr__(self):
         return f"BookieProcess({self.bookie_id}, pid={self.pid}, alive={self.alive})"
@@ -222,7 +234,7 @@ class LocalCluster:
     def __init__(self, num_bookies: int = 3, base_dir: str | None = None, num_shards: int = 2,
                  base_port: int = 0, etcd_port: int = 0, conf_overrides: dict | None = None,
                  prefix: str = "ledgers", http_port: int | None = None,
-                 etcd_quota_bytes: int = ETCD_QUOTA_BYTES):
+                 etcd_quota_bytes: int = ETCD_QUOTA_BYTES, secure: bool = False):
         self._own_dir = base_dir is None
         self.base_dir = os.path.abspath(base_dir or tempfile.mkdtemp(prefix="bk-cluster-"))
         self.num_bookies = num_bookies
@@ -238,6 +250,9 @@ class LocalCluster:
         self.bookies: list[BookieProcess] = []
         self._store = None
         self._next = 0
+        self.secure = secure
+        self.security_dir = os.path.join(self.base_dir, "security")
+        self._etcd_credentials = None
 
     @property
     def metadata_uri(self) -> str:
@@ -246,8 +261,60 @@ class LocalCluster:
     @property
     def store(self):
         if self._store is None:
-            self._store = MetadataStore(self.metadata_uri)
+            self._store = MetadataStore(self.metadata_uri, credentials=self._etcd_credentials)
         return self._store
+
+    # --- secure mode ---------------------------------------------------------------
+    def _sec(self, name: str) -> str:
+        return os.path.join(self.security_dir, name)
+
+    def _make_security(self) -> None:
+        """The CA, certificates, token key, tokens and etcd passwords (kept, so that a
+        restarted cluster finds the same ones)."""
+        if os.path.exists(self._sec("ca.pem")):
+            return
+        ca = pki.make_ca(self.security_dir)
+        hosts = ["127.0.0.1", "localhost"]
+        ca.issue("etcd", hosts, common_name="etcd")
+        ca.issue("bookie", hosts, common_name="bookie")
+        ca.issue("client", hosts, common_name="client")
+        auth.write_secret_key(self._sec("token.key"), auth.create_secret_key())
+        key = auth.read_secret_key(self._sec("token.key"))
+        for role in ("bookie", "client", "admin", "reader"):
+            _write_secret(self._sec(f"{role}.token"), auth.create_token(key, role))
+        for name in ("etcd-root", "etcd-bk", "etcd-reader"):
+            _write_secret(self._sec(f"{name}.password"), secrets.token_urlsafe(24))
+
+    def _security_settings(self, who: str) -> dict:
+        """Settings of a bookie (``who="bookie"``) or a client (``client``, ``admin``
+        or the read-only ``reader``) in secure mode."""
+        cert = "bookie" if who == "bookie" else "client"
+        etcd_user = "reader" if who == "reader" else "bk"
+        s = {"tlsEnabled": True, "tlsTrustStore": self._sec("ca.pem"),
+             "authTokenFile": self._sec(f"{who}.token"),
+             "etcdTrustStore": self._sec("ca.pem"),
+             "etcdCertificatePath": self._sec(f"{cert}.crt"),
+             "etcdKeyStore": self._sec(f"{cert}.key"),
+             "etcdUser": etcd_user, "etcdPasswordFile": self._sec(f"etcd-{etcd_user}.password")}
+        if who == "bookie":
+            s.update(tlsCertificatePath=self._sec("bookie.crt"),
+                     tlsKeyStore=self._sec("bookie.key"), authProvider="token",
+                     tokenSecretKeyFile=self._sec("token.key"), superUserRoles="bookie,admin",
+                     clientRoles="client", readOnlyRoles="reader")
+        return s
+
+    def client_settings(self, role: str = "client") -> dict:
+        """What a client of this cluster needs besides the URI (secure mode: TLS, the
+        token of ``role`` (client, admin or the read-only reader) and etcd credentials,
+        all as file paths; otherwise nothing)."""
+        return self._security_settings(role) if self.secure else {}
+
+    def client_conf(self) -> str:
+        """A client.conf for this cluster."""
+        lines = [f"metadataServiceUri={self.metadata_uri}"]
+        for k, v in self.client_settings().items():
+            lines.append(f"{k}={'true' if v is True else v}")
+        return "\n".join(lines) + "\n"
 
     def start(self) -> "LocalCluster":
         self.start_etcd()
@@ -256,9 +323,35 @@ class LocalCluster:
 
     def start_etcd(self) -> None:
         os.makedirs(self.base_dir, exist_ok=True)
+        tls = None
+        if self.secure:
+            self._make_security()
+            tls_only = EtcdCredentials.from_conf(_Settings(
+                etcdTrustStore=self._sec("ca.pem"), etcdCertificatePath=self._sec("client.crt"),
+                etcdKeyStore=self._sec("client.key")))
+            tls = {"cert": self._sec("etcd.crt"), "key": self._sec("etcd.key"),
+                   "ca": self._sec("ca.pem"), "client_cert_auth": True,
+                   "credentials": tls_only}
         self.etcd = EtcdServer(os.path.join(self.base_dir, "etcd"), client_port=self.etcd_port,
-                               extra_args=etcd_flags(self.etcd_quota_bytes))
+                               extra_args=etcd_flags(self.etcd_quota_bytes), tls=tls)
         self.etcd.start()
+        if self.secure:
+            marker = self._sec("etcd-auth-enabled")
+            if not os.path.exists(marker):
+                with open(self._sec("etcd-root.password")) as f:
+                    root = f.read().strip()
+                users = {}
+                for name in ("bk", "reader"):
+                    with open(self._sec(f"etcd-{name}.password")) as f:
+                        users[name] = (f.read().strip(), name == "reader")
+                enable_auth(self.etcd.endpoint, tls["credentials"], root, users,
+                            "/" + self.prefix.strip("/") + "/")
+                open(marker, "w").close()
+            self._etcd_credentials = EtcdCredentials.from_conf(
+                _Settings(**{k: v for k, v in self.client_settings().items()
+                             if k.startswith("etcd")}))
+            with open(os.path.join(self.base_dir, "client.conf"), "w") as f:
+                f.write(self.client_conf())
         if not self.store.is_formatted():    # a restarted cluster keeps its identity
             self.store.format()
 
@@ -277,12 +370,15 @@ class LocalCluster:
         port = _port_in_conf(os.path.join(directory, "bk_server.conf"))
         if port is None:
             port = self.base_port + i if self.base_port else free_port()
-        conf = dict(self.conf_overrides)
+        conf = self._security_settings("bookie") if self.secure else {}
+        conf.update(self.conf_overrides)
         if self.http_port is not None:
             http = _port_in_conf(os.path.join(directory, "bk_server.conf"), "httpServerPort")
             if http is None:
                 http = self.http_port + i if self.http_port else free_port()
             conf.update(httpServerEnabled=True, httpServerPort=http)
+            if self.secure:
+                conf.setdefault("httpServerTlsEnable", True)
         conf.update(overrides)
         b = BookieProcess(self.metadata_uri, directory, port,
                           self.num_shards, conf, store=self.store)
@@ -323,6 +419,22 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _write_secret(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+
+
+class _Settings(dict):
+    """A mapping of some settings, the rest empty (for EtcdCredentials.from_conf)."""
+
+    def __missing__(self, key):
+        return ""
+
+    def __getattr__(self, key):
+        return self[key]
 
 
 @atexit.register

@@ -97,9 +97,13 @@ LEDGERS = _m("bookie_ledgers_count", GAUGE, "Ledgers stored on this bookie.")
 ENTRIES = _m("bookie_entries_count", GAUGE, "Entries stored on this bookie.")
 CONNECTIONS = _m("bookie_connections", GAUGE, "Open client connections.")
 CHECKPOINTS = _m("bookie_CHECKPOINTS", COUNTER, "Index checkpoints taken.")
+AUTH_FAILURES = _m("bookie_AUTH_FAILURES", COUNTER, "Connections or requests refused by TLS "
+                   "or authentication, by kind (tls_required, tls_not_offered, tls_handshake, "
+                   "auth, op).", ["kind"])
 SHARD_METRICS = [ADD_ENTRY_REQUEST, ADD_ENTRY_ERRORS, READ_ENTRY_REQUEST, READ_ENTRY_ERRORS,
                  READ_RANGE_REQUEST, JOURNAL_SYNC, JOURNAL_BATCH, JOURNAL_WRITE_BYTES,
-                 JOURNAL_QUEUE, JOURNAL_BYTES, LEDGERS, ENTRIES, CONNECTIONS, CHECKPOINTS]
+                 JOURNAL_QUEUE, JOURNAL_BYTES, LEDGERS, ENTRIES, CONNECTIONS, CHECKPOINTS,
+                 AUTH_FAILURES]
 
 # --- bookie: kept by the arbiter -----------------------------------------------------
 SERVER_STATUS = _m("bookie_SERVER_STATUS", GAUGE, "1 while the bookie is writable, 0 while "
@@ -200,6 +204,7 @@ class ShardMetrics:
         self.batch = _Hist(GROUP_BUCKETS)
         self.add_errors: dict[str, int] = {}
         self.read_errors: dict[str, int] = {}
+        self.auth_failures: dict[str, int] = {}
 
     def add_group(self, adds: int, failed: int, batch: int, latency: float) -> None:
         """One group commit answered: ``adds`` ADDs of which ``failed`` got an error,
@@ -214,6 +219,10 @@ class ShardMetrics:
         self.add_errors[status_name] = self.add_errors.get(status_name, 0) + 1
         if immediate:           # refused at once (read-only): not part of a group
             self.add_fail.observe(0.0)
+
+    def auth_failed(self, kind: str) -> None:
+        """A connection or request refused by TLS or authentication."""
+        self.auth_failures[kind] = self.auth_failures.get(kind, 0) + 1
 
     def read(self, status: int, latency: float, entries: int = 1) -> None:
         """A READ (``entries`` = 1) or the ``entries`` a READ_RANGE answered: each is
@@ -255,6 +264,7 @@ class ShardMetrics:
             LEDGERS.name: [[[], stats.get("ledgers", 0)]],
             ENTRIES.name: [[[], stats.get("entries", 0)]],
             CONNECTIONS.name: [[[], connections]],
+            AUTH_FAILURES.name: [[[k], v] for k, v in self.auth_failures.items()],
         }
 
 
@@ -267,6 +277,9 @@ class NoMetrics(ShardMetrics):
         pass
 
     def add_error(self, status_name, immediate):
+        pass
+
+    def auth_failed(self, kind):
         pass
 
     def read(self, status, latency, entries=1):

@@ -10,8 +10,9 @@ connection can pipeline many requests and match answers out of order.
 
 The layouts, one per op (``->`` separates request from response)::
 
-    HELLO        [op, rid, version, shard, auth_token]
-              -> [op, rid, status, version, num_shards, bookie_id]
+    HELLO        [op, rid, version, shard, hello_flags]
+              -> [op, rid, status, version, num_shards, bookie_id, features, reason]
+    AUTH         [op, rid, token]        -> [op, rid, status, role or reason]
     ADD          [op, rid, ledger, entry, lac, master_key, flags, digest, payload]
               -> [op, rid, status, ledger, entry]
     READ         [op, rid, ledger, entry, flags, master_key, previous_lac, timeout_ms]
@@ -50,7 +51,18 @@ The layouts, one per op (``->`` separates request from response)::
 * HELLO: the client sends it first on a new connection and waits for the
   answer before sending anything else. ``shard`` names the shard worker the
   connection is for (``-1``: any, served by shard 0). The arbiter reads exactly
-  this one frame and hands the socket to that worker, which answers it.
+  this one frame and hands the socket to that worker, which answers it. HELLO
+  carries no secret: ``hello_flags`` holds ``HELLO_START_TLS`` when the client
+  will run a TLS handshake right after the answer (BookKeeper's START_TLS). A
+  bookie that requires TLS refuses a plaintext HELLO, and one without a
+  certificate refuses START_TLS, with ESECURITY and a ``reason``; a bookie with
+  TLS announces ``FEATURE_TLS``, one that checks identities ``FEATURE_AUTH``.
+* AUTH: sent after HELLO (and after the TLS handshake, if any) when the bookie
+  announced ``FEATURE_AUTH``, and always after a TLS handshake (its answer is
+  where a certificate refused by the bookie shows). ``token`` is a signed token
+  or None; the answer names the role, or is EAUTH with the reason, and the
+  bookie closes the connection. Until AUTH succeeded a bookie that checks
+  identities serves nothing else; after it, only the ops of the role.
 
 Batched adds
 ------------
@@ -129,18 +141,24 @@ GET_LIST_OF_ENTRIES = 6
 PING = 7
 ADD_BATCH = 8
 READ_RANGE = 9
+AUTH = 10
 
 OP_NAMES = {
     HELLO: "HELLO", ADD: "ADD", READ: "READ", READ_LAC: "READ_LAC",
     WRITE_LAC: "WRITE_LAC", GET_BOOKIE_INFO: "GET_BOOKIE_INFO",
     GET_LIST_OF_ENTRIES: "GET_LIST_OF_ENTRIES", PING: "PING", ADD_BATCH: "ADD_BATCH",
-    READ_RANGE: "READ_RANGE",
+    READ_RANGE: "READ_RANGE", AUTH: "AUTH",
 }
 
 # features a bookie announces in its HELLO answer (7th field)
 FEATURE_ADD_BATCH = 1
 FEATURE_READ_RANGE = 2
 FEATURES = FEATURE_ADD_BATCH | FEATURE_READ_RANGE
+FEATURE_TLS = 4        # the bookie offers TLS (HELLO_START_TLS)
+FEATURE_AUTH = 8       # the bookie checks identities: AUTH comes next
+
+# hello_flags (5th field of HELLO)
+HELLO_START_TLS = 1
 MAX_BATCH_ENTRIES = 1 << 16
 
 # flags
@@ -152,6 +170,7 @@ FLAG_LONG_POLL = 2     # READ: wait for the LAC to pass previous_lac
 REQUEST_ARITY = {
     HELLO: 5, ADD: 9, READ: 8, READ_LAC: 5, WRITE_LAC: 5,
     GET_BOOKIE_INFO: 2, GET_LIST_OF_ENTRIES: 3, PING: 2, ADD_BATCH: 6, READ_RANGE: 10,
+    AUTH: 3,
 }
 
 _LEN = struct.Struct(">I")
@@ -283,8 +302,12 @@ def check_request(msg: list) -> int:
 
 # --- request builders (lists; pass to encode_frame) -------------------------
 
-def hello(rid: int, shard: int, auth_token: str | None = None) -> list:
-    return [HELLO, rid, PROTOCOL_VERSION, shard, auth_token]
+def hello(rid: int, shard: int, start_tls: bool = False) -> list:
+    return [HELLO, rid, PROTOCOL_VERSION, shard, HELLO_START_TLS if start_tls else 0]
+
+
+def auth(rid: int, token: str | None) -> list:
+    return [AUTH, rid, token]
 
 
 def add(rid, ledger, entry, lac, master_key, digest, payload, recovery=False) -> list:

@@ -3,15 +3,19 @@
 tests. :class:`BookieConnection` is one connection to one shard of one
 bookie; :class:`BookiePool` keeps one per (bookie, shard) and pipelines
 requests on them. The client library has its own pipelined connection layer
-(``bk.client.connection``).
+(``bk.client.connection``). Both take a :class:`bk.security.ClientSecurity`
+(TLS context and token); a bookie-to-bookie pool uses the bookie's own.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 
 from bk import protocol as P
-from bk.errors import BKError, BookieUnavailableError, ProtocolError
+from bk.errors import (BookieUnavailableError, ProtocolError, SecurityError,
+                       error_for_status)
+from bk.security import PLAINTEXT, ClientSecurity, tls
 from bk.util import parse_host_port
 
 
@@ -24,7 +28,8 @@ class BookieConnection:
     """
 
     def __init__(self, bookie_id: str, shard: int = -1, timeout: float = 10.0,
-                 auth_token: str | None = None):
+                 security: ClientSecurity | None = None):
+        security = security or PLAINTEXT
         host, port = parse_host_port(bookie_id)
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
@@ -33,13 +38,48 @@ class BookieConnection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.fb = P.FrameBuffer(1 << 30)
         self.bookie_id = bookie_id
+        self.role = None
         self._rid = 0
         self._ready: list = []
-        hello = self.call(P.hello(self.next_rid(), shard, auth_token))
+        try:
+            self._setup(host, shard, security)
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _setup(self, host: str, shard: int, security: ClientSecurity):
+        """HELLO, then (START_TLS) the TLS handshake, then AUTH when due."""
+        start_tls = security.context is not None
+        hello = self.call(P.hello(self.next_rid(), shard, start_tls))
         if hello[2] != 0:
-            raise BKError(f"HELLO to {bookie_id} shard {shard} refused with status {hello[2]}")
+            why = hello[7] if len(hello) > 7 else None
+            err = error_for_status(hello[2], f"HELLO to bookie {self.bookie_id} shard {shard}")
+            if why:
+                err.args = (f"{err.args[0]}: {why}",)
+            raise err
         self.num_shards = hello[4]
         self.features = hello[6] if len(hello) > 6 and type(hello[6]) is int else 0
+        if start_tls:
+            try:
+                self.sock = security.wrap(self.sock, host)
+                self.sock.do_handshake()
+            except (ssl.SSLError, ssl.CertificateError) as e:
+                raise SecurityError(f"TLS with bookie {self.bookie_id} failed: "
+                                    f"{tls.reason(e)}") from None
+        if start_tls or self.features & P.FEATURE_AUTH:
+            try:
+                answer = self.call(P.auth(self.next_rid(), security.token))
+            except ssl.SSLError as e:
+                raise SecurityError(f"bookie {self.bookie_id} refused the connection: "
+                                    f"{tls.reason(e)}") from None
+            except BookieUnavailableError as e:
+                raise SecurityError(f"bookie {self.bookie_id} closed the connection at "
+                                    f"AUTH: {e}") from None
+            if answer[2] != 0:
+                err = error_for_status(answer[2], f"AUTH to bookie {self.bookie_id}")
+                err.args = (f"{err.args[0]}: {answer[3]}",)
+                raise err
+            self.role = answer[3]
 
     def next_rid(self) -> int:
         self._rid += 1
@@ -97,9 +137,10 @@ class BookiePool:
     pipelined: :meth:`send` returns a ticket, :meth:`recv` its responses, and
     several tickets may be outstanding on several bookies at once."""
 
-    def __init__(self, store, timeout: float = 10.0):
+    def __init__(self, store, timeout: float = 10.0, security: ClientSecurity | None = None):
         self.store = store
         self.timeout = timeout
+        self.security = security
         self._conns: dict = {}
         self._shards: dict[str, int] = {}
         self._addr: dict[str, str] = {}
@@ -121,7 +162,8 @@ class BookiePool:
         addr = self.address(bookie_id)
         n = self._shards.get(bookie_id)
         if n is None:
-            with BookieConnection(addr, -1, timeout=self.timeout) as c:
+            with BookieConnection(addr, -1, timeout=self.timeout,
+                                  security=self.security) as c:
                 n = self._shards[bookie_id] = int(c.num_shards)
         return n
 
@@ -132,7 +174,8 @@ class BookiePool:
         c = self._conns.get(key)
         if c is None:
             try:
-                c = BookieConnection(self.address(bookie_id), shard, timeout=self.timeout)
+                c = BookieConnection(self.address(bookie_id), shard, timeout=self.timeout,
+                                     security=self.security)
             except OSError as e:
                 raise BookieUnavailableError(f"connect to bookie {bookie_id}: {e}") from None
             self._conns[key] = c

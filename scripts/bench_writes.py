@@ -5,6 +5,7 @@
     python scripts/bench_writes.py --uri etcd://127.0.0.1:2379/ledgers
     python scripts/bench_writes.py --rate 15000         # latency at a fixed load
     python scripts/bench_writes.py --profile out.prof   # cProfile the client
+    python scripts/bench_writes.py --tls                # plaintext vs TLS, same cluster, same run
 """
 
 import argparse
@@ -34,10 +35,32 @@ def main():
     p.add_argument("--profile", metavar="FILE", help="write a cProfile of the run to FILE")
     p.add_argument("--compare", action="store_true",
                    help="single-entry path (frameBatching=false), then batched, same cluster")
+    p.add_argument("--tls", action="store_true",
+                   help="local bookies offer TLS (not required): plaintext, then TLS, "
+                        "alternating --rounds times, and the ratio")
+    p.add_argument("--rounds", type=int, default=2, help="pairs of runs with --tls")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    tls_conf, tls_client = {}, {}
+    if a.tls:
+        if a.uri:
+            p.error("--tls starts its own cluster (with a throwaway CA): no --uri")
+        from bk.security import pki
+        ca = pki.make_ca(tempfile.mkdtemp(prefix="bk-bench-ca-"))
+        crt, key = ca.issue("bookie", ["127.0.0.1"])
+        tls_conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
+        tls_client = {"tlsEnabled": True, "tlsTrustStore": ca.cert_path}
 
     def run(uri):
+        if a.tls:
+            kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum,
+                      ack_quorum=a.ack_quorum, entry_size=a.entry_size, duration=a.duration,
+                      window=a.window, ledgers=a.ledgers, rate=a.rate)
+            runs = [bench_writes(uri, **kw, **extra) for _ in range(a.rounds)
+                    for extra in ({}, tls_client)]
+            return {"plaintext": runs[0::2], "tls": runs[1::2],
+                    "ratio": round(sum(r["entries_per_sec"] for r in runs[1::2]) /
+                                   sum(r["entries_per_sec"] for r in runs[0::2]), 2)}
         if a.compare:
             from bk.bench.writes import compare_writes
             return compare_writes(uri, ensemble=a.ensemble, write_quorum=a.write_quorum,
@@ -66,10 +89,19 @@ def main():
     else:
         from bk.localcluster import LocalCluster
         with tempfile.TemporaryDirectory(prefix="bk-bench-") as d:
-            with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards) as c:
+            with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards,
+                              conf_overrides=tls_conf) as c:
                 res = run(c.metadata_uri)
     if a.json:
         print(json.dumps(res))
+    elif a.tls:
+        for plain, tls_ in zip(res["plaintext"], res["tls"]):
+            print("plaintext:")
+            show(plain)
+            print("TLS:")
+            show(tls_)
+        print(f"TLS / plaintext: {res['ratio']}x entries/s (sum of {a.rounds} runs each, "
+              f"alternating)")
     elif a.compare:
         for name in ("single", "batched"):
             print(name + ":")

@@ -4,6 +4,7 @@ cluster, then a self-check of everything that was acknowledged (Jepsen-like).
 
     .venv/bin/python scripts/soak.py                        # 60 s, 5 bookies
     .venv/bin/python scripts/soak.py --duration 600 --seed 7 --keep
+    .venv/bin/python scripts/soak.py --secure               # TLS, tokens, etcd auth (docs/security.md)
 
 It starts its own LocalCluster (etcd + N bookie processes) in a temp dir, since
 the nemesis kills, pauses and restarts bookies. For --duration seconds:
@@ -594,12 +595,18 @@ class Copies:
     def __init__(self, cluster):
         self.shards = {b.bookie_id: b.num_shards for b in cluster.bookies}
         self.conns = {}
+        self.security = None
+        if getattr(cluster, "secure", False):
+            from bk.config import Config
+            from bk.security import ClientSecurity
+            self.security = ClientSecurity.from_conf(
+                Config.load(overrides=cluster.client_settings(), env={}))
 
     def held(self, bid, lid) -> set:
         key = (bid, P.shard_of(lid, self.shards[bid]))
         c = self.conns.get(key)
         if c is None:
-            c = self.conns[key] = BookieConnection(bid, shard=key[1])
+            c = self.conns[key] = BookieConnection(bid, shard=key[1], security=self.security)
         r = c.call(P.get_list_of_entries(c.next_rid(), lid))
         if r[2] == EOK:
             return set(P.ranges_to_ids(r[4] or []))
@@ -804,7 +811,12 @@ def main():
                         "rack-aware (the partition nemesis then also isolates whole racks)")
     p.add_argument("--keep", action="store_true", help="keep the cluster directory on PASS")
     p.add_argument("--dir", help="cluster directory (default: a new temp dir)")
+    p.add_argument("--secure", action="store_true",
+                   help="TLS and tokens on the bookies, etcd with TLS and a user (LocalCluster "
+                        "secure mode)")
     a = p.parse_args()
+    if a.secure and a.hosts:
+        p.error("--secure does not go with --hosts yet")
     if a.bookies < 3:
         p.error("--bookies must be at least 3")
     if a.hosts and netns.unavailable():
@@ -846,7 +858,9 @@ def main():
         say(f"soak: hosts on {net.subnet} (bridge {net.bridge}), racks {racks or 'none'}")
     else:
         cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards,
-                               conf_overrides=AUTORECOVERY if a.autorecovery else None)
+                               conf_overrides=AUTORECOVERY if a.autorecovery else None,
+                               secure=a.secure)
+        CLIENT_SETTINGS.update(cluster.client_settings())
     stop = threading.Event()
     threads = []
     clients = []

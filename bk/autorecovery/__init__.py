@@ -79,6 +79,8 @@ from bk.meta.recipes import Election, LeaseLock
 from bk.meta.store import MetadataStore
 from bk.metrics import AutoRecoveryMetrics
 from bk.rawclient import BookiePool
+from bk.security import ClientSecurity, client_settings
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.autorecovery")
 
@@ -109,14 +111,17 @@ class AutoRecovery:
     def start(self) -> "AutoRecovery":
         conf = self.conf
         self.store = MetadataStore(conf.metadataServiceUri,
-                                   timeout=conf.metadataTimeoutMillis / 1000.0)
-        self._pool = BookiePool(self.store)
+                                   timeout=conf.metadataTimeoutMillis / 1000.0,
+                                   credentials=EtcdCredentials.from_conf(conf))
+        self.security = ClientSecurity.from_conf(conf)
+        self._pool = BookiePool(self.store, security=self.security)
         self._replicator = Replicator(self.store, self._pool, conf.metadataServiceUri,
                                       timeout=conf.metadataTimeoutMillis / 1000.0,
                                       rate_bytes=conf.replicationRateByBytes,
                                       max_frame=conf.nettyMaxFrameSizeBytes,
                                       placement=PlacementPolicy.from_conf(conf),
-                                      quarantine_seconds=conf.bookieQuarantineTimeSeconds)
+                                      quarantine_seconds=conf.bookieQuarantineTimeSeconds,
+                                      client_settings=client_settings(conf))
         self.metrics.auditor = 0
         both = lambda: (self._wake_auditor.set(), self._wake_worker.set())   # noqa: E731
         for rel, wake in (("bookies/", self._wake_auditor.set),
@@ -314,7 +319,8 @@ class AutoRecovery:
             with lock:
                 pool = pools.get(tid)
                 if pool is None:
-                    pool = pools[tid] = BookiePool(store, timeout=10.0)
+                    pool = pools[tid] = BookiePool(store, timeout=10.0,
+                                                   security=self.security)
             return fn(pool, md)
 
         (writable, readonly), _ = store._bookie_sets()

@@ -27,6 +27,8 @@ from bk.exitcodes import EXIT_BIND, EXIT_CONFIG, EXIT_METADATA, EXIT_OK
 from bk.http import HttpServer, heartbeat, json_reply, metrics_view
 from bk.meta.store import MetadataStore
 from bk.metrics import AutoRecoveryMetrics, registry_of
+from bk.security import http_security
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.autorecovery")
 
@@ -80,7 +82,8 @@ class AutoRecoveryDaemon:
                                           "BK_metadataServiceUri or --metadata)")
         try:
             self.store = MetadataStore(conf.metadataServiceUri,
-                                       timeout=conf.metadataTimeoutMillis / 1000.0)
+                                       timeout=conf.metadataTimeoutMillis / 1000.0,
+                                       credentials=EtcdCredentials.from_conf(conf))
             self.store.cluster()              # no cluster under the prefix: say so
         except ValueError as e:
             raise DaemonExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None
@@ -88,7 +91,8 @@ class AutoRecoveryDaemon:
             raise DaemonExit(EXIT_METADATA, str(e)) from None
         if conf.httpServerEnabled:
             try:
-                self.http = HttpServer(self.routes(), conf.bind_address, conf.httpServerPort)
+                self.http = HttpServer(self.routes(), conf.bind_address, conf.httpServerPort,
+                                       **http_security(conf))
             except OSError as e:
                 raise DaemonExit(EXIT_BIND, f"cannot bind httpServerPort {conf.bind_address}:"
                                             f"{conf.httpServerPort}: {e.strerror}") from None

@@ -176,14 +176,17 @@ class Replicator:
     ``uri`` and ``timeout`` / ``bookie_timeout`` make the client used for ledger
     recovery (on first use); ``password``: for ledgers whose metadata has no
     master key; ``rate_bytes``: replicationRateByBytes (<= 0: no limit);
-    ``max_frame``: the bookies' nettyMaxFrameSizeBytes; ``quarantine_seconds``:
+    ``max_frame``: the bookies' nettyMaxFrameSizeBytes; ``client_settings``: TLS and
+    token settings of the connections it makes; ``quarantine_seconds``:
     how long a replacement that failed a copy is avoided (bookieQuarantineTimeSeconds)."""
 
     def __init__(self, store, pool: BookiePool, uri: str, timeout: float = 5.0,
                  bookie_timeout: float = 10.0, password: bytes | None = None,
                  rate_bytes: int = -1, max_frame: int = P.DEFAULT_MAX_FRAME_SIZE,
-                 placement: PlacementPolicy | None = None, quarantine_seconds: float = 60.0):
+                 placement: PlacementPolicy | None = None, quarantine_seconds: float = 60.0,
+                 client_settings: dict | None = None):
         self.store = store
+        self._client_settings = client_settings or {}   # TLS and token (bk.security)
         # Replacements that failed a copy (unreachable from here, say, though still
         # registered): the next pick avoids them while others exist. Without this
         # the deterministic pick below chose the same dead end on every retry.
@@ -217,7 +220,8 @@ class Replicator:
                                       enforceMinNumRacksPerWriteQuorum=pl.enforce,
                                       metadataTimeoutMillis=max(1, int(self._timeout * 1000)),
                                       readEntryTimeoutSec=self._bookie_timeout,
-                                      addEntryTimeoutSec=self._bookie_timeout)
+                                      addEntryTimeoutSec=self._bookie_timeout,
+                                      **self._client_settings)
         return self._client
 
     def close(self) -> None:

@@ -27,12 +27,13 @@ def _percentile(sorted_values, q: float) -> float:
     return sorted_values[i]
 
 
-def _bookie_counters(bookie_id: str, num_shards: int) -> tuple[int, int, float]:
+def _bookie_counters(bookie_id: str, num_shards: int,
+                     security=None) -> tuple[int, int, float]:
     """Journal syncs, synced records and CPU seconds, summed over the shards."""
     syncs = records = 0
     cpu = 0.0
     for shard in range(num_shards):
-        with BookieConnection(bookie_id, shard) as c:
+        with BookieConnection(bookie_id, shard, security=security) as c:
             info = c.call(P.get_bookie_info(c.next_rid()))[3]
         syncs += info.get("syncs", 0)
         records += info.get("synced_records", 0)
@@ -42,26 +43,27 @@ def _bookie_counters(bookie_id: str, num_shards: int) -> tuple[int, int, float]:
 
 def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
                  window: int = 2000, ledger_id: int | None = None, progress=None,
-                 batched: bool = True) -> dict:
+                 batched: bool = True, security=None) -> dict:
     """Send ``count`` adds of ``entry_size`` bytes to one shard of ``bookie_id``.
 
     ``batched``: as ADD_BATCH frames (what the client sends a bookie that
     announces them), answered by group acknowledgements; else one ADD frame
     per entry. Returns adds/s, MB/s, latency percentiles (ms), adds per journal
-    sync and the shard workers' CPU per add.
+    sync and the shard workers' CPU per add. ``security``: a
+    :class:`bk.security.ClientSecurity` (TLS, token) for the connections.
     """
     if ledger_id is None:
         ledger_id = (int(time.time() * 1000) << 8) & ((1 << 62) - 1)
-    probe = BookieConnection(bookie_id, -1)
+    probe = BookieConnection(bookie_id, -1, security=security)
     num_shards = probe.num_shards
     batched = batched and bool(probe.features & P.FEATURE_ADD_BATCH)
     probe.close()
-    conn = BookieConnection(bookie_id, P.shard_of(ledger_id, num_shards))
+    conn = BookieConnection(bookie_id, P.shard_of(ledger_id, num_shards), security=security)
     sock = conn.sock
     sock.settimeout(60)
     payload = os.urandom(entry_size)
     digest = bytes(16)
-    syncs0, recs0, cpu0 = _bookie_counters(bookie_id, num_shards)
+    syncs0, recs0, cpu0 = _bookie_counters(bookie_id, num_shards, security)
 
     sent_at = array("d", bytes(8 * count))
     latencies = array("d")
@@ -127,7 +129,7 @@ def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
             progress(acked, count, acked / (now - t0))
     elapsed = clock() - t0
     conn.close()
-    syncs1, recs1, cpu1 = _bookie_counters(bookie_id, num_shards)
+    syncs1, recs1, cpu1 = _bookie_counters(bookie_id, num_shards, security)
     lat = sorted(latencies)
     syncs = syncs1 - syncs0
     return {
@@ -136,6 +138,7 @@ def bench_bookie(bookie_id: str, entry_size: int = 1024, count: int = 200_000,
         "entry_size": entry_size,
         "window": window,
         "batched": batched,
+        "tls": security is not None and security.context is not None,
         "seconds": round(elapsed, 3),
         "adds_per_sec": round(count / elapsed, 1),
         "mb_per_sec": round(count * entry_size / elapsed / 1e6, 2),

@@ -74,6 +74,8 @@ from bk.meta.compactor import Compactor
 from bk.meta.racks import check_rack, set_rack_if_absent
 from bk.meta.store import MetadataStore
 from bk.rawclient import BookiePool
+from bk.security import ClientSecurity, auth, http_security, tls
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger("bk.bookie")
 
@@ -147,6 +149,7 @@ class Arbiter:
         self.metrics: M.BookieMetrics | None = None
         self.registry = None
         self.http = None
+        self.security = None            # ClientSecurity towards other bookies
         self.http_port = 0
         self.autorecovery = None
         self._wake_r, self._wake_w = os.pipe()
@@ -178,6 +181,7 @@ class Arbiter:
             raise BookieExit(EXIT_CONFIG, "metadataServiceUri is not set (conf file, "
                                           "BK_metadataServiceUri or --metadata)")
         self._check_segment_size()
+        self._check_security()
         if self.conf.bookieRack:
             try:
                 check_rack(self.conf.bookieRack)
@@ -188,11 +192,14 @@ class Arbiter:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         try:
             self.store = MetadataStore(conf.metadataServiceUri,
-                                       timeout=conf.metadataTimeoutMillis / 1000.0)
+                                       timeout=conf.metadataTimeoutMillis / 1000.0,
+                                       credentials=EtcdCredentials.from_conf(conf))
             self.num_shards = layout.check_cookie(conf, self.store)
             self.instance_id = self.store.instance_id
         except CookieMismatchError as e:
             raise BookieExit(EXIT_COOKIE, str(e)) from None
+        except ConfigError as e:
+            raise BookieExit(EXIT_CONFIG, str(e)) from None
         except ValueError as e:
             raise BookieExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None
         except MetadataError as e:
@@ -221,6 +228,21 @@ class Arbiter:
         # registrationTtlSeconds): the loop serves meanwhile, so clients that know this
         # bookie (their ledgers' ensembles) are served at once after a restart.
         threading.Thread(target=self._register, name="bk-register", daemon=True).start()
+
+    def _check_security(self):
+        """Load the TLS files, the token key and the roles once before forking, so
+        that a mistake stops the bookie with its reason instead of every worker."""
+        try:
+            tls.server_context(self.conf)
+            auth.Authenticator(self.conf)
+            if self.conf.httpServerEnabled:
+                http_security(self.conf)
+            self.security = ClientSecurity.from_conf(self.conf)   # to other bookies
+        except ConfigError as e:
+            raise BookieExit(EXIT_CONFIG, str(e)) from None
+        if self.conf.authProvider != "none" and not self.conf.tlsCertificatePath:
+            log.warning("authProvider=%s without TLS: tokens cross the network in "
+                        "plaintext (set tlsCertificatePath)", self.conf.authProvider)
 
     def _register(self):
         conf = self.conf
@@ -290,7 +312,7 @@ class Arbiter:
             return
         try:
             self.http = HttpServer(bookie_http.routes(self), self.conf.bind_address,
-                                   self.conf.httpServerPort)
+                                   self.conf.httpServerPort, **http_security(self.conf))
         except OSError as e:
             raise BookieExit(EXIT_BIND, f"cannot bind httpServerPort {self.conf.bind_address}:"
                                         f"{self.conf.httpServerPort}: {e.strerror}") from None
@@ -789,7 +811,7 @@ class Arbiter:
         gcOverreplicatedLedgerWaitTime (reading the metadata of these ledgers only). The
         under-replication locks of those ledgers are held until the worker has
         dropped them (see bk.autorecovery.checker.claim_overreplicated)."""
-        pool = BookiePool(self.store, timeout=10.0)
+        pool = BookiePool(self.store, timeout=10.0, security=self.security)
         stats = {"at": time.time(), "ledgers": len(ledger_ids)}
         try:
             claimed = claim_overreplicated(self.store, pool, self.conf.bookie_id, ledger_ids,

@@ -65,6 +65,21 @@ Metrics (:class:`bk.metrics.ShardMetrics`, plain numbers) are updated once per
 group commit on the add path; the snapshot rides on the heartbeat to the
 arbiter, which sums the shards.
 
+TLS and identities (``bk.security``): the arbiter reads the plaintext HELLO
+(which carries no secret) and hands the socket over; when the client asked for
+START_TLS the worker answers HELLO in plaintext and then runs the server side
+of the handshake on that same socket, non-blocking, in this loop (a
+connection that has not finished it within HANDSHAKE_TIMEOUT is closed).
+A TLS connection reads until the socket has nothing more *and* the SSL object
+holds no decrypted bytes (``pending()``): the selector cannot see those. Its
+output goes through ``send`` in chunks (an SSL socket has no ``sendmsg``),
+retried with the same leading bytes after SSLWantWrite as OpenSSL requires.
+With ``authProvider`` set a connection may send nothing but AUTH until its
+identity is known; its role then fixes ``_Conn.allowed``, the ops it may
+send, checked per frame by :meth:`_dispatch_checked`; a connection whose role
+may send everything (and every connection without authentication) is
+dispatched by :meth:`_dispatch` directly, as before.
+
 The worker exits when told to stop or SIGTERMed (it drains: syncs, sends what
 is held, checkpoints), and also when the control channel breaks (the arbiter
 died): a worker never outlives its arbiter.
@@ -79,6 +94,7 @@ import queue
 import selectors
 import signal
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -89,9 +105,10 @@ from bk import protocol as P
 from bk.bookie import control, layout
 from bk.bookie.storage import ShardStorage
 from bk.config import Config
-from bk.errors import (EBADREQ, EBADVERSION, EOK, EREADONLY, EUA, ENOENTRY, ProtocolError,
-                       status_name)
+from bk.errors import (EAUTH, EBADREQ, EBADVERSION, EOK, EREADONLY, ESECURITY, ENOENTRY,
+                       AuthError, ProtocolError, status_name)
 from bk.metrics import NoMetrics, ShardMetrics
+from bk.security import auth, tls
 
 log = logging.getLogger("bk.worker")
 
@@ -109,6 +126,10 @@ HEARTBEAT_INTERVAL = 1.0
 # flusher thread; the loop keeps serving).
 COMPACT_ROUND_BYTES = 256 << 20
 SWITCH_INTERVAL = 0.0002
+HANDSHAKE_TIMEOUT = 10.0     # TLS handshake and AUTH of a new connection, at most
+TLS_CHUNK = 256 * 1024       # bytes per SSL send
+# the connection states besides READY (0): waiting for the TLS handshake, for AUTH
+_READY, _HANDSHAKE, _AUTH = 0, 1, 2
 
 
 def staggered_checkpoint_bytes(limit: int) -> int:
@@ -121,7 +142,8 @@ def staggered_checkpoint_bytes(limit: int) -> int:
 
 
 class _Conn:
-    __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused", "ack", "ack_gen")
+    __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused", "ack", "ack_gen",
+                 "tls", "state", "allowed", "may_fence", "role", "deadline")
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
@@ -136,6 +158,12 @@ class _Conn:
         self.paused = False
         self.ack = None          # [rid, acked runs, errors] of the group being gathered
         self.ack_gen = -1        # the group ``ack`` belongs to
+        self.tls = False         # the socket is an SSLSocket
+        self.state = _READY
+        self.allowed = None      # op codes this connection may send; None: all
+        self.may_fence = True
+        self.role = None
+        self.deadline = 0.0      # of the handshake / AUTH
 
 
 class ShardWorker:
@@ -181,6 +209,14 @@ class ShardWorker:
         self._group = None                           # (adds, failed, answers, first held)
         self._sync_t0 = 0.0
         self._last_read_status = EOK
+        self.tls = tls.ServerTLS(conf) if conf.tlsCertificatePath else None
+        self.auth = auth.Authenticator(conf)
+        self.tls_required = self.tls is not None and conf.tlsRequired
+        if self.tls is not None:
+            self.features |= P.FEATURE_TLS
+        if self.auth.enabled:
+            self.features |= P.FEATURE_AUTH
+        self._unready: set[_Conn] = set()            # in handshake or before AUTH
 
     # --- life cycle --------------------------------------------------------
     def run(self):
@@ -404,6 +440,8 @@ class ShardWorker:
                     return
                 if not self._send_hb():
                     return
+                if self._unready:
+                    self._expire_unready(now)
             if self._compacting is not None:
                 self._compaction_step()
             storage.maintain(now)
@@ -525,20 +563,233 @@ class ShardWorker:
             self._close(conn, f"bad HELLO: {e}")
 
     def _hello(self, conn: _Conn, msg: list):
-        rid, version, _shard, token = msg[1], msg[2], msg[3], msg[4]
-        status = EOK
+        rid, version, _shard, flags = msg[1], msg[2], msg[3], msg[4]
+        status, reason, kind = EOK, None, None
+        start_tls = type(flags) is int and flags & P.HELLO_START_TLS
+        if conn.tls and start_tls:
+            raise ProtocolError("START_TLS on a connection that is already TLS")
         if version != P.PROTOCOL_VERSION:
-            status = EBADVERSION
-        elif self.conf.authToken and token != self.conf.authToken:
-            status = EUA
-        self._send(conn, _frame([P.HELLO, rid, status, P.PROTOCOL_VERSION, self.num_shards,
-                                 self.bookie_id, self.features]))
+            status, reason = EBADVERSION, f"protocol version {version!r} is not {P.PROTOCOL_VERSION}"
+        elif flags is not None and type(flags) is not int:
+            # a client of before bk.security: its shared secret, in plaintext
+            status, kind = EAUTH, "auth"
+            reason = ("plaintext shared secrets in HELLO are no longer accepted: the client "
+                      "must present a signed token (authToken) after HELLO")
+        elif start_tls and self.tls is None:
+            status, kind = ESECURITY, "tls_not_offered"
+            reason = f"bookie {self.bookie_id} does not offer TLS (no tlsCertificatePath)"
+        elif not start_tls and self.tls_required and not conn.tls:
+            status, kind = ESECURITY, "tls_required"
+            reason = (f"bookie {self.bookie_id} requires TLS (tlsRequired=true): connect "
+                      f"with tlsEnabled=true")
+        answer = [P.HELLO, rid, status, P.PROTOCOL_VERSION, self.num_shards, self.bookie_id,
+                  self.features]
+        if reason:
+            answer.append(reason)
+        self._send(conn, _frame(answer))
         if status != EOK:
-            self._flush(conn)
-            self._close(conn, "HELLO refused: " + ("bad version" if status == EBADVERSION
-                                                   else "bad auth token"))
+            self._refuse_conn(conn, kind, "HELLO refused: " + reason)
+            return
+        if start_tls:
+            self._start_tls(conn)
+        elif self.auth.enabled:
+            self._await_auth(conn)
+
+    # --- TLS and identities ------------------------------------------------------
+    def _refuse_conn(self, conn: _Conn, kind: str | None, reason: str):
+        """Close a connection refused by security (or a bad version), its answer
+        sent as far as the socket takes it; counted by ``kind``, logged without
+        secrets."""
+        if kind is not None:
+            self.m.auth_failed(kind)
+        self._flush(conn)
+        self._close(conn, reason)
+
+    def _await_auth(self, conn: _Conn):
+        conn.state = _AUTH
+        conn.allowed = auth.AUTH_ONLY
+        if not conn.deadline:
+            conn.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        self._unready.add(conn)
+
+    def _start_tls(self, conn: _Conn):
+        if conn.out:       # the HELLO answer did not go out whole: nothing sane to do
+            self._close(conn, "could not send the HELLO answer before TLS")
+            return
+        ctx = self.tls.context()
+        self.sel.unregister(conn.sock)
+        try:
+            conn.sock = ctx.wrap_socket(conn.sock, server_side=True,
+                                        do_handshake_on_connect=False)
+        except (ssl.SSLError, OSError) as e:
+            conn.sock.close()
+            conn.closed = True
+            self.conns.discard(conn)
+            log.warning("shard %d: TLS with %s failed: %s", self.shard, conn.peer, tls.reason(e))
+            return
+        conn.tls = True
+        conn.state = _HANDSHAKE
+        conn.allowed = auth.AUTH_ONLY
+        conn.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        self._unready.add(conn)
+        self.sel.register(conn.sock, selectors.EVENT_READ, conn)
+        self._handshake(conn)
+
+    def _handshake(self, conn: _Conn):
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
+            return
+        except ssl.SSLWantWriteError:
+            self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            return
+        except (ssl.SSLError, OSError) as e:
+            self.m.auth_failed("tls_handshake")     # nothing of ours to flush: close
+            self._close(conn, f"TLS handshake failed: {tls.reason(e)}")
+            return
+        # A client always sends AUTH after the handshake, even to a bookie that
+        # checks no identity: its answer is where a refused certificate shows.
+        conn.state = _AUTH
+        self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._on_readable_tls(conn)
+
+    def _auth(self, conn: _Conn, msg: list):
+        P.check_request(msg)
+        rid, token = msg[1], msg[2]
+        if conn.state == _READY and self.auth.enabled:
+            self._send(conn, _frame([P.AUTH, rid, EBADREQ, "already authenticated"]))
+            return
+        try:
+            role = self.auth.identify(token, tls.peer_identity(conn.sock) if conn.tls else None)
+        except AuthError as e:
+            self._send(conn, _frame([P.AUTH, rid, EAUTH, str(e)]))
+            self._refuse_conn(conn, "auth", f"AUTH refused: {e}")
+            return
+        conn.allowed, conn.may_fence = self.auth.grant(role)
+        conn.role = role
+        conn.state = _READY
+        self._unready.discard(conn)
+        self._send(conn, _frame([P.AUTH, rid, EOK, role]))
+
+    def _dispatch_checked(self, conn: _Conn, msg: list):
+        """Dispatch a frame of a connection whose role may not send every op."""
+        allowed = conn.allowed
+        if allowed is None:
+            self._dispatch(conn, msg)
+            return
+        op = msg[0]
+        if op == P.AUTH:
+            self._auth(conn, msg)
+            return
+        if conn.state != _READY:
+            self._refuse_conn(conn, "auth", f"{P.OP_NAMES.get(op, op)} before AUTH")
+            return
+        if op in allowed and (conn.may_fence or op not in auth.FENCING_OPS
+                              or not self._fences(op, msg)):
+            self._dispatch(conn, msg)
+            return
+        self._refuse_op(conn, msg)
+
+    @staticmethod
+    def _fences(op: int, msg: list) -> bool:
+        flags = msg[4] if op == P.READ else msg[3] if op == P.READ_LAC else msg[6]
+        return type(flags) is int and bool(flags & P.FLAG_FENCE)
+
+    def _refuse_op(self, conn: _Conn, msg: list):
+        """Answer EAUTH in the shape of the op (the client fails that request with
+        AuthError; the connection stays up)."""
+        op = msg[0]
+        if op == P.ADD_BATCH:
+            rid = msg[1]
+            errors = []
+            for lid, eid, _lac, _s, _e in P.split_add_batch(msg[5], msg[4]):
+                errors += (lid, eid, EAUTH)
+            answer = P.add_ack(rid, [], errors)
+        else:
+            P.check_request(msg)
+            rid = msg[1]
+            if op == P.ADD:
+                answer = [P.ADD, rid, EAUTH, msg[2], msg[3]]
+            elif op == P.READ:
+                answer = [P.READ, rid, EAUTH, msg[2], msg[3], -1, None, None, -1]
+            elif op == P.READ_LAC:
+                answer = [P.READ_LAC, rid, EAUTH, msg[2], -1, -1]
+            elif op == P.WRITE_LAC:
+                answer = [P.WRITE_LAC, rid, EAUTH, msg[2]]
+            elif op == P.READ_RANGE:
+                answer = [P.READ_RANGE, rid, EAUTH, msg[2], msg[3], [], -1]
+            else:
+                answer = [op, rid, EAUTH]
+        self.m.auth_failed("op")
+        what = P.OP_NAMES.get(op, op)
+        if op in auth.FENCING_OPS:
+            what += " (fencing)"
+        log.warning("shard %d: refused %s from %s: role %r may not send it", self.shard,
+                    what, conn.peer, conn.role)
+        self._send(conn, _frame(answer))
+
+    def _expire_unready(self, now: float):
+        for conn in [c for c in self._unready if now > c.deadline]:
+            self.m.auth_failed("tls_handshake" if conn.state == _HANDSHAKE else "auth")
+            self._close(conn, "no TLS handshake or AUTH in time")
+
+    def _on_readable_tls(self, conn: _Conn):
+        """Read a TLS connection until the socket and the SSL object's decrypted
+        buffer (which the selector cannot see) are both empty, or RECV_SIZE bytes
+        were taken with nothing pending (the selector sees the rest)."""
+        if conn.state == _HANDSHAKE:
+            self._handshake(conn)
+            return
+        fb = conn.fb
+        sock = conn.sock
+        got = 0
+        while True:
+            try:
+                n = sock.recv_into(fb.recv_buffer(RECV_SIZE), RECV_SIZE)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError,
+                    InterruptedError):
+                break
+            except ssl.SSLError as e:
+                self._close(conn, f"TLS error: {tls.reason(e)}")
+                return
+            except OSError as e:
+                self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+                return
+            if not n:
+                self._close(conn, None)
+                return
+            fb.commit(n)
+            got += n
+            if got >= RECV_SIZE and not sock.pending():
+                break
+        if got:
+            self._dispatch_frames(conn)
+
+    def _send_tls(self, conn: _Conn):
+        """Send what ``conn.out`` holds in TLS_CHUNK pieces; the bytes sent, or None
+        if the connection broke. After SSLWantWrite the next call starts at the same
+        byte with at least as many bytes, as OpenSSL requires of a retried write."""
+        out = conn.out
+        sent = 0
+        while sent < len(out):
+            try:
+                sent += conn.sock.send(out[sent:sent + TLS_CHUNK])
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError,
+                    InterruptedError):
+                break
+            except ssl.SSLError as e:
+                self._close(conn, f"TLS error: {tls.reason(e)}")
+                return None
+            except OSError as e:
+                self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+                return None
+        return sent
 
     def _on_readable(self, conn: _Conn):
+        if conn.tls:
+            self._on_readable_tls(conn)
+            return
         fb = conn.fb
         try:
             n = conn.sock.recv_into(fb.recv_buffer(RECV_SIZE), RECV_SIZE)
@@ -557,9 +808,10 @@ class ShardWorker:
         """Dispatch the connection's buffered frames until its unsent output passes
         OUT_HIGH; then pause it (no reading, the rest stays buffered) until _flush
         drained it below OUT_LOW."""
+        dispatch = self._dispatch if conn.allowed is None else self._dispatch_checked
         try:
             for msg in conn.fb.frames():
-                self._dispatch(conn, msg)
+                dispatch(conn, msg)
                 if len(conn.out) > OUT_HIGH or conn.closed:
                     if not conn.closed and not conn.paused:
                         conn.paused = True
@@ -661,6 +913,8 @@ class ShardWorker:
             self._send(conn, _frame([P.PING, rid, EOK]))
         elif op == P.HELLO:
             self._hello(conn, msg)
+        elif op == P.AUTH:
+            self._auth(conn, msg)
         elif op == P.ADD:
             raise ProtocolError(f"ADD request has {len(msg)} fields, expected 9")
         else:
@@ -806,6 +1060,11 @@ class ShardWorker:
     def _send_frames(self, conn: _Conn, frames: list):
         """Send frames with one ``sendmsg`` (no join); what the socket does not take
         waits in ``conn.out``."""
+        if conn.tls:                 # an SSL socket has no sendmsg
+            for f in frames:
+                conn.out += f
+            self._flush(conn)
+            return
         try:
             n = conn.sock.sendmsg(frames)
         except (BlockingIOError, InterruptedError):
@@ -833,14 +1092,21 @@ class ShardWorker:
 
     def _flush(self, conn: _Conn):
         if conn.closed or not conn.out:
+            if conn.state == _HANDSHAKE and not conn.closed:
+                self._handshake(conn)    # it waited for the socket to take its bytes
             return
-        try:
-            n = conn.sock.send(conn.out)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError as e:
-            self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
-            return
+        if conn.tls:
+            n = self._send_tls(conn)
+            if n is None:
+                return
+        else:
+            try:
+                n = conn.sock.send(conn.out)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:
+                self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+                return
         if n:
             del conn.out[:n]
         want_write = bool(conn.out)
@@ -871,3 +1137,4 @@ class ShardWorker:
             pass
         conn.sock.close()
         self.conns.discard(conn)
+        self._unready.discard(conn)

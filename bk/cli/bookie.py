@@ -7,14 +7,21 @@ import signal
 import sys
 import time
 
-import click
+# The arbiter forks shard workers (and restarts them) while its etcd client's gRPC
+# threads run. gRPC's own fork handlers then wait in fork() for those threads, which
+# wait for the GIL that fork() holds: the bookie hung at start, seen with TLS to etcd.
+# Workers never use gRPC, so they need none of its fork handling: turn it off before
+# gRPC starts in this process.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from bk.bookie import layout
-from bk.bookie.storage import Tombstones
-from bk.bookie.upgrade import needs_upgrade, upgrade_shard
-from bk.cli.common import fail, one_line_errors, setup_logging
-from bk.config import Config
-from bk.exitcodes import EXIT_CONFIG, EXIT_NOT_RUNNING
+import click  # noqa: E402
+
+from bk.bookie import layout  # noqa: E402
+from bk.bookie.storage import Tombstones  # noqa: E402
+from bk.bookie.upgrade import needs_upgrade, upgrade_shard  # noqa: E402
+from bk.cli.common import fail, one_line_errors, setup_logging  # noqa: E402
+from bk.config import Config  # noqa: E402
+from bk.exitcodes import EXIT_CONFIG, EXIT_NOT_RUNNING  # noqa: E402
 
 PROG = "bookie"
 
@@ -245,8 +252,10 @@ def format(conf_file, settings, force, **flags):  # noqa: A001 - the command's n
     if conf.metadataServiceUri:
         from bk.meta.store import MetadataStore
         try:
+            from bk.security.etcd import EtcdCredentials
             with MetadataStore(conf.metadataServiceUri,
-                               timeout=conf.metadataTimeoutMillis / 1000.0) as store:
+                               timeout=conf.metadataTimeoutMillis / 1000.0,
+                               credentials=EtcdCredentials.from_conf(conf)) as store:
                 cookie, _ = store.read_cookie(conf.bookie_id)
                 if cookie is not None:
                     store.delete_cookie(conf.bookie_id)
@@ -318,9 +327,13 @@ def upgrade(conf_file, settings, **flags):
               type=click.IntRange(min=1 << 20),
               help="etcd's backend quota: past it etcd raises NOSPACE and refuses writes "
                    "(bkshell metacompact --defrag --disarm recovers).")
+@click.option("--secure", is_flag=True,
+              help="TLS and tokens everywhere: a CA and certificates under DIR/security, "
+                   "etcd with TLS, client certificates and a user limited to the prefix, "
+                   "bookies requiring TLS and tokens, HTTPS; prints the client.conf to use.")
 @one_line_errors(PROG)
 def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, settings, smoke,
-                 etcd_quota_bytes):
+                 etcd_quota_bytes, secure):
     """Run an embedded etcd and N bookies in the foreground; Ctrl-C stops all.
 
     The first line printed is the metadata URI
@@ -340,9 +353,14 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
     cluster = LocalCluster(num_bookies=bookies, base_dir=base_dir, num_shards=shards,
                            base_port=base_port, etcd_port=etcd_port,
                            conf_overrides=overrides, http_port=http_port,
-                           etcd_quota_bytes=etcd_quota_bytes)
+                           etcd_quota_bytes=etcd_quota_bytes, secure=secure)
     cluster.start_etcd()
     click.echo(f"metadataServiceUri={cluster.metadata_uri}", color=False)
+    client_conf = os.path.join(os.path.abspath(base_dir), "client.conf")
+    if secure:
+        click.echo(f"client configuration (TLS, token, etcd credentials): {client_conf}\n"
+                   + "".join(f"  {line}\n" for line in cluster.client_conf().splitlines()),
+                   nl=False)
     sys.stdout.flush()
     try:
         cluster.start_bookies()
@@ -350,11 +368,16 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
             click.echo(f"bookie {b.bookie_id} running (pid {b.pid}, data {b.dir})"
                        + (f", metrics {b.metrics_url}" if b.metrics_url else ""))
         if smoke:
-            click.echo(_smoke(cluster.metadata_uri))
-        click.echo(f"\nTry:\n  bkshell --metadata {cluster.metadata_uri} listbookies\n"
-                   f"  bkshell --metadata {cluster.metadata_uri} simpletest --entries 100\n"
-                   f"  export BK_METADATA_URI={cluster.metadata_uri}\n"
-                   f"Press Ctrl-C to stop.")
+            click.echo(_smoke(cluster.metadata_uri, cluster.client_settings()))
+        if secure:
+            click.echo(f"\nTry:\n  bkshell --conf {client_conf} listbookies\n"
+                       f"  bkshell --conf {client_conf} simpletest --entries 100\n"
+                       f"Press Ctrl-C to stop.")
+        else:
+            click.echo(f"\nTry:\n  bkshell --metadata {cluster.metadata_uri} listbookies\n"
+                       f"  bkshell --metadata {cluster.metadata_uri} simpletest --entries 100\n"
+                       f"  export BK_METADATA_URI={cluster.metadata_uri}\n"
+                       f"Press Ctrl-C to stop.")
         sys.stdout.flush()
         while not stop:
             time.sleep(0.5)
@@ -396,11 +419,11 @@ def autorecovery(conf_file, settings, **flags):
         fail(PROG, str(e), e.code)
 
 
-def _smoke(uri: str) -> str:
+def _smoke(uri: str, settings: dict | None = None) -> str:
     """Write and read back a small ledger: proof that the cluster does real work."""
     try:
         import bk
-        with bk.BookKeeper(uri) as client:
+        with bk.BookKeeper(uri, **(settings or {})) as client:
             lh = client.create_ledger(ensemble_size=3, write_quorum_size=2, ack_quorum_size=2,
                                       password=b"localcluster")
             for i in range(10):

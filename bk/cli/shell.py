@@ -50,17 +50,23 @@ class Ctx:
         parse_metadata_uri(uri)          # ValueError naming the URI
         return uri
 
+    def etcd(self):
+        """etcd's TLS and user of --conf (bk.security.etcd)."""
+        from bk.security.etcd import EtcdCredentials
+        return EtcdCredentials.from_conf(self.conf)
+
     def admin(self):
         from bk.admin import Admin
         from bk.client.placement import PlacementPolicy
-        # re-replication (recover, decommissionbookie) places by the conf's policy
+        # re-replication (recover, decommissionbookie) places by the conf's policy; TLS
+        # and the token towards bookies come from the conf too
         return Admin(self.uri(), timeout=self.timeout, password=self.password,
-                     placement=PlacementPolicy.from_conf(self.conf))
+                     placement=PlacementPolicy.from_conf(self.conf), conf=self.conf)
 
     def client(self, **overrides):
         import bk
-        return bk.BookKeeper(self.uri(), metadataTimeoutMillis=int(self.timeout * 1000),
-                             **overrides)
+        return bk.BookKeeper(self.uri(), conf=self.conf,
+                             metadataTimeoutMillis=int(self.timeout * 1000), **overrides)
 
     def need_conf(self, what: str):
         if not self.conf_file:
@@ -227,7 +233,7 @@ def metastatus(c, as_json):
     """
     from bk.meta import compactor
     from bk.meta.store import MetadataStore
-    with MetadataStore(c.uri(), timeout=c.timeout) as store:
+    with MetadataStore(c.uri(), timeout=c.timeout, credentials=c.etcd()) as store:
         rows = store.etcd_status()
         rec, _ = store.get_json(compactor.RECORD)
         leader, _ = store.get_json(compactor.ELECTION)
@@ -277,7 +283,7 @@ def metacompact(c, revision, defrag, disarm, as_json):
     """
     from bk.meta.store import MetadataStore
     # compacting physically and defragmenting a large db take minutes, not --timeout
-    with MetadataStore(c.uri(), timeout=max(c.timeout, 600.0)) as store:
+    with MetadataStore(c.uri(), timeout=max(c.timeout, 600.0), credentials=c.etcd()) as store:
         before = store.db_size()
         target = revision or store.revision()
         store.compact(target, physical=True)
@@ -1241,7 +1247,9 @@ def checkledgers(c, master, partitions, as_json):
              .getOrCreate())
     try:
         spark.sparkContext.setLogLevel("ERROR")
-        rows = [r.asDict() for r in bk.spark.check_ledgers(spark, uri, partitions).collect()]
+        from bk.security import client_settings
+        rows = [r.asDict() for r in bk.spark.check_ledgers(
+            spark, uri, partitions, security=client_settings(c.conf)).collect()]
     finally:
         spark.stop()
     rows.sort(key=lambda r: (r["ledger_id"], r["entry_id"], r["bookie"]))
@@ -1668,6 +1676,42 @@ def bench_recovery_cmd(size, entry_size, ledgers, writers, writer_rate, registra
                    else f"VERIFICATION FAILED: {'; '.join(r['problems'][:5])}")
     if not r["verified"]:
         sys.exit(1)
+
+
+# --- security (bk.security) -----------------------------------------------------------
+
+@cli.group()
+def tokens():
+    """Signed tokens (HS256) for authProvider=token: the secret key, then a token per role."""
+
+
+@tokens.command("create-secret-key")
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False),
+              help="File to write the key to (base64; created with mode 0600).")
+@handled
+def tokens_create_secret_key(output):
+    """Make a new random 256-bit key (tokenSecretKeyFile of the bookies)."""
+    from bk.security import auth
+    if os.path.exists(output):
+        fail(PROG, f"{output} exists: a new key would invalidate every token signed with it; "
+                   f"remove it first if that is what you want", 2)
+    auth.write_secret_key(output, auth.create_secret_key())
+    click.echo(f"wrote a new secret key to {output}", err=True)
+
+
+@tokens.command("create")
+@click.option("--secret-key-file", "-k", required=True, type=click.Path(dir_okay=False),
+              help="The key made by create-secret-key.")
+@click.option("--subject", "-s", required=True, help="The role the token stands for.")
+@click.option("--expiry-time", type=click.FloatRange(min=1), default=None,
+              help="Seconds until the token expires (default: never).")
+@handled
+def tokens_create(secret_key_file, subject, expiry_time):
+    """Print a token for role SUBJECT (give it to the client as authToken or in a file
+    named by authTokenFile)."""
+    from bk.security import auth
+    key = auth.read_secret_key(secret_key_file, "--secret-key-file")
+    click.echo(auth.create_token(key, subject, expiry_time))
 
 
 def main(argv=None):

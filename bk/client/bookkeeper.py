@@ -26,6 +26,8 @@ from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.racks import all_racks
 from bk.meta.store import MetadataStore
 from bk.metrics import client_registry
+from bk.security import ClientSecurity
+from bk.security.etcd import EtcdCredentials
 from bk import protocol
 
 log = logging.getLogger("bk.client")
@@ -61,6 +63,8 @@ class BookKeeper:
         if conf.metadataServiceUri != uri:
             conf = conf.with_overrides(metadataServiceUri=uri)
         self.conf = conf
+        security = ClientSecurity.from_conf(conf)   # bad TLS files or token: fail first
+        etcd_credentials = EtcdCredentials.from_conf(conf)
         self._placement = PlacementPolicy.from_conf(conf)
         self._closed = False
         self._pid = os.getpid()
@@ -77,7 +81,8 @@ class BookKeeper:
         self._view_pid = 0
         self._cancel_watch = None
         self._store_cls = MetadataStore
-        self._store = MetadataStore(uri, timeout=conf.metadataTimeoutMillis / 1000.0)
+        self._store = MetadataStore(uri, timeout=conf.metadataTimeoutMillis / 1000.0,
+                                    credentials=etcd_credentials)
         try:
             # Touch etcd now so that an unreachable store fails here, naming the URI,
             # and a prefix with no cluster (a typo) fails before anything is created.
@@ -90,7 +95,7 @@ class BookKeeper:
             raise MetadataError(f"connect to metadata store {uri}: {e}") from None
         self._io = IOLoop(max_frame_size=conf.nettyMaxFrameSizeBytes,
                           connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
-                          auth_token=conf.authToken or None,
+                          security=security,
                           batching=conf.frameBatching)
         self._health = BookieHealth(conf.bookieQuarantineTimeSeconds)
         self._io.health = self._health

@@ -55,6 +55,18 @@ flight or handed to it, and every write handle registered with it, with a
 :class:`BKError` naming the cause; later calls raise it at once. Nothing waits
 forever on a thread that is gone.
 
+TLS and identities (``bk.security``): with a TLS context the HELLO asks for
+START_TLS; after its answer the connection wraps its socket and runs the
+client side of the handshake in this loop (state HANDSHAKE), then sends AUTH
+with the token, if any (state AUTH), and is READY once AUTH is answered; a
+bookie that announced ``FEATURE_AUTH`` gets AUTH after a plaintext HELLO.
+The connect timeout covers all of it. A failure on the way is a
+:class:`SecurityError` naming the bookie and the reason, never a fallback to
+plaintext. A TLS socket has no ``sendmsg``: its buffers go out joined in
+pieces of at most TLS_CHUNK (a retry after SSLWantWrite starts with the same
+bytes, as OpenSSL requires), and reads go on until the SSL object holds no
+decrypted bytes (``pending()``), which the selector cannot see.
+
 Fork safety: a child process (multiprocessing, PySpark) must not share the
 parent's sockets or thread. ``os.register_at_fork`` marks every loop, and the
 next use in the child starts afresh with new sockets and a new thread.
@@ -70,18 +82,22 @@ import logging
 import os
 import selectors
 import socket
+import ssl
 import threading
 import time
 import weakref
 
 from bk import protocol
-from bk.errors import (BKError, BookieUnavailableError, ProtocolError, TimeoutError,
-                       error_for_status)
+from bk.errors import (BKError, BookieUnavailableError, ProtocolError,
+                       SecurityError, TimeoutError, error_for_status)
+from bk.security import PLAINTEXT, tls
 from bk.util import parse_host_port
 
 log = logging.getLogger("bk.client")
 
-IDLE, CONNECTING, HELLO, READY = range(4)
+IDLE, CONNECTING, HELLO, READY, HANDSHAKE, AUTH = range(6)
+_SETUP = (CONNECTING, HELLO, HANDSHAKE, AUTH)
+TLS_CHUNK = 1 << 16            # bytes per SSL send, at most (whole buffers joined)
 _EV_R = selectors.EVENT_READ
 _EV_RW = selectors.EVENT_READ | selectors.EVENT_WRITE
 _RECV = 1 << 18
@@ -213,7 +229,7 @@ class Connection:
     __slots__ = ("loop", "bookie_id", "shard", "addr", "state", "sock", "inflight",
                  "queued", "out", "wq", "fb", "dirty", "num_shards", "down_until",
                  "adds", "addq", "features", "waiting", "_connect_deadline", "_wants_write",
-                 "__weakref__")
+                 "tls", "role", "__weakref__")
 
     def __init__(self, loop, bookie_id, shard, addr):
         self.loop = loop
@@ -236,6 +252,8 @@ class Connection:
         self.down_until = 0.0
         self._connect_deadline = 0.0
         self._wants_write = False
+        self.tls = False         # the socket is an SSLSocket
+        self.role = None         # what the bookie's AUTH answer named
 
     def __repr__(self):
         return f"<Connection {self.bookie_id}/{self.shard} state={self.state}>"
@@ -368,13 +386,16 @@ class Connection:
         self.state = HELLO
         self.wq = [protocol.encode_frame(
             protocol.hello(0, -1 if self.shard is None else self.shard,
-                           self.loop.auth_token or None))]
+                           self.loop.security.context is not None))]
         self._write()
 
     def _on_hello(self, msg):
         status = msg[2]
         if status != 0:
-            self._fail(error_for_status(status, f"hello to bookie {self.bookie_id}"))
+            err = error_for_status(status, f"hello to bookie {self.bookie_id}")
+            if len(msg) > 7 and msg[7]:
+                err.args = (f"{err.args[0]}: {msg[7]}",)
+            self._fail(err)
             return
         num_shards = msg[4] if len(msg) > 4 else None
         their_id = msg[5] if len(msg) > 5 else None
@@ -383,8 +404,70 @@ class Connection:
                 f"bookie {self.bookie_id}: {self.addr[0]}:{self.addr[1]} is bookie {their_id}"))
             return
         self.num_shards = num_shards
-        self.features = (msg[6] if len(msg) > 6 and type(msg[6]) is int else 0) \
-            if self.loop.batching else 0
+        features = msg[6] if len(msg) > 6 and type(msg[6]) is int else 0
+        self.features = features if self.loop.batching else 0
+        if self.loop.security.context is not None:
+            self._start_tls()
+        elif features & protocol.FEATURE_AUTH:
+            self._send_auth()
+        else:
+            self._ready()
+
+    # --- TLS and AUTH (see the module's docstring) ------------------------------------
+    def _start_tls(self):
+        loop = self.loop
+        raw = self.sock
+        loop.sel.unregister(raw)
+        try:
+            self.sock = loop.security.wrap(raw, self.addr[0])
+        except (ssl.SSLError, OSError, ValueError) as e:
+            raw.close()
+            self.sock = None
+            self._fail(SecurityError(f"TLS with bookie {self.bookie_id}: {tls.reason(e)}"))
+            return
+        self.tls = True
+        self.state = HANDSHAKE
+        loop.sel.register(self.sock, _EV_R, self)
+        self._wants_write = False
+        self._handshake()
+
+    def _handshake(self):
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._want(False)
+            return
+        except ssl.SSLWantWriteError:
+            self._want(True)
+            return
+        except (ssl.SSLError, ssl.CertificateError, OSError) as e:
+            self._fail(SecurityError(f"TLS with bookie {self.bookie_id} failed: "
+                                     f"{tls.reason(e)}"))
+            return
+        self._want(False)
+        self._send_auth()
+
+    def _want(self, write: bool):
+        if write != self._wants_write:
+            self._wants_write = write
+            self.loop.sel.modify(self.sock, _EV_RW if write else _EV_R, self)
+
+    def _send_auth(self):
+        self.state = AUTH
+        self.wq = [protocol.encode_frame(protocol.auth(0, self.loop.security.token))]
+        self._write()
+
+    def _on_auth(self, msg):
+        if msg[2] != 0:
+            err = error_for_status(msg[2], f"AUTH to bookie {self.bookie_id}")
+            if len(msg) > 3 and msg[3]:
+                err.args = (f"{err.args[0]}: {msg[3]}",)
+            self._fail(err)
+            return
+        self.role = msg[3] if len(msg) > 3 else None
+        self._ready()
+
+    def _ready(self):
         self.state = READY
         self.down_until = 0.0
         self.loop._connecting.discard(self)
@@ -407,25 +490,34 @@ class Connection:
     # --- I/O events ------------------------------------------------------------
     def _on_readable(self):
         fb = self.fb
-        try:
-            n = self.sock.recv_into(fb.recv_buffer(_RECV), _RECV)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self._fail(BookieUnavailableError(f"connection to bookie {self.bookie_id} broke: "
-                                              f"{e.strerror or e}"))
-            return
-        if not n:
-            self._fail(BookieUnavailableError(f"bookie {self.bookie_id} closed the connection"))
-            return
-        fb.commit(n)
+        if self.tls:
+            if not self._read_tls(fb):
+                return
+        else:
+            try:
+                n = self.sock.recv_into(fb.recv_buffer(_RECV), _RECV)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._fail(BookieUnavailableError(f"connection to bookie {self.bookie_id} "
+                                                  f"broke: {e.strerror or e}"))
+                return
+            if not n:
+                self._fail(BookieUnavailableError(f"bookie {self.bookie_id} closed the "
+                                                  f"connection"))
+                return
+            fb.commit(n)
         inflight = self.inflight
         untrack = self.loop._untrack if self.loop._timeouts else None
         try:
             for msg in fb.frames():
                 if self.state != READY:
-                    if msg[0] == protocol.HELLO:
+                    if msg[0] == protocol.HELLO and self.state == HELLO:
                         self._on_hello(msg)
+                        if self.state != READY:
+                            return
+                    elif msg[0] == protocol.AUTH and self.state == AUTH:
+                        self._on_auth(msg)
                         if self.state != READY:
                             return
                     continue
@@ -446,6 +538,41 @@ class Connection:
                         log.exception("reply handler failed for %r", req)
         except ProtocolError as e:
             self._fail(BookieUnavailableError(f"bad frame from bookie {self.bookie_id}: {e}"))
+
+    def _read_tls(self, fb) -> bool:
+        """Read what the socket and the SSL object hold; False if nothing came (or the
+        connection failed)."""
+        if self.state == HANDSHAKE:
+            self._handshake()
+            return False
+        sock = self.sock
+        got = 0
+        while True:
+            try:
+                n = sock.recv_into(fb.recv_buffer(_RECV), _RECV)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError,
+                    InterruptedError):
+                break
+            except OSError as e:
+                why = tls.reason(e)
+                self._fail(SecurityError(f"bookie {self.bookie_id} refused the connection: "
+                                         f"{why}") if self.state == AUTH else
+                           BookieUnavailableError(f"connection to bookie {self.bookie_id} "
+                                                  f"broke: {why}"))
+                return False
+            if not n:
+                if got:
+                    break          # the frames first (a refusal's answer); EOF next time
+                self._fail(SecurityError(f"bookie {self.bookie_id} closed the connection at "
+                                         f"AUTH") if self.state == AUTH else
+                           BookieUnavailableError(f"bookie {self.bookie_id} closed the "
+                                                  f"connection"))
+                return False
+            fb.commit(n)
+            got += n
+            if got >= _RECV and not sock.pending():
+                break
+        return bool(got)
 
     def _on_add_reply(self, msg):
         """The answer to a single ADD: ``[op, rid, status, ledger, entry]``."""
@@ -524,6 +651,9 @@ class Connection:
         if self.state == CONNECTING:
             self._on_connected()
             return
+        if self.state == HANDSHAKE:
+            self._handshake()
+            return
         self._write()
 
     def _write(self):
@@ -534,6 +664,10 @@ class Connection:
         if self.addq and self.state == READY:
             self._encode_adds(q)
         sock = self.sock
+        if self.tls:
+            if not self._send_tls(q):
+                return
+            q = ()
         while q:
             chunk = q[:_IOV] if len(q) > _IOV else q
             try:
@@ -559,10 +693,34 @@ class Connection:
                 q[i] = memoryview(q[i])[n:]
             del q[:i]
             break
-        wants = bool(q) or self.state == CONNECTING
+        wants = bool(self.wq) or self.state == CONNECTING
         if wants != self._wants_write:
             self._wants_write = wants
             self.loop.sel.modify(self.sock, _EV_RW if wants else _EV_R, self)
+
+    def _send_tls(self, q) -> bool:
+        """Send the buffers of ``q`` over TLS, whole buffers joined up to TLS_CHUNK;
+        False if the connection failed. SSL writes are all or nothing here, and a
+        retry after SSLWantWrite sends the same leading bytes (or more), as OpenSSL
+        requires: buffers leave ``q`` only once sent."""
+        sock = self.sock
+        while q:
+            k, size = 1, len(q[0])
+            while k < len(q) and size < TLS_CHUNK:
+                size += len(q[k])
+                k += 1
+            data = q[0] if k == 1 else b"".join(q[:k])
+            try:
+                sock.send(data)
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError,
+                    InterruptedError):
+                return True
+            except OSError as e:
+                self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
+                                                  f"{tls.reason(e)}"))
+                return False
+            del q[:k]
+        return True
 
     def _encode_adds(self, q):
         """Turn the queued adds into ADD_BATCH frames (or single ADDs for a bookie
@@ -607,7 +765,7 @@ class Connection:
     # --- failure ------------------------------------------------------------------
     def _fail(self, exc, fast=False):
         """Close the socket and fail every outstanding request with ``exc``."""
-        if self.state in (CONNECTING, HELLO) and not fast:
+        if self.state in _SETUP and not fast:
             self.down_until = time.monotonic() + _FAIL_FAST_SEC
         if not fast and self.loop.health is not None:
             self.loop.health.failed(self.bookie_id)
@@ -620,6 +778,7 @@ class Connection:
             self.sock.close()
             self.sock = None
         self.state = IDLE
+        self.tls = False
         self.wq = []
         self.out = []
         self.queued = []
@@ -663,14 +822,14 @@ class IOLoop:
     conn, request, stop."""
 
     def __init__(self, max_frame_size=protocol.DEFAULT_MAX_FRAME_SIZE, connect_timeout=5.0,
-                 auth_token=None, name="bk-io", batching=True):
+                 security=None, name="bk-io", batching=True):
         self.max_frame_size = max_frame_size
         # the records of one ADD_BATCH frame, at most (half the frame limit: room
         # for the head however large the bookie's limit is)
         self.batch_bytes = min(BATCH_BYTES, max_frame_size // 2)
         self.batching = batching          # use the features bookies announce (frameBatching)
         self.connect_timeout = connect_timeout
-        self.auth_token = auth_token
+        self.security = security or PLAINTEXT   # TLS context and token (bk.security)
         self.name = name
         self.addresses: dict[str, tuple] = {}
         self.health = None        # a bk.client.health.BookieHealth, told of failures
@@ -919,7 +1078,7 @@ class IOLoop:
 
     def _tick(self, now):
         for conn in list(self._connecting):
-            if now > conn._connect_deadline and conn.state in (CONNECTING, HELLO):
+            if now > conn._connect_deadline and conn.state in _SETUP:
                 conn._fail(TimeoutError(
                     f"connect to bookie {conn.bookie_id} timed out after "
                     f"{self.connect_timeout:g}s"))

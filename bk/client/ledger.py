@@ -80,12 +80,12 @@ import weakref
 from bk import protocol
 from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_segments
-from bk.errors import (BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
+from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataError,
                        MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
-from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
+from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.metrics import client_metrics, observe_many
 
@@ -1046,6 +1046,10 @@ class LedgerHandle:
             return
         if status == EUA:
             self._error_out(BadPasswordError, f"bookie {conn.bookie_id} refused the master key")
+            return
+        if status == EAUTH:      # this client's role may not add: no other bookie will differ
+            self._error_out(AuthError, f"bookie {conn.bookie_id} refused the add: this "
+                                       f"client's role may not write")
             return
         if status == ETOOMANYREQUESTS:
             self._add_busy(op, conn)

@@ -48,7 +48,7 @@ from bk.metrics import client_metrics
 from bk.client import digest as _digest
 from bk.client.ledger import LedgerHandle
 from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerRecoveryError,
-                       MetadataError, MetadataVersionError, NotEnoughBookiesError,
+                       MetadataError, SecurityError, MetadataVersionError, NotEnoughBookiesError,
                        error_for_status)
 from bk.errors import ENOENTRY, ENOLEDGER, EOK, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
@@ -240,8 +240,9 @@ def _fence(client, rh: LedgerHandle, what: str) -> int:
             if left <= 0:
                 break
             cond.wait(left)
-        if any(isinstance(e, BadPasswordError) for e in errors):
-            raise next(e for e in errors if isinstance(e, BadPasswordError))
+        for refused in (BadPasswordError, SecurityError):   # AuthError: may not fence
+            if any(isinstance(e, refused) for e in errors):
+                raise next(e for e in errors if isinstance(e, refused))
         if not _covered(answered, E, qw, need):
             raise NotEnoughBookiesError(
                 f"{what}: could not fence enough bookies: {len(answered)} of {E} answered, "

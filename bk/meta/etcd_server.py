@@ -110,18 +110,67 @@ def _log_tail(path: str, lines: int = 20) -> str:
     return "\n".join(tail) if tail else "(empty log)"
 
 
-def _probe(host: str, port: int, timeout: float) -> bool:
-    """True if etcd at host:port answers a linearizable read (so it has a leader)."""
+def _probe(host: str, port: int, timeout: float, credentials=None) -> bool:
+    """True if etcd at host:port answers a linearizable read (so it has a leader);
+    with auth enabled, a refusal of the anonymous read is an answer too."""
+    import grpc
     import pyetcd
     from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 
+    channel = credentials.channel_credentials() if credentials is not None else None
     client = MultiEndpointEtcd3Client(
-        endpoints=[Endpoint(host, port, secure=False, time_retry=0)], timeout=timeout)
+        endpoints=[Endpoint(host, port, secure=channel is not None, creds=channel,
+                            time_retry=0)], timeout=timeout)
     try:
         client.get(b"\0bk-probe")
         return True
+    except grpc.RpcError as e:
+        return e.code() in (grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)
     except (pyetcd.Etcd3Exception, Exception):  # any failure means "not yet"
         return False
+    finally:
+        client.close()
+
+
+def enable_auth(endpoint: str, credentials, root_password: str, users: dict,
+                prefix: str) -> None:
+    """Turn on etcd's authentication: a ``root`` user, and ``users`` (``{name:
+    (password, read_only)}``), each with a role (named after it) that may read, or
+    read and write, only the keys under ``prefix``. ``credentials``: the TLS
+    material to reach etcd (an EtcdCredentials without a user)."""
+    import grpc
+    from pyetcd import etcdrpc
+    from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+    from pyetcd.utils import prefix_range_end
+
+    host, _, port = endpoint.rpartition(":")
+    channel = credentials.channel_credentials() if credentials is not None else None
+    client = MultiEndpointEtcd3Client(
+        endpoints=[Endpoint(host, int(port), secure=channel is not None, creds=channel,
+                            time_retry=0)], timeout=10)
+    stub = client.authstub
+    key = prefix.encode()
+    try:
+        accounts = [("root", root_password, False)] + [(n, pw, ro) for n, (pw, ro) in
+                                                      users.items()]
+        for name, pw, read_only in accounts:
+            role = name
+            stub.UserAdd(etcdrpc.AuthUserAddRequest(name=name, password=pw), 10)
+            if role != "root":
+                stub.RoleAdd(etcdrpc.AuthRoleAddRequest(name=role), 10)
+                kind = etcdrpc.Permission.READ if read_only else etcdrpc.Permission.READWRITE
+                perm = etcdrpc.Permission(permType=kind, key=key,
+                                          range_end=prefix_range_end(key))
+                stub.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(
+                    name=role, perm=perm), 10)
+            else:
+                stub.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), 10)
+            stub.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=name, role=role), 10)
+        stub.AuthEnable(etcdrpc.AuthEnableRequest(), 10)
+    except grpc.RpcError as e:
+        raise MetadataError(f"enable authentication on etcd {endpoint}: {e.code().name}: "
+                            f"{e.details()}") from None
     finally:
         client.close()
 
@@ -133,7 +182,9 @@ class EtcdServer:
                  host: str = "127.0.0.1", name: str = "bk-etcd", log_file: str | None = None,
                  initial_cluster: str | None = None, extra_args=(),
                  die_with_parent: bool = True, log_level: str = "warn",
-                 cluster_token: str = "bk-etcd-cluster"):
+                 cluster_token: str = "bk-etcd-cluster", tls: dict | None = None):
+        """``tls``: serve clients over TLS, ``{"cert": path, "key": path, "ca": path,
+        "client_cert_auth": bool, "credentials": EtcdCredentials (for the probe)}``."""
         self.data_dir = os.path.abspath(data_dir)
         self.host = host
         self.name = name
@@ -146,6 +197,7 @@ class EtcdServer:
         self.die_with_parent = die_with_parent
         self.log_level = log_level
         self.cluster_token = cluster_token
+        self.tls = tls
         self._proc: subprocess.Popen | None = None
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
@@ -161,7 +213,7 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     def uri(self, prefix: str = "ledgers") -> str:
         return f"etcd://{self.endpoint}/{prefix.strip('/')}"
@@ -190,8 +242,20 @@ class EtcdServer:
             "--initial-cluster-state", "new",
             "--log-level", self.log_level,
             "--log-outputs", "stderr",
+            *self._tls_args(),
             *self.extra_args,
         ]
+
+    def _tls_args(self) -> list[str]:
+        t = self.tls
+        if not t:
+            return []
+        args = ["--cert-file", t["cert"], "--key-file", t["key"]]
+        if t.get("ca"):
+            args += ["--trusted-ca-file", t["ca"]]
+        if t.get("client_cert_auth"):
+            args += ["--client-cert-auth"]
+        return args
 
     def _spawn(self) -> None:
         if self.alive:
@@ -220,7 +284,8 @@ class EtcdServer:
                     f"etcd {self.name} on {self.endpoint} exited with code {code} while "
                     f"starting; log {self.log_file}:\n{_log_tail(self.log_file)}")
             remaining = deadline - time.monotonic()
-            if _probe(self.host, self.client_port, timeout=max(0.2, min(1.0, remaining))):
+            if _probe(self.host, self.client_port, timeout=max(0.2, min(1.0, remaining)),
+                      credentials=(self.tls or {}).get("credentials")):
                 return
             if time.monotonic() >= deadline:
                 self.stop()

@@ -37,6 +37,12 @@ ledger page over id windows (etcd 3.5 visits every key to the end of a range
 to count it, so plain paging is quadratic); reads of given ledgers are point
 reads in read-only transactions; no request asks etcd to sort.
 
+Security (``bk.security.etcd``): ``credentials`` give TLS to etcd (its CA, a
+client certificate) and a user whose password etcd trades for a token when
+the client is made; a token etcd no longer knows (it expires when unused for
+its TTL) makes the store build a new client, which authenticates again, and
+retry once.
+
 Threads and fork: one store may be shared by threads (gRPC channels are
 thread-safe; our own state is under a lock). A store used in a child after
 ``fork()`` notices the changed pid and builds a new gRPC client; the parent's
@@ -66,11 +72,14 @@ from pyetcd.utils import prefix_range_end
 
 from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
                        CookieMismatchError, LedgerExistsError, LockLostError,
-                       MetadataCompactedError, MetadataError, MetadataSpaceError,
+                       MetadataCompactedError, MetadataError, MetadataPermissionError,
+                       MetadataSpaceError,
                        MetadataVersionError, NoSuchLedgerError)
 from bk.meta.combiner import TxnCombiner
 from bk.meta.ledger import LedgerMetadata
 from bk.retry import Backoff
+from bk.security import etcd as etcd_credentials
+from bk.security.etcd import EtcdCredentials
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +126,14 @@ def _grpc_options(timeout: float) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5000),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ]
+
+
+def _stale_token(exc) -> bool:
+    """etcd no longer knows the auth token (it expired unused): authenticate again."""
+    if not (isinstance(exc, grpc.RpcError) and hasattr(exc, "code")):
+        return False
+    return exc.code() == grpc.StatusCode.UNAUTHENTICATED or \
+        "invalid auth token" in (exc.details() or "")
 
 
 class CookieVersionError(CookieMismatchError, MetadataVersionError):
@@ -205,9 +222,11 @@ class MetadataStore:
     (the deadline of every single request).
     """
 
-    def __init__(self, uri: str, timeout: float = 5.0):
+    def __init__(self, uri: str, timeout: float = 5.0,
+                 credentials: EtcdCredentials | None = None):
         self.endpoints, self.prefix = parse_metadata_uri(uri)
         self.uri = uri
+        self.credentials = credentials or etcd_credentials.NONE
         if not timeout or timeout <= 0:
             raise ValueError(f"timeout must be > 0, not {timeout!r}")
         self.timeout = float(timeout)
@@ -232,11 +251,25 @@ class MetadataStore:
         # time_retry: how long pyetcd shuns an endpoint after a failure. With one
         # endpoint it must never be shunned (etcd may be back at the next call).
         retry = 0.0 if len(self.endpoints) == 1 else min(1.0, self.timeout)
+        return self._etcd_client(self.endpoints, self.timeout, retry)
+
+    def _etcd_client(self, endpoints, timeout: float, retry: float) -> MultiEndpointEtcd3Client:
+        """A pyetcd client of ``endpoints`` with this store's TLS and user (which it
+        authenticates now: MetadataError if etcd refuses)."""
         opts = _grpc_options(self.timeout)
-        eps = [Endpoint(h, p, secure=False, time_retry=retry, opts=opts)
-               for h, p in self.endpoints]
-        return MultiEndpointEtcd3Client(endpoints=eps, timeout=self.timeout,
-                                        failover=len(eps) > 1)
+        cred = self.credentials
+        channel = cred.channel_credentials()
+        eps = [Endpoint(h, p, secure=channel is not None, creds=channel, time_retry=retry,
+                        opts=opts)
+               for h, p in endpoints]
+        try:
+            return MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout,
+                                            failover=len(eps) > 1, user=cred.user,
+                                            password=cred.password)
+        except (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError) as exc:
+            for ep in eps:
+                ep.close()
+            raise self._error(f"authenticate to etcd as user {cred.user!r}", exc) from None
 
     def _client(self) -> MultiEndpointEtcd3Client:
         with self._lock:
@@ -255,6 +288,16 @@ class MetadataStore:
                 self._client_obj = self._new_client()
             return self._client_obj
 
+    def _drop_client(self, client) -> None:
+        """Forget ``client`` (its auth token went stale): the next call makes another."""
+        with self._lock:
+            if self._client_obj is client:
+                self._client_obj = None
+                try:
+                    client.close()
+                except Exception:  # pragma: no cover
+                    pass
+
     def _error(self, what: str, exc: BaseException) -> MetadataError:
         code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
         details = (exc.details() or "") if code is not None else ""
@@ -265,6 +308,10 @@ class MetadataStore:
                 f"defragments it and disarms the alarm: 'bkshell metacompact --defrag "
                 f"--disarm' (or etcdctl compact / defrag / alarm disarm); reads and adds to "
                 f"open ledgers go on ({self.uri})")
+        if code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in details:
+            return MetadataPermissionError(
+                f"{what}: etcd refused it: permission denied for etcd user "
+                f"{self.credentials.user!r} ({self.uri})")
         if isinstance(exc, etcd_exc.RevisionCompactedError) or (
                 code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details):
             err = MetadataCompactedError(f"{what}: the revision asked for was compacted away "
@@ -297,6 +344,7 @@ class MetadataStore:
         once. Writes are sent once: after a broken connection their outcome is
         unknown, and a blind retry could misreport (e.g. "ledger exists")."""
         schedule = CONNECT_BACKOFF.start(time.monotonic() + self.timeout)
+        reauthenticated = False
         while True:
             client = self._client()
             self.rpc_counts[kind] += 1
@@ -305,6 +353,10 @@ class MetadataStore:
             except BKError:
                 raise
             except (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError) as exc:
+                if self.credentials.user and _stale_token(exc) and not reauthenticated:
+                    reauthenticated = True
+                    self._drop_client(client)
+                    continue
                 retryable = idempotent and isinstance(
                     exc, (etcd_exc.ConnectionFailedError, etcd_exc.NoServerAvailableError))
                 delay = schedule.next_delay() if retryable else None
@@ -955,10 +1007,7 @@ class MetadataStore:
         alarms are per member)."""
         out = []
         for host, port in self.endpoints:
-            c = MultiEndpointEtcd3Client(
-                endpoints=[Endpoint(host, port, secure=False, time_retry=0,
-                                    opts=_grpc_options(self.timeout))],
-                timeout=max(self.timeout, 600.0), failover=False)   # a defrag takes long
+            c = self._etcd_client([(host, port)], max(self.timeout, 600.0), 0)  # defrag: long
             try:
                 self.rpc_counts["maintenance"] += 1
                 out.append(fn(c))

@@ -10,16 +10,27 @@ import dataclasses
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from bk import protocol as P
+from bk.config import Config
 from bk.errors import EOK, BKError, NoSuchLedgerError
 from bk.meta.store import MetadataStore
 from bk.rawclient import BookiePool
-from bk.spark.options import PROBLEM_SCHEMA
+from bk.security import ClientSecurity
+from bk.security.etcd import EtcdCredentials
+from bk.spark.options import PROBLEM_SCHEMA, SECURITY_OPTIONS
 
 
 @dataclasses.dataclass
 class _LedgerIds(InputPartition):
     uri: str
     ids: list
+    security: tuple = ()       # (key, value) client security settings (bk.security)
+
+
+def _store(uri: str, security: tuple) -> tuple:
+    """A metadata store and the bookies' security, from the check's settings."""
+    conf = Config.load(overrides=dict(security))
+    return (MetadataStore(uri, credentials=EtcdCredentials.from_conf(conf)),
+            ClientSecurity.from_conf(conf))
 
 
 def _check_one(store, pool, lid: int) -> list:
@@ -61,8 +72,8 @@ def _check_one(store, pool, lid: int) -> list:
 
 
 def _check_partition(p: _LedgerIds):
-    store = MetadataStore(p.uri)
-    pool = BookiePool(store)
+    store, security = _store(p.uri, p.security)
+    pool = BookiePool(store, security=security)
     try:
         for lid in p.ids:
             yield from _check_one(store, pool, lid)
@@ -72,17 +83,17 @@ def _check_partition(p: _LedgerIds):
 
 
 class _CheckReader(DataSourceReader):
-    def __init__(self, uri: str, parts: int):
-        self.uri, self.parts = uri, parts
+    def __init__(self, uri: str, parts: int, security: tuple = ()):
+        self.uri, self.parts, self.security = uri, parts, security
 
     def partitions(self):
-        store = MetadataStore(self.uri)
+        store, _ = _store(self.uri, self.security)
         try:
             ids = list(store.list_ledgers())
         finally:
             store.close()
         n = max(1, min(self.parts, len(ids)))
-        return [_LedgerIds(self.uri, ids[i::n]) for i in range(n)]
+        return [_LedgerIds(self.uri, ids[i::n], self.security) for i in range(n)]
 
     def read(self, partition):
         return _check_partition(partition)
@@ -98,17 +109,26 @@ class _CheckSource(DataSource):
 
     def reader(self, schema):
         uri = self.options.get("metadataServiceUri")
-        return _CheckReader(uri, int(self.options.get("partitions", "8")))
+        given = {k.lower(): v for k, v in self.options.items()}
+        security = tuple((k, given[k.lower()]) for k in SECURITY_OPTIONS if k.lower() in given)
+        return _CheckReader(uri, int(self.options.get("partitions", "8")), security)
 
 
-def check_ledgers(spark, uri: str, partitions: int | None = None):
+def check_ledgers(spark, uri: str, partitions: int | None = None,
+                  security: dict | None = None):
     """A DataFrame of problems (ledger_id, entry_id, bookie, problem): every entry of
     every ledger (closed ones to their last entry, open ones to their LAC) that a
-    bookie of its write set does not hold; entry_id -1 for a bookie unreachable."""
+    bookie of its write set does not hold; entry_id -1 for a bookie unreachable.
+    ``security``: the client's security settings (file paths and flags, see
+    docs/security.md)."""
     if not isinstance(uri, str) or not uri.startswith("etcd://"):
         raise ValueError(f"check ledgers: {uri!r} is not a metadata service URI "
                          f"(etcd://host:port/prefix)")
     spark.dataSource.register(_CheckSource)
     n = partitions or max(2, spark.sparkContext.defaultParallelism * 2)
-    return (spark.read.format("bookkeeper_check").option("metadataServiceUri", uri)
-            .option("partitions", str(n)).load())
+    reader = (spark.read.format("bookkeeper_check").option("metadataServiceUri", uri)
+              .option("partitions", str(n)))
+    for k, v in (security or {}).items():
+        if k in SECURITY_OPTIONS and v not in ("", None):
+            reader = reader.option(k, "true" if v is True else "false" if v is False else str(v))
+    return reader.load()

@@ -32,12 +32,12 @@ _PER_CALL = os.environ.get("BK_SPARK_CLIENT_PER_CALL", "0") == "1"
 
 def client_for(opts) -> BookKeeper:
     """This process's client of ``opts.uri`` (made on first use)."""
-    key = (os.getpid(), opts.uri)
+    key = (os.getpid(), opts.uri, opts.security)
     if _PER_CALL:
         with _clients_lock:
             if not _clients:
                 atexit.register(close_clients)
-            c = _clients[(*key, len(_clients))] = BookKeeper(opts.uri)
+            c = _clients[(*key, len(_clients))] = BookKeeper(opts.uri, **dict(opts.security))
         return c
     c = _clients.get(key)
     if c is not None and not c._closed:
@@ -47,7 +47,7 @@ def client_for(opts) -> BookKeeper:
         if c is None or c._closed:
             if not _clients:
                 atexit.register(close_clients)
-            c = _clients[key] = BookKeeper(opts.uri)
+            c = _clients[key] = BookKeeper(opts.uri, **dict(opts.security))
         return c
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from bk.config import SETTINGS
 from bk.log import metadata
 from bk.log.records import Position
+from bk.security import CLIENT_KEYS
 
 LOG_SCHEMA = ("log string, position string, segment long, ledger_id long, entry_id long, "
               "slot int, data binary")
@@ -32,11 +34,19 @@ class Options:
     max_records: int | None = None
     fail_on_data_loss: bool = True
     given: frozenset = frozenset()      # the options set by the user (canonical names)
+    # client security settings (bk.security), as (key, value) pairs: file paths and
+    # flags only, never a secret (a token or password lives in a file on every host)
+    security: tuple = ()
 
 
+# The client's security settings a source or sink takes as options (bk.security):
+# authToken is not one of them (Spark shows options in plans and its UI; use
+# authTokenFile).
+SECURITY_OPTIONS = tuple(k for k in CLIENT_KEYS if k != "authToken")
 _NAMES = {n.lower(): n for n in (
     "metadataServiceUri", "log", "ledgers", "password", "startingPosition", "endingPosition",
-    "minPartitions", "maxRecordsPerTrigger", "failOnDataLoss")}
+    "minPartitions", "maxRecordsPerTrigger", "failOnDataLoss", "authToken",
+    *SECURITY_OPTIONS)}
 
 
 def _position_option(name: str, value: str) -> str:
@@ -111,6 +121,17 @@ def parse_options(raw) -> Options:
             raise ValueError(f"option failOnDataLoss: {got['failOnDataLoss']!r} is not "
                              f"true or false")
         kw["fail_on_data_loss"] = v == "true"
+    if "authToken" in got:
+        raise ValueError("option authToken: Spark shows options in query plans; put the "
+                         "token in a file on every host and give authTokenFile")
+    security = []
+    for name in SECURITY_OPTIONS:
+        if name in got:
+            try:
+                security.append((name, SETTINGS[name].parse(str(got[name]))))
+            except ValueError as e:
+                raise ValueError(f"option {name}: {e}") from None
+    kw["security"] = tuple(security)
     kw["given"] = frozenset(got)
     return Options(**kw)
 

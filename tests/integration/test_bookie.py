@@ -400,15 +400,6 @@ def test_group_commit_one_sync_for_a_burst(cluster_factory):
     assert after["syncs"] - before["syncs"] in range(1, 6)    # shared, not one per add
 
 
-def test_auth_token_is_checked_in_hello(cluster_factory):
-    c = cluster_factory(0)
-    b = c.add_bookie(authToken="s3cret")
-    with pytest.raises(Exception, match="refused with status 5"):
-        BookieConnection(b.bookie_id, 0, auth_token="wrong")
-    with BookieConnection(b.bookie_id, 0, auth_token="s3cret") as cc:
-        assert add(cc, 0, 0, b"ok")[2] == EOK
-
-
 def test_wiped_directories_stop_the_bookie(cluster):
     # Directories removed under a running bookie must stop it (exit 4), never be
     # recreated empty while it stays registered.

@@ -1,0 +1,58 @@
+"""Security: TLS on the bookie protocol (``tls``), identities and roles
+(``auth``), and the credentials a client brings to bookies
+(:class:`ClientSecurity`). See docs/security.md.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+from bk.security import auth, tls
+
+
+class ClientSecurity:
+    """What a client (or a bookie talking to other bookies) brings to a bookie: a
+    TLS context (None: plaintext) and a token (None: none). Built once from the
+    configuration and shared by every connection."""
+
+    def __init__(self, context: ssl.SSLContext | None = None, token: str | None = None):
+        self.context = context
+        self.token = token
+
+    @classmethod
+    def from_conf(cls, conf) -> "ClientSecurity":
+        return cls(tls.client_context(conf), auth.client_token(conf))
+
+    def __repr__(self):          # never the token itself
+        return (f"ClientSecurity(tls={self.context is not None}, "
+                f"token={'set' if self.token else 'none'})")
+
+    def wrap(self, sock, host: str):
+        """``sock`` wrapped for a client handshake to ``host`` (not yet run)."""
+        ctx = self.context
+        return ctx.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+
+
+PLAINTEXT = ClientSecurity()
+
+# The settings a client brings to bookies (and etcd): what a component that makes a
+# client out of its own configuration (auto-recovery's replicator) passes along.
+# (bk.security.etcd is not imported here: it loads gRPC, which a shard worker never needs.)
+ETCD_KEYS = ("etcdTrustStore", "etcdCertificatePath", "etcdKeyStore", "etcdUser",
+             "etcdPasswordFile")
+CLIENT_KEYS = ("tlsEnabled", "tlsTrustStore", "tlsCertificatePath", "tlsKeyStore",
+               "tlsHostnameVerificationEnabled", "authToken", "authTokenFile") + ETCD_KEYS
+
+
+def http_security(conf) -> dict:
+    """The HTTP server's ``tls_context`` and ``guard`` from a daemon's conf."""
+    return {"tls_context": tls.http_context(conf) if conf.httpServerTlsEnable else None,
+            "guard": auth.HttpGuard(conf) if conf.authProvider != "none" else None}
+
+
+def client_settings(conf) -> dict:
+    """The client-side security settings of ``conf``, as overrides for a client."""
+    return {k: conf[k] for k in CLIENT_KEYS}
+
+__all__ = ["ClientSecurity", "PLAINTEXT", "CLIENT_KEYS", "ETCD_KEYS", "client_settings", "http_security", "auth",
+           "tls"]

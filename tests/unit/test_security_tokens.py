@@ -1,0 +1,123 @@
+"""bk.security without processes: tokens, roles, the HTTP guard, credentials that
+never show their secrets, and the TLS handshake of the codec's HELLO/AUTH."""
+
+import os
+
+import pytest
+
+from bk import protocol as P
+from bk.config import Config
+from bk.errors import AuthError, ConfigError
+from bk.security import ClientSecurity, auth, pki, tls
+from bk.security.etcd import EtcdCredentials
+
+
+def conf(**kw):
+    return Config.load(overrides=kw, env={})
+
+
+@pytest.fixture
+def key_file(tmp_path):
+    path = str(tmp_path / "key")
+    auth.write_secret_key(path, auth.create_secret_key())
+    return path
+
+
+def test_tokens_carry_the_role_and_are_refused_with_a_reason(key_file):
+    key = auth.read_secret_key(key_file)
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    assert auth.verify_token(key, auth.create_token(key, "app", 60)) == "app"
+    with pytest.raises(AuthError, match="expired"):
+        auth.verify_token(key, auth.create_token(key, "app", -1))
+    with pytest.raises(AuthError, match="signature"):
+        auth.verify_token(auth.create_secret_key(), auth.create_token(key, "app"))
+    with pytest.raises(AuthError, match="no token"):
+        auth.verify_token(key, None)
+    with pytest.raises(AuthError, match="invalid"):
+        auth.verify_token(key, "a.b.c")
+
+
+def test_roles_map_to_op_sets_once(key_file):
+    a = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                superUserRoles="admin", clientRoles="app",
+                                readOnlyRoles="dash"))
+    key = auth.read_secret_key(key_file)
+    assert a.identify(auth.create_token(key, "dash"), None) == "dash"
+    with pytest.raises(AuthError, match="in none of"):
+        a.identify(auth.create_token(key, "nobody"), None)
+    assert a.grant("admin") == (None, True) and a.grant("app") == (None, True)
+    ops, may_fence = a.grant("dash")
+    assert not may_fence and P.READ in ops and P.ADD not in ops and P.ADD_BATCH not in ops
+    assert P.WRITE_LAC not in ops
+    assert a.is_super_user("admin") and not a.is_super_user("app")
+    none = auth.Authenticator(conf())
+    assert not none.enabled and none.identify(None, None) is None
+
+
+def test_bad_security_configurations_name_the_key(key_file, tmp_path):
+    with pytest.raises(ConfigError, match="authProvider"):
+        auth.Authenticator(conf(authProvider="kerberos"))
+    with pytest.raises(ConfigError, match="tokenSecretKeyFile"):
+        auth.Authenticator(conf(authProvider="token", clientRoles="x"))
+    with pytest.raises(ConfigError, match="no roles"):
+        auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file))
+    with pytest.raises(ConfigError, match="not a signed token"):
+        ClientSecurity.from_conf(conf(authToken="s3cret"))
+    with pytest.raises(ConfigError, match="tlsCertificatePath"):
+        tls.server_context(conf(tlsCertificatePath=str(tmp_path / "none.crt")))
+    # the message never echoes the retired shared secret
+    try:
+        ClientSecurity.from_conf(conf(authToken="hunter2"))
+    except ConfigError as e:
+        assert "hunter2" not in str(e)
+
+
+def test_http_guard_401_403_and_open_paths(key_file):
+    c = conf(authProvider="token", tokenSecretKeyFile=key_file, superUserRoles="admin",
+             clientRoles="app")
+    key = auth.read_secret_key(key_file)
+    g = auth.HttpGuard(c)
+    admin, app = auth.create_token(key, "admin"), auth.create_token(key, "app")
+    assert g.check("/heartbeat", None, None) is None
+    assert g.check("/metrics", None, None) is None
+    assert g.check("/api/v1/bookie/info", None, None)[0] == 401
+    assert g.check("/api/v1/bookie/info", "Bearer " + app, None)[0] == 403
+    assert g.check("/api/v1/bookie/info", "Bearer " + admin, None) is None
+    g = auth.HttpGuard(c.with_overrides(httpServerAuthMetrics=True))
+    assert g.check("/metrics", None, None)[0] == 401
+
+
+def test_secrets_stay_out_of_reprs(tmp_path, key_file):
+    pw = tmp_path / "pw"
+    pw.write_text("correct horse\n")
+    creds = EtcdCredentials.from_conf(conf(etcdUser="bk", etcdPasswordFile=str(pw)))
+    assert creds.password == "correct horse" and "correct horse" not in repr(creds)
+    token = auth.create_token(auth.read_secret_key(key_file), "app")
+    assert token not in repr(ClientSecurity(None, token))
+    assert token not in repr(conf(authToken=token))
+    with pytest.raises(ConfigError, match="etcdPasswordFile"):
+        EtcdCredentials.from_conf(conf(etcdUser="bk"))
+
+
+def test_local_ca_certificates_verify(tmp_path):
+    import socket
+    import ssl
+    import threading
+    ca = pki.make_ca(str(tmp_path))
+    crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
+    server = tls.server_context(conf(tlsCertificatePath=crt, tlsKeyStore=key))
+    client = tls.client_context(conf(tlsEnabled=True, tlsTrustStore=ca.cert_path))
+    a, b = socket.socketpair()
+    out = {}
+
+    def serve():
+        with server.wrap_socket(a, server_side=True) as s:
+            out["got"] = s.recv(5)
+    t = threading.Thread(target=serve)
+    t.start()
+    with client.wrap_socket(b, server_hostname="127.0.0.1") as c:
+        c.sendall(b"hello")
+    t.join(10)
+    assert out["got"] == b"hello"
+    assert ssl.PEM_cert_to_DER_cert(open(crt).read().split("-----END CERTIFICATE-----")[0]
+                                    + "-----END CERTIFICATE-----\n")
