@@ -13,11 +13,18 @@ swapped tail still go to the journal until the job is done.
 
 A flush, on this thread:
 
-1. reads the journal region between the previous mark and the job's mark
-   (a few ``pread``s: the region is contiguous, at most a write cache);
+1. maps the journal segments between the previous mark and the job's mark
+   read-only (its own mappings: the pages are in the page cache already, and
+   nothing is copied into fresh buffers, whose page faults once cost more
+   than the copy itself);
 2. for each ledger in id order, copies its records in entry order into the
-   current entry log (one slice each: log records are journal records),
-   merging with existing runs whose range it meets (see ``bk.bookie.index``);
+   current entry log (log records are journal records), merging with
+   existing runs whose range it meets (see ``bk.bookie.index``). A ledger
+   whose entries came in order (the tail's ``spans``, see
+   ``bk.bookie.storage._Tail``) is copied span by span, a batch of records
+   at a time, and its runs are made from the spans: the record sizes come
+   from the journal positions in bulk, with no Python work per entry. Other
+   ledgers are gathered entry by entry;
 3. ``fdatasync``s the entry log (it was also synced every few MiB on the
    way, see ``bk.bookie.entrylog``);
 4. commits in ONE LMDB transaction: the new runs, the ledger states, the
@@ -40,14 +47,18 @@ loop, which deletes their files (a reader may hold one open meanwhile).
 from __future__ import annotations
 
 import logging
+import mmap
+import operator
 import os
 import queue
 import struct
 import threading
 import time
+from array import array
 
 from bk.bookie.entrylog import EntryLogs
-from bk.bookie.index import Index, Run, make_runs
+from bk.bookie.index import Index, Run, make_runs, uniform_runs
+from bk.bookie.journal import _fsync_dir
 
 log = logging.getLogger("bk.flusher")
 
@@ -74,12 +85,43 @@ class FlushJob:
         t0 = time.monotonic()
         views = self.views
         if views is None:
-            views = {}
-            for seq, path, lo, hi in self.regions:
-                views[seq] = (_pread_all(path, lo, hi), lo)
-        copied = fl.copy_tails(self.tails, views, self.states, self.mark)
+            views = _SegmentViews({seq: path for seq, path, _lo, _hi in self.regions})
+        try:
+            copied = fl.copy_tails(self.tails, views, self.states, self.mark)
+        finally:
+            if isinstance(views, _SegmentViews):
+                views.close()
         self.stats = {"bytes": copied[0], "entries": copied[1], "runs": copied[2],
                       "merged": copied[3], "seconds": time.monotonic() - t0}
+
+
+class _SegmentViews:
+    """``{seq: (buffer, base)}`` of journal segments, each mapped read-only on
+    first use by the flusher itself (never the journal's own mappings, which the
+    loop may change meanwhile)."""
+
+    def __init__(self, paths: dict):
+        self._paths = paths
+        self._maps: dict = {}
+
+    def __getitem__(self, seq: int):
+        got = self._maps.get(seq)
+        if got is None:
+            fd = os.open(self._paths[seq], os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            got = self._maps[seq] = (mm, 0)
+        return got
+
+    def close(self) -> None:
+        for mm, _ in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:         # a view is still held (an error path): GC unmaps it
+                pass
+        self._maps.clear()
 
 
 class CompactJob:
@@ -95,6 +137,27 @@ class CompactJob:
 
     def run(self, fl: "Flusher") -> None:
         fl.compact(self)
+
+
+class RemoveJob:
+    """Delete files the index no longer needs (journal segments before the mark)
+    off the shard's loop: ext4 takes tens of ms to unlink a preallocated 256 MiB
+    segment, a stall every add of the loop would wait for."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+        self.error: BaseException | None = None
+
+    def run(self, fl: "Flusher") -> None:
+        dirs = set()
+        for path in self.paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            dirs.add(os.path.dirname(path))
+        for d in dirs:
+            _fsync_dir(d)
 
 
 def _pread_all(path: str, lo: int, hi: int) -> bytes:
@@ -175,7 +238,15 @@ class Flusher:
         nbytes = nentries = 0
         with index.read_txn() as rtx:
             for lid in sorted(tails):
-                entries, positions = tails[lid].entries_positions()
+                t = tails[lid]
+                spans = getattr(t, "spans", None)
+                if spans and not t.extra:
+                    done = self._copy_spans(lid, t, spans, views, rtx, runs, closed)
+                    if done is not None:
+                        nbytes += done[0]
+                        nentries += done[1]
+                        continue
+                entries, positions = t.entries_positions()
                 if not entries:
                     continue
                 pieces, sizes = _gather(entries, positions, views)
@@ -206,6 +277,54 @@ class Flusher:
             if mark is not None:
                 wtx.set_mark(mark)
         return nbytes, nentries, len(runs), len(old)
+
+    def _copy_spans(self, lid, t, spans, views, rtx, runs, closed):
+        """Copy a ledger's tail that came in order (``spans``: first, count, start,
+        end per stretch of records back to back in the journal) span by span,
+        and add its runs to ``runs``; ``(bytes, entries)``, or None when the
+        entries meet existing runs (the caller merges them entry by entry)."""
+        first = spans[0]
+        count = spans[-4] + spans[-3] - first
+        if self.index.overlapping(lid, first, first + count - 1, rtx):
+            return None
+        pa = t.pos
+        base = t.base
+        rlen = -1                       # the one record size of every span, 0 if they differ
+        for k in range(0, len(spans), 4):
+            e0, n, p0, p1 = spans[k:k + 4]
+            r = (p1 - p0) // n
+            if r * n != p1 - p0 or (n > 1 and pa[e0 - base:e0 - base + n] !=
+                                    array("q", range(p0, p1, r))):
+                rlen = 0
+                break
+            if rlen != r:
+                rlen = r if rlen < 0 else 0
+                if not rlen:
+                    break
+        w = self._writer(closed)
+        pieces = []
+        nbytes = 0
+        for k in range(0, len(spans), 4):
+            p0, p1 = spans[k + 2], spans[k + 3]
+            buf, vbase = views[p0 >> 32]
+            a = (p0 & _OFF_MASK) - vbase
+            pieces.append(memoryview(buf)[a:a + p1 - p0])
+            nbytes += p1 - p0
+        off = w.append_pieces(pieces)
+        del pieces
+        if rlen > 0:
+            runs += uniform_runs(lid, first, count, rlen, w.id, off)
+        else:
+            # Records of different sizes: each one's size is the distance to the
+            # next position (the span's end for its last).
+            sizes: list = []
+            for k in range(0, len(spans), 4):
+                e0, n, p0, p1 = spans[k:k + 4]
+                part = pa[e0 - base:e0 - base + n]
+                sizes += map(operator.sub, part[1:], part)
+                sizes.append(p1 - part[-1])
+            runs += make_runs(lid, range(first, first + count), sizes, w.id, off)
+        return nbytes, count
 
     def _merge(self, over: list[Run], entries, data, sizes):
         """The union of existing runs' records and a flush's (the flush's copy wins):

@@ -874,6 +874,11 @@ class Journal:
     def active_seq(self) -> int:
         return self._seqbase >> 32
 
+    @property
+    def position(self) -> int:
+        """The position the next record gets (where the last one appended ends)."""
+        return self._seqbase | self._off
+
     # --- reads ----------------------------------------------------------------
     def _locate(self, pos: int):
         seg = self._segs.get(pos >> 32)
@@ -944,14 +949,22 @@ class Journal:
 
     def remove_segment(self, seq: int) -> int:
         """Unmap and delete a segment (never the active one); return the bytes freed."""
+        path = self.forget_segment(seq)
+        size = os.stat(path).st_size
+        os.unlink(path)
+        _fsync_dir(self.directory)
+        return size
+
+    def forget_segment(self, seq: int) -> str:
+        """Unmap a segment (never the active one) and stop knowing it; return its
+        path, for the caller to delete (elsewhere: unlinking a preallocated
+        segment takes ext4 tens of ms). A segment left behind by a crash before
+        its deletion is wholly before the mark: deleted at the next open."""
         if self._active is not None and seq == self._active.seq:
             raise JournalError(f"segment {segment_name(seq)} is the active segment")
         seg = self._segs.pop(seq)
         seg.close()
-        size = os.stat(seg.path).st_size
-        os.unlink(seg.path)
-        _fsync_dir(self.directory)
-        return size
+        return seg.path
 
     def disk_usage(self) -> int:
         """Bytes the segment files occupy (they are preallocated: their full size)."""

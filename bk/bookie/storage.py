@@ -68,7 +68,7 @@ from collections import OrderedDict
 
 from bk.bookie import journal as J
 from bk.bookie.entrylog import EntryLogError, EntryLogs, decode_records
-from bk.bookie.flusher import CompactJob, FlushJob, Flusher
+from bk.bookie.flusher import CompactJob, FlushJob, Flusher, RemoveJob
 from bk.bookie.index import Index
 from bk.bookie.journal import ADD_OVERHEAD, CorruptRecordError, Journal, JournalError, \
     RecordTooLargeError
@@ -179,14 +179,41 @@ class _Ledger:
 
 
 class _Tail:
-    """One ledger's entries written since the last swap: entry -> journal position."""
+    """One ledger's entries written since the last swap: entry -> journal position.
 
-    __slots__ = ("base", "pos", "extra")
+    ``spans`` describes the same entries for the flush, a few numbers per
+    *batch* rather than per entry: a flat list of ``first entry, count, start
+    position, end position`` for each stretch of consecutive entries whose
+    records lie back to back in the journal, so a flush copies a span as one
+    piece and finds the record sizes in bulk. It holds while the ledger's
+    entries come in order (the writer's normal case); the first entry that does
+    not continue them (a gap, a rewrite, a record split by a segment roll)
+    turns it into None, and the flush then takes the entries one by one."""
+
+    __slots__ = ("base", "pos", "extra", "spans")
 
     def __init__(self, base: int):
         self.base = base
         self.pos = array("q")
         self.extra = None          # {entry: position} for entries far from the array
+        self.spans = []
+
+    def note(self, entry: int, pos: int, end: int, count: int = 1) -> None:
+        """``count`` entries from ``entry`` were appended to the journal, back to
+        back from ``pos`` to ``end`` (see ``spans``)."""
+        sp = self.spans
+        if sp is None:
+            return
+        if not sp:
+            sp += (entry, count, pos, end)
+            return
+        if entry != sp[-4] + sp[-3] or (pos ^ end) >> 32:
+            self.spans = None              # not the next entries, or across a roll
+        elif sp[-1] == pos:
+            sp[-3] += count
+            sp[-1] = end
+        else:
+            sp += (entry, count, pos, end)
 
     def get(self, entry: int) -> int:
         i = entry - self.base
@@ -432,12 +459,13 @@ class ShardStorage:
             return EBADREQ
         return st
 
-    def _tail_put(self, ledger: int, entry: int, pos: int) -> None:
+    def _tail_put(self, ledger: int, entry: int, pos: int, end: int) -> None:
         t = self._wc.get(ledger)
         if t is None:
             t = self._wc[ledger] = _Tail(entry)
         if t.put(entry, pos):
             self._wc_entries += 1
+        t.note(entry, pos, end)
 
     def add_entry(self, ledger: int, entry: int, lac: int, master_key: bytes, digest: bytes,
                   payload: bytes, recovery: bool) -> int:
@@ -454,7 +482,7 @@ class ShardStorage:
         except (JournalError, OSError) as e:
             log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
             return EIO
-        self._tail_put(ledger, entry, pos)
+        self._tail_put(ledger, entry, pos, self._journal.position)
         if lac > st.lac:
             st.lac = lac
         if entry > st.last:
@@ -510,6 +538,8 @@ class ShardStorage:
                 if positions:
                     t.pos.extend(positions)
                     self._wc_entries += len(positions)
+                    if t.spans is not None:
+                        t.note(eid, positions[0], self._journal.position, len(positions))
                     maxlac = max([r[2] for r in run])
                     if maxlac > st.lac:
                         st.lac = maxlac
@@ -549,7 +579,7 @@ class ShardStorage:
         except (JournalError, OSError) as e:
             log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
             return EIO
-        self._tail_put(ledger, entry, pos)
+        self._tail_put(ledger, entry, pos, self._journal.position)
         if lac > st.lac:
             st.lac = lac
         if entry > st.last:
@@ -919,6 +949,11 @@ class ShardStorage:
         if isinstance(job, CompactJob):
             self._finish_compaction(job)
             return
+        if isinstance(job, RemoveJob):
+            if job.error is not None:
+                log.warning("%s: deleting old journal segments failed: %s", self.index_dir,
+                            job.error)
+            return
         flushed = self._flushing
         self._flushing = None
         if job.error is not None:
@@ -929,6 +964,7 @@ class ShardStorage:
                 new = self._wc.get(lid)
                 self._wc[lid] = t
                 if new is not None:
+                    t.spans = None         # the next flush takes this ledger entry by entry
                     for e, p in new.items():
                         t.put(e, p)
             self._wc_entries += self._flushing_entries
@@ -943,14 +979,18 @@ class ShardStorage:
         self.checkpoints += 1
         self.last_flush = dict(job.stats, journal_bytes=job.nbytes)
         self._flushing_entries = 0
-        self._drop_old_segments()
+        self._drop_old_segments(later=True)
 
-    def _drop_old_segments(self) -> None:
-        """Journal segments wholly before the flushed mark are in the index: delete."""
+    def _drop_old_segments(self, later: bool = False) -> None:
+        """Journal segments wholly before the flushed mark are in the index: delete
+        them (``later``: on the flusher thread, see ``RemoveJob``)."""
         j = self._journal
-        for seq in j.segments():
-            if seq < self._flushed_mark[0] and seq != j.active_seq:
+        old = [seq for seq in j.segments() if seq < self._flushed_mark[0] and seq != j.active_seq]
+        if not later:
+            for seq in old:
                 j.remove_segment(seq)
+        elif old:
+            self._flusher.submit(RemoveJob([j.forget_segment(seq) for seq in old]))
 
     def _wait_flusher(self) -> None:
         fl = self._flusher
@@ -1004,7 +1044,7 @@ class ShardStorage:
             if rtype == J.ADD:
                 _, entry, lac = f
                 if entry >= 0:
-                    self._tail_put(lid, entry, pos)
+                    self._tail_put(lid, entry, pos, pos + rlen)
                     if lac > st.lac:
                         st.lac = lac
                     if entry > st.last:
