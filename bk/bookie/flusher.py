@@ -56,7 +56,7 @@ import threading
 import time
 from array import array
 
-from bk.bookie.entrylog import EntryLogs
+from bk.bookie.entrylog import ADOPT_MIN_BYTES, JOURNAL_LOG, EntryLogs, journal_log_id
 from bk.bookie.index import Index, Run, make_runs, uniform_runs
 from bk.bookie.journal import _fsync_dir
 
@@ -86,13 +86,15 @@ class FlushJob:
         views = self.views
         if views is None:
             views = _SegmentViews({seq: path for seq, path, _lo, _hi in self.regions})
+        adopted = {} if isinstance(views, _SegmentViews) and fl.logs.journal_dir else None
         try:
-            copied = fl.copy_tails(self.tails, views, self.states, self.mark)
+            copied = fl.copy_tails(self.tails, views, self.states, self.mark, adopted)
         finally:
             if isinstance(views, _SegmentViews):
                 views.close()
         self.stats = {"bytes": copied[0], "entries": copied[1], "runs": copied[2],
-                      "merged": copied[3], "seconds": time.monotonic() - t0}
+                      "merged": copied[3], "adopted": set(adopted or ()),
+                      "seconds": time.monotonic() - t0}
 
 
 class _SegmentViews:
@@ -103,6 +105,9 @@ class _SegmentViews:
     def __init__(self, paths: dict):
         self._paths = paths
         self._maps: dict = {}
+
+    def path(self, seq: int) -> str:
+        return self._paths[seq]
 
     def __getitem__(self, seq: int):
         got = self._maps.get(seq)
@@ -128,9 +133,12 @@ class CompactJob:
     """Copy the live runs of sparse entry logs forward; ``stats`` says what was done
     and ``removable`` which logs the loop may delete."""
 
-    def __init__(self, threshold: float, max_bytes: int | None):
+    def __init__(self, threshold: float, max_bytes: int | None, keep_from: int | None = None):
         self.threshold = threshold
         self.max_bytes = max_bytes
+        # journal segments from this log id on (the one holding the flushed mark and
+        # later) are the journal's still: never compacted away
+        self.keep_from = keep_from
         self.error: BaseException | None = None
         self.stats: dict = {}
         self.removable: list[int] = []
@@ -228,9 +236,10 @@ class Flusher:
         return w
 
     # --- flush --------------------------------------------------------------------
-    def copy_tails(self, tails, views, states, mark) -> tuple[int, int, int, int]:
+    def copy_tails(self, tails, views, states, mark, adopted=None) -> tuple[int, int, int, int]:
         """Steps 2-4 of a flush (see the module docstring); returns (bytes, entries,
-        runs, old runs merged)."""
+        runs, old runs merged). ``adopted``: a dict that gets ``{seq: path}`` of
+        the journal segments the new runs point into (None: copy everything)."""
         index = self.index
         runs: list[Run] = []
         old: list[Run] = []
@@ -241,7 +250,7 @@ class Flusher:
                 t = tails[lid]
                 spans = getattr(t, "spans", None)
                 if spans and not t.extra:
-                    done = self._copy_spans(lid, t, spans, views, rtx, runs, closed)
+                    done = self._copy_spans(lid, t, spans, views, rtx, runs, closed, adopted)
                     if done is not None:
                         nbytes += done[0]
                         nentries += done[1]
@@ -263,6 +272,16 @@ class Flusher:
         w = self.writer
         if w is not None:
             w.sync()
+        sizes_of = {}
+        for seq, path in (adopted or {}).items():
+            # The runs that point into a segment are durable before the index names
+            # them: the journal's last group before the mark may not be synced yet.
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                sizes_of[seq] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
         with index.write() as wtx:
             for run in old:
                 wtx.delete_run(run)
@@ -272,58 +291,75 @@ class Flusher:
                 wtx.set_log(log_id, di, size)
             if w is not None:
                 wtx.set_log(w.id, w.dir_index, w.size)
+            for seq, size in sizes_of.items():
+                wtx.set_log(journal_log_id(seq), -1, size)
             for lid, (fenced, key, lac, last) in states.items():
                 wtx.put_state(lid, fenced, key, lac, last)
             if mark is not None:
                 wtx.set_mark(mark)
         return nbytes, nentries, len(runs), len(old)
 
-    def _copy_spans(self, lid, t, spans, views, rtx, runs, closed):
-        """Copy a ledger's tail that came in order (``spans``: first, count, start,
-        end per stretch of records back to back in the journal) span by span,
-        and add its runs to ``runs``; ``(bytes, entries)``, or None when the
-        entries meet existing runs (the caller merges them entry by entry)."""
+    def _copy_spans(self, lid, t, spans, views, rtx, runs, closed, adopted):
+        """Store a ledger's tail that came in order (``spans``: first, count, start,
+        end per stretch of records back to back in the journal, see
+        ``bk.bookie.storage._Tail``) span by span: a long span stays in its journal
+        segment (``adopted`` permitting), a short one is copied into the current
+        entry log. Adds the runs to ``runs``; returns ``(bytes, entries)``, or
+        None when the entries meet existing runs (the caller merges them entry by
+        entry)."""
         first = spans[0]
         count = spans[-4] + spans[-3] - first
         if self.index.overlapping(lid, first, first + count - 1, rtx):
             return None
         pa = t.pos
         base = t.base
-        rlen = -1                       # the one record size of every span, 0 if they differ
-        for k in range(0, len(spans), 4):
-            e0, n, p0, p1 = spans[k:k + 4]
-            r = (p1 - p0) // n
-            if r * n != p1 - p0 or (n > 1 and pa[e0 - base:e0 - base + n] !=
-                                    array("q", range(p0, p1, r))):
-                rlen = 0
-                break
-            if rlen != r:
-                rlen = r if rlen < 0 else 0
-                if not rlen:
-                    break
-        w = self._writer(closed)
-        pieces = []
+        # Where each span went: [log, offset, first entry, count, record size or 0
+        # (sizes vary), start position, end position].
+        placed = []
         nbytes = 0
         for k in range(0, len(spans), 4):
-            p0, p1 = spans[k + 2], spans[k + 3]
-            buf, vbase = views[p0 >> 32]
-            a = (p0 & _OFF_MASK) - vbase
-            pieces.append(memoryview(buf)[a:a + p1 - p0])
-            nbytes += p1 - p0
-        off = w.append_pieces(pieces)
-        del pieces
-        if rlen > 0:
-            runs += uniform_runs(lid, first, count, rlen, w.id, off)
-        else:
-            # Records of different sizes: each one's size is the distance to the
-            # next position (the span's end for its last).
-            sizes: list = []
-            for k in range(0, len(spans), 4):
-                e0, n, p0, p1 = spans[k:k + 4]
-                part = pa[e0 - base:e0 - base + n]
-                sizes += map(operator.sub, part[1:], part)
-                sizes.append(p1 - part[-1])
-            runs += make_runs(lid, range(first, first + count), sizes, w.id, off)
+            e0, n, p0, p1 = spans[k:k + 4]
+            size = p1 - p0
+            r = size // n
+            # One record size iff the positions step by it: checked in bulk.
+            if r * n != size or (n > 1 and pa[e0 - base:e0 - base + n] !=
+                                 array("q", range(p0, p1, r))):
+                r = 0
+            seq = p0 >> 32
+            if adopted is not None and size >= ADOPT_MIN_BYTES:
+                adopted[seq] = views.path(seq)
+                placed.append([journal_log_id(seq), p0 & _OFF_MASK, e0, n, r, p0, p1])
+            else:
+                buf, vbase = views[seq]
+                a = (p0 & _OFF_MASK) - vbase
+                w = self._writer(closed)
+                off = w.append_pieces([memoryview(buf)[a:a + size]])
+                placed.append([w.id, off, e0, n, r, p0, p1])
+            nbytes += size
+        # Runs: spans stored back to back in one log make one group.
+        i = 0
+        while i < len(placed):
+            log_id, off, e0, n, r, p0, p1 = placed[i]
+            j = i + 1
+            end = off + p1 - p0
+            while j < len(placed) and placed[j][0] == log_id and placed[j][1] == end:
+                end += placed[j][6] - placed[j][5]
+                if placed[j][4] != r:
+                    r = 0
+                j += 1
+            total = placed[j - 1][2] + placed[j - 1][3] - e0
+            if r:
+                runs += uniform_runs(lid, e0, total, r, log_id, off)
+            else:
+                # Records of different sizes: each one's size is the distance to the
+                # next position (the span's end for the last of a span).
+                sizes: list = []
+                for _, _, f, m, _, q0, q1 in placed[i:j]:
+                    part = pa[f - base:f - base + m]
+                    sizes += map(operator.sub, part[1:], part)
+                    sizes.append(q1 - part[-1])
+                runs += make_runs(lid, range(e0, e0 + total), sizes, log_id, off)
+            i = j
         return nbytes, count
 
     def _merge(self, over: list[Run], entries, data, sizes):
@@ -354,6 +390,8 @@ class Flusher:
         cands = []
         for log_id, (_di, size, live) in logs.items():
             if log_id == current or size <= 0:
+                continue
+            if log_id >= JOURNAL_LOG and (job.keep_from is None or log_id >= job.keep_from):
                 continue
             frac = max(0, live) / size
             if frac < job.threshold:

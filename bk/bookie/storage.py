@@ -67,7 +67,8 @@ from array import array
 from collections import OrderedDict
 
 from bk.bookie import journal as J
-from bk.bookie.entrylog import EntryLogError, EntryLogs, decode_records
+from bk.bookie.entrylog import JOURNAL_LOG, EntryLogError, EntryLogs, decode_records, \
+    is_journal_log, journal_log_id
 from bk.bookie.flusher import CompactJob, FlushJob, Flusher, RemoveJob
 from bk.bookie.index import Index
 from bk.bookie.journal import ADD_OVERHEAD, CorruptRecordError, Journal, JournalError, \
@@ -359,6 +360,7 @@ class ShardStorage:
         self.replayed_records = 0
         self.last_flush: dict = {}
         self._replayed_deletes: list[int] = []
+        self._adopted: set[int] = set()          # journal segments the index uses as entry logs
         self._progress = progress
         self._closed = False
         self._flush_failed = None
@@ -381,7 +383,8 @@ class ShardStorage:
                               progress=progress, tombstones=self._tomb)
                 self._journal = Journal(journal_dir, segment_size, sync_data)
             self._index = Index(index_dir)
-            self._logs = EntryLogs(ledger_dirs or [index_dir], log_size_limit)
+            self._logs = EntryLogs(ledger_dirs or [index_dir], log_size_limit,
+                                   journal_dir=journal_dir)
             self._remove_orphan_logs()
             self._flusher = Flusher(self._index, self._logs,
                                     name=f"bk-flush-{os.path.basename(index_dir)}")
@@ -428,7 +431,8 @@ class ShardStorage:
 
     def _remove_orphan_logs(self) -> None:
         known = self._index.logs()
-        self._logs.reserve_ids(max(known, default=0) + 1)
+        self._adopted = {log_id & ~JOURNAL_LOG for log_id in known if is_journal_log(log_id)}
+        self._logs.reserve_ids(max((k for k in known if not is_journal_log(k)), default=0) + 1)
         for log_id in self._logs.ids():
             if log_id not in known:
                 log.info("removing entry log %s: written by a flush or compaction that "
@@ -975,6 +979,7 @@ class ShardStorage:
             # rewritten entries (recovery adds) replaced older copies: no stale
             # copy may stay in the read-ahead cache
             self._cache.clear()
+        self._adopted |= job.stats.get("adopted", set())
         self._flushed_mark = job.mark
         self.checkpoints += 1
         self.last_flush = dict(job.stats, journal_bytes=job.nbytes)
@@ -983,14 +988,20 @@ class ShardStorage:
 
     def _drop_old_segments(self, later: bool = False) -> None:
         """Journal segments wholly before the flushed mark are in the index: delete
-        them (``later``: on the flusher thread, see ``RemoveJob``)."""
+        them (``later``: on the flusher thread, see ``RemoveJob``), but for those
+        the index uses as entry logs, which the journal only stops mapping."""
         j = self._journal
         old = [seq for seq in j.segments() if seq < self._flushed_mark[0] and seq != j.active_seq]
-        if not later:
-            for seq in old:
+        gone = []
+        for seq in old:
+            if seq in self._adopted:
+                j.forget_segment(seq)
+            elif later:
+                gone.append(j.forget_segment(seq))
+            else:
                 j.remove_segment(seq)
-        elif old:
-            self._flusher.submit(RemoveJob([j.forget_segment(seq) for seq in old]))
+        if gone:
+            self._flusher.submit(RemoveJob(gone))
 
     def _wait_flusher(self) -> None:
         fl = self._flusher
@@ -1200,7 +1211,8 @@ class ShardStorage:
         if threshold <= 0 or self._compaction is not None:
             return False
         self._wait_flusher()
-        self._compaction = CompactJob(threshold, max_bytes)
+        self._compaction = CompactJob(threshold, max_bytes,
+                                      keep_from=journal_log_id(self._flushed_mark[0]))
         self._compaction_done = None
         self._flusher.submit(self._compaction)
         return True
@@ -1221,6 +1233,11 @@ class ShardStorage:
             stats["error"] = str(job.error)
         freed = 0
         for log_id in job.removable:
+            if is_journal_log(log_id):
+                seq = log_id & ~JOURNAL_LOG
+                self._adopted.discard(seq)
+                if seq in self._journal.segments():     # never: it is before the mark
+                    self._journal.forget_segment(seq)
             freed += self._logs.remove(log_id)
         stats["bytes_freed"] = freed
         stats["segments_removed"] = stats.get("logs_removed", 0)
@@ -1243,6 +1260,7 @@ class ShardStorage:
             "segments": len(j.segments()),
             "journal_bytes": j.disk_usage(),
             "entry_logs": len(self._logs.ids()),
+            "journal_segments_as_logs": len(self._adopted),
             "entry_log_bytes": self._logs.disk_usage(),
             "index_bytes": self._index.disk_usage(),
             "syncs": j.syncs,

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from bk.bookie import flusher as F
 from bk.bookie import journal as J
 from bk.bookie.storage import ShardStorage
 from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
@@ -14,6 +15,15 @@ from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
 SEG = 64 * 1024
 KEY = b"master-key-1"
 OTHER = b"master-key-2"
+
+
+@pytest.fixture(autouse=True, params=["copy", "adopt"])
+def flush_mode(request, monkeypatch):
+    """Every test runs twice: flushes that copy every entry into entry logs, and
+    flushes that leave every in-order span in its journal segment (the long
+    ones do in production, see bk.bookie.entrylog)."""
+    monkeypatch.setattr(F, "ADOPT_MIN_BYTES", 1 if request.param == "adopt" else 1 << 62)
+    return request.param
 
 
 def open_storage(tmp_path, sync_data=True, size=SEG, **kw):
@@ -320,6 +330,7 @@ def test_torn_tail_loses_only_the_unsynced_last_add(tmp_path):
 
 # --- flushes ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_flush_moves_entries_to_sorted_entry_logs_and_is_incremental(tmp_path):
     s = open_storage(tmp_path)
     for e in range(100):                       # three ledgers interleaved in the journal
@@ -364,6 +375,7 @@ def test_reads_and_writes_go_on_while_a_flush_runs(tmp_path):
     s.close()
 
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_more_entries_than_the_caches_hold(tmp_path):
     """Memory is the write cache and the read-ahead cache: a shard holding far more
     serves old entries from entry logs, with read-ahead."""
@@ -430,6 +442,7 @@ def test_an_entry_rewritten_after_a_flush_is_merged(tmp_path):
     s.close()
 
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_entry_logs_spread_over_ledger_directories(tmp_path):
     dirs = [str(tmp_path / "d1"), str(tmp_path / "d2")]
     s = open_storage(tmp_path, ledger_dirs=dirs, log_size_limit=1 << 20)
@@ -503,6 +516,7 @@ def open_small_logs(tmp_path, **kw):
     return open_storage(tmp_path, log_size_limit=1 << 20, **kw)
 
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_delete_then_compact_gives_space_back(tmp_path):
     s = open_small_logs(tmp_path)
     _two_ledgers(s, n=1200)                    # ~1.7 MB over two entry logs
