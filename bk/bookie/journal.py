@@ -459,6 +459,7 @@ class Journal:
         self._bv = memoryview(self._buf)
         self._wbase = 0                # file offset of _buf[0]: bytes before it are written
         self._seqbase = 0
+        self.rolled_at = 0             # where the data of the segment before the last roll ends
         self._off = 0
         self._size = 0
         self._synced = 0
@@ -635,6 +636,7 @@ class Journal:
                 self._fail(e)
                 raise JournalError(f"fdatasync of {old.path} failed: {e}") from e
         new = self._create_segment()
+        self.rolled_at = self._seqbase | self._off
         self._activate(new)
         self._synced = HEADER_SIZE
         self._remap(old, writable=False)

@@ -543,7 +543,14 @@ class ShardStorage:
                     t.pos.extend(positions)
                     self._wc_entries += len(positions)
                     if t.spans is not None:
-                        t.note(eid, positions[0], self._journal.position, len(positions))
+                        p0 = positions[0]
+                        end = self._journal.position
+                        if (p0 ^ end) >> 32:        # the run rolled to a new segment
+                            k = bisect.bisect_left(positions, end >> 32 << 32)
+                            t.note(eid, p0, self._journal.rolled_at, k)
+                            t.note(eid + k, positions[k], end, len(positions) - k)
+                        else:
+                            t.note(eid, p0, end, len(positions))
                     maxlac = max([r[2] for r in run])
                     if maxlac > st.lac:
                         st.lac = maxlac

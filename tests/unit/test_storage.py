@@ -9,6 +9,7 @@ import pytest
 
 from bk.bookie import flusher as F
 from bk.bookie import journal as J
+from bk.bookie.entrylog import JOURNAL_LOG
 from bk.bookie.storage import ShardStorage
 from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
 
@@ -778,3 +779,77 @@ def test_add_batch_statuses_per_entry(tmp_path):
     assert s.read_entry(7, 5)[0] == ENOENTRY
     assert [s.read_entry(8, e)[3] for e in (0, 2, 5)] == [b"x", b"z", b"y"]
     assert s.read_entry(8, 1)[0] == ENOENTRY
+
+
+# --- journal segments used as entry logs ---------------------------------------------
+
+def _batches(s, lid, first, count, per=40, key=KEY):
+    for a in range(first, first + count, per):
+        ents = [(lid, e, e - 1, digest(lid, e), payload(lid, e))
+                for e in range(a, min(first + count, a + per))]
+        acked, errors = _batch(s, ents, key=key)
+        assert not errors
+
+
+@pytest.mark.parametrize("flush_mode", ["adopt"], indirect=True)
+def test_long_in_order_spans_stay_in_their_journal_segment(tmp_path, monkeypatch):
+    """A long stretch of one ledger's records in the journal is indexed where it is;
+    the segments it lies in outlive the flushed mark, restarts and crashes, and
+    compaction removes them once their entries are deleted."""
+    monkeypatch.setattr(F, "ADOPT_MIN_BYTES", 16 * 1024)
+    seg = 256 * 1024
+    s = open_storage(tmp_path, size=seg)
+    for b in range(20):                        # 40-entry batches (~29 KB) of ledger 1,
+        _batches(s, 1, 40 * b, 40)             # one entry of ledger 2 between them
+        assert add(s, 2, b, key=OTHER) == EOK
+    assert s._wc[1].spans is not None          # batches split by a roll are still spans
+    s.checkpoint()
+    runs1, runs2 = s._index.runs_of(1), s._index.runs_of(2)
+    assert sum(r.count for r in runs1) == 800
+    # (the short ends of batches split by a roll are copied)
+    assert sum(r.count for r in runs1 if r.log >= JOURNAL_LOG) >= 700
+    assert all(r.log < JOURNAL_LOG for r in runs2)      # short spans are copied, sorted
+    st = s.stats()
+    assert st["journal_segments_as_logs"] >= 2 and st["entry_log_bytes"] < 800 * 100
+    adopted = sorted(s._adopted)
+    mark_seq = s._flushed_mark[0]
+    assert adopted[0] < mark_seq               # kept past the mark: the index reads it
+
+    def check(s):
+        for e in range(800):
+            assert_entry(s, 1, e)
+        for e in range(20):
+            assert s.read_entry(2, e)[3] == payload(2, e)
+        status, nxt, ents = s.read_range(1, 0, 799, 1 << 30)
+        assert status == EOK and ents[0::4] == list(range(800)) and nxt == 800
+        assert ents[3::4] == [payload(1, e) for e in range(800)]
+
+    check(s)
+    s.close()
+    s = open_storage(tmp_path, size=seg)
+    check(s)
+    _batches(s, 1, 800, 200)                   # and after more, a crash
+    s.sync()
+    crash(s)
+    del s
+    s = open_storage(tmp_path, size=seg)
+    check(s)
+    for e in range(800, 1000):
+        assert_entry(s, 1, e)
+    segdir = tmp_path / "journal"
+    before = [seq for seq in adopted if seq < mark_seq]
+    assert all((segdir / J.segment_name(seq)).exists() for seq in before)
+    # deleted: the segments it kept are compacted away (not the one with the mark)
+    assert s.delete_ledgers([1]) == 1
+    s.checkpoint()
+    assert s.compact(0.5)["logs_removed"] >= len(before)
+    assert not any((segdir / J.segment_name(seq)).exists() for seq in before)
+    assert all(seq >= s._flushed_mark[0] for seq in s._adopted)
+    for e in range(20):
+        assert s.read_entry(2, e)[3] == payload(2, e)
+    s.close()
+    s = open_storage(tmp_path, size=seg)
+    assert s.read_entry(1, 0)[0] == ENOLEDGER
+    for e in range(20):
+        assert s.read_entry(2, e)[3] == payload(2, e)
+    s.close()
