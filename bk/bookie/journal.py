@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-The journal is the only place a shard writes data: every ADD (with its
-payload), every FENCE, every MASTER_KEY and every explicit LAC goes into it
-once, and entries are later read back from it by position. ``bk.bookie.storage``
-keeps the index (entry -> position) and the ledger state in memory and
-checkpoints them; the journal knows nothing about ledgers.
+The journal is where a shard writes first: every ADD (with its payload),
+every FENCE, every MASTER_KEY and every explicit LAC goes into it once, and
+the entries written since the last flush are read back from it by position.
+``bk.bookie.storage`` keeps their positions (its write cache) and flushes them
+into entry logs and the index; a segment the index still reads from (a
+stretch of one ledger's records left in place, see ``bk.bookie.entrylog``)
+outlives the flush mark. The journal knows nothing about ledgers.
 
 Segments. A journal directory holds segment files named by a monotonically
 increasing sequence number, ``0000000000000001.seg``, ``...0002.seg``. Each is

@@ -9,14 +9,17 @@ BookKeeper's DbLedgerStorage, with the journal as the write cache:
   group's sync, so an acknowledged entry is on disk.
 * **Write cache**: the entries written since the last flush are *in the
   journal already*; memory holds only where (``_Tail``: per ledger a dense
-  ``array('q')`` of journal positions, 8 bytes an entry). Reads of them go to
+  ``array('q')`` of journal positions, 8 bytes an entry, and the spans of its
+  records back to back in the journal, a few numbers a batch). Reads of them go to
   the journal. The tail is bounded: at half of ``dbStorage_writeCacheMaxSizeMb``
   of journal (or ``flushIntervalBytes``, or ``flushInterval`` ms) it is
   swapped and flushed by the flusher thread (``bk.bookie.flusher``) while a
   new tail takes the writes; if the new one fills too before the flush
   ends, :meth:`ShardStorage.maintain` waits for it (back-pressure).
 * **Entry logs** (``bk.bookie.entrylog``): a flush writes each ledger's
-  entries sorted and together, so a catch-up reader reads sequentially.
+  entries sorted and together, so a catch-up reader reads sequentially; a
+  long stretch of one ledger that is together in the journal already stays
+  in its segment, which the index then uses as an entry log.
 * **Index** (``bk.bookie.index``, LMDB): runs of entries -> entry log
   location, each ledger's state (fenced, master key, LAC, last entry), the
   logs' live bytes and the journal *mark* a restart replays from. A flush
