@@ -52,6 +52,7 @@ import operator
 import os
 import queue
 import struct
+import sys
 import threading
 import time
 from array import array
@@ -322,8 +323,7 @@ class Flusher:
             size = p1 - p0
             r = size // n
             # One record size iff the positions step by it: checked in bulk.
-            if r * n != size or (n > 1 and pa[e0 - base:e0 - base + n] !=
-                                 array("q", range(p0, p1, r))):
+            if r * n != size or (n > 1 and not _steps_by(pa, e0 - base, n, r)):
                 r = 0
             seq = p0 >> 32
             if adopted is not None and size >= ADOPT_MIN_BYTES:
@@ -441,6 +441,34 @@ class Flusher:
                 wtx.drop_log(log_id)
         job.removable = chosen
         stats["logs_removed"] = len(chosen)
+
+
+_LANE = array("q", [1]).tobytes()
+_STEP_CHUNK = 4096
+_ONES = int.from_bytes(_LANE * _STEP_CHUNK, sys.byteorder)
+
+
+def _steps_by(pa: array, a: int, n: int, r: int) -> bool:
+    """Whether ``pa[a:a+n]`` (journal positions, all in [0, 2**63)) step by ``r``.
+
+    Without an int object per entry: a slice of the array read as one big
+    integer is the sum of its 64-bit lanes ``p[k] * 2**(64k)``, so the slice
+    shifted by one minus the slice is the sum of the lanes' differences
+    (each in (-2**64, 2**64) with ``r`` subtracted: a zero sum means every
+    lane is zero, as with base-2**64 digits), compared with ``r`` in every
+    lane. A few C loops over the bytes per 4096 entries instead of ~50 ns
+    of Python per entry."""
+    mv = memoryview(pa)
+    order = sys.byteorder
+    last = a + n - 1
+    while a < last:
+        m = min(_STEP_CHUNK, last - a)
+        d = int.from_bytes(mv[a + 1:a + 1 + m], order) - int.from_bytes(mv[a:a + m], order)
+        ones = _ONES if m == _STEP_CHUNK else int.from_bytes(_LANE * m, order)
+        if d != r * ones:
+            return False
+        a += m
+    return True
 
 
 BIG_SPAN = 64 * 1024          # a span this large is written from the journal's buffer

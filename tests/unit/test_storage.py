@@ -853,3 +853,21 @@ def test_long_in_order_spans_stay_in_their_journal_segment(tmp_path, monkeypatch
     for e in range(20):
         assert s.read_entry(2, e)[3] == payload(2, e)
     s.close()
+
+
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)
+def test_record_sizes_are_found_uniform_in_bulk_exactly():
+    """The flusher's bulk check that journal positions step by one record size
+    (big-integer lanes) agrees with the entry-by-entry check, off by one or not."""
+    import random
+    from array import array
+    rnd = random.Random(18)
+    for trial in range(2000):
+        n = rnd.choice([2, 3, 100, 4096, 4097, 9000])
+        r = rnd.randint(1, 5000)
+        p0 = rnd.randint(0, 1 << 45)
+        pa = array("q", [7] * 3 + list(range(p0, p0 + n * r, r)) + [9] * 2)
+        if trial % 2:
+            pa[3 + rnd.randrange(n)] += rnd.choice([-1, 1, r, -r, 1 << 33])
+        want = all(pa[3 + i + 1] - pa[3 + i] == r for i in range(n - 1))
+        assert F._steps_by(pa, 3, n, r) == want, (trial, n, r)
