@@ -364,6 +364,7 @@ class ShardStorage:
         self.last_flush: dict = {}
         self._replayed_deletes: list[int] = []
         self._adopted: set[int] = set()          # journal segments the index uses as entry logs
+        self._final_stats: dict = {}
         self._progress = progress
         self._closed = False
         self._flush_failed = None
@@ -1263,6 +1264,8 @@ class ShardStorage:
         return self.compaction_result() or stats
 
     def stats(self) -> dict:
+        if self._index is None:          # closed: what it was at the end (the last heartbeat)
+            return dict(self._final_stats)
         j = self._journal
         return {
             "ledgers": len(self._ledgers),
@@ -1303,5 +1306,6 @@ class ShardStorage:
         try:
             if self._journal._failed is None:
                 self.checkpoint()
+            self._final_stats = self.stats()
         finally:
             self._shutdown()

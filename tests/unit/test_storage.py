@@ -604,6 +604,8 @@ def test_stats(tmp_path):
     assert st["segments"] == 1 and st["journal_bytes"] == SEG
     assert st["journal_mark"].startswith("1:")
     s.close()
+    # after close (the worker's last heartbeat): the counts at the end
+    assert s.stats()["entries"] == 15 and s.stats()["syncs"] >= 2
 
 
 # --- tombstones ---------------------------------------------------------------------
