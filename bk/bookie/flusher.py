@@ -21,21 +21,26 @@ A flush, on this thread:
    current entry log (log records are journal records), merging with
    existing runs whose range it meets (see ``bk.bookie.index``). A ledger
    whose entries came in order (the tail's ``spans``, see
-   ``bk.bookie.storage._Tail``) is copied span by span, a batch of records
+   ``bk.bookie.storage._Tail``) is stored span by span, a batch of records
    at a time, and its runs are made from the spans: the record sizes come
-   from the journal positions in bulk, with no Python work per entry. Other
-   ledgers are gathered entry by entry;
+   from the journal positions in bulk, with no Python work per entry. A span
+   of ``ADOPT_MIN_BYTES`` or more is sorted already and is not copied at all:
+   its runs point into the journal segment, which becomes an entry log too
+   (see ``bk.bookie.entrylog``). Other ledgers are gathered entry by entry;
 3. ``fdatasync``s the entry log (it was also synced every few MiB on the
-   way, see ``bk.bookie.entrylog``);
+   way, see ``bk.bookie.entrylog``) and the journal segments the runs point
+   into (the journal's last group before the mark may not be synced yet);
 4. commits in ONE LMDB transaction: the new runs, the ledger states, the
    logs' sizes and live bytes, and the mark.
 
 Only then does the loop drop the swapped tail and remove the journal segments
-wholly before the mark. A crash before step 4 leaves the index as it was and
-the journal from the old mark (replayed at restart); the entry log bytes the
-crashed flush wrote are unreferenced (a log the index does not know is
-removed at open). A crash after step 4 replays from the new mark. Either
-way every acknowledged entry is readable.
+wholly before the mark that the index does not use (their files are
+unlinked by this thread, see :class:`RemoveJob`). A crash before step 4
+leaves the index as it was and the journal from the old mark (replayed at
+restart); the entry log bytes the crashed flush wrote are unreferenced (a
+log the index does not know is removed at open). A crash after step 4
+replays from the new mark, and removes at open the segments before it that
+the index does not use. Either way every acknowledged entry is readable.
 
 Compaction (:class:`CompactJob`) runs on the same thread, between flushes,
 so the index has one writer at a time: it copies the live runs of the logs
