@@ -87,6 +87,7 @@ TAIL_GAP = 1 << 16
 # An ADD may open a gap of at most this many entry ids past a ledger's last entry.
 MAX_ENTRY_GAP = 1 << 24
 _FILL = array("q", [-1]) * 4096
+SPAN_MIN_ENTRIES = 4               # see _Tail.spans
 _NO_POS = -1
 READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this much
 FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
@@ -192,7 +193,10 @@ class _Tail:
     piece and finds the record sizes in bulk. It holds while the ledger's
     entries come in order (the writer's normal case); the first entry that does
     not continue them (a gap, a rewrite, a record split by a segment roll)
-    turns it into None, and the flush then takes the entries one by one."""
+    turns it into None, and the flush then takes the entries one by one. So
+    does a ledger whose spans hold fewer than :data:`SPAN_MIN_ENTRIES` entries
+    on average (single adds interleaved with other ledgers'): then spans would
+    cost more memory than the positions and save the flush nothing."""
 
     __slots__ = ("base", "pos", "extra", "spans")
 
@@ -200,7 +204,7 @@ class _Tail:
         self.base = base
         self.pos = array("q")
         self.extra = None          # {entry: position} for entries far from the array
-        self.spans = []
+        self.spans = array("q")
 
     def note(self, entry: int, pos: int, end: int, count: int = 1) -> None:
         """``count`` entries from ``entry`` were appended to the journal, back to
@@ -209,15 +213,17 @@ class _Tail:
         if sp is None:
             return
         if not sp:
-            sp += (entry, count, pos, end)
+            sp.extend((entry, count, pos, end))
             return
         if entry != sp[-4] + sp[-3] or (pos ^ end) >> 32:
             self.spans = None              # not the next entries, or across a roll
         elif sp[-1] == pos:
             sp[-3] += count
             sp[-1] = end
+        elif len(sp) >= 64 and len(sp) * SPAN_MIN_ENTRIES > 4 * len(self.pos):
+            self.spans = None              # fragmented: entry by entry is as good
         else:
-            sp += (entry, count, pos, end)
+            sp.extend((entry, count, pos, end))
 
     def get(self, entry: int) -> int:
         i = entry - self.base

@@ -337,6 +337,7 @@ def test_flush_moves_entries_to_sorted_entry_logs_and_is_incremental(tmp_path):
     for e in range(100):                       # three ledgers interleaved in the journal
         for lid in (3, 1, 2):
             assert add(s, lid, e, n=100) == EOK
+    assert s._wc[1].spans is None              # one entry a span: not worth keeping spans
     s.checkpoint()
     first = s.stats()
     assert first["entries"] == 300 and first["write_cache_entries"] == 0
