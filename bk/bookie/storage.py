@@ -1269,6 +1269,15 @@ class ShardStorage:
         self._wait_flusher()
         return self.compaction_result() or stats
 
+    def _adopted_bytes(self) -> int:
+        total = 0
+        for seq in list(self._adopted):
+            try:
+                total += os.path.getsize(self._logs.path(journal_log_id(seq)))
+            except FileNotFoundError:
+                pass
+        return total
+
     def stats(self) -> dict:
         if self._index is None:          # closed: what it was at the end (the last heartbeat)
             return dict(self._final_stats)
@@ -1280,6 +1289,7 @@ class ShardStorage:
             "journal_bytes": j.disk_usage(),
             "entry_logs": len(self._logs.ids()),
             "journal_segments_as_logs": len(self._adopted),
+            "journal_segments_as_logs_bytes": self._adopted_bytes(),
             "entry_log_bytes": self._logs.disk_usage(),
             "index_bytes": self._index.disk_usage(),
             "syncs": j.syncs,

@@ -814,6 +814,7 @@ def test_long_in_order_spans_stay_in_their_journal_segment(tmp_path, monkeypatch
     assert all(r.log < JOURNAL_LOG for r in runs2)      # short spans are copied, sorted
     st = s.stats()
     assert st["journal_segments_as_logs"] >= 2 and st["entry_log_bytes"] < 800 * 100
+    assert st["journal_segments_as_logs_bytes"] == seg * st["journal_segments_as_logs"]
     adopted = sorted(s._adopted)
     mark_seq = s._flushed_mark[0]
     assert adopted[0] < mark_seq               # kept past the mark: the index reads it
