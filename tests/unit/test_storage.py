@@ -875,3 +875,28 @@ def test_record_sizes_are_found_uniform_in_bulk_exactly():
             pa[3 + rnd.randrange(n)] += rnd.choice([-1, 1, r, -r, 1 << 33])
         want = all(pa[3 + i + 1] - pa[3 + i] == r for i in range(n - 1))
         assert F._steps_by(pa, 3, n, r) == want, (trial, n, r)
+
+
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)
+def test_segments_left_by_a_crash_before_their_removal_go_at_open(tmp_path, monkeypatch):
+    """The flusher thread unlinks the segments a flush made useless; a crash
+    before it did leaves them, wholly before the mark: the next open removes
+    them, and every entry reads back."""
+    monkeypatch.setattr(F.RemoveJob, "run", lambda self, fl: None)   # "crashed" before
+    s = open_storage(tmp_path)
+    for e in range(300):                       # ~230 KB over several 64 KiB segments
+        assert add(s, 1, e) == EOK
+        assert add(s, 2, e, key=OTHER) == EOK
+    s.checkpoint()
+    segdir = tmp_path / "journal"
+    names = sorted(n for n in os.listdir(segdir) if n.endswith(".seg"))
+    assert len(names) > len(s._journal.segments()) >= 1     # forgotten, not deleted
+    crash(s)
+    del s
+    monkeypatch.undo()
+    s = open_storage(tmp_path)
+    left = sorted(n for n in os.listdir(segdir) if n.endswith(".seg"))
+    assert len(left) == len(s._journal.segments()) < len(names)
+    for e in range(300):
+        assert_entry(s, 1, e)
+    s.close()
