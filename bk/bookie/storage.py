@@ -1249,13 +1249,21 @@ class ShardStorage:
         if job.error is not None:
             stats["error"] = str(job.error)
         freed = 0
+        paths = []
         for log_id in job.removable:
             if is_journal_log(log_id):
                 seq = log_id & ~JOURNAL_LOG
                 self._adopted.discard(seq)
                 if seq in self._journal.segments():     # never: it is before the mark
                     self._journal.forget_segment(seq)
-            freed += self._logs.remove(log_id)
+            path, size = self._logs.forget(log_id)
+            paths.append(path)
+            freed += size
+        if paths:
+            # Unlinked by the flusher thread, not the loop. A crash before leaves
+            # files the index no longer names: removed at open (orphan logs, and
+            # journal segments before the mark).
+            self._flusher.submit(RemoveJob(paths))
         stats["bytes_freed"] = freed
         stats["segments_removed"] = stats.get("logs_removed", 0)
         self._compaction_done = stats

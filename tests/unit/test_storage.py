@@ -900,3 +900,31 @@ def test_segments_left_by_a_crash_before_their_removal_go_at_open(tmp_path, monk
     for e in range(300):
         assert_entry(s, 1, e)
     s.close()
+
+
+_REMOVE_RUN = F.RemoveJob.run
+
+
+def test_logs_compaction_emptied_and_a_crash_left_go_at_open(tmp_path, monkeypatch, flush_mode):
+    """Compaction's emptied logs (entry logs, or journal segments used as logs) are
+    unlinked by the flusher thread; a crash before it did leaves files the index
+    no longer names: the next open removes them and the survivor reads back."""
+    s = open_small_logs(tmp_path)
+    _two_ledgers(s, n=1200)
+    s.delete_ledgers([7])
+    monkeypatch.setattr(F.RemoveJob, "run", lambda self, fl: None)   # "crashed" before
+
+    def files():
+        return sorted(os.listdir(tmp_path / "index" / "entrylogs")) + sorted(
+            n for n in os.listdir(tmp_path / "journal") if n.endswith(".seg"))
+    stats = s.compact(0.6)
+    assert stats["logs_removed"] >= 1
+    left = files()
+    crash(s)
+    del s
+    monkeypatch.setattr(F.RemoveJob, "run", _REMOVE_RUN)
+    s = open_small_logs(tmp_path)
+    assert len(files()) <= len(left) - stats["logs_removed"]
+    _check_survivor(s, n=1200)
+    s.close()
+
