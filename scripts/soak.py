@@ -811,10 +811,17 @@ def main():
                         "rack-aware (the partition nemesis then also isolates whole racks)")
     p.add_argument("--keep", action="store_true", help="keep the cluster directory on PASS")
     p.add_argument("--dir", help="cluster directory (default: a new temp dir)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a bookie setting (repeatable), e.g. dbStorage_writeCacheMaxSizeMb=2 "
+                        "so that flushes run all the time under the faults")
     p.add_argument("--secure", action="store_true",
                    help="TLS and tokens on the bookies, etcd with TLS and a user (LocalCluster "
                         "secure mode)")
     a = p.parse_args()
+    try:
+        extra = dict(kv.split("=", 1) for kv in a.set)
+    except ValueError:
+        p.error("--set takes KEY=VALUE")
     if a.secure and a.hosts:
         p.error("--secure does not go with --hosts yet")
     if a.bookies < 3:
@@ -852,13 +859,14 @@ def main():
             racks = {h.name: f"/soak/rack{i % a.racks}" for i, h in enumerate(hosts)}
             CLIENT_SETTINGS.update(ensemblePlacementPolicy="rackaware")
         conf = {**TEST_DEFAULTS, **(AUTORECOVERY if a.autorecovery else {}),
-                **({"ensemblePlacementPolicy": "rackaware"} if racks else {})}
+                **({"ensemblePlacementPolicy": "rackaware"} if racks else {}), **extra}
         cluster = netns.HostCluster(net, base, hosts, net.add_host("meta"), conf,
                                     num_shards=a.shards, racks=racks)
         say(f"soak: hosts on {net.subnet} (bridge {net.bridge}), racks {racks or 'none'}")
     else:
         cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards,
-                               conf_overrides=AUTORECOVERY if a.autorecovery else None,
+                               conf_overrides={**(AUTORECOVERY if a.autorecovery else {}),
+                                               **extra},
                                secure=a.secure)
         CLIENT_SETTINGS.update(cluster.client_settings())
     stop = threading.Event()

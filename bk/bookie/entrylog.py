@@ -34,6 +34,15 @@ bytes does the pacing.
 :meth:`LogWriter.sync` makes everything durable before the index is
 committed.
 
+Journal segments as entry logs. A stretch of one ledger's records that lies
+back to back in the journal is sorted already; a flush (``bk.bookie.flusher``)
+leaves a long one (:data:`ADOPT_MIN_BYTES`) where it is and indexes it in the
+journal segment, which then serves as an entry log too: its log id is
+:data:`JOURNAL_LOG` ``| seq`` and its path the segment's. A single-ledger
+shard then writes its data once, as BookKeeper's journal-only path would,
+instead of twice. Such a segment is kept after the flushed mark passes it
+while the index has live runs in it, and compaction removes it like any log.
+
 Reading: ``pread`` on a descriptor cached per log (a bounded LRU), so reads
 never depend on mappings another thread may change, and a file removed by
 compaction stays readable through an open descriptor until it is closed.
@@ -51,7 +60,7 @@ from collections import OrderedDict
 
 from crc32c import crc32c
 
-from bk.bookie.journal import ADD, JournalError, _fsync_dir
+from bk.bookie.journal import ADD, JournalError, _fsync_dir, segment_name
 
 log = logging.getLogger("bk.entrylog")
 
@@ -68,6 +77,16 @@ WRITE_CHUNK = 1 << 20
 SYNC_STEP = 8 << 20
 MAX_OPEN_READERS = 128
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+JOURNAL_LOG = 1 << 62                    # log ids of journal segments: JOURNAL_LOG | seq
+ADOPT_MIN_BYTES = 256 << 10              # a span this long stays in the journal segment
+
+
+def journal_log_id(seq: int) -> int:
+    return JOURNAL_LOG | seq
+
+
+def is_journal_log(log_id: int) -> bool:
+    return log_id >= JOURNAL_LOG
 
 
 def _libc_sync_file_range():
@@ -213,9 +232,10 @@ class LogWriter:
 class EntryLogs:
     """The entry log files of one shard over its ledger directories."""
 
-    def __init__(self, dirs: list[str], size_limit: int):
+    def __init__(self, dirs: list[str], size_limit: int, journal_dir: str | None = None):
         self.dirs = [os.path.join(d, LOG_SUBDIR) for d in dirs]
         self.size_limit = size_limit
+        self.journal_dir = journal_dir   # where the segments used as logs are (None: none)
         self._paths: dict[int, str] = {}
         for d in self.dirs:
             os.makedirs(d, exist_ok=True)
@@ -244,6 +264,11 @@ class EntryLogs:
         return w
 
     def path(self, log_id: int) -> str:
+        if log_id >= JOURNAL_LOG:
+            if self.journal_dir is None:
+                raise EntryLogError(f"log {log_id:#x} is a journal segment, and these entry "
+                                    f"logs have no journal")
+            return os.path.join(self.journal_dir, segment_name(log_id & ~JOURNAL_LOG))
         return self._paths.get(log_id) or os.path.join(self.dirs[log_id % len(self.dirs)],
                                                        log_name(log_id))
 
@@ -272,17 +297,25 @@ class EntryLogs:
 
     def remove(self, log_id: int) -> int:
         """Delete a log file; return the bytes freed."""
-        fd = self._readers.pop(log_id, None)
-        if fd is not None:
-            os.close(fd)
-        path = self._paths.pop(log_id, None) or self.path(log_id)
+        path, size = self.forget(log_id)
         try:
-            size = os.path.getsize(path)
             os.unlink(path)
         except FileNotFoundError:
             return 0
         _fsync_dir(os.path.dirname(path))
         return size
+
+    def forget(self, log_id: int) -> tuple[str, int]:
+        """Stop reading a log: ``(path, bytes)`` of the file, for the caller to
+        delete (elsewhere: unlinking a large file takes ext4 tens of ms)."""
+        fd = self._readers.pop(log_id, None)
+        if fd is not None:
+            os.close(fd)
+        path = self._paths.pop(log_id, None) or self.path(log_id)
+        try:
+            return path, os.path.getsize(path)
+        except FileNotFoundError:
+            return path, 0
 
     def disk_usage(self) -> int:
         total = 0

@@ -165,6 +165,17 @@ def make_runs(ledger: int, entries: list, sizes: list, log_id: int, off: int) ->
     return runs
 
 
+def uniform_runs(ledger: int, first: int, count: int, rlen: int, log_id: int,
+                 off: int) -> list:
+    """The runs of ``count`` consecutive entries from ``first``, records of ``rlen``
+    bytes each stored back to back from ``off`` of ``log_id`` (no per-entry work)."""
+    runs = []
+    for a in range(0, count, MAX_RUN_ENTRIES):
+        k = min(MAX_RUN_ENTRIES, count - a)
+        runs.append(Run(ledger, first + a, log_id, off + a * rlen, k, 1, k * rlen, rlen))
+    return runs
+
+
 class Index:
     """The LMDB environment of one shard's index (see the module docstring).
 

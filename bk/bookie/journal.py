@@ -2,11 +2,13 @@
 
 Theory of operation
 -------------------
-The journal is the only place a shard writes data: every ADD (with its
-payload), every FENCE, every MASTER_KEY and every explicit LAC goes into it
-once, and entries are later read back from it by position. ``bk.bookie.storage``
-keeps the index (entry -> position) and the ledger state in memory and
-checkpoints them; the journal knows nothing about ledgers.
+The journal is where a shard writes first: every ADD (with its payload),
+every FENCE, every MASTER_KEY and every explicit LAC goes into it once, and
+the entries written since the last flush are read back from it by position.
+``bk.bookie.storage`` keeps their positions (its write cache) and flushes them
+into entry logs and the index; a segment the index still reads from (a
+stretch of one ledger's records left in place, see ``bk.bookie.entrylog``)
+outlives the flush mark. The journal knows nothing about ledgers.
 
 Segments. A journal directory holds segment files named by a monotonically
 increasing sequence number, ``0000000000000001.seg``, ``...0002.seg``. Each is
@@ -459,6 +461,7 @@ class Journal:
         self._bv = memoryview(self._buf)
         self._wbase = 0                # file offset of _buf[0]: bytes before it are written
         self._seqbase = 0
+        self.rolled_at = 0             # where the data of the segment before the last roll ends
         self._off = 0
         self._size = 0
         self._synced = 0
@@ -635,6 +638,7 @@ class Journal:
                 self._fail(e)
                 raise JournalError(f"fdatasync of {old.path} failed: {e}") from e
         new = self._create_segment()
+        self.rolled_at = self._seqbase | self._off
         self._activate(new)
         self._synced = HEADER_SIZE
         self._remap(old, writable=False)
@@ -874,6 +878,11 @@ class Journal:
     def active_seq(self) -> int:
         return self._seqbase >> 32
 
+    @property
+    def position(self) -> int:
+        """The position the next record gets (where the last one appended ends)."""
+        return self._seqbase | self._off
+
     # --- reads ----------------------------------------------------------------
     def _locate(self, pos: int):
         seg = self._segs.get(pos >> 32)
@@ -944,14 +953,22 @@ class Journal:
 
     def remove_segment(self, seq: int) -> int:
         """Unmap and delete a segment (never the active one); return the bytes freed."""
+        path = self.forget_segment(seq)
+        size = os.stat(path).st_size
+        os.unlink(path)
+        _fsync_dir(self.directory)
+        return size
+
+    def forget_segment(self, seq: int) -> str:
+        """Unmap a segment (never the active one) and stop knowing it; return its
+        path, for the caller to delete (elsewhere: unlinking a preallocated
+        segment takes ext4 tens of ms). A segment left behind by a crash before
+        its deletion is wholly before the mark: deleted at the next open."""
         if self._active is not None and seq == self._active.seq:
             raise JournalError(f"segment {segment_name(seq)} is the active segment")
         seg = self._segs.pop(seq)
         seg.close()
-        size = os.stat(seg.path).st_size
-        os.unlink(seg.path)
-        _fsync_dir(self.directory)
-        return size
+        return seg.path
 
     def disk_usage(self) -> int:
         """Bytes the segment files occupy (they are preallocated: their full size)."""

@@ -9,14 +9,17 @@ BookKeeper's DbLedgerStorage, with the journal as the write cache:
   group's sync, so an acknowledged entry is on disk.
 * **Write cache**: the entries written since the last flush are *in the
   journal already*; memory holds only where (``_Tail``: per ledger a dense
-  ``array('q')`` of journal positions, 8 bytes an entry). Reads of them go to
+  ``array('q')`` of journal positions, 8 bytes an entry, and the spans of its
+  records back to back in the journal, a few numbers a batch). Reads of them go to
   the journal. The tail is bounded: at half of ``dbStorage_writeCacheMaxSizeMb``
   of journal (or ``flushIntervalBytes``, or ``flushInterval`` ms) it is
   swapped and flushed by the flusher thread (``bk.bookie.flusher``) while a
   new tail takes the writes; if the new one fills too before the flush
   ends, :meth:`ShardStorage.maintain` waits for it (back-pressure).
 * **Entry logs** (``bk.bookie.entrylog``): a flush writes each ledger's
-  entries sorted and together, so a catch-up reader reads sequentially.
+  entries sorted and together, so a catch-up reader reads sequentially; a
+  long stretch of one ledger that is together in the journal already stays
+  in its segment, which the index then uses as an entry log.
 * **Index** (``bk.bookie.index``, LMDB): runs of entries -> entry log
   location, each ledger's state (fenced, master key, LAC, last entry), the
   logs' live bytes and the journal *mark* a restart replays from. A flush
@@ -67,8 +70,9 @@ from array import array
 from collections import OrderedDict
 
 from bk.bookie import journal as J
-from bk.bookie.entrylog import EntryLogError, EntryLogs, decode_records
-from bk.bookie.flusher import CompactJob, FlushJob, Flusher
+from bk.bookie.entrylog import JOURNAL_LOG, EntryLogError, EntryLogs, decode_records, \
+    is_journal_log, journal_log_id
+from bk.bookie.flusher import CompactJob, FlushJob, Flusher, RemoveJob
 from bk.bookie.index import Index
 from bk.bookie.journal import ADD_OVERHEAD, CorruptRecordError, Journal, JournalError, \
     RecordTooLargeError
@@ -83,6 +87,7 @@ TAIL_GAP = 1 << 16
 # An ADD may open a gap of at most this many entry ids past a ledger's last entry.
 MAX_ENTRY_GAP = 1 << 24
 _FILL = array("q", [-1]) * 4096
+SPAN_MIN_ENTRIES = 4               # see _Tail.spans
 _NO_POS = -1
 READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this much
 FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
@@ -179,14 +184,46 @@ class _Ledger:
 
 
 class _Tail:
-    """One ledger's entries written since the last swap: entry -> journal position."""
+    """One ledger's entries written since the last swap: entry -> journal position.
 
-    __slots__ = ("base", "pos", "extra")
+    ``spans`` describes the same entries for the flush, a few numbers per
+    *batch* rather than per entry: a flat list of ``first entry, count, start
+    position, end position`` for each stretch of consecutive entries whose
+    records lie back to back in the journal, so a flush copies a span as one
+    piece and finds the record sizes in bulk. It holds while the ledger's
+    entries come in order (the writer's normal case); the first entry that does
+    not continue them (a gap, a rewrite, a record split by a segment roll)
+    turns it into None, and the flush then takes the entries one by one. So
+    does a ledger whose spans hold fewer than :data:`SPAN_MIN_ENTRIES` entries
+    on average (single adds interleaved with other ledgers'): then spans would
+    cost more memory than the positions and save the flush nothing."""
+
+    __slots__ = ("base", "pos", "extra", "spans")
 
     def __init__(self, base: int):
         self.base = base
         self.pos = array("q")
         self.extra = None          # {entry: position} for entries far from the array
+        self.spans = array("q")
+
+    def note(self, entry: int, pos: int, end: int, count: int = 1) -> None:
+        """``count`` entries from ``entry`` were appended to the journal, back to
+        back from ``pos`` to ``end`` (see ``spans``)."""
+        sp = self.spans
+        if sp is None:
+            return
+        if not sp:
+            sp.extend((entry, count, pos, end))
+            return
+        if entry != sp[-4] + sp[-3] or (pos ^ end) >> 32:
+            self.spans = None              # not the next entries, or across a roll
+        elif sp[-1] == pos:
+            sp[-3] += count
+            sp[-1] = end
+        elif len(sp) >= 64 and len(sp) * SPAN_MIN_ENTRIES > 4 * len(self.pos):
+            self.spans = None              # fragmented: entry by entry is as good
+        else:
+            sp.extend((entry, count, pos, end))
 
     def get(self, entry: int) -> int:
         i = entry - self.base
@@ -332,6 +369,8 @@ class ShardStorage:
         self.replayed_records = 0
         self.last_flush: dict = {}
         self._replayed_deletes: list[int] = []
+        self._adopted: set[int] = set()          # journal segments the index uses as entry logs
+        self._final_stats: dict = {}
         self._progress = progress
         self._closed = False
         self._flush_failed = None
@@ -354,7 +393,8 @@ class ShardStorage:
                               progress=progress, tombstones=self._tomb)
                 self._journal = Journal(journal_dir, segment_size, sync_data)
             self._index = Index(index_dir)
-            self._logs = EntryLogs(ledger_dirs or [index_dir], log_size_limit)
+            self._logs = EntryLogs(ledger_dirs or [index_dir], log_size_limit,
+                                   journal_dir=journal_dir)
             self._remove_orphan_logs()
             self._flusher = Flusher(self._index, self._logs,
                                     name=f"bk-flush-{os.path.basename(index_dir)}")
@@ -401,7 +441,8 @@ class ShardStorage:
 
     def _remove_orphan_logs(self) -> None:
         known = self._index.logs()
-        self._logs.reserve_ids(max(known, default=0) + 1)
+        self._adopted = {log_id & ~JOURNAL_LOG for log_id in known if is_journal_log(log_id)}
+        self._logs.reserve_ids(max((k for k in known if not is_journal_log(k)), default=0) + 1)
         for log_id in self._logs.ids():
             if log_id not in known:
                 log.info("removing entry log %s: written by a flush or compaction that "
@@ -432,12 +473,13 @@ class ShardStorage:
             return EBADREQ
         return st
 
-    def _tail_put(self, ledger: int, entry: int, pos: int) -> None:
+    def _tail_put(self, ledger: int, entry: int, pos: int, end: int) -> None:
         t = self._wc.get(ledger)
         if t is None:
             t = self._wc[ledger] = _Tail(entry)
         if t.put(entry, pos):
             self._wc_entries += 1
+        t.note(entry, pos, end)
 
     def add_entry(self, ledger: int, entry: int, lac: int, master_key: bytes, digest: bytes,
                   payload: bytes, recovery: bool) -> int:
@@ -454,7 +496,7 @@ class ShardStorage:
         except (JournalError, OSError) as e:
             log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
             return EIO
-        self._tail_put(ledger, entry, pos)
+        self._tail_put(ledger, entry, pos, self._journal.position)
         if lac > st.lac:
             st.lac = lac
         if entry > st.last:
@@ -510,6 +552,15 @@ class ShardStorage:
                 if positions:
                     t.pos.extend(positions)
                     self._wc_entries += len(positions)
+                    if t.spans is not None:
+                        p0 = positions[0]
+                        end = self._journal.position
+                        if (p0 ^ end) >> 32:        # the run rolled to a new segment
+                            k = bisect.bisect_left(positions, end >> 32 << 32)
+                            t.note(eid, p0, self._journal.rolled_at, k)
+                            t.note(eid + k, positions[k], end, len(positions) - k)
+                        else:
+                            t.note(eid, p0, end, len(positions))
                     maxlac = max([r[2] for r in run])
                     if maxlac > st.lac:
                         st.lac = maxlac
@@ -549,7 +600,7 @@ class ShardStorage:
         except (JournalError, OSError) as e:
             log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
             return EIO
-        self._tail_put(ledger, entry, pos)
+        self._tail_put(ledger, entry, pos, self._journal.position)
         if lac > st.lac:
             st.lac = lac
         if entry > st.last:
@@ -919,6 +970,11 @@ class ShardStorage:
         if isinstance(job, CompactJob):
             self._finish_compaction(job)
             return
+        if isinstance(job, RemoveJob):
+            if job.error is not None:
+                log.warning("%s: deleting old journal segments failed: %s", self.index_dir,
+                            job.error)
+            return
         flushed = self._flushing
         self._flushing = None
         if job.error is not None:
@@ -929,6 +985,7 @@ class ShardStorage:
                 new = self._wc.get(lid)
                 self._wc[lid] = t
                 if new is not None:
+                    t.spans = None         # the next flush takes this ledger entry by entry
                     for e, p in new.items():
                         t.put(e, p)
             self._wc_entries += self._flushing_entries
@@ -939,18 +996,29 @@ class ShardStorage:
             # rewritten entries (recovery adds) replaced older copies: no stale
             # copy may stay in the read-ahead cache
             self._cache.clear()
+        self._adopted |= job.stats.get("adopted", set())
         self._flushed_mark = job.mark
         self.checkpoints += 1
         self.last_flush = dict(job.stats, journal_bytes=job.nbytes)
         self._flushing_entries = 0
-        self._drop_old_segments()
+        self._drop_old_segments(later=True)
 
-    def _drop_old_segments(self) -> None:
-        """Journal segments wholly before the flushed mark are in the index: delete."""
+    def _drop_old_segments(self, later: bool = False) -> None:
+        """Journal segments wholly before the flushed mark are in the index: delete
+        them (``later``: on the flusher thread, see ``RemoveJob``), but for those
+        the index uses as entry logs, which the journal only stops mapping."""
         j = self._journal
-        for seq in j.segments():
-            if seq < self._flushed_mark[0] and seq != j.active_seq:
+        old = [seq for seq in j.segments() if seq < self._flushed_mark[0] and seq != j.active_seq]
+        gone = []
+        for seq in old:
+            if seq in self._adopted:
+                j.forget_segment(seq)
+            elif later:
+                gone.append(j.forget_segment(seq))
+            else:
                 j.remove_segment(seq)
+        if gone:
+            self._flusher.submit(RemoveJob(gone))
 
     def _wait_flusher(self) -> None:
         fl = self._flusher
@@ -1004,7 +1072,7 @@ class ShardStorage:
             if rtype == J.ADD:
                 _, entry, lac = f
                 if entry >= 0:
-                    self._tail_put(lid, entry, pos)
+                    self._tail_put(lid, entry, pos, pos + rlen)
                     if lac > st.lac:
                         st.lac = lac
                     if entry > st.last:
@@ -1160,7 +1228,8 @@ class ShardStorage:
         if threshold <= 0 or self._compaction is not None:
             return False
         self._wait_flusher()
-        self._compaction = CompactJob(threshold, max_bytes)
+        self._compaction = CompactJob(threshold, max_bytes,
+                                      keep_from=journal_log_id(self._flushed_mark[0]))
         self._compaction_done = None
         self._flusher.submit(self._compaction)
         return True
@@ -1180,8 +1249,21 @@ class ShardStorage:
         if job.error is not None:
             stats["error"] = str(job.error)
         freed = 0
+        paths = []
         for log_id in job.removable:
-            freed += self._logs.remove(log_id)
+            if is_journal_log(log_id):
+                seq = log_id & ~JOURNAL_LOG
+                self._adopted.discard(seq)
+                if seq in self._journal.segments():     # never: it is before the mark
+                    self._journal.forget_segment(seq)
+            path, size = self._logs.forget(log_id)
+            paths.append(path)
+            freed += size
+        if paths:
+            # Unlinked by the flusher thread, not the loop. A crash before leaves
+            # files the index no longer names: removed at open (orphan logs, and
+            # journal segments before the mark).
+            self._flusher.submit(RemoveJob(paths))
         stats["bytes_freed"] = freed
         stats["segments_removed"] = stats.get("logs_removed", 0)
         self._compaction_done = stats
@@ -1195,7 +1277,18 @@ class ShardStorage:
         self._wait_flusher()
         return self.compaction_result() or stats
 
+    def _adopted_bytes(self) -> int:
+        total = 0
+        for seq in list(self._adopted):
+            try:
+                total += os.path.getsize(self._logs.path(journal_log_id(seq)))
+            except FileNotFoundError:
+                pass
+        return total
+
     def stats(self) -> dict:
+        if self._index is None:          # closed: what it was at the end (the last heartbeat)
+            return dict(self._final_stats)
         j = self._journal
         return {
             "ledgers": len(self._ledgers),
@@ -1203,6 +1296,8 @@ class ShardStorage:
             "segments": len(j.segments()),
             "journal_bytes": j.disk_usage(),
             "entry_logs": len(self._logs.ids()),
+            "journal_segments_as_logs": len(self._adopted),
+            "journal_segments_as_logs_bytes": self._adopted_bytes(),
             "entry_log_bytes": self._logs.disk_usage(),
             "index_bytes": self._index.disk_usage(),
             "syncs": j.syncs,
@@ -1235,5 +1330,6 @@ class ShardStorage:
         try:
             if self._journal._failed is None:
                 self.checkpoint()
+            self._final_stats = self.stats()
         finally:
             self._shutdown()

@@ -111,6 +111,67 @@ def test_kill9_during_compaction_loses_nothing(cluster_factory):
         assert conn.call(P.read(conn.next_rid(), lids[0], 0))[2] == ENOLEDGER
 
 
+def _segment_files(b) -> int:
+    d = os.path.join(b.dir, "journal", "shard-0")
+    return sum(1 for n in os.listdir(d) if n.endswith(".seg"))
+
+
+def test_kill9_with_journal_segments_as_entry_logs(cluster_factory):
+    """Flushes of a shard written one ledger at a time leave the records in their
+    journal segments, which then serve as entry logs: kill -9 while such a flush
+    is in flight, and while compaction removes the segments of a deleted ledger;
+    every acknowledged entry reads back, and the space does come back."""
+    c = cluster_factory(1, num_shards=1, conf_overrides=dict(
+        SMALL_CACHE, journalPreAllocSizeMB=2, nettyMaxFrameSizeBytes=1 << 20, gcWaitTime=200, minorCompactionInterval=0,
+        minorCompactionThreshold=0.5))
+    b, store = c.bookies[0], c.store
+    keep, doomed = [], []
+    for lids in (keep, doomed):
+        lid = store.new_ledger_id()
+        store.create_ledger(LedgerMetadata(lid, 1, 1, 1, [(0, [b.bookie_id])]))
+        lids.append(lid)
+    keep, doomed = keep[0], doomed[0]
+    acked: list[int] = []
+    stop = threading.Event()
+    t = threading.Thread(target=pump, args=(b, keep, 0, 1_000_000),
+                         kwargs={"stop": stop, "acked": acked})
+    t.start()
+    try:
+        def in_flight():
+            info = shard_info(b, 0)
+            return info["flushing"] and info["journal_segments_as_logs"] >= 2
+        wait_until(in_flight, timeout=60, step=0.002,
+                   what="a flush in flight after segments became logs")
+        stop.set()
+        b.kill()                                # kill -9 while the flusher commits
+    finally:
+        stop.set()
+        t.join(30)
+    assert len(acked) > 2000
+    b.start()
+    read_back(b, keep, acked)
+    info = shard_info(b, 0)
+    assert info["journal_segments_as_logs"] >= 2     # the kept segments serve the reads
+    assert info["entry_log_bytes"] < len(acked) * 1100 / 2
+    # a ledger of its own segments, then the first one's again: the mark moves past it
+    pump(b, doomed, 0, 6000)                    # ~6.4 MB: at least two whole segments
+    pump(b, keep, len(acked), 3000, acked=acked)
+    wait_until(lambda: not shard_info(b, 0)["flushing"], timeout=30, what="flush done")
+    before = _segment_files(b)
+    store.delete_ledger(doomed)
+    wait_until(lambda: shard_info(b, 0)["compacting"], timeout=60, step=0.002,
+               what="a compaction in flight")
+    b.kill()                                    # kill -9 while segments are compacted away
+    b.start()
+    read_back(b, keep, acked)
+    # and the doomed ledger's segments do go, on a later round
+    wait_until(lambda: _segment_files(b) <= before - 2, timeout=60,
+               what="the deleted ledger's segments removed")
+    read_back(b, keep, acked)
+    with BookieConnection(b.bookie_id, 0) as conn:
+        assert conn.call(P.read(conn.next_rid(), doomed, 0))[2] == ENOLEDGER
+
+
 def _write_v1_shard(jdir: str, ledgers: int, entries: int) -> None:
     """A v1 shard as a crash before its first checkpoint leaves it: entries in the
     journal, no checkpoint file."""

@@ -7,13 +7,24 @@ import os
 
 import pytest
 
+from bk.bookie import flusher as F
 from bk.bookie import journal as J
+from bk.bookie.entrylog import JOURNAL_LOG
 from bk.bookie.storage import ShardStorage
 from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
 
 SEG = 64 * 1024
 KEY = b"master-key-1"
 OTHER = b"master-key-2"
+
+
+@pytest.fixture(autouse=True, params=["copy", "adopt"])
+def flush_mode(request, monkeypatch):
+    """Every test runs twice: flushes that copy every entry into entry logs, and
+    flushes that leave every in-order span in its journal segment (the long
+    ones do in production, see bk.bookie.entrylog)."""
+    monkeypatch.setattr(F, "ADOPT_MIN_BYTES", 1 if request.param == "adopt" else 1 << 62)
+    return request.param
 
 
 def open_storage(tmp_path, sync_data=True, size=SEG, **kw):
@@ -320,11 +331,13 @@ def test_torn_tail_loses_only_the_unsynced_last_add(tmp_path):
 
 # --- flushes ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_flush_moves_entries_to_sorted_entry_logs_and_is_incremental(tmp_path):
     s = open_storage(tmp_path)
     for e in range(100):                       # three ledgers interleaved in the journal
         for lid in (3, 1, 2):
             assert add(s, lid, e, n=100) == EOK
+    assert s._wc[1].spans is None              # one entry a span: not worth keeping spans
     s.checkpoint()
     first = s.stats()
     assert first["entries"] == 300 and first["write_cache_entries"] == 0
@@ -364,6 +377,7 @@ def test_reads_and_writes_go_on_while_a_flush_runs(tmp_path):
     s.close()
 
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_more_entries_than_the_caches_hold(tmp_path):
     """Memory is the write cache and the read-ahead cache: a shard holding far more
     serves old entries from entry logs, with read-ahead."""
@@ -430,6 +444,7 @@ def test_an_entry_rewritten_after_a_flush_is_merged(tmp_path):
     s.close()
 
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_entry_logs_spread_over_ledger_directories(tmp_path):
     dirs = [str(tmp_path / "d1"), str(tmp_path / "d2")]
     s = open_storage(tmp_path, ledger_dirs=dirs, log_size_limit=1 << 20)
@@ -503,6 +518,7 @@ def open_small_logs(tmp_path, **kw):
     return open_storage(tmp_path, log_size_limit=1 << 20, **kw)
 
 
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
 def test_delete_then_compact_gives_space_back(tmp_path):
     s = open_small_logs(tmp_path)
     _two_ledgers(s, n=1200)                    # ~1.7 MB over two entry logs
@@ -589,6 +605,8 @@ def test_stats(tmp_path):
     assert st["segments"] == 1 and st["journal_bytes"] == SEG
     assert st["journal_mark"].startswith("1:")
     s.close()
+    # after close (the worker's last heartbeat): the counts at the end
+    assert s.stats()["entries"] == 15 and s.stats()["syncs"] >= 2
 
 
 # --- tombstones ---------------------------------------------------------------------
@@ -764,3 +782,149 @@ def test_add_batch_statuses_per_entry(tmp_path):
     assert s.read_entry(7, 5)[0] == ENOENTRY
     assert [s.read_entry(8, e)[3] for e in (0, 2, 5)] == [b"x", b"z", b"y"]
     assert s.read_entry(8, 1)[0] == ENOENTRY
+
+
+# --- journal segments used as entry logs ---------------------------------------------
+
+def _batches(s, lid, first, count, per=40, key=KEY):
+    for a in range(first, first + count, per):
+        ents = [(lid, e, e - 1, digest(lid, e), payload(lid, e))
+                for e in range(a, min(first + count, a + per))]
+        acked, errors = _batch(s, ents, key=key)
+        assert not errors
+
+
+@pytest.mark.parametrize("flush_mode", ["adopt"], indirect=True)
+def test_long_in_order_spans_stay_in_their_journal_segment(tmp_path, monkeypatch):
+    """A long stretch of one ledger's records in the journal is indexed where it is;
+    the segments it lies in outlive the flushed mark, restarts and crashes, and
+    compaction removes them once their entries are deleted."""
+    monkeypatch.setattr(F, "ADOPT_MIN_BYTES", 16 * 1024)
+    seg = 256 * 1024
+    s = open_storage(tmp_path, size=seg)
+    for b in range(20):                        # 40-entry batches (~29 KB) of ledger 1,
+        _batches(s, 1, 40 * b, 40)             # one entry of ledger 2 between them
+        assert add(s, 2, b, key=OTHER) == EOK
+    assert s._wc[1].spans is not None          # batches split by a roll are still spans
+    s.checkpoint()
+    runs1, runs2 = s._index.runs_of(1), s._index.runs_of(2)
+    assert sum(r.count for r in runs1) == 800
+    # (the short ends of batches split by a roll are copied)
+    assert sum(r.count for r in runs1 if r.log >= JOURNAL_LOG) >= 700
+    assert all(r.log < JOURNAL_LOG for r in runs2)      # short spans are copied, sorted
+    st = s.stats()
+    assert st["journal_segments_as_logs"] >= 2 and st["entry_log_bytes"] < 800 * 100
+    assert st["journal_segments_as_logs_bytes"] == seg * st["journal_segments_as_logs"]
+    adopted = sorted(s._adopted)
+    mark_seq = s._flushed_mark[0]
+    assert adopted[0] < mark_seq               # kept past the mark: the index reads it
+
+    def check(s):
+        for e in range(800):
+            assert_entry(s, 1, e)
+        for e in range(20):
+            assert s.read_entry(2, e)[3] == payload(2, e)
+        status, nxt, ents = s.read_range(1, 0, 799, 1 << 30)
+        assert status == EOK and ents[0::4] == list(range(800)) and nxt == 800
+        assert ents[3::4] == [payload(1, e) for e in range(800)]
+
+    check(s)
+    s.close()
+    s = open_storage(tmp_path, size=seg)
+    check(s)
+    _batches(s, 1, 800, 200)                   # and after more, a crash
+    s.sync()
+    crash(s)
+    del s
+    s = open_storage(tmp_path, size=seg)
+    check(s)
+    for e in range(800, 1000):
+        assert_entry(s, 1, e)
+    segdir = tmp_path / "journal"
+    before = [seq for seq in adopted if seq < mark_seq]
+    assert all((segdir / J.segment_name(seq)).exists() for seq in before)
+    # deleted: the segments it kept are compacted away (not the one with the mark)
+    assert s.delete_ledgers([1]) == 1
+    s.checkpoint()
+    assert s.compact(0.5)["logs_removed"] >= len(before)
+    assert not any((segdir / J.segment_name(seq)).exists() for seq in before)
+    assert all(seq >= s._flushed_mark[0] for seq in s._adopted)
+    for e in range(20):
+        assert s.read_entry(2, e)[3] == payload(2, e)
+    s.close()
+    s = open_storage(tmp_path, size=seg)
+    assert s.read_entry(1, 0)[0] == ENOLEDGER
+    for e in range(20):
+        assert s.read_entry(2, e)[3] == payload(2, e)
+    s.close()
+
+
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)
+def test_record_sizes_are_found_uniform_in_bulk_exactly():
+    """The flusher's bulk check that journal positions step by one record size
+    (big-integer lanes) agrees with the entry-by-entry check, off by one or not."""
+    import random
+    from array import array
+    rnd = random.Random(18)
+    for trial in range(2000):
+        n = rnd.choice([2, 3, 100, 4096, 4097, 9000])
+        r = rnd.randint(1, 5000)
+        p0 = rnd.randint(0, 1 << 45)
+        pa = array("q", [7] * 3 + list(range(p0, p0 + n * r, r)) + [9] * 2)
+        if trial % 2:
+            pa[3 + rnd.randrange(n)] += rnd.choice([-1, 1, r, -r, 1 << 33])
+        want = all(pa[3 + i + 1] - pa[3 + i] == r for i in range(n - 1))
+        assert F._steps_by(pa, 3, n, r) == want, (trial, n, r)
+
+
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)
+def test_segments_left_by_a_crash_before_their_removal_go_at_open(tmp_path, monkeypatch):
+    """The flusher thread unlinks the segments a flush made useless; a crash
+    before it did leaves them, wholly before the mark: the next open removes
+    them, and every entry reads back."""
+    monkeypatch.setattr(F.RemoveJob, "run", lambda self, fl: None)   # "crashed" before
+    s = open_storage(tmp_path)
+    for e in range(300):                       # ~230 KB over several 64 KiB segments
+        assert add(s, 1, e) == EOK
+        assert add(s, 2, e, key=OTHER) == EOK
+    s.checkpoint()
+    segdir = tmp_path / "journal"
+    names = sorted(n for n in os.listdir(segdir) if n.endswith(".seg"))
+    assert len(names) > len(s._journal.segments()) >= 1     # forgotten, not deleted
+    crash(s)
+    del s
+    monkeypatch.undo()
+    s = open_storage(tmp_path)
+    left = sorted(n for n in os.listdir(segdir) if n.endswith(".seg"))
+    assert len(left) == len(s._journal.segments()) < len(names)
+    for e in range(300):
+        assert_entry(s, 1, e)
+    s.close()
+
+
+_REMOVE_RUN = F.RemoveJob.run
+
+
+def test_logs_compaction_emptied_and_a_crash_left_go_at_open(tmp_path, monkeypatch, flush_mode):
+    """Compaction's emptied logs (entry logs, or journal segments used as logs) are
+    unlinked by the flusher thread; a crash before it did leaves files the index
+    no longer names: the next open removes them and the survivor reads back."""
+    s = open_small_logs(tmp_path)
+    _two_ledgers(s, n=1200)
+    s.delete_ledgers([7])
+    monkeypatch.setattr(F.RemoveJob, "run", lambda self, fl: None)   # "crashed" before
+
+    def files():
+        return sorted(os.listdir(tmp_path / "index" / "entrylogs")) + sorted(
+            n for n in os.listdir(tmp_path / "journal") if n.endswith(".seg"))
+    stats = s.compact(0.6)
+    assert stats["logs_removed"] >= 1
+    left = files()
+    crash(s)
+    del s
+    monkeypatch.setattr(F.RemoveJob, "run", _REMOVE_RUN)
+    s = open_small_logs(tmp_path)
+    assert len(files()) <= len(left) - stats["logs_removed"]
+    _check_survivor(s, n=1200)
+    s.close()
+
