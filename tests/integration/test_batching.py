@@ -2,6 +2,7 @@
 bookies: fencing in the middle of a batch, peers without the capability, and a
 bookie killed with batches in flight."""
 
+import json
 import signal
 import threading
 import time
@@ -12,7 +13,7 @@ import bk
 from bk import protocol as P
 from bk.client import digest as D
 from bk.errors import EFENCED, ENOENTRY, EOK, EUA, LedgerFencedError
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, shell_ok, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -317,24 +318,16 @@ def test_recovery_reads_a_long_tail_by_ranges(cluster_factory, batching):
 
 
 def test_bench_compare_runs_both_paths(cluster_factory):
-    import json
-    from click.testing import CliRunner
-    from bk.cli.shell import cli
     cluster = cluster_factory(3)
-    env = {"BK_METADATA_URI": None, "BK_metadataServiceUri": None}
-    r = CliRunner().invoke(cli, ["--metadata", cluster.metadata_uri, "bench", "writes",
-                                 "--duration", "0.5", "--compare", "--json"], env=env,
-                           catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+    r = shell_ok("--metadata", cluster.metadata_uri, "bench", "writes", "--duration", "0.5",
+                 "--compare", "--json")
     out = json.loads(r.stdout)
     assert out["single"]["batching"] is False and out["batched"]["batching"] is True
     assert out["single"]["entries"] > 0 and out["batched"]["entries"] > 0
     assert out["single"]["errors"] == out["batched"]["errors"] == 0
     assert out["ratio"]["entries_per_sec"] > 0
-    r = CliRunner().invoke(cli, ["bench", "bookie", cluster.bookies[0].bookie_id, "--count",
-                                 "3000", "--compare", "--json"], env=env,
-                           catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+    r = shell_ok("bench", "bookie", cluster.bookies[0].bookie_id, "--count", "3000", "--compare",
+                 "--json")
     single, batched = json.loads(r.stdout)
     assert single["batched"] is False and batched["batched"] is True
     assert single["adds"] == batched["adds"] == 3000
