@@ -33,14 +33,14 @@ def test_log_commands(cluster):
     lines = shell_ok(*m, "readlog", "orders").stdout.splitlines()
     assert lines == [f"{p}\torder-{i}" for i, p in enumerate(pos)]
     rows = [json.loads(x) for x in shell_ok(*m, "readlog", "orders", "--from", str(pos[1]), "--to",
-                                      str(pos[4]), "--json").stdout.splitlines()]
+                                            str(pos[4]), "--json").stdout.splitlines()]
     assert [r["position"] for r in rows] == [str(p) for p in pos[1:5]]
     assert base64.b64decode(rows[0]["data"]) == b"order-1"
     assert len(shell_ok(*m, "readlog", "orders", "--limit", "2").stdout.splitlines()) == 2
     assert "6f 72 64 65 72" in shell_ok(*m, "readlog", "orders", "--format", "hex").stdout
 
     out = json.loads(shell_ok(*m, "truncatelog", "orders", "--before", str(pos[2]),
-                        "--json").stdout)
+                              "--json").stdout)
     assert len(out["deleted_ledgers"]) == 1
     assert shell_ok(*m, "readlog", "orders").stdout.splitlines()[0] == f"{pos[2]}\torder-2"
     assert "truncated" in shell_err(*m, "readlog", "orders", "--from", str(pos[0]), code=1)
@@ -81,7 +81,7 @@ def test_tail_follows_and_stops_on_ctrl_c(cluster):
 
 def test_bench_log_runs(cluster):
     r = json.loads(shell_ok("--metadata", cluster.metadata_uri, "bench", "log", "--duration", "0.5",
-                      "--tail-rate", "2000", "--json").stdout)
+                            "--tail-rate", "2000", "--json").stdout)
     assert r["records"] > 0 and r["records_per_sec"] > 0
     t = r["tail"]
     assert t["records"] == t["records_sent"] > 0 and t["latency_ms"]["p50"] >= 0
@@ -118,7 +118,7 @@ def test_cleanstaging_deletes_what_no_commit_can_take(cluster):
             c.ledger_metadata(dead_of_committed_batch)
         # Old enough: no job runs that long. The committed ledger stays in the log.
         assert "deleted 2 staging" in shell_ok(*m, "cleanstaging", "sunk", "--older-than",
-                                         "0").stdout
+                                               "0").stdout
         assert staging.pending(c, "sunk") == []
         assert [s["ledger_id"] for s in c.log_info("sunk").segments] == [committed]
         assert c.ledger_metadata(committed).custom_metadata["bk.spark.sink"] == b"q1"

@@ -8,8 +8,9 @@ import pytest
 from bk import netns
 from bk.testing import TEST_DEFAULTS, entries_held, wait_until
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None,
-                                reason=f"needs test hosts: {netns.unavailable()}")
+pytestmark = [pytest.mark.skipif(netns.unavailable() is not None,
+                                 reason=f"needs test hosts: {netns.unavailable()}"),
+              pytest.mark.slow]
 
 
 @pytest.fixture

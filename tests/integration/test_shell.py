@@ -115,7 +115,7 @@ def test_ledger_commands(cluster):
     lid = int(first.rsplit(" ", 1)[1])
     assert "verified" in r.stdout
     res = json.loads(shell_ok("--metadata", uri, "simpletest", "--entries", "5", "--ensemble", "3",
-                        "--write-quorum", "3", "--ack-quorum", "2", "--json").stdout)
+                              "--write-quorum", "3", "--ack-quorum", "2", "--json").stdout)
     assert res["verified"] and res["deleted"]
     assert "ensemble_size >= write_quorum_size" in err(
         "--metadata", uri, "simpletest", "--ensemble", "2", "--write-quorum", "3")
@@ -183,7 +183,7 @@ def test_fence_and_recover_ledger(cluster):
         w2 = c.create_ledger(3, 2, 2, password=b"other")
         w2.add_entries([b"x"] * 7)
         res = json.loads(shell_ok("--metadata", uri, "recoverledger", str(w2.ledger_id),
-                            "--json").stdout)
+                                  "--json").stdout)
         assert res == {"ledger": w2.ledger_id, "state": "CLOSED", "last_entry_id": 6,
                        "length": 7}
         with pytest.raises(LedgerFencedError):
@@ -202,7 +202,7 @@ def test_local_inspection(cluster):
     b = cluster.bookies[0]
     uri = cluster.metadata_uri
     shell_ok("--metadata", uri, "simpletest", "--entries", "30", "--ensemble", "3",
-       "--write-quorum", "3", "--ack-quorum", "3", "--keep")
+             "--write-quorum", "3", "--ack-quorum", "3", "--keep")
     rows = json.loads(shell_ok("--conf", b.conf_file, "lastmark", "--json").stdout)
     assert [r["shard"] for r in rows] == [0, 1]
     assert all(r["mark"] and ":" in r["mark"] for r in rows)
@@ -241,7 +241,7 @@ def test_bench_commands(cluster):
     res = json.loads(r.stdout)
     assert res["entries"] > 0 and res["errors"] == 0 and res["write_quorum"] == 3
     r = shell_ok("--metadata", uri, "bench", "writes", "--duration", "0.5", "--ensemble", "2",
-           "--write-quorum", "2", "--ack-quorum", "1", "--entry-size", "100")
+                 "--write-quorum", "2", "--ack-quorum", "1", "--entry-size", "100")
     assert "entries/s" in r.stdout and "p99" in r.stdout
     line = err("bench", "bookie", f"127.0.0.1:{free_port()}", "--count", "10")
     assert "127.0.0.1" in line

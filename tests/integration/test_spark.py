@@ -27,6 +27,8 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 
 import bk.spark  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
