@@ -3,7 +3,6 @@ bookie holding fragments of closed ledgers and of one still-open ledger, add a n
 bookie, recover, and check every entry is on a full write quorum of live bookies."""
 
 import json
-import time
 
 import pytest
 
@@ -112,9 +111,8 @@ def test_recover_dead_bookie(cluster_factory):
 
     # decommission: once the victim's registration has expired, its cookie goes
     assert store.read_cookie(victim)[0] is not None
-    deadline = time.monotonic() + 20
-    while store.bookie_info(victim) is not None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: store.bookie_info(victim) is None, timeout=20, step=0.2,
+               what="the victim's registration to expire")
     r = shell("--metadata", uri, "decommissionbookie", victim)
     assert r.exit_code == 0, r.output
     assert store.read_cookie(victim)[0] is None
