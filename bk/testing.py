@@ -159,14 +159,19 @@ def http_get(port: int, path: str, method: str = "GET", host: str = "127.0.0.1",
 def bookie_localcluster(directory: str, bookies: int = 2):
     """Run ``bookie localcluster`` (one shard a bookie, free ports, HTTP, no smoke
     test) as a process until it says it is up: yields ``(process, lines printed)``.
-    Ctrl-C (SIGINT, restored to its default even where the caller ignores it) stops
-    it; on exit it is sent one if it still runs, and killed if that is not enough."""
+    Ctrl-C (SIGINT, a KeyboardInterrupt there even where the caller ignores it)
+    stops it; on exit it is sent one if it still runs, and killed if that is not enough."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
-    p = subprocess.Popen([sys.executable, "-m", "bk.cli.bookie", "localcluster", "--dir", directory,
+    # `python -m bk.cli.bookie`, with Ctrl-C raising KeyboardInterrupt even when this
+    # process ignores SIGINT (a background job does; the child would inherit that).
+    # Set in the child's Python, not by a preexec_fn: forking a process with threads
+    # (gRPC's, xdist's) and running Python code before exec is not safe.
+    run = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "sys.argv[0] = 'bookie'; runpy.run_module('bk.cli.bookie', run_name='__main__')")
+    p = subprocess.Popen([sys.executable, "-c", run, "localcluster", "--dir", directory,
                           "--bookies", str(bookies), "--shards", "1", "--no-smoke",
                           "--base-port", "0", "--http-port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out: list[str] = []
     try:
         for line in p.stdout:
