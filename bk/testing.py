@@ -12,16 +12,22 @@ Production code never imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 
+from click.testing import CliRunner
+
 from bk import localcluster
 from bk import protocol as P
 from bk.config import SETTINGS
+from bk.cli.shell import cli as _shell_cli
 from bk.client.bookkeeper import BookKeeper
 from bk.errors import EOK
 from bk.localcluster import BookieProcess  # noqa: F401  (re-exported for tests)
@@ -72,13 +78,53 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition", step: float
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def entries_held(store, bookie_id: str, ledger_id: int) -> set[int]:
+def entries_held(store, bookie_id: str, ledger_id: int, num_shards: int | None = None) -> set[int]:
     """The entry ids of ``ledger_id`` that ``bookie_id`` holds (GET_LIST_OF_ENTRIES on
-    the shard that owns the ledger); empty if it has none."""
-    n = store.bookie_info(bookie_id)["numShards"]
+    the shard that owns the ledger); empty if it has none. ``num_shards`` asks the
+    bookie directly, without its registration (which it may not have)."""
+    n = num_shards or store.bookie_info(bookie_id)["numShards"]
     with BookieConnection(bookie_id, shard=P.shard_of(ledger_id, n)) as c:
         r = c.call(P.get_list_of_entries(c.next_rid(), ledger_id))
     return set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
+
+
+def closed_ledger(client: BookKeeper, entries, ensemble: int = 3, write_quorum: int = 2,
+                  ack_quorum: int = 2, password: bytes = b"") -> int:
+    """Create a ledger, add ``entries`` (a list of bytes) and close it: its id."""
+    lh = client.create_ledger(ensemble, write_quorum, ack_quorum, password=password)
+    lh.add_entries(entries)
+    lh.close()
+    return lh.ledger_id
+
+
+# Variables a developer's shell may set that would point bkshell elsewhere.
+_SHELL_ENV = {"BK_METADATA_URI": None, "BK_metadataServiceUri": None, "BK_LEDGER_PASSWORD": None}
+
+
+def shell(*args, env: dict | None = None):
+    """``bkshell ARGS`` run in this process (click's runner): its result, with
+    ``exit_code``, ``stdout``, ``stderr`` and ``output``."""
+    return CliRunner().invoke(_shell_cli, [str(a) for a in args], env={**_SHELL_ENV, **(env or {})},
+                              catch_exceptions=False)
+
+
+def shell_ok(*args, env: dict | None = None):
+    """:func:`shell` that must exit 0."""
+    r = shell(*args, env=env)
+    assert r.exit_code == 0, f"bkshell {args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def shell_err(*args, code: int | None = None, env: dict | None = None) -> str:
+    """:func:`shell` that must fail (with exit ``code`` if given) without a traceback:
+    its stderr."""
+    r = shell(*args, env=env)
+    if code is None:
+        assert r.exit_code != 0, f"bkshell {args} should fail:\n{r.stdout}"
+    else:
+        assert r.exit_code == code, f"bkshell {args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr
+    return r.stderr
 
 
 def bkshell(uri: str, *args, timeout: float = 120.0) -> subprocess.CompletedProcess:
@@ -107,3 +153,38 @@ def http_get(port: int, path: str, method: str = "GET", host: str = "127.0.0.1",
     except OSError:
         return None, "", None
 
+
+
+@contextlib.contextmanager
+def bookie_localcluster(directory: str, bookies: int = 2):
+    """Run ``bookie localcluster`` (one shard a bookie, free ports, HTTP, no smoke
+    test) as a process until it says it is up: yields ``(process, lines printed)``.
+    Ctrl-C (SIGINT, a KeyboardInterrupt there even where the caller ignores it)
+    stops it; on exit it is sent one if it still runs, and killed if that is not enough."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
+    # `python -m bk.cli.bookie`, with Ctrl-C raising KeyboardInterrupt even when this
+    # process ignores SIGINT (a background job does; the child would inherit that).
+    # Set in the child's Python, not by a preexec_fn: forking a process with threads
+    # (gRPC's, xdist's) and running Python code before exec is not safe.
+    run = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "sys.argv[0] = 'bookie'; runpy.run_module('bk.cli.bookie', run_name='__main__')")
+    p = subprocess.Popen([sys.executable, "-c", run, "localcluster", "--dir", directory,
+                          "--bookies", str(bookies), "--shards", "1", "--no-smoke",
+                          "--base-port", "0", "--http-port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out: list[str] = []
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        yield p, out
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(30)
+        p.stdout.close()

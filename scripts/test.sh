@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
 # The README's second command: set up (if needed) and run the whole test suite
 # (unit tests, then integration tests against real etcd and bookie processes).
+#
+# The suite runs on BK_TEST_WORKERS pytest-xdist workers (default 3: most of a
+# test's time is spent waiting on processes, not on a core), one test module at
+# a time per worker, so that a module's shared cluster or Spark session is made
+# once; modules marked slow start first (tests/conftest.py). BK_TEST_WORKERS=0
+# runs everything in this one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@" tests
+workers=${BK_TEST_WORKERS:-3}
+if [ "$workers" = 0 ]; then
+  parallel=()
+else
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+fi
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "${parallel[@]}" "$@" tests

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import enum
 import itertools
 import logging
 import threading
@@ -502,6 +503,62 @@ class _RangeRead:
             self._fail(e, bid, exc)
 
 
+class WriterState(enum.Enum):
+    """The state of a ledger handle as a writer: the one table of what it may do.
+
+    ================  ==========  ================  ===========  ======
+    state             takes adds  change in flight  close began  broken
+    ================  ==========  ================  ===========  ======
+    OPEN              yes         no                no           no
+    CHANGING          yes         yes               no           no
+    CLOSING           no          no                yes          no
+    CLOSING_CHANGING  no          yes               yes          no
+    BROKEN            no          no                no           yes
+    BROKEN_CLOSED     no          no                yes          yes
+    ================  ==========  ================  ===========  ======
+
+    While an ensemble change is in flight acknowledgements wait (the LAC is the
+    new fragment's start) but adds still queue; close() waits for the change to
+    end (``_settle``). A broken handle (``failure()`` says why) fails every add
+    and starts no change: one in flight may still commit its metadata, but it
+    resends nothing and the handle stays broken.
+    The only moves are :data:`_TRANSITIONS` (``LedgerHandle._move``); the states
+    of a read handle are OPEN and CLOSING (its close)."""
+
+    OPEN = (True, False, False, False)
+    CHANGING = (True, True, False, False)
+    CLOSING = (False, False, True, False)
+    CLOSING_CHANGING = (False, True, True, False)
+    BROKEN = (False, False, False, True)
+    BROKEN_CLOSED = (False, False, True, True)
+
+    def __init__(self, takes_adds, changing, closed, broken):
+        self.takes_adds = takes_adds
+        self.changing = changing
+        self.closed = closed
+        self.broken = broken
+
+
+_W = WriterState
+# (state, event) -> next state. Events: "change" (a bookie failed: an ensemble
+# change starts), "changed" (it was committed), "close" (close() or
+# retire() began), "fail" (adds can no longer succeed). A pair not here is a bug.
+_TRANSITIONS = {
+    (_W.OPEN, "change"): _W.CHANGING,
+    (_W.CLOSING, "change"): _W.CLOSING_CHANGING,
+    (_W.CHANGING, "changed"): _W.OPEN,
+    (_W.CLOSING_CHANGING, "changed"): _W.CLOSING,
+    (_W.BROKEN, "changed"): _W.BROKEN,
+    (_W.BROKEN_CLOSED, "changed"): _W.BROKEN_CLOSED,
+    **{(st, "close"): nxt for st, nxt in [
+        (_W.OPEN, _W.CLOSING), (_W.CHANGING, _W.CLOSING_CHANGING), (_W.CLOSING, _W.CLOSING),
+        (_W.CLOSING_CHANGING, _W.CLOSING_CHANGING), (_W.BROKEN, _W.BROKEN_CLOSED),
+        (_W.BROKEN_CLOSED, _W.BROKEN_CLOSED)]},
+    **{(st, "fail"): _W.BROKEN_CLOSED if st.closed else _W.BROKEN for st in _W},
+}
+del _W
+
+
 class LedgerHandle:
     """A handle on one ledger: writable (from create_ledger) or read-only (open_*).
 
@@ -534,7 +591,8 @@ class LedgerHandle:
         self._length = length
         self._length_entry = -1       # reader: the entry whose cumulative length _length is
         self._read_lock = threading.Lock()
-        self._closed = False
+        self._state = WriterState.OPEN
+        self._state_lock = threading.Lock()     # transitions come from several threads
         self._read_timeout = float(self._conf.readEntryTimeoutSec)
         self._reorder = bool(self._conf.reorderReadSequenceEnabled)
         self._spec_timeout = float(self._conf.speculativeReadTimeout) / 1000.0
@@ -571,7 +629,7 @@ class LedgerHandle:
     @property
     def is_closed(self) -> bool:
         """True once the ledger is CLOSED (or this write handle was closed)."""
-        return (self._writable and self._closed) or self._md.state == LedgerState.CLOSED
+        return (self._writable and self._state.closed) or self._md.state == LedgerState.CLOSED
 
     @property
     def metadata(self) -> LedgerMetadata:
@@ -659,7 +717,7 @@ class LedgerHandle:
     def retire(self) -> None:
         """Stop a recovery writer without closing the ledger (recovery closes it
         itself): it takes no more adds and its ticker stops."""
-        self._closed = True
+        self._move("close")
         self._loop.call_soon(self._stop_ticker)
 
     # --- connections --------------------------------------------------------------
@@ -694,7 +752,6 @@ class LedgerHandle:
         self._completed = 0                 # I/O thread only
         self._pending = collections.deque()  # I/O thread only
         self._error = None                  # (exception class, reason) once the handle is broken
-        self._changing = False
         self._failed_slots: set = set()
         # Entries acknowledged (Qa) before every bookie of their write set confirmed
         # them, in entry order (I/O thread). A bookie that has not confirmed the
@@ -723,6 +780,18 @@ class LedgerHandle:
         self._lac_flush_armed = False
         self._set_ensemble(self._md.last_ensemble)
         self._loop.register_handle(self)
+
+    def _move(self, event: str) -> WriterState:
+        """Take the writer from its state to the one :data:`_TRANSITIONS` gives
+        for ``event``; returns the state it was in."""
+        with self._state_lock:
+            was = self._state
+            try:
+                self._state = _TRANSITIONS[was, event]
+            except KeyError:
+                raise RuntimeError(f"ledger {self._lid}: writer cannot {event!r} "
+                                   f"when {was.name}") from None
+        return was
 
     def _loop_died(self, reason):
         """The client's I/O thread is dying (called on it): fail every add in flight
@@ -759,9 +828,10 @@ class LedgerHandle:
         if not self._writable:
             raise LedgerClosedError(f"add to ledger {self._lid}: handle is read-only "
                                     f"(opened for reading)")
-        if self._closed:
+        st = self._state
+        if st.closed:
             raise LedgerClosedError(f"add to ledger {self._lid}: ledger handle is closed")
-        if self._error is not None:
+        if st.broken:
             cls, reason = self._error
             raise cls(f"add entry {self._next_entry} to ledger {self._lid}: {reason}")
 
@@ -780,7 +850,7 @@ class LedgerHandle:
         with self._cond:
             self._waiting += 1
             try:
-                while self._outstanding() + n > limit and self._error is None:
+                while self._outstanding() + n > limit and not self._state.broken:
                     self._cond.wait(0.05)
             finally:
                 self._waiting -= 1
@@ -821,7 +891,7 @@ class LedgerHandle:
             self._check_open()
             self._wait_window(1)
         with self._lock:
-            if self._closed or self._error is not None or not self._writable:
+            if not self._state.takes_adds or not self._writable:
                 self._check_open()
             entry = self._next_entry
             lac = self._lac
@@ -865,7 +935,7 @@ class LedgerHandle:
         bytes unchanged (no re-signing, so no password is needed, even for mac)."""
         self._wait_window(1)
         with self._lock:
-            if self._error is not None:
+            if self._state.broken:
                 return
             assert entry_id == self._next_entry, (entry_id, self._next_entry)
             head = protocol.add_record_head(self._lid, entry_id, entry_lac, digest, len(data))
@@ -915,7 +985,7 @@ class LedgerHandle:
 
     def _flush_lac_io(self):
         self._lac_flush_armed = False
-        if not self._pending and not self._closed and self._error is None \
+        if not self._pending and self._state.takes_adds \
                 and self._lac > self._lac_sent:
             self._send_explicit_lac(self._loop.now)
 
@@ -938,7 +1008,7 @@ class LedgerHandle:
 
     # --- I/O thread -------------------------------------------------------------------
     def _io_send(self, ops):
-        if self._error is not None:
+        if self._state.broken:
             for op in ops:
                 self._fail_op(op)
             return
@@ -971,7 +1041,7 @@ class LedgerHandle:
                 conn.send_adds(mine)
 
     def _advance(self):
-        if self._changing:
+        if self._state.changing:
             return
         pending = self._pending
         qa = self._qa
@@ -1026,8 +1096,9 @@ class LedgerHandle:
 
     def _error_out(self, cls, reason):
         """The handle can no longer add: fail every pending add, refuse later ones."""
-        if self._error is None:
-            self._error = (cls, reason)
+        if not self._state.broken:
+            self._error = (cls, reason)         # before the state says broken
+            self._move("fail")
             log.warning("ledger %d: adds fail from now on: %s", self._lid, reason)
         pending = self._pending
         while pending:
@@ -1037,7 +1108,7 @@ class LedgerHandle:
             self._cond.notify_all()
 
     def _add_error(self, op, conn, status):
-        if op.done and (self._error is not None or status == EFENCED):
+        if op.done and (self._state.broken or status == EFENCED):
             return      # failed already, or acknowledged: later adds see the fence
         if status == EFENCED:
             op.nfenced = nfenced = getattr(op, "nfenced", 0) + 1
@@ -1073,7 +1144,7 @@ class LedgerHandle:
         """ETOOMANYREQUESTS: the bookie is alive but overloaded. Replacing it would
         move load around and cost a metadata write, so resend to it after a back-off
         doubling from 2 ms; fail it only once the add is addEntryTimeoutSec old."""
-        if self._error is not None or conn not in self._ack_bits:
+        if self._state.broken or conn not in self._ack_bits:
             return
         left = op.t_sent + self._add_timeout - self._loop.now
         if left <= 0:
@@ -1091,13 +1162,13 @@ class LedgerHandle:
     def _resend_busy(self, op, conn):
         # The bookie confirmed it meanwhile, or was replaced: nothing left to do.
         bit = self._ack_bits.get(conn)
-        if self._error is not None or bit is None or op.acked & bit:
+        if self._state.broken or bit is None or op.acked & bit:
             return
         conn.send_adds([op])
 
     def _bookie_failed(self, conn, exc):
         self._m.bookie_errors.labels(type(exc).__name__).inc()
-        if self._error is not None or self._md.state == LedgerState.CLOSED:
+        if self._state.broken or self._md.state == LedgerState.CLOSED:
             return      # (a closed ledger's ensembles are final)
         if self._client._closed:
             self._error_out(BookieUnavailableError, "the client was closed")
@@ -1114,8 +1185,8 @@ class LedgerHandle:
             if first is not None and (self._change_from is None or first < self._change_from):
                 self._change_from = first
         self._ack_bits.pop(conn, None)
-        if not self._changing:
-            self._changing = True
+        if not self._state.changing:
+            self._move("change")
             self._client._executor.submit(self._change_ensemble)
 
     def _first_unconfirmed_by(self, slot):
@@ -1134,13 +1205,13 @@ class LedgerHandle:
         return None
 
     def _tick(self, now):
-        if self._closed and not self._pending and not self._unconfirmed:
+        if self._state.closed and not self._pending and not self._unconfirmed:
             self._ticker_on = False
             return False
         if self._explicit_lac and self._lac > self._lac_sent and not self._recovery \
                 and now - self._lac_sent_at >= self._explicit_lac:
             self._send_explicit_lac(now)
-        if self._changing or self._error is not None:
+        if self._state.changing or self._state.broken:
             return
         unc = self._unconfirmed
         if unc:
@@ -1192,7 +1263,7 @@ class LedgerHandle:
     def _change_ensemble_once(self):
         store = self._client._store
         md, version = self._md, self._version
-        start = self._lac + 1               # frozen while _changing
+        start = self._lac + 1               # frozen while CHANGING
         with self._change_lock:
             failed_slots = set(self._failed_slots)
             if self._change_from is not None:
@@ -1260,7 +1331,7 @@ class LedgerHandle:
         with self._change_lock:
             self._failed_slots -= set(new_conns)
         self._set_ensemble(new_md.last_ensemble)
-        if self._error is None:
+        if not self._state.broken:
             E, qw = self._E, self._qw
             still_failed = self._failed_slots
             resend = {}
@@ -1282,11 +1353,11 @@ class LedgerHandle:
                     op.t_sent = self._loop.now
             for s, ops in resend.items():
                 self._ens_conns[s].send_adds(ops)
-        if self._failed_slots and self._error is None:
+        if self._failed_slots and not self._state.broken:
             self._client._executor.submit(self._change_ensemble)
             return
-        self._changing = False
-        if self._error is None:
+        self._move("changed")
+        if not self._state.broken:
             self._advance()
 
     # --- close -------------------------------------------------------------------------
@@ -1312,7 +1383,7 @@ class LedgerHandle:
         change its ensembles any more."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._unconfirmed or self._changing) and self._error is None:
+            while (self._unconfirmed or self._state.changing) and not self._state.broken:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("ledger %d: closing with %d acknowledged entries not yet on "
@@ -1328,12 +1399,11 @@ class LedgerHandle:
         fails (etcd unreachable: MetadataError), the ledger is still OPEN in the
         store; calling close() again retries just that write."""
         if not self._writable:
-            self._closed = True
+            self._move("close")
             return
         with self._close_lock:
             with self._lock:
-                first = not self._closed
-                self._closed = True
+                first = not self._move("close").closed
             if first:
                 timeout = (self._add_timeout * 3
                            + float(self._conf.metadataTimeoutMillis) / 1000 * 3)

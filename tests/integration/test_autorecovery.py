@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bk
 from bk.meta import underreplication as UR
-from bk.testing import bkshell_ok, wait_until
+from bk.testing import bkshell_ok, closed_ledger, wait_until
 
 PW = b"ar"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
@@ -64,12 +64,8 @@ def test_auditor_failover(cluster_factory):
 def test_delay_back_in_time_then_triggeraudit(cluster_factory):
     c = cluster_factory(4, conf_overrides={**AR, "lostBookieRecoveryDelay": 3600})
     with bk.BookKeeper(c.metadata_uri) as client:
-        lids = []
-        for i in range(4):
-            lh = client.create_ledger(3, 2, 2, password=PW)
-            lh.add_entries([b"x%d" % e for e in range(20)])
-            lh.close()
-            lids.append(lh.ledger_id)
+        lids = [closed_ledger(client, [b"x%d" % e for e in range(20)], password=PW)
+                for _ in range(4)]
         ensembles = {lid: client.ledger_metadata(lid).ensembles for lid in lids}
         wait_until(lambda: bkshell_ok(c.metadata_uri, "whoisauditor", "--json")["auditor"],
                    what="an auditor elected")

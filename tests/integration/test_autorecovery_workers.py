@@ -17,7 +17,7 @@ import pytest
 import bk
 from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
-from bk.testing import http_get, wait_until
+from bk.testing import closed_ledger, http_get, wait_until
 from bk.util import free_port
 
 PW = b"workers"
@@ -191,12 +191,8 @@ def test_decommissionbookie_goes_through_autorecovery(cluster_factory):
     # The auditor would wait an hour: decommissioning marks the ledgers itself.
     c = cluster_factory(4, conf_overrides={**AR, "lostBookieRecoveryDelay": 3600})
     with bk.BookKeeper(c.metadata_uri) as client:
-        lids = []
-        for i in range(4):
-            lh = client.create_ledger(3, 2, 2, password=PW)
-            lh.add_entries([b"d%d" % e for e in range(30)])
-            lh.close()
-            lids.append(lh.ledger_id)
+        lids = [closed_ledger(client, [b"d%d" % e for e in range(30)], password=PW)
+                for _ in range(4)]
         victim = c.bookie(client.ledger_metadata(lids[0]).ensembles[0][1][0])
         wait_until(lambda: c.store.get_json(UR.AUDITOR)[0] is not None, what="an auditor")
         victim.stop()

@@ -2,6 +2,7 @@
 bookies: fencing in the middle of a batch, peers without the capability, and a
 bookie killed with batches in flight."""
 
+import json
 import signal
 import threading
 import time
@@ -12,7 +13,7 @@ import bk
 from bk import protocol as P
 from bk.client import digest as D
 from bk.errors import EFENCED, ENOENTRY, EOK, EUA, LedgerFencedError
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, shell_ok, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,14 +46,26 @@ def _entries(lid, first, last, lac=-1):
     return [(lid, e, lac, b"dg%d" % e, b"payload-%d" % e) for e in range(first, last + 1)]
 
 
+def _fresh_ledger_ids(cluster, n=1, same_shard=False):
+    """``n`` ledger ids no client of the (shared) cluster will ever use; with
+    ``same_shard``, ids whose ledgers live on one shard of the first bookie."""
+    shards = cluster.store.bookie_info(cluster.bookies[0].bookie_id)["numShards"]
+    ids = []
+    while len(ids) < n:
+        lid = cluster.store.new_ledger_id()
+        if not (same_shard and ids and P.shard_of(lid, shards) != P.shard_of(ids[0], shards)):
+            ids.append(lid)
+    return ids
+
+
 def _shard_conn(cluster, lid, **kw):
     bid = cluster.bookies[0].bookie_id
     n = cluster.store.bookie_info(bid)["numShards"]
     return BookieConnection(bid, shard=P.shard_of(lid, n), **kw)
 
 
-def test_hello_announces_the_features(cluster_factory):
-    cluster = cluster_factory(1)
+def test_hello_announces_the_features(shared_cluster):
+    cluster = shared_cluster
     with BookieConnection(cluster.bookies[0].bookie_id, shard=0) as c:
         c.send(P.hello(c.next_rid(), 0))
         msg = c.recv()
@@ -60,12 +73,12 @@ def test_hello_announces_the_features(cluster_factory):
         assert msg[6] & P.FEATURE_ADD_BATCH and msg[6] & P.FEATURE_READ_RANGE
 
 
-def test_batch_hitting_a_fenced_ledger_midway(cluster_factory):
+def test_batch_hitting_a_fenced_ledger_midway(shared_cluster):
     """Batch A, a fence, batch B pipelined on one connection: A is acknowledged,
     every entry of B gets EFENCED, a recovery batch still goes in, and the data
     the bookie serves is exactly what was acknowledged."""
-    cluster = cluster_factory(1)
-    lid = 4242
+    cluster = shared_cluster
+    lid, = _fresh_ledger_ids(cluster)
     with _shard_conn(cluster, lid) as c:
         # One write: the bookie reads all three frames in one pass.
         c.send_raw(P.encode_add_batch(c.next_rid(), MK, 0, _entries(lid, 0, 4))
@@ -108,24 +121,24 @@ def test_batch_hitting_a_fenced_ledger_midway(cluster_factory):
         assert r[5][0] == 1 and len(r[5]) == 4 and r[4] == 2
 
 
-def test_batches_of_several_ledgers_of_one_shard(cluster_factory):
-    cluster = cluster_factory(1, num_shards=1)
-    with _shard_conn(cluster, 1) as c:
+def test_batches_of_several_ledgers_of_one_shard(shared_cluster):
+    lids = _fresh_ledger_ids(shared_cluster, 3, same_shard=True)
+    with _shard_conn(shared_cluster, lids[0]) as c:
         ents = []
         for e in range(50):
-            for lid in (11, 12, 13):
+            for lid in lids:
                 ents.append((lid, e, e - 1, b"d", b"%d/%d" % (lid, e)))
         c.send_raw(P.encode_add_batch(c.next_rid(), MK, 0, ents))
         acked, errors, _ = _recv_acks(c, 150)
-        assert not errors and acked == {(lid, e) for lid in (11, 12, 13) for e in range(50)}
-        for lid in (11, 12, 13):
+        assert not errors and acked == {(lid, e) for lid in lids for e in range(50)}
+        for lid in lids:
             r = c.call(P.read(c.next_rid(), lid, 49))
             assert r[2] == EOK and r[7] == b"%d/49" % lid and r[8] == 48
 
 
-def test_malformed_batch_closes_only_that_connection(cluster_factory):
-    cluster = cluster_factory(1)
-    lid = 77
+def test_malformed_batch_closes_only_that_connection(shared_cluster):
+    cluster = shared_cluster
+    lid, = _fresh_ledger_ids(cluster)
     frame = P.encode_add_batch(1, MK, 0, _entries(lid, 0, 3))
     records = b"".join(P.add_record_head(l, e, a, d, len(p)) + p
                        for l, e, a, d, p in _entries(lid, 0, 3))
@@ -157,8 +170,8 @@ def _write_read(client, n=2000, E=3, qw=3, qa=2):
     return lh.ledger_id
 
 
-def test_client_forced_to_the_old_path_against_new_bookies(cluster_factory):
-    cluster = cluster_factory(3)
+def test_client_forced_to_the_old_path_against_new_bookies(shared_cluster):
+    cluster = shared_cluster
     with bk.BookKeeper(cluster.metadata_uri, frameBatching=False) as client:
         _write_read(client)
         feats = _features(client)
@@ -189,10 +202,10 @@ def test_bookie_that_does_not_announce_batches(cluster_factory):
         assert r[2] == EOK and r[7] == b"async299"
 
 
-def test_fenced_while_batches_are_in_flight(cluster_factory):
+def test_fenced_while_batches_are_in_flight(shared_cluster):
     """A writer streaming batches is fenced by a recovery: it gets LedgerFencedError,
     and every entry it had acknowledged is in the recovered ledger."""
-    cluster = cluster_factory(3)
+    cluster = shared_cluster
     with bk.BookKeeper(cluster.metadata_uri) as w, bk.BookKeeper(cluster.metadata_uri) as r:
         lh = w.create_ledger(3, 3, 2, password=PW)
         acked = []
@@ -316,25 +329,17 @@ def test_recovery_reads_a_long_tail_by_ranges(cluster_factory, batching):
             lh.add_entry(b"late")
 
 
-def test_bench_compare_runs_both_paths(cluster_factory):
-    import json
-    from click.testing import CliRunner
-    from bk.cli.shell import cli
-    cluster = cluster_factory(3)
-    env = {"BK_METADATA_URI": None, "BK_metadataServiceUri": None}
-    r = CliRunner().invoke(cli, ["--metadata", cluster.metadata_uri, "bench", "writes",
-                                 "--duration", "0.5", "--compare", "--json"], env=env,
-                           catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+def test_bench_compare_runs_both_paths(shared_cluster):
+    cluster = shared_cluster
+    r = shell_ok("--metadata", cluster.metadata_uri, "bench", "writes", "--duration", "0.5",
+                 "--compare", "--json")
     out = json.loads(r.stdout)
     assert out["single"]["batching"] is False and out["batched"]["batching"] is True
     assert out["single"]["entries"] > 0 and out["batched"]["entries"] > 0
     assert out["single"]["errors"] == out["batched"]["errors"] == 0
     assert out["ratio"]["entries_per_sec"] > 0
-    r = CliRunner().invoke(cli, ["bench", "bookie", cluster.bookies[0].bookie_id, "--count",
-                                 "3000", "--compare", "--json"], env=env,
-                           catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+    r = shell_ok("bench", "bookie", cluster.bookies[0].bookie_id, "--count", "3000", "--compare",
+                 "--json")
     single, batched = json.loads(r.stdout)
     assert single["batched"] is False and batched["batched"] is True
     assert single["adds"] == batched["adds"] == 3000

@@ -14,7 +14,7 @@ import pytest
 from bk import protocol as P
 from bk.errors import (EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EREADONLY, EUA,
                        BookieUnavailableError)
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, bookie_localcluster, wait_until
 
 KEY = b"k" * 20
 OTHER = b"x" * 20
@@ -414,28 +414,13 @@ def test_wiped_directories_stop_the_bookie(cluster):
 def test_localcluster_stops_everything_even_on_repeated_ctrl_c(tmp_path):
     """An impatient second Ctrl-C used to abort the stop half way, leaving bookies
     (own sessions) running without their etcd."""
-    d = str(tmp_path / "lc")
-    e = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
-    p = subprocess.Popen([sys.executable, "-m", "bk.cli.bookie", "localcluster", "--dir", d,
-                          "--bookies", "2", "--shards", "1", "--no-smoke",
-                          "--base-port", "0", "--http-port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    out = []
-    try:
-        for line in p.stdout:
-            out.append(line)
-            if "Press Ctrl-C" in line:
-                break
+    with bookie_localcluster(str(tmp_path / "lc")) as (p, out):
         pids = [int(line.split("(pid ")[1].split(",")[0]) for line in out if "running (pid" in line]
         assert len(pids) == 2, "".join(out)
         for _ in range(3):
             p.send_signal(signal.SIGINT)
             time.sleep(0.2)
         assert p.wait(60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

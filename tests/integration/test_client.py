@@ -19,7 +19,7 @@ from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerClo
                        LedgerFencedError, LedgerRecoveryError, NoSuchEntryError,
                        MetadataError, NoSuchLedgerError, NotEnoughBookiesError)
 from bk.meta.ledger import LedgerState
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -370,13 +370,12 @@ def test_delete_ledger_then_bookies_drop_its_entries(client, shared_cluster):
             opener(lid, password=PW)
     assert lid not in set(client.list_ledgers()) and kept.ledger_id in set(client.list_ledgers())
     # Bookies drop the entries at their next garbage collection (SIGUSR1: now).
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def collected():
         for b in shared_cluster.bookies:
             os.kill(b.pid, signal.SIGUSR1)
-        if all(entries_on(b, lid)[0] == bk.errors.ENOLEDGER for b in shared_cluster.bookies):
-            break
-        time.sleep(0.2)
+        return all(entries_on(b, lid)[0] == bk.errors.ENOLEDGER for b in shared_cluster.bookies)
+
+    wait_until(collected, step=0.2, what="every bookie to drop the deleted ledger")
     assert [entries_on(b, lid) for b in shared_cluster.bookies] == [(bk.errors.ENOLEDGER, [])] * 3
     for b in shared_cluster.bookies:
         with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
@@ -611,13 +610,6 @@ def test_ensemble_change_that_loses_its_cas(cluster_factory):
                 assert [e.data for e in rh.read_entries(0, rh.last_add_confirmed)] == data
 
 
-def _wait_for(pred, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_running_client_sees_new_and_dead_bookies(cluster_factory):
     cluster = cluster_factory(3)
     with cluster.client(timeout=3) as client:
@@ -632,12 +624,14 @@ def test_running_client_sees_new_and_dead_bookies(cluster_factory):
         # The client's view comes from its watch of bookies/ (a lagging view falls
         # back to a fresh read when it has too few, which the create above may have
         # used); the watch itself brings the new bookie in.
-        _wait_for(lambda: client._writable_view() == every, "the watch to see the new bookie")
+        wait_until(lambda: client._writable_view() == every,
+                   what="the watch to see the new bookie")
 
         dead = cluster.bookies[0]
         dead.kill(signal.SIGKILL)
         # its registration's lease runs out; the watch drops it
-        _wait_for(lambda: dead.bookie_id not in client._writable_view(), "the watch to drop it")
+        wait_until(lambda: dead.bookie_id not in client._writable_view(),
+                   what="the watch to drop it")
         assert set(client.bookies()) == every - {dead.bookie_id}
         for _ in range(5):                                 # never the dead one
             with client.create_ledger(3, 2, 2, password=PW) as lh:
@@ -692,10 +686,9 @@ def test_explicit_lac(shared_cluster):
         lh = cl.create_ledger(3, 2, 2, password=PW)
         for i in range(5):
             lh.add_entry(b"e%d" % i)
-        deadline = time.monotonic() + 5
         rh = cl.open_ledger_no_recovery(lh.ledger_id, password=PW)
-        while rh.read_last_add_confirmed() < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: rh.read_last_add_confirmed() >= 4, timeout=5,
+                   what="the reader to see the LAC of the last add")
         assert rh.last_add_confirmed == 4          # no further add was needed
         lh.close()
 
@@ -830,7 +823,7 @@ def test_failed_bookie_that_came_back_is_picked_after_its_quarantine(cluster_fac
         lh.add_entries(data[10:20])                       # A replaced by the spare
         assert a not in lh.metadata.last_ensemble
         cluster.bookie(a).start()
-        _wait_for(lambda: a in client._writable_view(), "A registered again")
+        wait_until(lambda: a in client._writable_view(), what="A registered again")
         cluster.bookie(b).kill(signal.SIGKILL)
         lh.add_entries(data[20:])                         # B replaced by A
         assert a in lh.metadata.last_ensemble and b not in lh.metadata.last_ensemble

@@ -10,10 +10,8 @@ import signal
 import urllib.request
 
 import bk
-from bk import protocol as P
 from bk.bookie.layout import GC_STATE_FILE
-from bk.errors import EOK
-from bk.testing import BookieConnection, wait_until
+from bk.testing import closed_ledger, entries_held, wait_until
 
 PW = b"gc"
 QUIET = {"gcWaitTime": 300, "httpServerEnabled": True, "httpServerPort": 0}
@@ -41,34 +39,38 @@ def remembered_on_disk(b) -> int:
         return 0
 
 
-def entries_held(_store, bookie_id, lid, b=None) -> set[int]:
-    """Entry ids of ``lid`` on the bookie (asked directly: it may be unregistered)."""
-    shards = 2
-    with BookieConnection(bookie_id, shard=P.shard_of(lid, shards)) as conn:
-        r = conn.call(P.get_list_of_entries(conn.next_rid(), lid))
-    return set(P.ranges_to_ids(r[4])) if r[2] == EOK and r[4] else set()
+def held(b, lid) -> set[int]:
+    """Entry ids of ``lid`` on bookie ``b`` (asked directly: it may be unregistered)."""
+    return entries_held(None, b.bookie_id, lid, num_shards=b.num_shards)
 
 
-def ledger(client, n=5):
-    lh = client.create_ledger(1, 1, 1, password=PW)
-    lh.add_entries([b"e%d" % i for i in range(n)])
-    lh.close()
-    return lh.ledger_id
+def ledger(client):
+    return closed_ledger(client, [b"e%d" % i for i in range(5)], 1, 1, 1, password=PW)
+
+
+def delete_while_down(c, client, after_delete=lambda: None) -> int:
+    """Two ledgers on the single bookie, which remembers a first GC round, stops, has
+    the first of them deleted (then ``after_delete()``) and restarts; once it dropped
+    the deleted one, the other must be whole. Returns the revision of the deletion."""
+    b = c.bookies[0]
+    doomed, kept = ledger(client), ledger(client)
+    wait_until(lambda: remembered_on_disk(b) > 0, what="a first round remembered")
+    b.stop()
+    client.delete_ledger(doomed)
+    deleted_at = c.store.revision()
+    after_delete()
+    b.start()
+    wait_until(lambda: not held(b, doomed),
+               what="the ledger deleted while the bookie was down dropped")
+    assert held(b, kept) == set(range(5))
+    return deleted_at
 
 
 def test_deleted_while_down_is_learned_from_the_remembered_revision(cluster_factory):
     c = cluster_factory(1, conf_overrides=QUIET)
     b = c.bookies[0]
     with bk.BookKeeper(c.metadata_uri) as client:
-        doomed, kept = ledger(client), ledger(client)
-        wait_until(lambda: remembered_on_disk(b) > 0, what="a first round remembered")
-        b.stop()
-        client.delete_ledger(doomed)
-        deleted_at = c.store.revision()
-        b.start()
-        wait_until(lambda: not entries_held(c.store, b.bookie_id, doomed),
-                   what="the ledger deleted while the bookie was down dropped")
-        assert entries_held(c.store, b.bookie_id, kept) == set(range(5))
+        deleted_at = delete_while_down(c, client)
         st = gc_state(c, b)
         # learned from the watch: no full reconcile was needed after the restart
         assert st["reconciles"] == 0, st
@@ -79,17 +81,13 @@ def test_deleted_while_down_is_learned_from_the_remembered_revision(cluster_fact
 def test_deleted_while_down_and_compacted_falls_back_to_a_reconcile(cluster_factory):
     c = cluster_factory(1, conf_overrides=QUIET)
     b = c.bookies[0]
-    with bk.BookKeeper(c.metadata_uri) as client:
-        doomed, kept = ledger(client), ledger(client)
-        wait_until(lambda: remembered_on_disk(b) > 0, what="a first round remembered")
-        b.stop()
-        client.delete_ledger(doomed)
+
+    def compacted():
         c.store.new_ledger_id()              # more history after the deletion
         c.store.compact(c.store.revision())  # the remembered revision is gone now
-        b.start()
-        wait_until(lambda: not entries_held(c.store, b.bookie_id, doomed),
-                   what="the ledger deleted while the bookie was down dropped")
-        assert entries_held(c.store, b.bookie_id, kept) == set(range(5))
+
+    with bk.BookKeeper(c.metadata_uri) as client:
+        delete_while_down(c, client, compacted)
         st = gc_state(c, b)
         assert st["reconciles"] >= 1 and st["lastReconcile"]["reason"] == "compacted", st
 
@@ -108,13 +106,13 @@ def test_kill9_between_learning_a_deletion_and_remembering_it(cluster_factory):
         client.delete_ledger(doomed)
         wait_until(lambda: gc_state(c, b)["candidates"] >= 1, what="the deletion learned")
         assert remembered_on_disk(b) == before
-        assert entries_held(c.store, b.bookie_id, doomed)       # not applied yet
+        assert held(b, doomed)       # not applied yet
         b.kill()
         b.write_conf(gcWaitTime=300)
         b.start()
-        wait_until(lambda: not entries_held(c.store, b.bookie_id, doomed),
+        wait_until(lambda: not held(b, doomed),
                    what="the deletion learned again and applied")
-        assert entries_held(c.store, b.bookie_id, kept) == set(range(5))
+        assert held(b, kept) == set(range(5))
         assert gc_state(c, b)["reconciles"] == 0
         wait_until(lambda: remembered_on_disk(b) > before, what="the revision remembered")
 
@@ -133,6 +131,6 @@ def test_a_reformatted_cluster_never_makes_the_watch_drop_data(cluster_factory):
     rounds = gc_state(c, b)["rounds"]
     wait_until(lambda: gc_state(c, b)["rounds"] >= rounds + 3, what="three more GC rounds")
     for lid in lids:
-        assert entries_held(c.store, b.bookie_id, lid) == set(range(5))
+        assert held(b, lid) == set(range(5))
     with open(b.log_file) as f:
         assert "garbage collection skipped, nothing deleted" in f.read()

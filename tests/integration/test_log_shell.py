@@ -8,30 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 
 import bk
-from bk.cli.shell import cli
+from bk.testing import shell_err, shell_ok
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def run(*args):
-    env = {"BK_METADATA_URI": None, "BK_metadataServiceUri": None, "BK_LEDGER_PASSWORD": None}
-    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
-
-
-def ok(*args):
-    r = run(*args)
-    assert r.exit_code == 0, f"{args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
-    return r
-
-
-def err(*args, code=1):
-    r = run(*args)
-    assert r.exit_code == code, f"{args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
-    assert "Traceback" not in r.stderr
-    return r.stderr
 
 
 def test_log_commands(cluster):
@@ -40,35 +21,35 @@ def test_log_commands(cluster):
         w = c.open_log_writer("orders", logRollEntries=2)
         pos = [w.append(b"order-%d" % i) for i in range(6)]       # 3 segments
         w.close()
-    assert json.loads(ok(*m, "listlogs", "--json").stdout) == ["orders"]
-    assert ok(*m, "listlogs").stdout.split() == ["orders"]
-    info = json.loads(ok(*m, "loginfo", "orders", "--json").stdout)
+    assert json.loads(shell_ok(*m, "listlogs", "--json").stdout) == ["orders"]
+    assert shell_ok(*m, "listlogs").stdout.split() == ["orders"]
+    info = json.loads(shell_ok(*m, "loginfo", "orders", "--json").stdout)
     assert info["records"] == 6 and info["last_position"] == str(pos[-1])
     # The third roll happened after the sixth entry: a fourth, empty segment.
     assert [s["state"] for s in info["segments"]] == ["closed"] * 4
     assert [s["records"] for s in info["segments"]] == [2, 2, 2, 0]
-    assert "6 records" in ok(*m, "loginfo", "orders").stdout
+    assert "6 records" in shell_ok(*m, "loginfo", "orders").stdout
 
-    lines = ok(*m, "readlog", "orders").stdout.splitlines()
+    lines = shell_ok(*m, "readlog", "orders").stdout.splitlines()
     assert lines == [f"{p}\torder-{i}" for i, p in enumerate(pos)]
-    rows = [json.loads(x) for x in ok(*m, "readlog", "orders", "--from", str(pos[1]), "--to",
-                                      str(pos[4]), "--json").stdout.splitlines()]
+    rows = [json.loads(x) for x in shell_ok(*m, "readlog", "orders", "--from", str(pos[1]), "--to",
+                                            str(pos[4]), "--json").stdout.splitlines()]
     assert [r["position"] for r in rows] == [str(p) for p in pos[1:5]]
     assert base64.b64decode(rows[0]["data"]) == b"order-1"
-    assert len(ok(*m, "readlog", "orders", "--limit", "2").stdout.splitlines()) == 2
-    assert "6f 72 64 65 72" in ok(*m, "readlog", "orders", "--format", "hex").stdout
+    assert len(shell_ok(*m, "readlog", "orders", "--limit", "2").stdout.splitlines()) == 2
+    assert "6f 72 64 65 72" in shell_ok(*m, "readlog", "orders", "--format", "hex").stdout
 
-    out = json.loads(ok(*m, "truncatelog", "orders", "--before", str(pos[2]),
-                        "--json").stdout)
+    out = json.loads(shell_ok(*m, "truncatelog", "orders", "--before", str(pos[2]),
+                              "--json").stdout)
     assert len(out["deleted_ledgers"]) == 1
-    assert ok(*m, "readlog", "orders").stdout.splitlines()[0] == f"{pos[2]}\torder-2"
-    assert "truncated" in err(*m, "readlog", "orders", "--from", str(pos[0]))
+    assert shell_ok(*m, "readlog", "orders").stdout.splitlines()[0] == f"{pos[2]}\torder-2"
+    assert "truncated" in shell_err(*m, "readlog", "orders", "--from", str(pos[0]), code=1)
 
-    assert "does not exist" in err(*m, "loginfo", "nope")
-    assert "log name" in err(*m, "loginfo", "a/b", code=2)
-    assert "segment:entry:slot" in err(*m, "truncatelog", "orders", "--before", "x", code=2)
-    assert "deleted log orders" in ok(*m, "deletelog", "orders").stdout
-    assert ok(*m, "listlogs").stdout == ""
+    assert "does not exist" in shell_err(*m, "loginfo", "nope", code=1)
+    assert "log name" in shell_err(*m, "loginfo", "a/b", code=2)
+    assert "segment:entry:slot" in shell_err(*m, "truncatelog", "orders", "--before", "x", code=2)
+    assert "deleted log orders" in shell_ok(*m, "deletelog", "orders").stdout
+    assert shell_ok(*m, "listlogs").stdout == ""
 
 
 def test_tail_follows_and_stops_on_ctrl_c(cluster):
@@ -99,8 +80,8 @@ def test_tail_follows_and_stops_on_ctrl_c(cluster):
 
 
 def test_bench_log_runs(cluster):
-    r = json.loads(ok("--metadata", cluster.metadata_uri, "bench", "log", "--duration", "0.5",
-                      "--tail-rate", "2000", "--json").stdout)
+    r = json.loads(shell_ok("--metadata", cluster.metadata_uri, "bench", "log", "--duration", "0.5",
+                            "--tail-rate", "2000", "--json").stdout)
     assert r["records"] > 0 and r["records_per_sec"] > 0
     t = r["tail"]
     assert t["records"] == t["records_sent"] > 0 and t["latency_ms"]["p50"] >= 0
@@ -127,17 +108,17 @@ def test_cleanstaging_deletes_what_no_commit_can_take(cluster):
         dead_of_committed_batch = staged(sink="q1", batch=3)   # a dead attempt of batch 3
         in_flight = staged(sink="q1", batch=4)                 # batch 4 may still commit
         old_job = staged(write="job-1")
-        out = json.loads(ok(*m, "cleanstaging", "--dry-run", "--json").stdout)
+        out = json.loads(shell_ok(*m, "cleanstaging", "--dry-run", "--json").stdout)
         assert out["deleted"] == {"sunk": [dead_of_committed_batch]}
         assert len(staging.pending(c, "sunk")) == 4            # a dry run changes nothing
-        ok(*m, "cleanstaging")
+        shell_ok(*m, "cleanstaging")
         assert sorted(e["ledger_id"] for e in staging.pending(c, "sunk")) == \
             sorted([in_flight, old_job])
         with pytest.raises(bk.errors.NoSuchLedgerError):
             c.ledger_metadata(dead_of_committed_batch)
         # Old enough: no job runs that long. The committed ledger stays in the log.
-        assert "deleted 2 staging" in ok(*m, "cleanstaging", "sunk", "--older-than",
-                                         "0").stdout
+        assert "deleted 2 staging" in shell_ok(*m, "cleanstaging", "sunk", "--older-than",
+                                               "0").stdout
         assert staging.pending(c, "sunk") == []
         assert [s["ledger_id"] for s in c.log_info("sunk").segments] == [committed]
         assert c.ledger_metadata(committed).custom_metadata["bk.spark.sink"] == b"q1"

@@ -8,16 +8,14 @@ import json
 import threading
 
 import pytest
-from click.testing import CliRunner
 
 import bk
-from bk.cli.shell import cli
 from bk.errors import MetadataCompactedError, MetadataError, MetadataSpaceError
 from bk.meta import compactor
 from bk.meta.compactor import Compactor
 from bk.meta.etcd_server import EtcdServer
 from bk.meta.store import ID_BLOCK_BITS, MetadataStore, ledger_key_name
-from bk.testing import wait_until
+from bk.testing import shell_ok, wait_until
 
 PW = b"meta"
 
@@ -33,13 +31,6 @@ def store(etcd, request):
     with MetadataStore(etcd.uri(f"t-{request.node.name}"), timeout=5) as s:
         s.format()
         yield s
-
-
-def shell(uri, *args):
-    r = CliRunner().invoke(cli, ["--metadata", uri, *args], catch_exceptions=False,
-                           env={"BK_METADATA_URI": None, "BK_metadataServiceUri": None})
-    assert r.exit_code == 0, f"{args}: exit {r.exit_code}\n{r.output}"
-    return r.output
 
 
 def test_two_compactor_candidates_one_compacts(store):
@@ -65,7 +56,7 @@ def test_two_compactor_candidates_one_compacts(store):
         store.put_json("junk/k", {"i": "more"})
         wait_until(lambda: other.compactions >= 2, what="the other candidate compacting")
         assert store.compact_revision() > first
-        out = json.loads(shell(store.uri, "metastatus", "--json"))
+        out = json.loads(shell_ok("--metadata", store.uri, "metastatus", "--json").output)
         assert out["compactor"] == other.identifier and out["alarms"] == []
         assert out["compactRevision"] == store.compact_revision()
     finally:
@@ -125,7 +116,7 @@ def test_nospace_is_a_clear_error_and_writes_resume_after_metacompact(cluster_fa
         lh.add_entries([b"during-%d" % i for i in range(10)])
         with pytest.raises(MetadataError, match="NOSPACE"):
             lh.close()
-        out = shell(uri, "metacompact", "--defrag", "--disarm")
+        out = shell_ok("--metadata", uri, "metacompact", "--defrag", "--disarm").output
         assert "disarmed: NOSPACE" in out
         assert c.store.alarms() == []
         lh.close()                                # retries just the metadata write

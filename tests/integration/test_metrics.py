@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bk import protocol as P
 from bk.errors import EBADREQ, EOK, EREADONLY
-from bk.testing import BookieConnection, http_get, wait_until
+from bk.testing import BookieConnection, bookie_localcluster, http_get, wait_until
 
 KEY = b"k" * 20
 HTTP = {"httpServerEnabled": "true", "httpServerPort": 0}
@@ -246,20 +246,7 @@ def test_client_metrics_count_adds_and_reads(cluster_factory):
 
 
 def test_localcluster_serves_and_prints_one_metrics_url_per_bookie(tmp_path):
-    import subprocess
-    import sys
-
-    e = {k: v for k, v in os.environ.items() if not k.startswith("BK_")}
-    p = subprocess.Popen([sys.executable, "-m", "bk.cli.bookie", "localcluster",
-                          "--dir", str(tmp_path / "lc"), "--bookies", "2", "--shards", "1",
-                          "--base-port", "0", "--http-port", "0", "--no-smoke"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
-    out = []
-    try:
-        for line in p.stdout:
-            out.append(line)
-            if "Press Ctrl-C" in line:
-                break
+    with bookie_localcluster(str(tmp_path / "lc")) as (p, out):
         urls = re.findall(r"metrics (http://\S+/metrics)", "".join(out))
         assert len(urls) == 2 and len(set(urls)) == 2, "".join(out)
         for url in urls:
@@ -267,9 +254,6 @@ def test_localcluster_serves_and_prints_one_metrics_url_per_bookie(tmp_path):
                 assert r.status == 200 and b"bookie_SERVER_STATUS 1.0" in r.read()
         p.send_signal(signal.SIGINT)
         assert p.wait(60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def test_client_metrics_count_ensemble_changes_bookie_errors_and_recoveries(cluster_factory):

@@ -4,11 +4,12 @@ restores, and nothing is left behind."""
 
 import inspect
 import subprocess
-import time
 
+import psutil
 import pytest
 
 from bk import netns
+from bk.testing import wait_until
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None,
                                 reason=f"needs test hosts: {netns.unavailable()}")
@@ -137,15 +138,8 @@ def test_remote_errors_and_cleanup():
     assert ns not in names
     links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
     assert bridge not in links
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            subprocess.os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"python {pid} of a closed network still runs")
+    wait_until(lambda: not psutil.pid_exists(pid), timeout=10,
+               what=f"python {pid} of a closed network to be gone")
 
 
 def test_cluster_on_hosts(net, tmp_path):

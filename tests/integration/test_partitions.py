@@ -8,8 +8,9 @@ import pytest
 from bk import netns
 from bk.testing import TEST_DEFAULTS, entries_held, wait_until
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None,
-                                reason=f"needs test hosts: {netns.unavailable()}")
+pytestmark = [pytest.mark.skipif(netns.unavailable() is not None,
+                                 reason=f"needs test hosts: {netns.unavailable()}"),
+              pytest.mark.slow]
 
 
 @pytest.fixture
@@ -58,17 +59,24 @@ writer = threading.Thread(target=_write, daemon=True)
 """
 
 
+def start_writer(cluster, ch, timeout, qw, before=50, what="writes before the cut"):
+    """A writer process on client host ``ch``: an E3 Qw``qw`` Qa2 ledger written in a
+    loop (WRITER above) until ``before`` entries were acknowledged. Returns
+    ``(its remote python, the ledger id)``."""
+    py = ch.python()
+    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=timeout, E=3, qw=qw, qa=2))
+    py.exec("writer.start()")
+    wait_until(lambda: py.eval("len(acked)") >= before, what=what)
+    return py, py.eval("lh.ledger_id")
+
+
 def test_client_cut_from_one_bookie_changes_ensemble(net, hosts_cluster):
     """E3 Qw3 Qa2 with a fourth bookie free; the client is silently cut from one
     bookie of its ensemble. Two bookies still answer, so every add reaches Qa:
     the third must still be replaced after addEntryTimeoutSec, the entries it
     never got resent, and its connection's entries let go."""
     cluster, bookies, ch = hosts_cluster(4)
-    py = ch.python()
-    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=2, E=3, qw=3, qa=2))
-    py.exec("writer.start()")
-    wait_until(lambda: py.eval("len(acked)") >= 50, what="writes before the cut")
-    lid = py.eval("lh.ledger_id")
+    py, lid = start_writer(cluster, ch, 2, 3)
     victim = py.eval("lh.metadata.last_ensemble[1]")
     vhost = cluster.bookie(victim).host
     net.partition(ch, vhost)
@@ -150,11 +158,7 @@ def test_writer_cut_from_etcd_is_fenced_by_recovery(net, hosts_cluster):
     metadata) until another client recovers the ledger; then the writer is fenced,
     its later adds fail, and nothing it had acknowledged is lost."""
     cluster, bookies, ch = hosts_cluster(3)
-    py = ch.python()
-    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=3, E=3, qw=2, qa=2))
-    py.exec("writer.start()")
-    wait_until(lambda: py.eval("len(acked)") >= 50, what="writes before the cut")
-    lid = py.eval("lh.ledger_id")
+    py, lid = start_writer(cluster, ch, 3, 2)
     net.partition(ch, cluster.etcd_host)
     n = py.eval("len(acked)")
     wait_until(lambda: py.eval("len(acked)") >= n + 50, timeout=30,
@@ -239,11 +243,7 @@ def test_writer_dies_after_moving_acknowledged_entries(net, hosts_cluster):
     got them (the client is cut from it too), and the writer dies right then.
     Recovery by another client still finds every acknowledged entry."""
     cluster, bookies, ch = hosts_cluster(4)
-    py = ch.python()
-    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=2, E=3, qw=3, qa=2))
-    py.exec("writer.start()")
-    wait_until(lambda: py.eval("len(acked)") >= 30, what="writes before the cut")
-    lid = py.eval("lh.ledger_id")
+    py, lid = start_writer(cluster, ch, 2, 3, before=30)
     ens = py.eval("lh.metadata.last_ensemble")
     free = next(b for b in cluster.bookies if b.bookie_id not in ens)
     net.partition(ch, cluster.bookie(ens[2]).host)
@@ -295,10 +295,7 @@ def test_isolated_host_detected_within_add_timeout(net, hosts_cluster):
     established connection half-open: the writer notices within
     addEntryTimeoutSec (the adds go unconfirmed), replaces the bookie and goes on."""
     cluster, bookies, ch = hosts_cluster(4)
-    py = ch.python()
-    py.exec(WRITER.format(uri=cluster.metadata_uri, timeout=2, E=3, qw=2, qa=2))
-    py.exec("writer.start()")
-    wait_until(lambda: py.eval("len(acked)") >= 30, what="writes before the isolation")
+    py, _ = start_writer(cluster, ch, 2, 2, before=30, what="writes before the isolation")
     victim = py.eval("lh.metadata.last_ensemble[0]")
     net.isolate(cluster.bookie(victim).host)
     wait_until(lambda: victim not in py.eval("lh.metadata.last_ensemble"), timeout=20,

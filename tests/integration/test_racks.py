@@ -5,26 +5,17 @@ changes, recovery and re-replication that keep every write quorum over two racks
 import json
 
 import pytest
-from click.testing import CliRunner
 
 import bk
 from bk.admin import Admin
-from bk.cli.shell import cli
 from bk.client.placement import PlacementPolicy, write_quorum_racks
 from bk.config import Config
 from bk.errors import BKError, NotEnoughBookiesError
 from bk.meta.racks import DEFAULT_RACK, all_racks
-from bk.testing import wait_until
+from bk.testing import shell, wait_until
 
 RACKAWARE = {"ensemblePlacementPolicy": "rackaware", "minNumRacksPerWriteQuorum": 2,
              "enforceMinNumRacksPerWriteQuorum": True}
-
-
-def sh(uri, *args):
-    r = CliRunner().invoke(cli, ["--metadata", uri, *args],
-                           env={"BK_METADATA_URI": None, "BK_metadataServiceUri": None},
-                           catch_exceptions=False)
-    return r
 
 
 def spans(md, racks):
@@ -39,7 +30,7 @@ def racked(cluster_factory):
     c = cluster_factory(6, num_shards=1)
     uri = c.metadata_uri
     for i, b in enumerate(c.bookies):
-        r = sh(uri, "setrack", b.bookie_id, f"/r/{'abc'[i // 2]}")
+        r = shell("--metadata", uri, "setrack", b.bookie_id, f"/r/{'abc'[i // 2]}")
         assert r.exit_code == 0, r.output
     return c
 
@@ -48,17 +39,19 @@ def test_setrack_getrack_listbookies(cluster_factory):
     c = cluster_factory(2, num_shards=1, conf_overrides={})
     uri = c.metadata_uri
     b0, b1 = (b.bookie_id for b in c.bookies)
-    r = sh(uri, "getrack", b0, "--json")
+    r = shell("--metadata", uri, "getrack", b0, "--json")
     assert r.exit_code == 0 and json.loads(r.stdout) == {"id": b0, "rack": DEFAULT_RACK,
                                                          "stored": False}
-    assert sh(uri, "setrack", b0, "/eu/rack1").exit_code == 0
-    assert sh(uri, "setrack", b1, "/rack2").exit_code == 0        # default region
-    assert json.loads(sh(uri, "getrack", b0, "--json").stdout)["rack"] == "/eu/rack1"
-    rows = {r["id"]: r for r in json.loads(sh(uri, "listbookies", "--json").stdout)}
+    assert shell("--metadata", uri, "setrack", b0, "/eu/rack1").exit_code == 0
+    assert shell("--metadata", uri, "setrack", b1, "/rack2").exit_code == 0        # default region
+    got = json.loads(shell("--metadata", uri, "getrack", b0, "--json").stdout)
+    assert got["rack"] == "/eu/rack1"
+    rows = {r["id"]: r
+            for r in json.loads(shell("--metadata", uri, "listbookies", "--json").stdout)}
     assert rows[b0]["rack"] == "/eu/rack1"
     assert rows[b1]["rack"] == "/default-region/rack2"
-    assert "/eu/rack1" in sh(uri, "listbookies").stdout
-    bad = sh(uri, "setrack", b0, "eu/rack1")
+    assert "/eu/rack1" in shell("--metadata", uri, "listbookies").stdout
+    bad = shell("--metadata", uri, "setrack", b0, "eu/rack1")
     assert bad.exit_code != 0 and "bad rack" in bad.stderr
 
 
@@ -68,7 +61,7 @@ def test_bookie_rack_from_conf_unless_set(cluster_factory):
     wait_until(lambda: all_racks(c.store).get(b.bookie_id) == "/dc1/r7",
                what="the bookie's own rack in etcd")
     # an operator's setrack wins over the conf at the next start
-    assert sh(c.metadata_uri, "setrack", b.bookie_id, "/dc1/r9").exit_code == 0
+    assert shell("--metadata", c.metadata_uri, "setrack", b.bookie_id, "/dc1/r9").exit_code == 0
     b.restart()
     assert all_racks(c.store)[b.bookie_id] == "/dc1/r9"
     # a bad bookieRack refuses to start
@@ -139,19 +132,19 @@ def test_placementcheck_lists_fragments_in_too_few_racks(racked):
         good = client.create_ledger(3, 2, 2)
         good.add_entry(b"x")
         good.close()
-    r = sh(uri, "placementcheck", "--json")
+    r = shell("--metadata", uri, "placementcheck", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout) == []
     # two bookies of the ledger's ensemble move into one rack: a write quorum
     # (consecutive slots, cyclic) now sits in a single rack
     ens = good.metadata.last_ensemble
     for b in ens[:2]:
-        assert sh(uri, "setrack", b, "/r/z").exit_code == 0
-    r = sh(uri, "placementcheck", "--json")
+        assert shell("--metadata", uri, "setrack", b, "/r/z").exit_code == 0
+    r = shell("--metadata", uri, "placementcheck", "--json")
     assert r.exit_code == 1
     rows = json.loads(r.stdout)
     assert [(x["ledger"], x["first_entry"], x["racks"]) for x in rows] == \
         [(good.ledger_id, 0, 1)]
-    assert sh(uri, "placementcheck", "--min-racks", "1").exit_code == 0
+    assert shell("--metadata", uri, "placementcheck", "--min-racks", "1").exit_code == 0
 
 
 def test_auditor_counts_ledgers_not_adhering(cluster_factory):
@@ -161,7 +154,7 @@ def test_auditor_counts_ledgers_not_adhering(cluster_factory):
         "auditorPeriodicPlacementPolicyCheckInterval": 1})
     uri = c.metadata_uri
     for i, b in enumerate(c.bookies):
-        assert sh(uri, "setrack", b.bookie_id, f"/r/{'abcd'[i]}").exit_code == 0
+        assert shell("--metadata", uri, "setrack", b.bookie_id, f"/r/{'abcd'[i]}").exit_code == 0
 
     def placement():
         done, _ = c.store.get_json(UR.CHECKS)
@@ -173,7 +166,7 @@ def test_auditor_counts_ledgers_not_adhering(cluster_factory):
     wait_until(lambda: placement().get("not_adhering") == 0, what="a clean placement check")
     spare = next(b for b in c.bookies if b.bookie_id not in h.metadata.last_ensemble)
     for b in h.metadata.last_ensemble:
-        assert sh(uri, "setrack", b, "/r/z").exit_code == 0
-    assert sh(uri, "setrack", spare.bookie_id, "/r/y").exit_code == 0
+        assert shell("--metadata", uri, "setrack", b, "/r/z").exit_code == 0
+    assert shell("--metadata", uri, "setrack", spare.bookie_id, "/r/y").exit_code == 0
     wait_until(lambda: placement().get("not_adhering") == 1, timeout=30,
                what="the auditor counting the ledger whose quorum sits in one rack")

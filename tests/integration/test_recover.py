@@ -3,25 +3,18 @@ bookie holding fragments of closed ledgers and of one still-open ledger, add a n
 bookie, recover, and check every entry is on a full write quorum of live bookies."""
 
 import json
-import time
 
 import pytest
-from click.testing import CliRunner
 
 import bk
 from bk import protocol as P
 from bk.admin import Admin
-from bk.cli.shell import cli
 from bk.client.recovery import recover_ledger
 from bk.errors import BadPasswordError, LedgerFencedError, BKError
 from bk.meta.ledger import LedgerState
-from bk.testing import entries_held, wait_until
+from bk.testing import entries_held, shell, wait_until
 
 PW = b"recover-test"
-
-
-def shell(uri, *args):
-    return CliRunner().invoke(cli, ["--metadata", uri, *args], catch_exceptions=False)
 
 
 def assert_fully_replicated(store, lid, live):
@@ -83,13 +76,13 @@ def test_recover_dead_bookie(cluster_factory):
     assert new.bookie_id in live and victim not in live
 
     # dry run: nothing changes
-    r = shell(uri, "recover", victim, "--dry-run", "--json")
+    r = shell("--metadata", uri, "recover", victim, "--dry-run", "--json")
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
     assert plan["dry_run"] and w.ledger_id in plan["closed"]
     assert client.ledger_metadata(w.ledger_id).state == LedgerState.OPEN
 
-    r = shell(uri, "recover", victim, "--json")
+    r = shell("--metadata", uri, "recover", victim, "--json")
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["closed"] == [w.ledger_id]
@@ -111,21 +104,20 @@ def test_recover_dead_bookie(cluster_factory):
         w.add_entry(b"too late")
 
     # a second run copies nothing
-    r = shell(uri, "recover", victim, "--json")
+    r = shell("--metadata", uri, "recover", victim, "--json")
     assert r.exit_code == 0, r.output
     again = json.loads(r.stdout)
     assert again["entries_copied"] == 0 and again["ledgers"] == 0
 
     # decommission: once the victim's registration has expired, its cookie goes
     assert store.read_cookie(victim)[0] is not None
-    deadline = time.monotonic() + 20
-    while store.bookie_info(victim) is not None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    r = shell(uri, "decommissionbookie", victim)
+    wait_until(lambda: store.bookie_info(victim) is None, timeout=20, step=0.2,
+               what="the victim's registration to expire")
+    r = shell("--metadata", uri, "decommissionbookie", victim)
     assert r.exit_code == 0, r.output
     assert store.read_cookie(victim)[0] is None
     # ... but a live bookie is refused
-    r = shell(uri, "decommissionbookie", new.bookie_id)
+    r = shell("--metadata", uri, "decommissionbookie", new.bookie_id)
     assert r.exit_code != 0 and "registered" in r.stderr
     client.close()
 
@@ -172,7 +164,7 @@ def test_recover_resumes_after_interruption_and_skip_open(cluster_factory):
     assert client.ledger_metadata(w.ledger_id).state == LedgerState.OPEN
     assert victim in client.ledger_metadata(w.ledger_id).ensembles[-1][1]
 
-    r = shell(uri, "recover", victim, "--skip-open")
+    r = shell("--metadata", uri, "recover", victim, "--skip-open")
     assert r.exit_code == 0, r.output
     assert "1 open ledgers skipped" in r.stdout
     client.close()
@@ -204,7 +196,7 @@ def test_recoverledger_writer_alive_one_bookie_dead(cluster_factory):
         recover_ledger(client, lid, password=b"wrong")
     assert client.ledger_metadata(lid).state == LedgerState.OPEN
 
-    r = shell(uri, "recoverledger", str(lid), "--json")
+    r = shell("--metadata", uri, "recoverledger", str(lid), "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) == {"ledger": lid, "state": "CLOSED", "last_entry_id": 49,
                                     "length": sum(map(len, payloads))}

@@ -6,34 +6,20 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 
 import bk
-from bk.cli.shell import cli
 from bk.errors import LedgerFencedError
 from bk.util import free_port
+from bk.testing import shell, shell_err, shell_ok
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run(*args, env=None):
-    env = {"BK_METADATA_URI": None, "BK_metadataServiceUri": None,
-           "BK_LEDGER_PASSWORD": None, **(env or {})}
-    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
-
-
-def ok(*args, **kw):
-    r = run(*args, **kw)
-    assert r.exit_code == 0, f"{args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
-    return r
-
-
 def err(*args, **kw):
-    r = run(*args, **kw)
-    assert r.exit_code != 0, f"{args} should fail:\n{r.stdout}"
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bkshell: error: "), r.stderr
-    assert "Traceback" not in r.stderr
+    """The one error line of a bkshell command that must fail."""
+    stderr = shell_err(*args, **kw)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bkshell: error: "), stderr
     return lines[0]
 
 
@@ -71,10 +57,10 @@ def test_subprocess_entry_point_and_help():
     for cmd in ("metaformat", "listbookies", "bookieinfo", "bookiesanity", "listledgers",
                 "ledgermetadata", "readledger", "deleteledger", "simpletest", "recoverledger",
                 "fenceledger", "recover", "decommissionbookie", "lastmark", "readjournal"):
-        r = ok(cmd, "--help")
+        r = shell_ok(cmd, "--help")
         assert "Example" in r.stdout, cmd
     for sub in ("writes", "bookie"):
-        assert "Example" in ok("bench", sub, "--help").stdout
+        assert "Example" in shell_ok("bench", sub, "--help").stdout
 
 
 # --- with a cluster -------------------------------------------------------------------------
@@ -82,27 +68,28 @@ def test_subprocess_entry_point_and_help():
 def test_bookie_commands(cluster):
     uri = cluster.metadata_uri
     ids = sorted(b.bookie_id for b in cluster.bookies)
-    r = ok("--metadata", uri, "listbookies")
+    r = shell_ok("--metadata", uri, "listbookies")
     assert [line.split("\t")[0] for line in r.stdout.splitlines()] == ids
     assert all(line.endswith("\twritable") for line in r.stdout.splitlines())
-    rows = json.loads(ok("--metadata", uri, "listbookies", "--all", "--json").stdout)
+    rows = json.loads(shell_ok("--metadata", uri, "listbookies", "--all", "--json").stdout)
     assert [r["id"] for r in rows] == ids and {r["state"] for r in rows} == {"writable"}
-    assert json.loads(ok("--metadata", uri, "listbookies", "--readonly", "--json").stdout) == []
+    ro = shell_ok("--metadata", uri, "listbookies", "--readonly", "--json")
+    assert json.loads(ro.stdout) == []
     # --conf supplies the URI too (a bookie's conf file has metadataServiceUri)
-    r = ok("--conf", cluster.bookies[0].conf_file, "listbookies")
+    r = shell_ok("--conf", cluster.bookies[0].conf_file, "listbookies")
     assert len(r.stdout.splitlines()) == 3
 
-    info = json.loads(ok("--metadata", uri, "bookieinfo", "--json").stdout)
+    info = json.loads(shell_ok("--metadata", uri, "bookieinfo", "--json").stdout)
     assert [i["id"] for i in info] == ids
     for i in info:
         assert 0 < i["free_bytes"] <= i["total_bytes"] and i["shards"] == 2
-    r = ok("--metadata", uri, "bookieinfo", ids[0])
+    r = shell_ok("--metadata", uri, "bookieinfo", ids[0])
     assert r.stdout.startswith(ids[0]) and "free" in r.stdout
     assert "not registered" in err("--metadata", uri, "bookieinfo", "127.0.0.1:1")
 
-    r = ok("--metadata", uri, "bookiesanity", ids[1])
+    r = shell_ok("--metadata", uri, "bookiesanity", ids[1])
     assert "succeeded" in r.stdout
-    res = json.loads(ok("--metadata", uri, "bookiesanity", ids[2], "--json").stdout)
+    res = json.loads(shell_ok("--metadata", uri, "bookiesanity", ids[2], "--json").stdout)
     assert res["ok"] and res["entries"] == 10
     assert list(bk.BookKeeper(uri).list_ledgers()) == []      # its ledgers are deleted
     assert "not registered" in err("--metadata", uri, "bookiesanity", "127.0.0.1:1")
@@ -116,19 +103,19 @@ def test_bookie_commands(cluster):
         lh = c.create_ledger(3, 2, 2)
         lh.add_entry(b"x")
         lh.close()
-    ok("--metadata", uri, "metaformat", "--force", "--yes")
-    assert ok("--metadata", uri, "listledgers").stdout == ""
+    shell_ok("--metadata", uri, "metaformat", "--force", "--yes")
+    assert shell_ok("--metadata", uri, "listledgers").stdout == ""
 
 
 def test_ledger_commands(cluster):
     uri = cluster.metadata_uri
-    r = ok("--metadata", uri, "simpletest", "--entries", "20", "--keep")
+    r = shell_ok("--metadata", uri, "simpletest", "--entries", "20", "--keep")
     first = r.stdout.splitlines()[0]
     assert first.startswith("20 entries written to ledger ")
     lid = int(first.rsplit(" ", 1)[1])
     assert "verified" in r.stdout
-    res = json.loads(ok("--metadata", uri, "simpletest", "--entries", "5", "--ensemble", "3",
-                        "--write-quorum", "3", "--ack-quorum", "2", "--json").stdout)
+    res = json.loads(shell_ok("--metadata", uri, "simpletest", "--entries", "5", "--ensemble", "3",
+                              "--write-quorum", "3", "--ack-quorum", "2", "--json").stdout)
     assert res["verified"] and res["deleted"]
     assert "ensemble_size >= write_quorum_size" in err(
         "--metadata", uri, "simpletest", "--ensemble", "2", "--write-quorum", "3")
@@ -140,29 +127,29 @@ def test_ledger_commands(cluster):
         lh.close()
     lid2 = lh.ledger_id
 
-    r = ok("--metadata", uri, "listledgers")
+    r = shell_ok("--metadata", uri, "listledgers")
     assert r.stdout.split() == [str(lid), str(lid2)]
-    assert json.loads(ok("--metadata", uri, "listledgers", "--json").stdout) == [lid, lid2]
-    r = ok("--metadata", uri, "listledgers", "--meta")
+    assert json.loads(shell_ok("--metadata", uri, "listledgers", "--json").stdout) == [lid, lid2]
+    r = shell_ok("--metadata", uri, "listledgers", "--meta")
     assert r.stdout.splitlines()[1].startswith(f"{lid2}\tCLOSED\tE=3 Qw=2 Qa=2\tlast=9")
-    mds = json.loads(ok("--metadata", uri, "listledgers", "--meta", "--json").stdout)
+    mds = json.loads(shell_ok("--metadata", uri, "listledgers", "--meta", "--json").stdout)
     assert [m["ledgerId"] for m in mds] == [lid, lid2]
     assert all("passwordDigest" not in m and "masterKey" not in m for m in mds)
 
-    md = json.loads(ok("--metadata", uri, "ledgermetadata", str(lid2), "--json").stdout)
+    md = json.loads(shell_ok("--metadata", uri, "ledgermetadata", str(lid2), "--json").stdout)
     assert md["state"] == "CLOSED" and md["lastEntryId"] == 9 and md["customMetadata"] == \
         {"app": "test"} and len(md["ensembles"][0][1]) == 3
-    r = ok("--metadata", uri, "ledgermetadata", str(lid2))
+    r = shell_ok("--metadata", uri, "ledgermetadata", str(lid2))
     assert "CLOSED" in r.stdout and "custom app = test" in r.stdout
 
-    r = ok("--metadata", uri, "readledger", str(lid2))
+    r = shell_ok("--metadata", uri, "readledger", str(lid2))
     assert r.stdout.splitlines() == [f"{i}\thello {i}" for i in range(10)]
-    r = ok("--metadata", uri, "readledger", str(lid2), "--from", "3", "--to", "4", "--json")
+    r = shell_ok("--metadata", uri, "readledger", str(lid2), "--from", "3", "--to", "4", "--json")
     assert [(e["entry_id"], e["data"]) for e in json.loads(r.stdout)] == \
         [(3, "aGVsbG8gMw=="), (4, "aGVsbG8gNA==")]
-    r = ok("--metadata", uri, "readledger", str(lid2), "--format", "raw")
+    r = shell_ok("--metadata", uri, "readledger", str(lid2), "--format", "raw")
     assert r.stdout_bytes == b"".join(payloads)
-    r = ok("--metadata", uri, "readledger", str(lid2), "--to", "0", "--format", "hex")
+    r = shell_ok("--metadata", uri, "readledger", str(lid2), "--to", "0", "--format", "hex")
     assert "68 65 6c 6c 6f 20 30" in r.stdout
     assert "past the last entry" in err("--metadata", uri, "readledger", str(lid2), "--to", "10")
 
@@ -170,12 +157,12 @@ def test_ledger_commands(cluster):
     for cmd in ("ledgermetadata", "readledger", "deleteledger", "recoverledger", "fenceledger"):
         line = err("--metadata", uri, cmd, "999999")
         assert "999999" in line and "no such ledger" in line, (cmd, line)
-    r = run("--metadata", uri, "ledgermetadata", "abc")
+    r = shell("--metadata", uri, "ledgermetadata", "abc")
     assert r.exit_code == 2 and "not a ledger id" in r.stderr
 
-    r = ok("--metadata", uri, "deleteledger", str(lid))
+    r = shell_ok("--metadata", uri, "deleteledger", str(lid))
     assert f"deleted ledger {lid}" in r.stdout
-    assert json.loads(ok("--metadata", uri, "listledgers", "--json").stdout) == [lid2]
+    assert json.loads(shell_ok("--metadata", uri, "listledgers", "--json").stdout) == [lid2]
 
 
 def test_fence_and_recover_ledger(cluster):
@@ -183,7 +170,7 @@ def test_fence_and_recover_ledger(cluster):
     with bk.BookKeeper(uri) as c:
         w = c.create_ledger(3, 3, 2, password=b"secret")
         w.add_entries([b"e%d" % i for i in range(50)])
-        r = ok("--metadata", uri, "fenceledger", str(w.ledger_id))
+        r = shell_ok("--metadata", uri, "fenceledger", str(w.ledger_id))
         assert f"ledger {w.ledger_id} fenced and closed: last entry 49" in r.stdout
         with pytest.raises(LedgerFencedError):
             w.add_entry(b"after fence")
@@ -195,43 +182,43 @@ def test_fence_and_recover_ledger(cluster):
 
         w2 = c.create_ledger(3, 2, 2, password=b"other")
         w2.add_entries([b"x"] * 7)
-        res = json.loads(ok("--metadata", uri, "recoverledger", str(w2.ledger_id),
-                            "--json").stdout)
+        res = json.loads(shell_ok("--metadata", uri, "recoverledger", str(w2.ledger_id),
+                                  "--json").stdout)
         assert res == {"ledger": w2.ledger_id, "state": "CLOSED", "last_entry_id": 6,
                        "length": 7}
         with pytest.raises(LedgerFencedError):
             w2.add_entry(b"late")
         # recovering a closed ledger changes nothing
-        r = ok("--metadata", uri, "recoverledger", str(w2.ledger_id))
+        r = shell_ok("--metadata", uri, "recoverledger", str(w2.ledger_id))
         assert "last entry 6" in r.stdout
 
         # an empty open ledger closes at -1
         w3 = c.create_ledger(2, 2, 2)
-        r = ok("--metadata", uri, "recoverledger", str(w3.ledger_id))
+        r = shell_ok("--metadata", uri, "recoverledger", str(w3.ledger_id))
         assert "last entry -1" in r.stdout
 
 
 def test_local_inspection(cluster):
     b = cluster.bookies[0]
     uri = cluster.metadata_uri
-    ok("--metadata", uri, "simpletest", "--entries", "30", "--ensemble", "3",
-       "--write-quorum", "3", "--ack-quorum", "3", "--keep")
-    rows = json.loads(ok("--conf", b.conf_file, "lastmark", "--json").stdout)
+    shell_ok("--metadata", uri, "simpletest", "--entries", "30", "--ensemble", "3",
+             "--write-quorum", "3", "--ack-quorum", "3", "--keep")
+    rows = json.loads(shell_ok("--conf", b.conf_file, "lastmark", "--json").stdout)
     assert [r["shard"] for r in rows] == [0, 1]
     assert all(r["mark"] and ":" in r["mark"] for r in rows)
-    r = ok("--conf", b.conf_file, "lastmark")
+    r = shell_ok("--conf", b.conf_file, "lastmark")
     assert r.stdout.startswith("shard 0\t")
 
     adds = []
     for shard in (0, 1):
-        r = ok("--conf", b.conf_file, "readjournal", "--shard", str(shard), "--json")
+        r = shell_ok("--conf", b.conf_file, "readjournal", "--shard", str(shard), "--json")
         recs = [json.loads(line) for line in r.stdout.splitlines()]
         adds += [x for x in recs if x["type"] == "ADD"]
     assert sorted(x["entry"] for x in adds) == list(range(30))
-    r = ok("--conf", b.conf_file, "readjournal", "--shard", "0", "--limit", "2")
+    r = shell_ok("--conf", b.conf_file, "readjournal", "--shard", "0", "--limit", "2")
     assert len(r.stdout.splitlines()) <= 2
     # reading the journal changed nothing: the bookie still serves
-    ok("--metadata", uri, "bookiesanity", b.bookie_id)
+    shell_ok("--metadata", uri, "bookiesanity", b.bookie_id)
 
     assert "--conf" in err("--metadata", uri, "lastmark")
     assert "--conf" in err("--metadata", uri, "readjournal")
@@ -244,18 +231,19 @@ def test_local_inspection(cluster):
 def test_bench_commands(cluster):
     uri = cluster.metadata_uri
     bid = cluster.bookies[0].bookie_id
-    r = ok("--metadata", uri, "bench", "bookie", bid, "--count", "2000", "--json")
+    r = shell_ok("--metadata", uri, "bench", "bookie", bid, "--count", "2000", "--json")
     res = json.loads(r.stdout)
     assert res["adds"] == 2000 and res["adds_per_sec"] > 0
-    r = ok("bench", "bookie", bid, "--count", "500")        # host:port needs no metadata
+    r = shell_ok("bench", "bookie", bid, "--count", "500")        # host:port needs no metadata
     assert "adds/s" in r.stdout
-    r = ok("--metadata", uri, "bench", "writes", "--duration", "1", "--window", "100", "--json")
+    r = shell_ok("--metadata", uri, "bench", "writes", "--duration", "1", "--window", "100",
+                 "--json")
     res = json.loads(r.stdout)
     assert res["entries"] > 0 and res["errors"] == 0 and res["write_quorum"] == 3
-    r = ok("--metadata", uri, "bench", "writes", "--duration", "0.5", "--ensemble", "2",
-           "--write-quorum", "2", "--ack-quorum", "1", "--entry-size", "100")
+    r = shell_ok("--metadata", uri, "bench", "writes", "--duration", "0.5", "--ensemble", "2",
+                 "--write-quorum", "2", "--ack-quorum", "1", "--entry-size", "100")
     assert "entries/s" in r.stdout and "p99" in r.stdout
     line = err("bench", "bookie", f"127.0.0.1:{free_port()}", "--count", "10")
     assert "127.0.0.1" in line
-    r = run("--metadata", uri, "bench", "writes", "--ensemble", "2", "--write-quorum", "3")
+    r = shell("--metadata", uri, "bench", "writes", "--ensemble", "2", "--write-quorum", "3")
     assert r.exit_code == 2

@@ -27,6 +27,8 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 
 import bk.spark  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
@@ -269,12 +271,12 @@ def test_check_ledgers_finds_missing_entries_then_clean_after_recover(spark, sha
         [(e, ens[2], "missing") for e in range(6, 9)]
     out = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",
                           shared.metadata_uri, "checkledgers", "--json"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr
     assert '"missing"' in out.stdout
     r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",
                         shared.metadata_uri, "recover", ens[2]],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert [p for p in bk.spark.check_ledgers(spark, shared.metadata_uri).collect()
             if p.ledger_id == lid] == []

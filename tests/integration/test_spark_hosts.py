@@ -16,8 +16,9 @@ from bk import netns
 from bk.log import staging
 from bk.testing import TEST_DEFAULTS, wait_until
 
-pytestmark = pytest.mark.skipif(netns.unavailable() is not None,
-                                reason=f"needs test hosts: {netns.unavailable()}")
+pytestmark = [pytest.mark.skipif(netns.unavailable() is not None,
+                                 reason=f"needs test hosts: {netns.unavailable()}"),
+              pytest.mark.slow]
 pyspark = pytest.importorskip("pyspark")
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("Spark needs Java", allow_module_level=True)

@@ -7,9 +7,10 @@ import pytest
 
 from bk import protocol as P
 from bk.client.health import BookieHealth
-from bk.client.ledger import LedgerHandle
+from bk.client.ledger import _TRANSITIONS, LedgerHandle, WriterState
 from bk.config import Config
-from bk.errors import EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, LedgerFencedError
+from bk.errors import (EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, LedgerClosedError,
+                       LedgerFencedError)
 from bk.meta.ledger import LedgerMetadata
 
 
@@ -188,7 +189,7 @@ def test_bookie_error_freezes_acks_until_the_ensemble_change():
     assert done == [0]
     reply(b2, b2.sent[1][0], EIO)                    # b2 fails: ensemble change starts
     run(client)
-    assert h._changing and len(client._executor.jobs) == 1
+    assert h._state.changing and len(client._executor.jobs) == 1
     reply(b0, b0.sent[1][0])
     reply(b1, b1.sent[1][0])
     assert done == [0]                               # frozen while changing
@@ -249,7 +250,7 @@ def test_overloaded_bookie_gets_the_add_again_and_stays():
     reply(b1, rid)
     reply(b2, rid, ETOOMANYREQUESTS)
     run(client)
-    assert not h._changing and client._executor.jobs == [] and h._failed_slots == set()
+    assert not h._state.changing and client._executor.jobs == [] and h._failed_slots == set()
     assert done == [] and len(b2.sent) == 1
     client._io.next_timer()                            # the back-off ran out: resent
     assert [(r, m[3]) for r, _, m in b2.sent] == [(rid, 0), (rid, 0)]
@@ -292,7 +293,7 @@ def test_overloaded_past_the_add_timeout_is_replaced():
     # bounded: a few ms doubling up to addEntryTimeoutSec (10 s by default)
     assert 5 < resends < 20
     assert client._io.now >= float(client.conf.addEntryTimeoutSec)
-    assert h._changing and len(client._executor.jobs) == 1 and h._failed_slots == {2}
+    assert h._state.changing and len(client._executor.jobs) == 1 and h._failed_slots == {2}
     assert done == []                                  # frozen until the replacement
 
 
@@ -314,7 +315,7 @@ def test_read_only_bookie_is_replaced_at_once():
     client, h, done, (b0, b1, b2) = _busy_setup()
     reply(b1, b1.sent[0][0], EREADONLY)
     run(client)
-    assert h._changing and len(client._executor.jobs) == 1 and h._failed_slots == {1}
+    assert h._state.changing and len(client._executor.jobs) == 1 and h._failed_slots == {1}
     assert client._io.timers == [] and len(b1.sent) == 1
 
 
@@ -407,7 +408,7 @@ def test_silent_bookie_is_replaced_after_qa_and_gets_the_entries():
     assert client._executor.jobs == []
     client._io.now += float(client.conf.addEntryTimeoutSec)
     h._tick(client._io.now)
-    assert h._changing and h._failed_slots == {2} and h._change_from == 1
+    assert h._state.changing and h._failed_slots == {2} and h._change_from == 1
     new_md = h.metadata.replace(ensembles=[(0, ["b0:1", "b1:1", "b2:1"]),
                                            (1, ["b0:1", "b1:1", "b3:1"])])
     h._prepare_conns(["b3:1"])
@@ -418,4 +419,87 @@ def test_silent_bookie_is_replaced_after_qa_and_gets_the_entries():
     for rid, _, _ in list(b3.sent):
         reply(b3, rid)
     h._tick(client._io.now)
-    assert not h._unconfirmed and not h._changing
+    assert not h._unconfirmed and not h._state.changing
+
+
+# --- the writer's state table ----------------------------------------------------------
+W = WriterState
+
+
+def test_every_transition_keeps_the_meaning_of_the_columns():
+    for (st, event), nxt in _TRANSITIONS.items():
+        assert nxt.takes_adds == (not nxt.closed and not nxt.broken), nxt
+        if event == "close":
+            assert nxt.closed and (nxt.broken, nxt.changing) == (st.broken, st.changing)
+        elif event == "fail":
+            assert nxt.broken and not nxt.changing and nxt.closed == st.closed
+        elif event == "change":
+            assert not st.changing and not st.broken and nxt.changing
+            assert nxt.closed == st.closed
+        else:
+            assert event == "changed" and (st.changing or st.broken) and not nxt.changing
+            assert (nxt.closed, nxt.broken) == (st.closed, st.broken)
+    # close and fail are possible from every state; nothing leaves a broken handle
+    assert all((st, ev) in _TRANSITIONS for st in W for ev in ("close", "fail"))
+    assert all(nxt.broken for (st, _), nxt in _TRANSITIONS.items() if st.broken)
+
+
+def test_moves_not_in_the_table_are_refused():
+    client, h = make()
+    with pytest.raises(RuntimeError, match="cannot 'changed' when OPEN"):
+        h._move("changed")
+    assert h._state is W.OPEN
+    h._move("change")
+    with pytest.raises(RuntimeError, match="cannot 'change' when CHANGING"):
+        h._move("change")
+    h._move("fail")
+    with pytest.raises(RuntimeError, match="cannot 'change' when BROKEN"):
+        h._move("change")
+    assert h._state is W.BROKEN
+
+
+def _bookie_fails(client, h, conn):
+    reply(conn, conn.sent[0][0], EIO)
+    run(client)
+
+
+def test_close_during_an_ensemble_change_waits_for_it_then_refuses_adds():
+    client, h = make(E=3, qw=3, qa=2)
+    h.add_entry_async(b"w", lambda exc, eid: None)
+    run(client)
+    b0, b1, b2 = (client.conns[f"b{i}:1"] for i in range(3))
+    _bookie_fails(client, h, b2)
+    assert h._state is W.CHANGING
+    h.add_entry_async(b"queued while changing", lambda exc, eid: None)   # adds still queue
+    assert h._move("close") is W.CHANGING and h._state is W.CLOSING_CHANGING
+    assert h.is_closed
+    with pytest.raises(LedgerClosedError, match="ledger handle is closed"):
+        h.add_entry_async(b"after close")
+    new_md = h.metadata.replace(ensembles=[(0, ["b0:1", "b1:1", "b3:1"])])
+    h._prepare_conns(["b3:1"])
+    h._commit_change(new_md, 2, {2: client.conns["b3:1"]})
+    assert h._state is W.CLOSING
+
+
+def test_failure_while_changing_or_closed_keeps_the_handle_broken():
+    client, h = make(E=3, qw=3, qa=2)
+    failed = []
+    h.add_entry_async(b"w", lambda exc, eid: failed.append(type(exc)))
+    run(client)
+    b0, b1, b2 = (client.conns[f"b{i}:1"] for i in range(3))
+    _bookie_fails(client, h, b2)
+    reply(b0, b0.sent[0][0], EFENCED)
+    reply(b1, b1.sent[0][0], EFENCED)
+    assert h._state is W.BROKEN and failed == [LedgerFencedError]
+    assert h.failure()[0] is LedgerFencedError
+    # the change in flight ends and changes nothing; the handle stays broken
+    new_md = h.metadata.replace(ensembles=[(0, ["b0:1", "b1:1", "b3:1"])])
+    h._prepare_conns(["b3:1"])
+    h._commit_change(new_md, 2, {2: client.conns["b3:1"]})
+    assert h._state is W.BROKEN and client.conns["b3:1"].sent == []
+    with pytest.raises(LedgerFencedError):
+        h.add_entry_async(b"later")
+    h._move("close")
+    assert h._state is W.BROKEN_CLOSED
+    with pytest.raises(LedgerClosedError):           # closed is said before broken
+        h.add_entry_async(b"after close")
