@@ -33,7 +33,7 @@ def spark(secure):
     os.environ["PYSPARK_PYTHON"] = sys.executable
     s = (SparkSession.builder.master("local[2]").appName("bk-test-secure")
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-         .getOrCreate())
+         .config("spark.python.authenticate.socketTimeout", "120s").getOrCreate())
     bk.spark.register(s)
     yield s
     s.stop()

@@ -46,7 +46,9 @@ def spark(shared):
     os.environ["PYSPARK_PYTHON"] = sys.executable
     s = (SparkSession.builder.master("local[2]").appName("bk-test")
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-         .config("spark.python.worker.reuse", "true").getOrCreate())
+         .config("spark.python.worker.reuse", "true")
+         # a Python worker slow to start on a loaded machine is waited for, not failed
+         .config("spark.python.authenticate.socketTimeout", "120s").getOrCreate())
     bk.spark.register(s)
     yield s
     s.stop()

@@ -89,6 +89,7 @@ def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path):
                          .config("spark.executorEnv.PYTHONPATH", ROOT)
                          .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
                          .config("spark.ui.enabled", "false")
+                         .config("spark.python.authenticate.socketTimeout", "120s")
                          .config("spark.sql.shuffle.partitions", "4").getOrCreate())
                 try:
                     bk.spark.register(spark)
