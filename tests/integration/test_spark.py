@@ -45,6 +45,10 @@ def spark(shared):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     os.environ["PYSPARK_PYTHON"] = sys.executable
     s = (SparkSession.builder.master("local[2]").appName("bk-test")
+         # on loopback: a JVM that ran test_spark_hosts (same xdist worker) keeps
+         # that test's namespace address, gone since, as the driver's default
+         .config("spark.driver.host", "127.0.0.1")
+         .config("spark.driver.bindAddress", "127.0.0.1")
          .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
          .config("spark.python.worker.reuse", "true")
          # a Python worker slow to start on a loaded machine is waited for, not failed
