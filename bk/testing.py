@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,3 +189,35 @@ def bookie_localcluster(directory: str, bookies: int = 2):
                 p.kill()
                 p.wait(30)
         p.stdout.close()
+
+
+def require_java() -> None:
+    """Fail (not skip) when Spark cannot start: Java 17 is part of the test machine,
+    and a suite that silently skips Spark would pass with Spark broken."""
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        raise RuntimeError("the Spark tests need Java 17: put java on PATH or set JAVA_HOME")
+
+
+def local_spark(app_name: str, **conf):
+    """A ``local[2]`` SparkSession for tests, with the ``bookkeeper`` source registered.
+
+    The driver binds to loopback: a JVM that ran a namespace-host test earlier in
+    the same process keeps that test's (deleted) address as the driver's default.
+    Python workers get 120 s (not 15) to connect back, for a loaded machine."""
+    require_java()
+    from pyspark.sql import SparkSession      # optional dependency (the spark extra)
+    import bk.spark as bk_spark
+    # Python workers are children of this process: they must import this bk too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    b = (SparkSession.builder.master("local[2]").appName(app_name)
+         .config("spark.driver.host", "127.0.0.1")
+         .config("spark.driver.bindAddress", "127.0.0.1")
+         .config("spark.ui.enabled", "false")
+         .config("spark.sql.shuffle.partitions", "2")
+         .config("spark.python.authenticate.socketTimeout", "120s"))
+    for k, v in conf.items():
+        b = b.config(k, v)
+    s = b.getOrCreate()
+    bk_spark.register(s)
+    return s

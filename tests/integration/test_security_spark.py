@@ -1,20 +1,11 @@
 """The Spark source and sink on a secure cluster: TLS and tokens to the bookies,
 TLS, a client certificate and a user to etcd, all given as options (file paths)."""
 
-import os
-import shutil
-import sys
-
 import pytest
 
 import bk
-from bk.testing import LocalCluster
-
-pyspark = pytest.importorskip("pyspark")
-if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-    pytest.skip("Spark needs Java", allow_module_level=True)
-
-import bk.spark  # noqa: E402
+import bk.spark
+from bk.testing import LocalCluster, local_spark
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +19,7 @@ def secure(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spark(secure):
-    from pyspark.sql import SparkSession
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    s = (SparkSession.builder.master("local[2]").appName("bk-test-secure")
-         # on loopback: a JVM that ran test_spark_hosts (same xdist worker) keeps
-         # that test's namespace address, gone since, as the driver's default
-         .config("spark.driver.host", "127.0.0.1")
-         .config("spark.driver.bindAddress", "127.0.0.1")
-         .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-         .config("spark.python.authenticate.socketTimeout", "120s").getOrCreate())
-    bk.spark.register(s)
+    s = local_spark("bk-test-secure")
     yield s
     s.stop()
 

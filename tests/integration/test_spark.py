@@ -7,7 +7,6 @@ start); each test uses its own logs.
 import concurrent.futures
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -19,11 +18,8 @@ from bk import protocol as P
 from bk.client import digest as D
 from bk.log import metadata, staging
 from bk.rawclient import BookieConnection
-from bk.testing import LocalCluster, wait_until
+from bk.testing import LocalCluster, local_spark, wait_until
 
-pyspark = pytest.importorskip("pyspark")
-if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-    pytest.skip("Spark needs Java", allow_module_level=True)
 
 import bk.spark  # noqa: E402
 
@@ -40,20 +36,7 @@ def shared(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spark(shared):
-    from pyspark.sql import SparkSession
-    # Python workers are children of this process: they must import this bk too.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    s = (SparkSession.builder.master("local[2]").appName("bk-test")
-         # on loopback: a JVM that ran test_spark_hosts (same xdist worker) keeps
-         # that test's namespace address, gone since, as the driver's default
-         .config("spark.driver.host", "127.0.0.1")
-         .config("spark.driver.bindAddress", "127.0.0.1")
-         .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "2")
-         .config("spark.python.worker.reuse", "true")
-         # a Python worker slow to start on a loaded machine is waited for, not failed
-         .config("spark.python.authenticate.socketTimeout", "120s").getOrCreate())
-    bk.spark.register(s)
+    s = local_spark("bk-test", **{"spark.python.worker.reuse": "true"})
     yield s
     s.stop()
 

@@ -4,7 +4,6 @@ hosts, the driver on this process's end of the bridge. A log is read and another
 written exactly once while a bookie host is cut off and comes back."""
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -14,14 +13,14 @@ import pytest
 import bk
 from bk import netns
 from bk.log import staging
-from bk.testing import TEST_DEFAULTS, wait_until
+from bk.testing import TEST_DEFAULTS, require_java, wait_until
 
 pytestmark = [pytest.mark.skipif(netns.unavailable() is not None,
                                  reason=f"needs test hosts: {netns.unavailable()}"),
               pytest.mark.slow]
-pyspark = pytest.importorskip("pyspark")
-if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-    pytest.skip("Spark needs Java", allow_module_level=True)
+import pyspark  # noqa: E402,F401  (the spark extra: installed by scripts/setup.sh)
+
+require_java()
 
 import bk.spark  # noqa: E402
 
