@@ -750,11 +750,8 @@ class ShardWorker:
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError,
                     InterruptedError):
                 break
-            except ssl.SSLError as e:
-                self._close(conn, f"TLS error: {tls.reason(e)}")
-                return
             except OSError as e:
-                self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+                self._close_after(conn, e)
                 return
             if not n:
                 self._close(conn, None)
@@ -778,11 +775,8 @@ class ShardWorker:
             except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError,
                     InterruptedError):
                 break
-            except ssl.SSLError as e:
-                self._close(conn, f"TLS error: {tls.reason(e)}")
-                return None
             except OSError as e:
-                self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+                self._close_after(conn, e)
                 return None
         return sent
 
@@ -796,7 +790,7 @@ class ShardWorker:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+            self._close_after(conn, e)
             return
         if not n:
             self._close(conn, None)
@@ -1070,7 +1064,7 @@ class ShardWorker:
         except (BlockingIOError, InterruptedError):
             n = 0
         except OSError as e:
-            self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+            self._close_after(conn, e)
             return
         for f in frames:
             k = len(f)
@@ -1105,7 +1099,7 @@ class ShardWorker:
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as e:
-                self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
+                self._close_after(conn, e)
                 return
         if n:
             del conn.out[:n]
@@ -1124,6 +1118,14 @@ class ShardWorker:
         if mask == 0:
             mask = selectors.EVENT_WRITE
         self.sel.modify(conn.sock, mask, conn)
+
+    def _close_after(self, conn: _Conn, e: OSError):
+        """Close ``conn`` after a socket error: a reset or broken pipe is the peer
+        leaving (no reason logged), a TLS error says what TLS refused."""
+        if isinstance(e, ssl.SSLError):
+            self._close(conn, f"TLS error: {tls.reason(e)}")
+        else:
+            self._close(conn, None if e.errno in (errno.ECONNRESET, errno.EPIPE) else str(e))
 
     def _close(self, conn: _Conn, reason: str | None):
         if conn.closed:
