@@ -199,14 +199,15 @@ def require_java() -> None:
 
 
 def local_spark(app_name: str, **conf):
-    """A ``local[2]`` SparkSession for tests, with the ``bookkeeper`` source registered.
+    """A ``local[2]`` SparkSession for tests (the caller registers the ``bookkeeper``
+    source with ``bk.spark.register``: bk.spark imports pyspark, which bk.testing
+    does not need).
 
     The driver binds to loopback: a JVM that ran a namespace-host test earlier in
     the same process keeps that test's (deleted) address as the driver's default.
     Python workers get 120 s (not 15) to connect back, for a loaded machine."""
     require_java()
     from pyspark.sql import SparkSession      # optional dependency (the spark extra)
-    import bk.spark as bk_spark
     # Python workers are children of this process: they must import this bk too.
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -218,6 +219,4 @@ def local_spark(app_name: str, **conf):
          .config("spark.python.authenticate.socketTimeout", "120s"))
     for k, v in conf.items():
         b = b.config(k, v)
-    s = b.getOrCreate()
-    bk_spark.register(s)
-    return s
+    return b.getOrCreate()

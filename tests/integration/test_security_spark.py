@@ -20,6 +20,7 @@ def secure(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spark(secure):
     s = local_spark("bk-test-secure")
+    bk.spark.register(s)
     yield s
     s.stop()
 

@@ -37,6 +37,7 @@ def shared(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spark(shared):
     s = local_spark("bk-test", **{"spark.python.worker.reuse": "true"})
+    bk.spark.register(s)
     yield s
     s.stop()
 
