@@ -83,12 +83,13 @@ from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_segments
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
-                       LedgerClosedError, LedgerFencedError, MetadataError,
-                       MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
+                       LedgerClosedError, LedgerFencedError, NoSuchEntryError,
+                       NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.metrics import client_metrics, observe_many
+from bk.retry import retry_cas
 
 log = logging.getLogger("bk.client")
 
@@ -1261,7 +1262,6 @@ class LedgerHandle:
             self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")
 
     def _change_ensemble_once(self):
-        store = self._client._store
         md, version = self._md, self._version
         start = self._lac + 1               # frozen while CHANGING
         with self._change_lock:
@@ -1296,23 +1296,14 @@ class LedgerHandle:
                                 + [(start, new_ens)])
             new_version = version
         else:
-            for attempt in range(20):
-                ensembles = [(f, b) for f, b in md.ensembles if f < start] + [(start, new_ens)]
-                new_md = md.replace(ensembles=ensembles)
-                try:
-                    new_version = store.write_ledger(new_md, version)
-                    break
-                except MetadataVersionError:
-                    md, version = store.read_ledger(self._lid)
-                    if md.state != LedgerState.OPEN:
-                        raise LedgerFencedError(
-                            f"ledger is {md.state.value} in the metadata store "
-                            f"(recovered by another client)") from None
-                    log.info("ledger %d: metadata changed under the ensemble change; merging",
-                             self._lid)
-            else:
-                raise MetadataError(
-                    f"ensemble change of ledger {self._lid}: too many CAS conflicts")
+            def changed(md):
+                if md.state != LedgerState.OPEN:
+                    raise LedgerFencedError(f"ledger is {md.state.value} in the metadata store "
+                                            f"(recovered by another client)")
+                return md.replace(ensembles=[(f, b) for f, b in md.ensembles if f < start]
+                                  + [(start, new_ens)])
+            new_md, new_version = self._cas_metadata(f"ensemble change of ledger {self._lid}",
+                                                     changed)
         log.info("ledger %d: ensemble from entry %d is now %s (replaced %s)%s", self._lid, start,
                  new_ens, mapping, " (recovery: stored when it closes the ledger)"
                  if self._recovery else "")
@@ -1429,29 +1420,39 @@ class LedgerHandle:
             self._loop._tickers.remove(self._tick)
         self._ticker_on = False
 
-    def _close_metadata(self):
+    def _cas_metadata(self, what, change):
+        """Write ``change(md)`` over this handle's metadata with compare-and-swap
+        (:func:`bk.retry.retry_cas`): after a lost CAS, re-read and apply ``change``
+        to what is there now. ``change`` raises to give up, or returns None when
+        there is nothing to write. Returns ``(metadata, version)``."""
         store = self._client._store
+        cur = [self._md, self._version, False]       # metadata, version, re-read?
+
+        def attempt():
+            if cur[2]:
+                cur[0], cur[1] = store.read_ledger(self._lid)
+            cur[2] = True
+            new_md = change(cur[0])
+            if new_md is None:
+                return cur[0], cur[1]
+            return new_md, store.write_ledger(new_md, cur[1])
+        return retry_cas(what, attempt)
+
+    def _close_metadata(self):
         lac, length = self._lac, self._length
-        md, version = self._md, self._version
         what = f"close ledger {self._lid}"
-        for attempt in range(20):
+
+        def closed(md):
             if md.state == LedgerState.CLOSED:
                 if md.last_entry_id == lac:
-                    self._md = md
-                    return
+                    return None
                 raise LedgerFencedError(
                     f"{what}: ledger was closed by another client at entry {md.last_entry_id}, "
                     f"this writer's last acknowledged entry is {lac}")
             if md.state == LedgerState.IN_RECOVERY and not self._recovery:
                 raise LedgerFencedError(f"{what}: ledger is being recovered by another client")
-            new_md = md.replace(state=LedgerState.CLOSED, last_entry_id=lac, length=length)
-            try:
-                self._version = store.write_ledger(new_md, version)
-                self._md = new_md
-                return
-            except MetadataVersionError:
-                md, version = store.read_ledger(self._lid)
-        raise MetadataError(f"{what}: too many CAS conflicts")
+            return md.replace(state=LedgerState.CLOSED, last_entry_id=lac, length=length)
+        self._md, self._version = self._cas_metadata(what, closed)
 
     # ============================ read path ============================================
     def _readable_last(self):
