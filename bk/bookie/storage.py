@@ -46,7 +46,11 @@ A tombstone is forever (ids are never reused): an ADD to a deleted ledger
 gets EFENCED, also with the recovery flag, a fence ENOLEDGER, and neither
 creates state, so a writer that outlived its ledger's recovery and deletion
 is never acknowledged again. A ledger found with state and a tombstone at
-open (a crash in between) is deleted then.
+open (a crash in between) is deleted then. GC also names deleted ledgers this
+shard holds nothing of (every deletion the bookie's watch saw): those are
+refused the same way for one full-reconcile interval (:class:`RecentDeletions`,
+in memory), so an ADD that arrives after the deletion (a zombie writer's, a
+re-replication in flight) is not kept until the next full reconcile.
 
 Over-replicated ledgers. :meth:`ShardStorage.drop_ledgers` forgets a
 ledger's entries (a DROP record, its runs removed) but keeps its state fenced,
@@ -161,6 +165,51 @@ class Tombstones:
             f.flush()
             os.fsync(f.fileno())
         self._ids = array("q", heapq.merge(self._ids, new))
+
+
+class RecentDeletions:
+    """Ids of ledgers deleted while this shard held nothing of them, kept in memory
+    for ``keep`` seconds: an ADD for one of them (a zombie writer's, or a
+    re-replication or recovery write-back still in flight) is refused like one
+    to a tombstone, instead of creating the ledger anew and sitting on disk until
+    the next full GC reconcile. A durable tombstone for each would grow with
+    every deletion in the cluster; after ``keep`` seconds (one full-reconcile
+    interval) or a restart, that reconcile is again what reclaims a late write.
+    One sorted ``array('q')`` per GC round (8 bytes an id), at most ``limit`` ids."""
+
+    def __init__(self, keep: float, limit: int = 4_000_000):
+        self.keep = keep
+        self.limit = limit
+        self._rounds: list[tuple[float, array]] = []    # (expiry, sorted ids), oldest first
+        self._count = 0
+
+    def add(self, ledgers) -> None:
+        now = time.monotonic()
+        self._expire(now)
+        ids = array("q", sorted(set(ledgers)))
+        if not ids:
+            return
+        self._rounds.append((now + self.keep, ids))
+        self._count += len(ids)
+        while self._count > self.limit and len(self._rounds) > 1:
+            self._count -= len(self._rounds.pop(0)[1])
+
+    def _expire(self, now: float) -> None:
+        while self._rounds and self._rounds[0][0] <= now:
+            self._count -= len(self._rounds.pop(0)[1])
+
+    def __contains__(self, ledger: int) -> bool:
+        if not self._rounds:
+            return False
+        self._expire(time.monotonic())
+        for _, ids in self._rounds:
+            i = bisect.bisect_left(ids, ledger)
+            if i < len(ids) and ids[i] == ledger:
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return self._count
 
 
 def _le_bytes(ids: array) -> bytes:
@@ -345,7 +394,8 @@ class ShardStorage:
                  sync_data: bool = True, owns=None, progress=None, ledger_dirs=None,
                  write_cache_bytes: int = 64 << 20, flush_bytes: int | None = None,
                  flush_interval: float = 60.0, read_cache_bytes: int = 32 << 20,
-                 read_ahead_entries: int = 100, log_size_limit: int = 256 << 20):
+                 read_ahead_entries: int = 100, log_size_limit: int = 256 << 20,
+                 recent_deletions_seconds: float = 3600.0):
         # ``owns(ledger_id)``: whether this shard owns a ledger; an ADD or fence of a
         # ledger it does not own is a misrouted request (EBADREQ), never new state.
         self._owns = owns
@@ -378,6 +428,7 @@ class ShardStorage:
         self._compaction_done: dict | None = None
         self._last_swap = time.monotonic()
         self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
+        self._gone = RecentDeletions(recent_deletions_seconds)
         self._journal = Journal(journal_dir, segment_size, sync_data)
         self._index = None
         self._flusher = None
@@ -456,8 +507,8 @@ class ShardStorage:
         fence) for single and batched adds."""
         st = self._ledgers.get(ledger)
         if st is None:
-            if ledger in self._tomb:     # deleted: its old writer must never get in again
-                return EFENCED
+            if ledger in self._tomb or ledger in self._gone:
+                return EFENCED          # deleted: its old writer must never get in again
             if entry < 0 or not self._owned(ledger):
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
@@ -1145,8 +1196,13 @@ class ShardStorage:
         tombstone for each; return how many."""
         # Tombstones first: once a ledger's state is gone, only its tombstone keeps
         # an old writer's ADD from creating it anew.
+        ledger_ids = list(ledger_ids)
         ids = [lid for lid in ledger_ids if lid in self._ledgers]
         self._tomb.add(ids)
+        if len(ids) < len(ledger_ids):
+            # deleted, and nothing of them here (yet): refuse what arrives late
+            held = set(ids)
+            self._gone.add(lid for lid in ledger_ids if lid not in held)
         if not ids:
             return 0
         self._wait_flusher()

@@ -260,7 +260,8 @@ class ShardWorker:
             flush_bytes=self.ckpt_bytes, flush_interval=conf.flushInterval / 1000.0,
             read_cache_bytes=conf.dbStorage_readAheadCacheMaxSizeMb << 20,
             read_ahead_entries=conf.dbStorage_readAheadCacheBatchSize,
-            log_size_limit=conf.logSizeLimit)
+            log_size_limit=conf.logSizeLimit,
+            recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds)
         stats = self.storage.stats()
         log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
                  time.monotonic() - t0, stats.get("ledgers"))
