@@ -1404,7 +1404,9 @@ class LedgerHandle:
                     self._drain(5.0)
                 self._settle(self._add_timeout * 2
                              + float(self._conf.metadataTimeoutMillis) / 1000 * 3)
-                self._loop.call_soon(self._stop_ticker)
+                # no call_soon(_stop_ticker) here: _tick removes itself at its next
+                # run once the writer is closed with nothing in flight, and waking
+                # the I/O thread for it cost every ledger a syscall
             elif self._md.state == LedgerState.CLOSED:
                 return
             self._close_metadata()
