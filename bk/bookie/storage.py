@@ -1373,6 +1373,7 @@ class ShardStorage:
             "read_cache_hits": self._cache.hits,
             "read_cache_misses": self._cache.misses,
             "tombstones": len(self._tomb),
+            "recent_deletions": len(self._gone),     # refused for a while: RecentDeletions
             "replayed_records": self.replayed_records,
         }
 
