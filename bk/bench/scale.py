@@ -104,10 +104,17 @@ def evict_files(root: str) -> int:
 
 
 def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds a process's threads have run (``/proc/<pid>/task/*/schedstat``,
+    nanoseconds; ``/proc/<pid>/stat``'s ticks are 10 ms, too coarse here). Threads
+    that ended are not counted: measure across spans where they all live."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e9
 
 
 def proc_read_bytes(pid: int) -> int:

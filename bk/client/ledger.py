@@ -74,6 +74,7 @@ import concurrent.futures
 import enum
 import itertools
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -99,7 +100,9 @@ _REC_HEAD = protocol.REC_HEAD
 _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generously
 _READ_WINDOW = 1000            # most single READs kept in flight by read_entries
 _RANGE_WINDOW = 10_000         # most entries read_entries has in flight as READ_RANGEs
+_RANGE_REQUEST_BYTES = 512 << 10   # entry bytes one READ_RANGE of such a window asks for
 _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
+_data_of = operator.attrgetter("data")
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 
 
@@ -610,6 +613,7 @@ class LedgerHandle:
         self._reorder = bool(self._conf.reorderReadSequenceEnabled)
         self._spec_timeout = float(self._conf.speculativeReadTimeout) / 1000.0
         self._read_window_bytes = int(self._conf.readWindowBytes)
+        self._read_avg = 0                # average size of the entries read so far
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
         self._m = client_metrics()
@@ -1535,7 +1539,7 @@ class LedgerHandle:
         nbytes = 0
         while e <= last:
             # The window is sized in bytes too, from the entries read so far.
-            avg = nbytes // len(out) if out else _FIRST_ENTRY_GUESS
+            avg = nbytes // len(out) if out else (self._read_avg or _FIRST_ENTRY_GUESS)
             cap = _RANGE_WINDOW if self._loop.batching else _READ_WINDOW
             window = max(1, min(cap, self._read_window_bytes // max(1, avg)))
             end = min(last, e + window - 1)
@@ -1554,8 +1558,10 @@ class LedgerHandle:
                                     self._read_range(e + i, last, retry=False)
                         raise err
             out += results
-            nbytes += sum([len(r.data) for r in results])
+            nbytes += sum(map(len, map(_data_of, results)))
             e = end + 1
+        if out:
+            self._read_avg = max(1, nbytes // len(out))
         return out
 
     def _start_reads(self, entry_ids, avg=_FIRST_ENTRY_GUESS):
@@ -1588,7 +1594,10 @@ class LedgerHandle:
         answers stream back pipelined."""
         md = self._md
         frags = md.ensembles
-        budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2))
+        # Requests of a fraction of a frame: the bookie reads and sends the next
+        # while this client decodes one, and the first answer comes back early.
+        budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2,
+                            _RANGE_REQUEST_BYTES))
         e = first
         while e <= last:
             k = len(frags) - 1
