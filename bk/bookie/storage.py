@@ -28,6 +28,15 @@ BookKeeper's DbLedgerStorage, with the journal as the write cache:
 * **Read-ahead cache**: a miss that goes to an entry log reads the next
   ``dbStorage_readAheadCacheBatchSize`` entries of the same run with the same
   ``pread`` and keeps them (bounded by ``dbStorage_readAheadCacheMaxSizeMb``).
+* **Range reads** (READ_RANGE, what catch-up readers send): each run of the
+  range is read with one ``pread`` and decoded straight into the answer
+  (:func:`bk.bookie.entrylog.decode_flat`: CRC checked per record, no object
+  per entry but its digest and payload). Entry logs are read without the
+  kernel's read-ahead (a log interleaves ledgers); instead a READ_RANGE has
+  the disk start on the ledger's next runs (``posix_fadvise(WILLNEED)``, up to
+  the smaller of the read-ahead cache size and :data:`PREFETCH_MAX_BYTES` past
+  its answer), so several runs are read at once while the loop works. Those
+  pages are the kernel's page cache, not the worker's memory.
 
 Memory is therefore the two tails (bounded by the write cache size), the
 read-ahead cache, and per ledger its state (not per entry): it does not grow
