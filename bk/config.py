@@ -136,7 +136,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "memory (8 bytes an entry). A flush starts at half of it, on the flusher thread; "
        "if the other half fills before it ends, the shard waits for it.", minimum=2),
     _S("dbStorage_readAheadCacheMaxSizeMb", int, 32, "Size (MiB) of a shard's read-ahead "
-       "cache: entries read from entry logs ahead of a reader of one ledger.", minimum=0),
+       "cache: entries read from entry logs ahead of a reader of one ledger. Also how far "
+       "(at most 8 MiB) past a READ_RANGE's answer the disk is asked to read that "
+       "ledger's next runs into the page cache; 0 turns both off.", minimum=0),
     _S("dbStorage_readAheadCacheBatchSize", int, 100, "Entries of the same ledger a read "
        "that misses the caches reads ahead with the same pread (at most 1 MiB).",
        minimum=1),

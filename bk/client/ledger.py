@@ -74,6 +74,7 @@ import concurrent.futures
 import enum
 import itertools
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -101,6 +102,7 @@ _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generou
 _READ_WINDOW = 1000            # most single READs kept in flight by read_entries
 _RANGE_WINDOW = 10_000         # most entries read_entries has in flight as READ_RANGEs
 _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
+_data_of = operator.attrgetter("data")
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 
 
@@ -460,6 +462,20 @@ class _RangeRead:
             first, stride, offset = self.first, self.stride, self.offset
             top = min(self.last, nxt - 1)
             spec = self.spec
+            wanted = range(first, top + 1, stride)
+            n = len(ok) // 3
+            if not spec and not bad and n == len(wanted) and n and ok[0] == first \
+                    and ok[-3] == wanted[-1] and ok[0::3] == list(wanted) \
+                    and results[first - base:top - base + 1:stride].count(None) == n:
+                # the common answer, every entry wanted once and in order: stored
+                # with slicing, no Python work per entry but its LedgerEntry
+                results[first - base:top - base + 1:stride] = \
+                    list(map(LedgerEntry, itertools.repeat(lid, n), ok[0::3], ok[1::3], ok[2::3]))
+                batch.done(n)
+                self.first = first + n * stride
+                if self.first <= self.last:
+                    self.start()
+                return
             got = 0
             seen = 0
             for i in range(0, len(ok), 3):
@@ -477,7 +493,6 @@ class _RangeRead:
             for e, err in bad:
                 if first <= e <= top and (e - offset) % stride == 0:
                     self._fail(e, bid, err)
-            wanted = range(first, top + 1, stride)
             if got + seen + len(bad) < len(wanted):
                 # covered up to nxt - 1: what is missing there, this bookie lacks
                 badset = {e for e, _ in bad}
@@ -598,6 +613,7 @@ class LedgerHandle:
         self._reorder = bool(self._conf.reorderReadSequenceEnabled)
         self._spec_timeout = float(self._conf.speculativeReadTimeout) / 1000.0
         self._read_window_bytes = int(self._conf.readWindowBytes)
+        self._read_avg = 0                # average size of the entries read so far
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
         self._m = client_metrics()
@@ -1525,7 +1541,7 @@ class LedgerHandle:
         nbytes = 0
         while e <= last:
             # The window is sized in bytes too, from the entries read so far.
-            avg = nbytes // len(out) if out else _FIRST_ENTRY_GUESS
+            avg = nbytes // len(out) if out else (self._read_avg or _FIRST_ENTRY_GUESS)
             cap = _RANGE_WINDOW if self._loop.batching else _READ_WINDOW
             window = max(1, min(cap, self._read_window_bytes // max(1, avg)))
             end = min(last, e + window - 1)
@@ -1544,8 +1560,10 @@ class LedgerHandle:
                                     self._read_range(e + i, last, retry=False)
                         raise err
             out += results
-            nbytes += sum([len(r.data) for r in results])
+            nbytes += sum(map(len, map(_data_of, results)))
             e = end + 1
+        if out:
+            self._read_avg = max(1, nbytes // len(out))
         return out
 
     def _start_reads(self, entry_ids, avg=_FIRST_ENTRY_GUESS):
@@ -1578,6 +1596,8 @@ class LedgerHandle:
         answers stream back pipelined."""
         md = self._md
         frags = md.ensembles
+        # Requests of half a frame: measured against 512 KiB ones, same run,
+        # cold and warm, they cost both the client and the bookie less per entry.
         budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2))
         e = first
         while e <= last:
