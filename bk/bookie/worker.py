@@ -143,7 +143,7 @@ def staggered_checkpoint_bytes(limit: int) -> int:
 
 class _Conn:
     __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused", "ack", "ack_gen",
-                 "tls", "state", "allowed", "may_fence", "role", "deadline")
+                 "tls", "state", "allowed", "may_fence", "role", "ident", "deadline")
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
@@ -163,6 +163,7 @@ class _Conn:
         self.allowed = None      # op codes this connection may send; None: all
         self.may_fence = True
         self.role = None
+        self.ident = None        # auth.Identity, checked again when token files change
         self.deadline = 0.0      # of the handshake / AUTH
 
 
@@ -442,6 +443,8 @@ class ShardWorker:
                     return
                 if self._unready:
                     self._expire_unready(now)
+                if self.auth.refresh(now):
+                    self._close_revoked()
             if self._compacting is not None:
                 self._compaction_step()
             storage.maintain(now)
@@ -661,13 +664,16 @@ class ShardWorker:
             self._send(conn, _frame([P.AUTH, rid, EBADREQ, "already authenticated"]))
             return
         try:
-            role = self.auth.identify(token, tls.peer_identity(conn.sock) if conn.tls else None)
+            ident = self.auth.authenticate(token, tls.peer_identity(conn.sock)
+                                           if conn.tls else None)
         except AuthError as e:
             self._send(conn, _frame([P.AUTH, rid, EAUTH, str(e)]))
             self._refuse_conn(conn, "auth", f"AUTH refused: {e}")
             return
+        role = None if ident is None else ident.role
         conn.allowed, conn.may_fence = self.auth.grant(role)
         conn.role = role
+        conn.ident = ident
         conn.state = _READY
         self._unready.discard(conn)
         self._send(conn, _frame([P.AUTH, rid, EOK, role]))
@@ -733,6 +739,15 @@ class ShardWorker:
         for conn in [c for c in self._unready if now > c.deadline]:
             self.m.auth_failed("tls_handshake" if conn.state == _HANDSHAKE else "auth")
             self._close(conn, "no TLS handshake or AUTH in time")
+
+    def _close_revoked(self):
+        """The token files changed: close the connections whose token was revoked or
+        whose key was removed (the client reconnects, presenting its current token)."""
+        for conn in [c for c in self.conns if c.ident is not None]:
+            why = self.auth.refused(conn.ident)
+            if why:
+                self.m.auth_failed("revoked")
+                self._close(conn, f"role {conn.role!r}: {why}")
 
     def _on_readable_tls(self, conn: _Conn):
         """Read a TLS connection until the socket and the SSL object's decrypted

@@ -11,11 +11,10 @@ already open keep theirs (as a TLS session does anyway).
 from __future__ import annotations
 
 import logging
-import os
 import ssl
-import time
 
 from bk.errors import ConfigError
+from bk.security.watch import FileWatch
 
 log = logging.getLogger("bk.security")
 
@@ -112,34 +111,18 @@ class ServerTLS:
     def __init__(self, conf):
         self.conf = conf
         self.refresh = conf.tlsCertFilesRefreshDurationSeconds
-        self._files = [f for f in (conf.tlsCertificatePath, conf.tlsKeyStore,
-                                   conf.tlsTrustStore) if f]
-        self._stamp = self._stamp_now()
+        self._watch = FileWatch((conf.tlsCertificatePath, conf.tlsKeyStore,
+                                 conf.tlsTrustStore), self.refresh)
         self.ctx = server_context(conf)
-        self._next_check = time.monotonic() + self.refresh
-
-    def _stamp_now(self):
-        out = []
-        for f in self._files:
-            try:
-                st = os.stat(f)
-                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-            except OSError:
-                out.append(None)
-        return out
 
     def context(self) -> ssl.SSLContext | None:
-        if self.refresh and self.ctx is not None:
-            now = time.monotonic()
-            if now >= self._next_check:
-                self._next_check = now + self.refresh
-                stamp = self._stamp_now()
-                if stamp != self._stamp:
-                    try:
-                        ctx = server_context(self.conf)
-                    except ConfigError as e:   # a half-written renewal: try next time
-                        log.warning("TLS files changed but do not load yet: %s", e)
-                    else:
-                        self.ctx, self._stamp = ctx, stamp
-                        log.info("TLS certificate files changed: loaded them again")
+        if self.refresh and self.ctx is not None and self._watch.changed():
+            try:
+                ctx = server_context(self.conf)
+            except ConfigError as e:   # a half-written renewal: try next time
+                log.warning("TLS files changed but do not load yet: %s", e)
+            else:
+                self.ctx = ctx
+                self._watch.accept()
+                log.info("TLS certificate files changed: loaded them again")
         return self.ctx

@@ -121,3 +121,95 @@ def test_local_ca_certificates_verify(tmp_path):
     assert out["got"] == b"hello"
     assert ssl.PEM_cert_to_DER_cert(open(crt).read().split("-----END CERTIFICATE-----")[0]
                                     + "-----END CERTIFICATE-----\n")
+
+
+def _bump(path):
+    """Make a rewrite visible to a FileWatch even within one mtime tick."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000_000))
+
+
+def test_key_rotation_several_keys_verify_the_first_signs(key_file, tmp_path):
+    old = auth.read_secret_key(key_file)
+    new = auth.create_secret_key()
+    auth.write_secret_keys(key_file, [new, old])
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    assert auth.read_secret_key(key_file) == new
+    a = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                clientRoles="app", tokenFilesRefreshDurationSeconds=0))
+    t_old, t_new = auth.create_token(old, "app"), auth.create_token(new, "app")
+    ident = a.authenticate(t_old, None)
+    assert ident.role == "app" and ident.key_id == auth.key_id(old)
+    assert a.authenticate(t_new, None).key_id == auth.key_id(new)
+    # a token made before tokens named their key (no kid, no jti) is tried on each key
+    import jwt
+    legacy = jwt.encode({"sub": "app"}, old, algorithm="HS256")
+    legacy_ident = a.authenticate(legacy, None)
+    assert legacy_ident.key_id == auth.key_id(old)
+    assert legacy_ident.token_id.startswith("sha256:")
+    # the key leaves the file: its tokens are refused
+    auth.write_secret_keys(key_file, [new])
+    b = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                clientRoles="app", tokenFilesRefreshDurationSeconds=1))
+    with pytest.raises(AuthError, match="no longer"):
+        b.authenticate(t_old, None)
+    with pytest.raises(AuthError, match="signature does not verify"):
+        b.authenticate(legacy, None)
+    assert b.identify(t_new, None) == "app"
+    assert auth.key_id(new) not in open(key_file).read()     # a digest, not the key
+
+
+def test_refresh_picks_up_a_removed_key_and_revocations(key_file, tmp_path):
+    old = auth.read_secret_key(key_file)
+    new = auth.create_secret_key()
+    auth.write_secret_keys(key_file, [new, old])
+    revoked = str(tmp_path / "revoked")
+    with pytest.raises(ConfigError, match="tokenRevocationFile"):
+        auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                tokenRevocationFile=revoked, clientRoles="app"))
+    open(revoked, "w").close()
+    a = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                tokenRevocationFile=revoked, clientRoles="app,batch",
+                                tokenFilesRefreshDurationSeconds=1))
+    t_old, t_new, t_batch = (auth.create_token(old, "app"), auth.create_token(new, "app"),
+                             auth.create_token(new, "batch"))
+    ids = {t: a.authenticate(t, None) for t in (t_old, t_new, t_batch)}
+    assert not a.refresh()                     # nothing changed
+    auth.write_secret_keys(key_file, [new])
+    assert auth.add_revocation(revoked, "jti", ids[t_new].token_id)
+    assert not auth.add_revocation(revoked, "jti", ids[t_new].token_id)
+    _bump(key_file)
+    import time
+    assert a.refresh(time.monotonic() + 2)
+    assert "no longer" in a.refused(ids[t_old])
+    assert "revoked" in a.refused(ids[t_new])
+    assert a.refused(ids[t_batch]) is None
+    with pytest.raises(AuthError, match="revoked"):
+        a.authenticate(t_new, None)
+    auth.add_revocation(revoked, "sub", "batch")
+    _bump(revoked)
+    assert a.refresh(time.monotonic() + 4)
+    with pytest.raises(AuthError, match="role 'batch' were revoked"):
+        a.authenticate(auth.create_token(new, "batch"), None)
+    # a half-written file keeps what was loaded, and is retried
+    with open(revoked, "a") as f:
+        f.write("nonsense\n")
+    _bump(revoked)
+    assert not a.refresh(time.monotonic() + 6)
+    assert a.refused(ids[t_batch])
+    with pytest.raises(ConfigError, match="line"):
+        auth.read_revocations(revoked)
+
+
+def test_client_token_file_is_read_again_when_it_changes(key_file, tmp_path):
+    key = auth.read_secret_key(key_file)
+    path = tmp_path / "app.token"
+    first, second = auth.create_token(key, "app"), auth.create_token(key, "app")
+    path.write_text(first + "\n")
+    sec = ClientSecurity.from_conf(conf(authTokenFile=str(path)))
+    assert sec.token == first
+    path.write_text(second + "\n")
+    _bump(str(path))
+    from bk.testing import wait_until
+    wait_until(lambda: sec.token == second, timeout=5, what="the new token")
+    assert second not in repr(sec)
