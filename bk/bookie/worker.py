@@ -218,6 +218,7 @@ class ShardWorker:
         if self.auth.enabled:
             self.features |= P.FEATURE_AUTH
         self._unready: set[_Conn] = set()            # in handshake or before AUTH
+        self._auth_gen = self.auth.generation        # the token files checked against
 
     # --- life cycle --------------------------------------------------------
     def run(self):
@@ -443,7 +444,8 @@ class ShardWorker:
                     return
                 if self._unready:
                     self._expire_unready(now)
-                if self.auth.refresh(now):
+                self.auth.refresh(now)
+                if self.auth.generation != self._auth_gen:
                     self._close_revoked()
             if self._compacting is not None:
                 self._compaction_step()
@@ -743,6 +745,7 @@ class ShardWorker:
     def _close_revoked(self):
         """The token files changed: close the connections whose token was revoked or
         whose key was removed (the client reconnects, presenting its current token)."""
+        self._auth_gen = self.auth.generation
         for conn in [c for c in self.conns if c.ident is not None]:
             why = self.auth.refused(conn.ident)
             if why:

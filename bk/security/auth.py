@@ -298,6 +298,7 @@ class Authenticator:
         self._revocation_file = conf.tokenRevocationFile
         self._watch = None
         self._lock = threading.Lock()
+        self.generation = 0                  # loads of the token files so far
         if self.provider == "token":
             if not self._key_file:
                 raise ConfigError("authProvider=token needs tokenSecretKeyFile")
@@ -319,10 +320,11 @@ class Authenticator:
         revoked = (read_revocations(self._revocation_file) if self._revocation_file
                    else (frozenset(), frozenset()))
         self.keys, self.revoked = keys, revoked
-
+        self.generation += 1
     def refresh(self, now: float | None = None) -> bool:
         """Load the key and revocation files again if they changed (looked at every
-        tokenFilesRefreshDurationSeconds at most); True if that changed anything.
+        tokenFilesRefreshDurationSeconds at most); True if this call loaded them
+        (``generation`` counts the loads, whoever made them).
         A file that does not load (half written) is logged and tried again later;
         the keys and revocations already loaded stay in force meanwhile."""
         watch = self._watch
