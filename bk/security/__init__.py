@@ -45,6 +45,10 @@ class ClientSecurity:
         ctx = self.context
         return ctx.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
 
+    def stream(self, sock, host: str) -> "tls.TLSStream":
+        """TLS to ``host`` over the non-blocking ``sock``, for an event loop."""
+        return tls.TLSStream(self.context, sock, server_side=False, server_hostname=host)
+
 
 PLAINTEXT = ClientSecurity()
 
