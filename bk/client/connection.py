@@ -546,7 +546,7 @@ class Connection:
         except OSError as e:             # ssl.SSLError included: an alert of the bookie
             why = tls.reason(e)
             self._fail(SecurityError(f"bookie {self.bookie_id} refused the connection: "
-                                     f"{why}") if self.state == AUTH else
+                                     f"{why}") if self.state in (AUTH, HANDSHAKE) else
                        BookieUnavailableError(f"connection to bookie {self.bookie_id} "
                                               f"broke: {why}"))
             return False
