@@ -213,3 +213,55 @@ def test_client_token_file_is_read_again_when_it_changes(key_file, tmp_path):
     from bk.testing import wait_until
     wait_until(lambda: sec.token == second, timeout=5, what="the new token")
     assert second not in repr(sec)
+
+
+def test_tls_stream_carries_frames_through_a_full_socket_in_both_directions(tmp_path):
+    """TLSStream (the event loops' TLS) over a non-blocking socket pair with small
+    buffers: the handshake, then thousands of frames each way that the sockets
+    take in pieces (partial sendmsg, backlog), every frame arriving whole and in
+    order, and a close seen as EOF."""
+    import socket
+    ca = pki.make_ca(str(tmp_path))
+    crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
+    server_ctx = tls.server_context(conf(tlsCertificatePath=crt, tlsKeyStore=key))
+    client_ctx = tls.client_context(conf(tlsEnabled=True, tlsTrustStore=ca.cert_path))
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setblocking(False)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    client = tls.TLSStream(client_ctx, a, server_side=False, server_hostname="127.0.0.1")
+    server = tls.TLSStream(server_ctx, b, server_side=True)
+    scratch = bytearray(1 << 16)
+    done = {client: False, server: False}
+    for _ in range(100):
+        for t in (client, server):
+            t.feed(scratch)
+            done[t] = done[t] or t.handshake()
+            t.flush()
+        if all(done.values()):
+            break
+    assert all(done.values())
+    assert server.peer_identity() is None and client.obj.version() in ("TLSv1.2", "TLSv1.3")
+    frames = [P.encode_frame([P.PING, i, b"x" * (i % 3000)]) for i in range(2000)]
+    want = sum(map(len, frames))
+    got = {client: P.FrameBuffer(1 << 20), server: P.FrameBuffer(1 << 20)}
+    seen = {client: [], server: []}
+    client.encrypt(frames)
+    server.encrypt(frames)
+    assert client.backlog_bytes > want       # all of it encrypted, nothing sent yet
+    partial = 0
+    for _ in range(100_000):
+        for t, peer in ((client, server), (server, client)):
+            partial += t.flush() > 0
+            peer.recv_into(got[peer], 1 << 16, scratch)
+            seen[peer] += [m[1] for m in got[peer].frames()]
+        if len(seen[client]) == len(seen[server]) == len(frames):
+            break
+    assert seen[client] == seen[server] == list(range(2000))
+    assert partial > 10                      # the sockets did take it in pieces
+    assert client.backlog_bytes == server.backlog_bytes == 0 and not client.backlog
+    a.close()
+    for _ in range(10):
+        if server.recv_into(got[server], 1 << 16, scratch) == 0 and server.eof:
+            break
+    assert server.eof
