@@ -415,6 +415,8 @@ class Connection:
 
     # --- TLS and AUTH (see the module's docstring) ------------------------------------
     def _start_tls(self):
+        if self.loop.scratch is None:
+            self.loop.scratch = bytearray(_RECV)
         try:
             self.tls = self.loop.security.stream(self.sock, self.addr[0])
         except (ssl.SSLError, ValueError) as e:
@@ -824,7 +826,7 @@ class IOLoop:
         self._wake_w.setblocking(False)
         self.sel.register(self._wake_r, _EV_R, None)
         self._submit = collections.deque()
-        self.scratch = bytearray(_RECV)     # what a TLS connection reads before decrypting
+        self.scratch = None      # what TLS connections read before decrypting (made once)
         self._sleeping = False
         self._stopping = False
         self._conns: dict[tuple, Connection] = {}
