@@ -1,10 +1,12 @@
-"""Fixtures: real etcd and real bookie processes on loopback, in temp dirs."""
+"""Fixtures: real etcd and real bookie processes on loopback, in temp dirs, and one
+local Spark per test process."""
 
 import subprocess
 
 import pytest
 
-from bk.testing import LocalCluster
+import bk.spark
+from bk.testing import LocalCluster, local_spark
 
 
 @pytest.fixture
@@ -53,3 +55,45 @@ def small_fs(tmp_path):
     assert r.returncode == 0, f"this test needs to mount a tmpfs (as root): {r.stderr}"
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+class _LocalSpark:
+    """The process's local SparkSession, made on first use and kept for every Spark
+    test after it (a Spark JVM costs seconds of CPU to start); stopped for a test
+    that needs a session of its own (the driver of a process has one SparkContext:
+    a new session would quietly be this one, on the local master)."""
+
+    def __init__(self):
+        self.session = None
+
+    def get(self):
+        if self.session is None:
+            self.session = local_spark("bk-test", **{"spark.python.worker.reuse": "true"})
+            bk.spark.register(self.session)
+        return self.session
+
+    def stop(self):
+        if self.session is not None:
+            self.session.stop()
+            self.session = None
+
+
+@pytest.fixture(scope="session")
+def _local_spark():
+    holder = _LocalSpark()
+    yield holder
+    holder.stop()
+
+
+@pytest.fixture
+def spark(_local_spark):
+    """A ``local[2]`` SparkSession with the ``bookkeeper`` source, shared by the Spark
+    tests of this process: a test leaves no session configuration behind and uses its
+    own logs."""
+    return _local_spark.get()
+
+
+@pytest.fixture
+def no_local_spark(_local_spark):
+    """No local SparkSession in this process (for a test that builds its own)."""
+    _local_spark.stop()

@@ -1,7 +1,7 @@
 """bk.spark: the ``bookkeeper`` data source on a real local Spark, real etcd and bookies.
 
-One SparkSession and one cluster for the module (a Spark JVM takes seconds to
-start); each test uses its own logs.
+One cluster for the module and the process's SparkSession (tests/integration/
+conftest.py: a Spark JVM takes seconds to start); each test uses its own logs.
 """
 
 import concurrent.futures
@@ -18,7 +18,7 @@ from bk import protocol as P
 from bk.client import digest as D
 from bk.log import metadata, staging
 from bk.rawclient import BookieConnection
-from bk.testing import LocalCluster, local_spark, wait_until
+from bk.testing import LocalCluster, wait_until
 
 
 import bk.spark  # noqa: E402
@@ -32,14 +32,6 @@ def shared(tmp_path_factory):
     c.start()
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def spark(shared):
-    s = local_spark("bk-test", **{"spark.python.worker.reuse": "true"})
-    bk.spark.register(s)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

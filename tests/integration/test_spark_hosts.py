@@ -50,7 +50,7 @@ def _tail(path, n=30):
 
 
 @pytest.mark.timeout(600)
-def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path):
+def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path, no_local_spark):
     with netns.Network() as net:
         bookies = [net.add_host(f"b{i}") for i in range(4)]
         meta = net.add_host("meta")
@@ -91,6 +91,7 @@ def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path):
                          .config("spark.python.authenticate.socketTimeout", "120s")
                          .config("spark.sql.shuffle.partitions", "4").getOrCreate())
                 try:
+                    assert spark.sparkContext.master == url, "a local session was reused"
                     bk.spark.register(spark)
                     hosts = spark.sparkContext.parallelize(range(4), 4).map(
                         lambda _: __import__("socket").gethostbyname(
