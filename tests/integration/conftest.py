@@ -9,18 +9,35 @@ import bk.spark
 from bk.testing import LocalCluster, local_spark
 
 
+def _clusters(base_dir):
+    """``(make, made)``: ``make(num_bookies=3, **kw)`` starts a cluster under
+    ``base_dir``; the caller stops every cluster in ``made``."""
+    made = []
+
+    def make(num_bookies=3, **kw):
+        c = LocalCluster(num_bookies=num_bookies, base_dir=str(base_dir / f"cluster{len(made)}"),
+                         **kw)
+        made.append(c)
+        return c.start()
+    return make, made
+
+
 @pytest.fixture
 def cluster_factory(tmp_path):
     """Make clusters: ``cluster_factory(num_bookies=4, num_shards=2, conf_overrides={...})``.
     Every cluster made is stopped (and its processes gone) after the test."""
-    made = []
+    make, made = _clusters(tmp_path)
+    yield make
+    for c in made:
+        c.stop()
 
-    def make(num_bookies=3, **kw):
-        c = LocalCluster(num_bookies=num_bookies, base_dir=str(tmp_path / f"cluster{len(made)}"),
-                         **kw)
-        made.append(c)
-        return c.start()
 
+@pytest.fixture(scope="module")
+def module_cluster_factory(tmp_path_factory):
+    """:func:`cluster_factory` for a module-scoped fixture: its clusters are stopped
+    after the module's last test (for clusters shared by tests that do not disturb
+    them)."""
+    make, made = _clusters(tmp_path_factory.mktemp("module"))
     yield make
     for c in made:
         c.stop()
@@ -34,15 +51,11 @@ def cluster(cluster_factory):
 
 
 @pytest.fixture(scope="module")
-def shared_cluster(tmp_path_factory):
+def shared_cluster(module_cluster_factory):
     """Three bookies with two shards each, shared by the tests of a module that do
     not disturb it: they kill, stop, reconfigure or wipe nothing, and name their
     own ledgers and logs (nothing asserts that the cluster is otherwise empty)."""
-    c = LocalCluster(num_bookies=3, base_dir=str(tmp_path_factory.mktemp("shared")),
-                     num_shards=2)
-    c.start()
-    yield c
-    c.stop()
+    return module_cluster_factory(3, num_shards=2)
 
 
 @pytest.fixture
