@@ -18,7 +18,7 @@ from bk import protocol as P
 from bk.client import digest as D
 from bk.log import metadata, staging
 from bk.rawclient import BookieConnection
-from bk.testing import LocalCluster, wait_until
+from bk.testing import SPARK_TEST_JAVA_OPTIONS, LocalCluster, wait_until
 
 
 import bk.spark  # noqa: E402
@@ -251,9 +251,11 @@ def test_check_ledgers_finds_missing_entries_then_clean_after_recover(spark, sha
     # The ledger is open: checked to its LAC, 8 (entry 9 says so).
     assert sorted((p.entry_id, p.bookie, p.problem) for p in probs) == \
         [(e, ens[2], "missing") for e in range(6, 9)]
+    # (its own local Spark: the JVM gets the tests' options through the java launcher)
     out = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",
                           shared.metadata_uri, "checkledgers", "--json"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JDK_JAVA_OPTIONS=SPARK_TEST_JAVA_OPTIONS))
     assert out.returncode == 1, out.stderr
     assert '"missing"' in out.stdout
     r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",
