@@ -1,24 +1,43 @@
-"""Fixtures: real etcd and real bookie processes on loopback, in temp dirs."""
+"""Fixtures: real etcd and real bookie processes on loopback, in temp dirs, and one
+local Spark per test process."""
 
 import subprocess
 
 import pytest
 
-from bk.testing import LocalCluster
+import bk.spark
+from bk.testing import LocalCluster, local_spark
+
+
+def _clusters(base_dir):
+    """``(make, made)``: ``make(num_bookies=3, **kw)`` starts a cluster under
+    ``base_dir``; the caller stops every cluster in ``made``."""
+    made = []
+
+    def make(num_bookies=3, **kw):
+        c = LocalCluster(num_bookies=num_bookies, base_dir=str(base_dir / f"cluster{len(made)}"),
+                         **kw)
+        made.append(c)
+        return c.start()
+    return make, made
 
 
 @pytest.fixture
 def cluster_factory(tmp_path):
     """Make clusters: ``cluster_factory(num_bookies=4, num_shards=2, conf_overrides={...})``.
     Every cluster made is stopped (and its processes gone) after the test."""
-    made = []
+    make, made = _clusters(tmp_path)
+    yield make
+    for c in made:
+        c.stop()
 
-    def make(num_bookies=3, **kw):
-        c = LocalCluster(num_bookies=num_bookies, base_dir=str(tmp_path / f"cluster{len(made)}"),
-                         **kw)
-        made.append(c)
-        return c.start()
 
+@pytest.fixture(scope="module")
+def module_cluster_factory(tmp_path_factory):
+    """:func:`cluster_factory` for a module-scoped fixture: its clusters are stopped
+    after the module's last test (for clusters shared by tests that do not disturb
+    them)."""
+    make, made = _clusters(tmp_path_factory.mktemp("module"))
     yield make
     for c in made:
         c.stop()
@@ -32,15 +51,11 @@ def cluster(cluster_factory):
 
 
 @pytest.fixture(scope="module")
-def shared_cluster(tmp_path_factory):
+def shared_cluster(module_cluster_factory):
     """Three bookies with two shards each, shared by the tests of a module that do
     not disturb it: they kill, stop, reconfigure or wipe nothing, and name their
     own ledgers and logs (nothing asserts that the cluster is otherwise empty)."""
-    c = LocalCluster(num_bookies=3, base_dir=str(tmp_path_factory.mktemp("shared")),
-                     num_shards=2)
-    c.start()
-    yield c
-    c.stop()
+    return module_cluster_factory(3, num_shards=2)
 
 
 @pytest.fixture
@@ -53,3 +68,45 @@ def small_fs(tmp_path):
     assert r.returncode == 0, f"this test needs to mount a tmpfs (as root): {r.stderr}"
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+class _LocalSpark:
+    """The process's local SparkSession, made on first use and kept for every Spark
+    test after it (a Spark JVM costs seconds of CPU to start); stopped for a test
+    that needs a session of its own (the driver of a process has one SparkContext:
+    a new session would quietly be this one, on the local master)."""
+
+    def __init__(self):
+        self.session = None
+
+    def get(self):
+        if self.session is None:
+            self.session = local_spark("bk-test", **{"spark.python.worker.reuse": "true"})
+            bk.spark.register(self.session)
+        return self.session
+
+    def stop(self):
+        if self.session is not None:
+            self.session.stop()
+            self.session = None
+
+
+@pytest.fixture(scope="session")
+def _local_spark():
+    holder = _LocalSpark()
+    yield holder
+    holder.stop()
+
+
+@pytest.fixture
+def spark(_local_spark):
+    """A ``local[2]`` SparkSession with the ``bookkeeper`` source, shared by the Spark
+    tests of this process: a test leaves no session configuration behind and uses its
+    own logs."""
+    return _local_spark.get()
+
+
+@pytest.fixture
+def no_local_spark(_local_spark):
+    """No local SparkSession in this process (for a test that builds its own)."""
+    _local_spark.stop()

@@ -3,11 +3,8 @@ auto-recovery, one bookie killed, its entries re-replicated and checked."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from bk.bench.recovery import bench_recovery, parse_size
-from bk.testing import TEST_DEFAULTS
+from bk.testing import TEST_DEFAULTS, shell_err, shell_ok
 
 
 def test_bench_recovery_rereplicates_exactly_what_the_lost_bookie_held(tmp_path):
@@ -32,12 +29,10 @@ def test_bench_recovery_rereplicates_exactly_what_the_lost_bookie_held(tmp_path)
 def test_parse_size_and_the_cli_help():
     assert parse_size("1G") == 1 << 30 and parse_size("256M") == 256 << 20
     assert parse_size("512K") == 512 << 10 and parse_size("4096") == 4096
-    r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "bench", "recovery", "--help"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and "--writers" in r.stdout and "kill -> first" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "bench", "recovery",
-                        "--size", "lots"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "not a size" in r.stderr
+    # (in this process: test_shell runs the real entry point)
+    r = shell_ok("bench", "recovery", "--help")
+    assert "--writers" in r.stdout and "kill -> first" in r.stdout
+    assert "not a size" in shell_err("bench", "recovery", "--size", "lots", code=2)
 
 
 def test_pipelined_copy_reads_from_the_next_replica_when_the_first_is_gone(cluster_factory):

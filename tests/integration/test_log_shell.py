@@ -1,4 +1,6 @@
-"""bkshell's log commands against real etcd and bookies."""
+"""bkshell's log commands against real etcd and bookies (one cluster for the module:
+each test uses logs of its own names and compares listings with what was there
+before it)."""
 
 import base64
 import json
@@ -15,14 +17,15 @@ from bk.testing import shell_err, shell_ok
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_log_commands(cluster):
-    m = ["--metadata", cluster.metadata_uri]
-    with bk.BookKeeper(cluster.metadata_uri) as c:
+def test_log_commands(shared_cluster):
+    m = ["--metadata", shared_cluster.metadata_uri]
+    with bk.BookKeeper(shared_cluster.metadata_uri) as c:
+        before = c.list_logs()
         w = c.open_log_writer("orders", logRollEntries=2)
         pos = [w.append(b"order-%d" % i) for i in range(6)]       # 3 segments
         w.close()
-    assert json.loads(shell_ok(*m, "listlogs", "--json").stdout) == ["orders"]
-    assert shell_ok(*m, "listlogs").stdout.split() == ["orders"]
+    assert json.loads(shell_ok(*m, "listlogs", "--json").stdout) == sorted(before + ["orders"])
+    assert shell_ok(*m, "listlogs").stdout.split() == sorted(before + ["orders"])
     info = json.loads(shell_ok(*m, "loginfo", "orders", "--json").stdout)
     assert info["records"] == 6 and info["last_position"] == str(pos[-1])
     # The third roll happened after the sixth entry: a fourth, empty segment.
@@ -49,17 +52,17 @@ def test_log_commands(cluster):
     assert "log name" in shell_err(*m, "loginfo", "a/b", code=2)
     assert "segment:entry:slot" in shell_err(*m, "truncatelog", "orders", "--before", "x", code=2)
     assert "deleted log orders" in shell_ok(*m, "deletelog", "orders").stdout
-    assert shell_ok(*m, "listlogs").stdout == ""
+    assert shell_ok(*m, "listlogs").stdout.split() == before
 
 
-def test_tail_follows_and_stops_on_ctrl_c(cluster):
+def test_tail_follows_and_stops_on_ctrl_c(shared_cluster):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
         os.path.dirname(os.path.dirname(bk.__file__)), os.environ.get("PYTHONPATH")])))
-    with bk.BookKeeper(cluster.metadata_uri) as c:
+    with bk.BookKeeper(shared_cluster.metadata_uri) as c:
         w = c.open_log_writer("t")
         w.append(b"before")
         proc = subprocess.Popen([sys.executable, "-m", "bk.cli.shell", "--metadata",
-                                 cluster.metadata_uri, "tail", "t", "--earliest", "--json"],
+                                 shared_cluster.metadata_uri, "tail", "t", "--earliest", "--json"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 text=True)
         try:
@@ -79,24 +82,26 @@ def test_tail_follows_and_stops_on_ctrl_c(cluster):
         w.close()
 
 
-def test_bench_log_runs(cluster):
-    r = json.loads(shell_ok("--metadata", cluster.metadata_uri, "bench", "log", "--duration", "0.5",
-                            "--tail-rate", "2000", "--json").stdout)
+def test_bench_log_runs(shared_cluster):
+    with bk.BookKeeper(shared_cluster.metadata_uri) as c:
+        before = c.list_logs()
+    r = json.loads(shell_ok("--metadata", shared_cluster.metadata_uri, "bench", "log",
+                            "--duration", "0.5", "--tail-rate", "2000", "--json").stdout)
     assert r["records"] > 0 and r["records_per_sec"] > 0
     t = r["tail"]
     assert t["records"] == t["records_sent"] > 0 and t["latency_ms"]["p50"] >= 0
-    with bk.BookKeeper(cluster.metadata_uri) as c:
-        assert c.list_logs() == []          # the bench cleans up after itself
+    with bk.BookKeeper(shared_cluster.metadata_uri) as c:
+        assert c.list_logs() == before      # the bench cleans up after itself
 
 
-def test_cleanstaging_deletes_what_no_commit_can_take(cluster):
+def test_cleanstaging_deletes_what_no_commit_can_take(shared_cluster):
     """Staging ledgers left by dead tasks whose driver died too: bkshell cleanstaging
     deletes those of a batch its sink committed since and those older than
     --older-than; it keeps one that a commit may still take, and the log's own."""
     from bk.log import staging
     from bk.log.records import encode_record_set
-    m = ["--metadata", cluster.metadata_uri]
-    with bk.BookKeeper(cluster.metadata_uri) as c:
+    m = ["--metadata", shared_cluster.metadata_uri]
+    with bk.BookKeeper(shared_cluster.metadata_uri) as c:
         def staged(**who):
             lh = staging.create(c, "sunk", **who)
             lh.add_entry(encode_record_set([b"r"]))

@@ -30,9 +30,10 @@ def rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-@pytest.fixture
-def big_cluster(cluster_factory):
-    return cluster_factory(3, num_shards=1, conf_overrides={
+@pytest.fixture(scope="module")
+def big_cluster(module_cluster_factory):
+    """Bookies that take 5 MiB entries, shared by the tests that only add and read."""
+    return module_cluster_factory(3, num_shards=1, conf_overrides={
         "nettyMaxFrameSizeBytes": FRAME, "journalPreAllocSizeMB": 16})
 
 

@@ -6,7 +6,7 @@ every bookie of its write set where the test says so."""
 import pytest
 
 from bk import netns
-from bk.testing import TEST_DEFAULTS, entries_held, wait_until
+from bk.testing import TEST_DEFAULTS, closed_ledger, entries_held, wait_until
 
 pytestmark = [pytest.mark.skipif(netns.unavailable() is not None,
                                  reason=f"needs test hosts: {netns.unavailable()}"),
@@ -35,6 +35,9 @@ def hosts_cluster(net, tmp_path):
         return c, bookies, client
 
     yield make
+    # Heal first: a bookie still cut from etcd spends its whole drain timeout
+    # (about 20 s) failing to deregister before it is killed.
+    net.heal()
     for c in made:
         c.stop()
 
@@ -367,12 +370,8 @@ def test_bookie_cut_from_etcd_is_rereplicated_then_drops_its_copies(net, hosts_c
     victim = cluster.bookies[0]
     import bk
     with bk.BookKeeper(cluster.metadata_uri) as client:
-        lids = []
-        for n in range(12):
-            lh = client.create_ledger(3, 3, 2)
-            lh.add_entries([b"%d-%d" % (n, i) for i in range(20)])
-            lh.close()
-            lids.append(lh.ledger_id)
+        lids = [closed_ledger(client, [b"%d-%d" % (n, i) for i in range(20)], 3, 3, 2)
+                for n in range(12)]
         mine = [lid for lid in lids
                 if victim.bookie_id in client.ledger_metadata(lid).last_ensemble]
         assert mine

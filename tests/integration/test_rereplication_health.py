@@ -7,6 +7,7 @@ import signal
 import bk
 from bk.autorecovery.replicator import Replicator
 from bk.rawclient import BookiePool
+from bk.testing import closed_ledger
 
 
 def test_rereplication_avoids_a_target_it_could_not_reach(cluster_factory):
@@ -16,12 +17,8 @@ def test_rereplication_avoids_a_target_it_could_not_reach(cluster_factory):
     ledgers it picked for could never be re-replicated."""
     cluster = cluster_factory(3, conf_overrides={"registrationTtlSeconds": 120})
     with bk.BookKeeper(cluster.metadata_uri) as c:
-        ledgers = []
-        for i in range(6):
-            lh = c.create_ledger(3, 3, 2)
-            lh.add_entries([b"l%d-%d" % (i, j) for j in range(10)])
-            lh.close()
-            ledgers.append(lh.ledger_id)
+        ledgers = [closed_ledger(c, [b"l%d-%d" % (i, j) for j in range(10)], 3, 3, 2)
+                   for i in range(6)]
     victim = cluster.bookies[0].bookie_id
     cut = cluster.add_bookie()
     good = cluster.add_bookie()

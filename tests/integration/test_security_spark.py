@@ -5,7 +5,7 @@ import pytest
 
 import bk
 import bk.spark
-from bk.testing import LocalCluster, local_spark
+from bk.testing import LocalCluster
 
 
 @pytest.fixture(scope="module")
@@ -15,14 +15,6 @@ def secure(tmp_path_factory):
     c.start()
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def spark(secure):
-    s = local_spark("bk-test-secure")
-    bk.spark.register(s)
-    yield s
-    s.stop()
 
 
 def _options(frame, secure, **extra):

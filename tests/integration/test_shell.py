@@ -64,6 +64,8 @@ def test_subprocess_entry_point_and_help():
 
 
 # --- with a cluster -------------------------------------------------------------------------
+# test_bookie_commands formats the metadata: a cluster of its own. The others share
+# the module's cluster and compare listings with what was there before them.
 
 def test_bookie_commands(cluster):
     uri = cluster.metadata_uri
@@ -107,8 +109,9 @@ def test_bookie_commands(cluster):
     assert shell_ok("--metadata", uri, "listledgers").stdout == ""
 
 
-def test_ledger_commands(cluster):
-    uri = cluster.metadata_uri
+def test_ledger_commands(shared_cluster):
+    uri = shared_cluster.metadata_uri
+    before = json.loads(shell_ok("--metadata", uri, "listledgers", "--json").stdout)
     r = shell_ok("--metadata", uri, "simpletest", "--entries", "20", "--keep")
     first = r.stdout.splitlines()[0]
     assert first.startswith("20 entries written to ledger ")
@@ -127,13 +130,15 @@ def test_ledger_commands(cluster):
         lh.close()
     lid2 = lh.ledger_id
 
+    listed = sorted(before + [lid, lid2])
     r = shell_ok("--metadata", uri, "listledgers")
-    assert r.stdout.split() == [str(lid), str(lid2)]
-    assert json.loads(shell_ok("--metadata", uri, "listledgers", "--json").stdout) == [lid, lid2]
+    assert r.stdout.split() == [str(x) for x in listed]
+    assert json.loads(shell_ok("--metadata", uri, "listledgers", "--json").stdout) == listed
     r = shell_ok("--metadata", uri, "listledgers", "--meta")
-    assert r.stdout.splitlines()[1].startswith(f"{lid2}\tCLOSED\tE=3 Qw=2 Qa=2\tlast=9")
+    assert r.stdout.splitlines()[listed.index(lid2)].startswith(
+        f"{lid2}\tCLOSED\tE=3 Qw=2 Qa=2\tlast=9")
     mds = json.loads(shell_ok("--metadata", uri, "listledgers", "--meta", "--json").stdout)
-    assert [m["ledgerId"] for m in mds] == [lid, lid2]
+    assert [m["ledgerId"] for m in mds] == listed
     assert all("passwordDigest" not in m and "masterKey" not in m for m in mds)
 
     md = json.loads(shell_ok("--metadata", uri, "ledgermetadata", str(lid2), "--json").stdout)
@@ -162,11 +167,12 @@ def test_ledger_commands(cluster):
 
     r = shell_ok("--metadata", uri, "deleteledger", str(lid))
     assert f"deleted ledger {lid}" in r.stdout
-    assert json.loads(shell_ok("--metadata", uri, "listledgers", "--json").stdout) == [lid2]
+    assert json.loads(shell_ok("--metadata", uri, "listledgers", "--json").stdout) == \
+        sorted(before + [lid2])
 
 
-def test_fence_and_recover_ledger(cluster):
-    uri = cluster.metadata_uri
+def test_fence_and_recover_ledger(shared_cluster):
+    uri = shared_cluster.metadata_uri
     with bk.BookKeeper(uri) as c:
         w = c.create_ledger(3, 3, 2, password=b"secret")
         w.add_entries([b"e%d" % i for i in range(50)])
@@ -228,9 +234,9 @@ def test_local_inspection(cluster):
     assert "nope.conf" in err("--conf", missing, "lastmark")
 
 
-def test_bench_commands(cluster):
-    uri = cluster.metadata_uri
-    bid = cluster.bookies[0].bookie_id
+def test_bench_commands(shared_cluster):
+    uri = shared_cluster.metadata_uri
+    bid = shared_cluster.bookies[0].bookie_id
     r = shell_ok("--metadata", uri, "bench", "bookie", bid, "--count", "2000", "--json")
     res = json.loads(r.stdout)
     assert res["adds"] == 2000 and res["adds_per_sec"] > 0

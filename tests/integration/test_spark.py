@@ -1,7 +1,7 @@
 """bk.spark: the ``bookkeeper`` data source on a real local Spark, real etcd and bookies.
 
-One SparkSession and one cluster for the module (a Spark JVM takes seconds to
-start); each test uses its own logs.
+One cluster for the module and the process's SparkSession (tests/integration/
+conftest.py: a Spark JVM takes seconds to start); each test uses its own logs.
 """
 
 import concurrent.futures
@@ -18,7 +18,7 @@ from bk import protocol as P
 from bk.client import digest as D
 from bk.log import metadata, staging
 from bk.rawclient import BookieConnection
-from bk.testing import LocalCluster, local_spark, wait_until
+from bk.testing import SPARK_TEST_JAVA_OPTIONS, LocalCluster, wait_until
 
 
 import bk.spark  # noqa: E402
@@ -32,14 +32,6 @@ def shared(tmp_path_factory):
     c.start()
     yield c
     c.stop()
-
-
-@pytest.fixture(scope="module")
-def spark(shared):
-    s = local_spark("bk-test", **{"spark.python.worker.reuse": "true"})
-    bk.spark.register(s)
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")
@@ -259,9 +251,11 @@ def test_check_ledgers_finds_missing_entries_then_clean_after_recover(spark, sha
     # The ledger is open: checked to its LAC, 8 (entry 9 says so).
     assert sorted((p.entry_id, p.bookie, p.problem) for p in probs) == \
         [(e, ens[2], "missing") for e in range(6, 9)]
+    # (its own local Spark: the JVM gets the tests' options through the java launcher)
     out = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",
                           shared.metadata_uri, "checkledgers", "--json"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JDK_JAVA_OPTIONS=SPARK_TEST_JAVA_OPTIONS))
     assert out.returncode == 1, out.stderr
     assert '"missing"' in out.stdout
     r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata",

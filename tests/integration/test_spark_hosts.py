@@ -13,7 +13,7 @@ import pytest
 import bk
 from bk import netns
 from bk.log import staging
-from bk.testing import TEST_DEFAULTS, require_java, wait_until
+from bk.testing import SPARK_TEST_JAVA_OPTIONS, TEST_DEFAULTS, require_java, wait_until
 
 pytestmark = [pytest.mark.skipif(netns.unavailable() is not None,
                                  reason=f"needs test hosts: {netns.unavailable()}"),
@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _spark_env(tmp):
     env = dict(os.environ)
     env.update(SPARK_HOME=os.path.dirname(pyspark.__file__), PYSPARK_PYTHON=sys.executable,
-               PYTHONPATH=ROOT, SPARK_LOG_DIR=str(tmp), SPARK_LOCAL_DIRS=str(tmp))
+               PYTHONPATH=ROOT, SPARK_LOG_DIR=str(tmp), SPARK_LOCAL_DIRS=str(tmp),
+               SPARK_DAEMON_JAVA_OPTS=SPARK_TEST_JAVA_OPTIONS)      # the master and workers
     return env
 
 
@@ -50,7 +51,7 @@ def _tail(path, n=30):
 
 
 @pytest.mark.timeout(600)
-def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path):
+def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path, no_local_spark):
     with netns.Network() as net:
         bookies = [net.add_host(f"b{i}") for i in range(4)]
         meta = net.add_host("meta")
@@ -85,12 +86,15 @@ def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path):
                          .config("spark.driver.host", net.observer_address)
                          .config("spark.driver.bindAddress", net.observer_address)
                          .config("spark.executor.memory", "512m")
+                         .config("spark.driver.extraJavaOptions", SPARK_TEST_JAVA_OPTIONS)
+                         .config("spark.executor.extraJavaOptions", SPARK_TEST_JAVA_OPTIONS)
                          .config("spark.executorEnv.PYTHONPATH", ROOT)
                          .config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
                          .config("spark.ui.enabled", "false")
                          .config("spark.python.authenticate.socketTimeout", "120s")
                          .config("spark.sql.shuffle.partitions", "4").getOrCreate())
                 try:
+                    assert spark.sparkContext.master == url, "a local session was reused"
                     bk.spark.register(spark)
                     hosts = spark.sparkContext.parallelize(range(4), 4).map(
                         lambda _: __import__("socket").gethostbyname(
