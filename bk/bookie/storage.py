@@ -558,8 +558,8 @@ class ShardStorage:
         fence) for single and batched adds."""
         st = self._ledgers.get(ledger)
         if st is None:
-            if ledger in self._tomb or ledger in self._gone:
-                return EFENCED          # deleted: its old writer must never get in again
+            if self.is_deleted(ledger):  # deleted: its old writer must never get in again
+                return EFENCED
             if entry < 0 or not self._owned(ledger):
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
@@ -715,7 +715,7 @@ class ShardStorage:
         shard's ledger) or EIO."""
         st = self._ledgers.get(ledger)
         if st is None:
-            if ledger in self._tomb:     # deleted: nothing to fence, nothing to create
+            if self.is_deleted(ledger):  # deleted: nothing to fence, nothing to create
                 return ENOLEDGER
             if not self._owned(ledger):
                 return EBADREQ
@@ -1349,7 +1349,8 @@ class ShardStorage:
         return len(self._tomb)
 
     def is_deleted(self, ledger: int) -> bool:
-        return ledger in self._tomb
+        """A tombstone, or deleted lately while this shard held nothing of it."""
+        return ledger in self._tomb or ledger in self._gone
 
     def start_compaction(self, threshold: float, max_bytes: int | None = None) -> bool:
         """Queue a compaction of the entry logs whose live fraction is under

@@ -13,7 +13,7 @@ import bk
 from bk import protocol as P
 from bk.bookie.layout import GC_STATE_FILE
 from bk.client.digest import master_key
-from bk.errors import EFENCED
+from bk.errors import EFENCED, ENOLEDGER
 from bk.testing import BookieConnection, closed_ledger, entries_held, wait_until
 
 PW = b"gc"
@@ -176,6 +176,10 @@ def test_a_write_after_the_deletion_to_a_bookie_that_held_nothing_is_refused(clu
                                        master_key(PW), b"", b"late", recovery=recovery))[2]
         assert late_add(2, recovery=False) == EFENCED       # a zombie writer's add
         assert late_add(0, recovery=True) == EFENCED        # a write-back, a re-replication
+        with BookieConnection(late.bookie_id, shard=P.shard_of(lid, late.num_shards)) as conn:
+            fence = conn.call(P.read_lac(conn.next_rid(), lid, fence=True,
+                                         master_key=master_key(PW)))
+        assert fence[2] == ENOLEDGER                        # a recovery's fence creates nothing
         assert not held(late, lid)
         late.kill()
         late.start()
