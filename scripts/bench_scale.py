@@ -77,8 +77,8 @@ def _compare(a, conf_args) -> None:
         old = [r[key] for r in rows["old"]]
         new = [r[key] for r in rows["new"]]
         ratios = [n / o for o, n in zip(old, new) if o]
-        print(f"{key}: old median {statistics.median(old)}, new median "
-              f"{statistics.median(new)}, new/old per pair "
+        print(f"{key}: old median {statistics.median(old):.4g}, new median "
+              f"{statistics.median(new):.4g}, new/old per pair "
               f"{', '.join(f'{x:.2f}' for x in ratios)}")
 
 
