@@ -194,8 +194,12 @@ class TLSStream:
         broke."""
         self.feed(scratch)
         obj = self.obj
+        inbuf = self._in
         got = 0
-        while True:
+        # Read while a whole record may be there: fewer than 5 bytes (a record's
+        # header) cannot be one, and a read that finds none raises, which costs more
+        # than this check (the usual case: the last record was taken whole).
+        while inbuf.pending >= 5 or obj.pending() or self.eof:
             try:
                 n = obj.read(size, fb.recv_buffer(size))
             except ssl.SSLWantReadError:

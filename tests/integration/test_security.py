@@ -531,3 +531,43 @@ def test_auth_failures_metric_counts_exactly_the_refusals(cluster_factory, tmp_p
     expected["tls_required"] += 1
     wait_until(lambda: _auth_failures(port) == expected, timeout=20,
                what=f"bookie_AUTH_FAILURES == {expected}")
+
+
+def test_slow_tls_reader_of_big_entries_keeps_the_bookie_bounded(cluster_factory, tmp_path):
+    """A TLS connection's output is bounded as a plaintext one's (OUT_HIGH): a TLS
+    reader that asks for 500 MiB of answers and reads nothing for a while does not
+    make the worker encrypt and hold them all."""
+    import socket
+    import time
+    import psutil
+    pki = Pki(str(tmp_path))
+    crt, key = pki.issue("bookie", "127.0.0.1")
+    c = cluster_factory(0)
+    b = c.add_bookie(tlsCertificatePath=crt, tlsKeyStore=key, numShards=1,
+                     nettyMaxFrameSizeBytes=6 << 20, journalPreAllocSizeMB=16)
+    sec = client_security(pki.trust)
+    lid, big = 1 << 50, 5 << 20
+    entries = [os.urandom(16) * (big // 16) for _ in range(4)]
+    with BookieConnection(b.bookie_id, 0, security=sec) as conn:
+        for eid, data in enumerate(entries):
+            r = conn.call(P.add(conn.next_rid(), lid, eid, eid - 1, b"k" * 20, b"", data))
+            assert r[2] == EOK
+    worker = psutil.Process(b.worker_pids()[0])
+    base = worker.memory_info().rss
+    with BookieConnection(b.bookie_id, 0, security=sec) as conn:
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        rids = []
+        for i in range(100):
+            rids.append(conn.next_rid())
+            conn.send(P.read(rids[-1], lid, i % len(entries)))
+        peak = base
+        deadline = time.monotonic() + 2.0          # the reader reads nothing meanwhile
+        while time.monotonic() < deadline:
+            peak = max(peak, worker.memory_info().rss)
+            time.sleep(0.05)
+        assert peak - base < 150 << 20, (base, peak)
+        for i, rid in enumerate(rids):
+            r = conn.recv()
+            assert r[1] == rid and r[2] == EOK and r[7] == entries[i % len(entries)]
+            peak = max(peak, worker.memory_info().rss)
+    assert peak - base < 150 << 20, (base, peak)
