@@ -311,6 +311,39 @@ def test_read_entry_request_counts_entries_and_read_range_counts_requests(cluste
     assert val(m, "bookkeeper_server_READ_RANGE_REQUEST_count", success="false") == 0
 
 
+def test_a_fresh_reader_sizes_its_read_ranges_by_the_entries(cluster_factory):
+    """A new handle reads 1 KiB entries in requests of about 256 KiB: from the
+    closed ledger's metadata (length / entries), or, for an open ledger, after a
+    first window of a few entries. A 64 KiB guess made requests of 40 entries
+    (25 for these 1,000), each with its own cost on both sides."""
+    import bk
+    c = cluster_factory(1, conf_overrides=HTTP)
+    port = http_port(c, c.bookies[0])
+    blob = bytes(range(256)) * 4
+    with bk.BookKeeper(c.metadata_uri) as client:
+        open_lh = client.create_ledger(1, 1, 1, password=b"m")
+        open_lh.add_entries([blob] * 1000)
+        open_lh.add_entry(blob)          # carries LAC 999 (the batch's adds lag it)
+        lh = client.create_ledger(1, 1, 1, password=b"m")
+        lh.add_entries([blob] * 1000)
+        lh.close()
+        for lid, probe in ((lh.ledger_id, 0), (open_lh.ledger_id, 16)):
+            before = scrape(port)
+            rh = client.open_ledger_no_recovery(lid, password=b"m")
+            got = rh.read_entries(0, 999)
+            assert [e.entry_id for e in got] == list(range(1000))
+            assert all(e.data == blob for e in got)
+
+            def moved(m, name):
+                return val(m, name, success="true") - val(before, name, success="true")
+            wait_until(lambda: moved(scrape(port), READ_OK[0]) == 1000,
+                       what="1000 entry reads counted")
+            requests = moved(scrape(port), "bookkeeper_server_READ_RANGE_REQUEST_count")
+            # 256 KiB of 1 KiB entries: ~4 requests (+ 4 of 4 entries to measure)
+            assert requests <= 6 + (4 if probe else 0), (lid, requests)
+        open_lh.close()
+
+
 def test_autorecovery_status_reports_what_the_metadata_store_holds(cluster_factory):
     c = cluster_factory(1, conf_overrides=HTTP)
     port = http_port(c, c.bookies[0])
