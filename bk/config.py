@@ -136,7 +136,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "memory (8 bytes an entry). A flush starts at half of it, on the flusher thread; "
        "if the other half fills before it ends, the shard waits for it.", minimum=2),
     _S("dbStorage_readAheadCacheMaxSizeMb", int, 32, "Size (MiB) of a shard's read-ahead "
-       "cache: entries read from entry logs ahead of a reader of one ledger.", minimum=0),
+       "cache: entries read from entry logs ahead of a reader of one ledger. Also how far "
+       "(at most 8 MiB) past a READ_RANGE's answer the disk is asked to read that "
+       "ledger's next runs into the page cache; 0 turns both off.", minimum=0),
     _S("dbStorage_readAheadCacheBatchSize", int, 100, "Entries of the same ledger a read "
        "that misses the caches reads ahead with the same pread (at most 1 MiB).",
        minimum=1),
@@ -261,8 +263,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("authProvider", str, "none", "How a bookie identifies its clients: none, token "
        "(a signed token checked with tokenSecretKeyFile, its subject is the role) or tls "
        "(the client certificate's subject CN is the role)."),
-    _S("tokenSecretKeyFile", str, "", "File holding the HS256 key tokens are signed with "
-       "(bkshell tokens create-secret-key)."),
+    _S("tokenSecretKeyFile", str, "", "File holding the HS256 keys tokens are signed with "
+       "(bkshell tokens create-secret-key), one per line: every key verifies, the first "
+       "signs. Changes are picked up without a restart (key rotation)."),
+    _S("tokenRevocationFile", str, "", "File listing revoked tokens ('jti ID' lines) and "
+       "roles ('sub ROLE': every token of the role), refused from their next connection "
+       "(bkshell tokens revoke). Empty: none."),
+    _S("tokenFilesRefreshDurationSeconds", int, 60, "How often (seconds) a bookie checks "
+       "tokenSecretKeyFile and tokenRevocationFile and loads them again when they changed; "
+       "open connections of a revoked token or a removed key are then closed. 0: never.",
+       minimum=0),
     _S("superUserRoles", str, "", "Comma-separated roles allowed everything: bookies, "
        "auto-recovery and administrators (the HTTP admin views)."),
     _S("clientRoles", str, "", "Comma-separated roles allowed the client's ops: adds, "

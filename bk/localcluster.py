@@ -274,7 +274,7 @@ class LocalCluster:
         if os.path.exists(self._sec("ca.pem")):
             return
         ca = pki.make_ca(self.security_dir)
-        hosts = ["127.0.0.1", "localhost"]
+        hosts = self._certificate_hosts()
         ca.issue("etcd", hosts, common_name="etcd")
         ca.issue("bookie", hosts, common_name="bookie")
         ca.issue("client", hosts, common_name="client")
@@ -284,6 +284,10 @@ class LocalCluster:
             _write_secret(self._sec(f"{role}.token"), auth.create_token(key, role))
         for name in ("etcd-root", "etcd-bk", "etcd-reader"):
             _write_secret(self._sec(f"{name}.password"), secrets.token_urlsafe(24))
+
+    def _certificate_hosts(self) -> list:
+        """The names etcd's and the bookies' certificates are valid for."""
+        return ["127.0.0.1", "localhost"]
 
     def _security_settings(self, who: str) -> dict:
         """Settings of a bookie (``who="bookie"``) or a client (``client``, ``admin``
@@ -332,8 +336,7 @@ class LocalCluster:
             tls = {"cert": self._sec("etcd.crt"), "key": self._sec("etcd.key"),
                    "ca": self._sec("ca.pem"), "client_cert_auth": True,
                    "credentials": tls_only}
-        self.etcd = EtcdServer(os.path.join(self.base_dir, "etcd"), client_port=self.etcd_port,
-                               extra_args=etcd_flags(self.etcd_quota_bytes), tls=tls)
+        self.etcd = self._make_etcd(tls)
         self.etcd.start()
         if self.secure:
             marker = self._sec("etcd-auth-enabled")
@@ -354,6 +357,10 @@ class LocalCluster:
                 f.write(self.client_conf())
         if not self.store.is_formatted():    # a restarted cluster keeps its identity
             self.store.format()
+
+    def _make_etcd(self, tls: dict | None) -> EtcdServer:
+        return EtcdServer(os.path.join(self.base_dir, "etcd"), client_port=self.etcd_port,
+                          extra_args=etcd_flags(self.etcd_quota_bytes), tls=tls)
 
     def start_bookies(self) -> None:
         new = [self._new_bookie() for _ in range(self.num_bookies - len(self.bookies))]

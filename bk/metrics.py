@@ -99,7 +99,7 @@ CONNECTIONS = _m("bookie_connections", GAUGE, "Open client connections.")
 CHECKPOINTS = _m("bookie_CHECKPOINTS", COUNTER, "Index checkpoints taken.")
 AUTH_FAILURES = _m("bookie_AUTH_FAILURES", COUNTER, "Connections or requests refused by TLS "
                    "or authentication, by kind (tls_required, tls_not_offered, tls_handshake, "
-                   "auth, op).", ["kind"])
+                   "auth, op, revoked).", ["kind"])
 SHARD_METRICS = [ADD_ENTRY_REQUEST, ADD_ENTRY_ERRORS, READ_ENTRY_REQUEST, READ_ENTRY_ERRORS,
                  READ_RANGE_REQUEST, JOURNAL_SYNC, JOURNAL_BATCH, JOURNAL_WRITE_BYTES,
                  JOURNAL_QUEUE, JOURNAL_BYTES, LEDGERS, ENTRIES, CONNECTIONS, CHECKPOINTS,

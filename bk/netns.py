@@ -572,14 +572,15 @@ class HostCluster(LocalCluster):
 
     ``etcd_host``: one host, or a list of hosts for an etcd cluster of one member
     on each. ``racks``: ``{host name: "/region/rack"}`` written as each bookie's
-    ``bookieRack``. Bookies run with the registry defaults plus ``conf_overrides``."""
+    ``bookieRack``. Bookies run with the registry defaults plus ``conf_overrides``.
+    ``secure``: as LocalCluster's (one etcd host; certificates name the hosts)."""
 
     def __init__(self, net: Network, base_dir: str, bookie_hosts, etcd_host,
                  conf_overrides: dict | None = None, num_shards: int = 1,
-                 prefix: str = "ledgers", racks: dict | None = None):
+                 prefix: str = "ledgers", racks: dict | None = None, secure: bool = False):
         hosts = [net.host(h) for h in bookie_hosts]
         super().__init__(num_bookies=len(hosts), base_dir=base_dir, num_shards=num_shards,
-                         conf_overrides=conf_overrides, prefix=prefix)
+                         conf_overrides=conf_overrides, prefix=prefix, secure=secure)
         self.net = net
         self.bookie_hosts = hosts
         if isinstance(etcd_host, (list, tuple)):
@@ -589,20 +590,23 @@ class HostCluster(LocalCluster):
         self.etcd_host = self.etcd_hosts[0]
         self.racks = dict(racks or {})
 
-    def start_etcd(self) -> None:
-        os.makedirs(self.base_dir, exist_ok=True)
+    def _make_etcd(self, tls):
         if len(self.etcd_hosts) > 1:
-            self.etcd = HostEtcdCluster(self.etcd_hosts, self.base_dir)
-        else:
-            self.etcd = _HostEtcd(self.etcd_host, os.path.join(self.base_dir, "etcd"))
-        self.etcd.start()
-        if not self.store.is_formatted():
-            self.store.format()
+            if tls:
+                raise NetnsError("secure mode runs one etcd host (no TLS between members)")
+            return HostEtcdCluster(self.etcd_hosts, self.base_dir)
+        return _HostEtcd(self.etcd_host, os.path.join(self.base_dir, "etcd"), tls=tls)
+
+    def _certificate_hosts(self) -> list:
+        # the hosts' addresses, which bookies advertise and clients connect to
+        return super()._certificate_hosts() + [
+            h.address for h in self.bookie_hosts + self.etcd_hosts]
 
     def _new_bookie(self, **overrides) -> BookieProcess:
         h = self.bookie_hosts[self._next]
         self._next += 1
-        conf = dict(self.conf_overrides)
+        conf = self._security_settings("bookie") if self.secure else {}
+        conf.update(self.conf_overrides)
         if h.name in self.racks:
             conf["bookieRack"] = self.racks[h.name]
         conf.update(overrides)

@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bk.bench.metadata import bench_listing, bench_metadata, format_row  # noqa: E402
+from bk.meta.store import LIST_PAGE  # noqa: E402
 
 
 def main():
@@ -36,14 +37,18 @@ def main():
     ap.add_argument("--dir", default=None, help="where the cluster keeps its data")
     ap.add_argument("--listing-only", action="store_true",
                     help="only time listing --ledgers ids (an etcd alone, keys put directly): "
-                         "by id windows vs plain pages")
+                         "by id windows of 1,000 and of 10,000 ids, and by plain pages")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.listing_only:
         r = bench_listing(a.ledgers, base_dir=a.dir, progress=lambda r: None)
+        p = LIST_PAGE
         print(json.dumps(r) if a.json else
-              f"{r['ledgers']} ids listed: id windows {r['windows_s']}s"
-              + (f", plain pages {r['pages_s']}s ({r['ratio']}x)" if "pages_s" in r else ""))
+              f"{r['ledgers']} ids listed by id windows (best of 3), pages of {p:,}: "
+              f"{r[f'windows_{p}_s']}s, client CPU {r[f'client_cpu_{p}_s']}s, etcd CPU "
+              f"{r[f'etcd_cpu_{p}_s']}s; pages of 1,000: {r['windows_1000_s']}s, client CPU "
+              f"{r['client_cpu_1000_s']}s, etcd CPU {r['etcd_cpu_1000_s']}s"
+              + (f"; plain pages {r['pages_s']}s ({r['ratio']}x)" if "pages_s" in r else ""))
         return
     conf = dict(kv.split("=", 1) for kv in a.set)
     steps = [int(x) for x in a.steps.split(",")] if a.steps else None

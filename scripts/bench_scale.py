@@ -11,6 +11,17 @@ cold-cache catch-up read MB/s of 1 KiB-entry ledgers written interleaved with
     python scripts/bench_scale.py --steps 1M,10M --entry-size 1024    # the 1 KiB variant
     python scripts/bench_scale.py --steps 1M,10M --bk-path /tmp/bk-old # an older bk's bookie
 
+The catch-up read alone (quick, repeatable): 100 ledgers of --catchup-entries
+1 KiB entries written interleaved, then --read-ledgers of them read cold
+through the client; prints MB/s, CPU us per entry of the client and of the
+shard worker, and the MB the worker read from disk:
+
+    python scripts/bench_scale.py --catchup-only --catchup-entries 3000
+    python scripts/bench_scale.py --catchup-only --compare /tmp/bk-old --pairs 3
+
+--compare runs it alternately against another checkout's bk and this one
+(old, new, old, new, ...) and prints each run and the new/old ratios.
+
 --bk-path runs the same benchmark (this checkout's bk/bench/scale.py) against
 the bk package of another checkout, e.g. `git worktree add --detach
 /tmp/bk-old <commit>`: old vs new, one after the other, on the same machine.
@@ -20,6 +31,8 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
+import subprocess
 import sys
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -43,6 +56,32 @@ _spec.loader.exec_module(scale)
 bench_scale, parse_count = scale.bench_scale, scale.parse_count
 
 
+def _compare(a, conf_args) -> None:
+    """--catchup-only runs alternating between --compare's checkout and this one."""
+    rows = {"old": [], "new": []}
+    for k in range(a.pairs):
+        for side, path in (("old", a.compare), ("new", HERE)):
+            cmd = [sys.executable, os.path.abspath(__file__), "--catchup-only", "--json",
+                   "--bk-path", path, "--catchup-entries", str(a.catchup_entries),
+                   "--read-ledgers", str(a.read_ledgers), *conf_args]
+            if a.drop_all:
+                cmd.append("--drop-all")
+            if a.dir:
+                cmd += ["--dir", a.dir]
+            env = dict(os.environ, PYTHONPATH="")
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            r = json.loads(out.stdout)
+            rows[side].append(r)
+            print(f"pair {k + 1} {side}: {scale.format_catchup(r)}", flush=True)
+    for key in ("mb_per_sec", "client_us_per_entry", "worker_us_per_entry", "disk_mb"):
+        old = [r[key] for r in rows["old"]]
+        new = [r[key] for r in rows["new"]]
+        ratios = [n / o for o, n in zip(old, new) if o]
+        print(f"{key}: old median {statistics.median(old)}, new median "
+              f"{statistics.median(new)}, new/old per pair "
+              f"{', '.join(f'{x:.2f}' for x in ratios)}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", default="1M,10M,100M", help="entries held after each step")
@@ -53,6 +92,16 @@ def main():
     p.add_argument("--random-reads", type=int, default=2000)
     p.add_argument("--catchup-entries", type=int, default=5000,
                    help="1 KiB entries per ledger of the 100 catch-up ledgers (0: skip)")
+    p.add_argument("--catchup-only", action="store_true",
+                   help="measure only the cold catch-up read (see above)")
+    p.add_argument("--read-ledgers", type=int, default=10,
+                   help="--catchup-only: ledgers read back, each cold")
+    p.add_argument("--drop-all", action="store_true",
+                   help="--catchup-only: drop the whole page cache (root) instead of "
+                   "evicting the bookie's files only")
+    p.add_argument("--compare", metavar="CHECKOUT", default=None,
+                   help="--catchup-only: alternate runs of CHECKOUT's bk and this one")
+    p.add_argument("--pairs", type=int, default=3, help="--compare: old/new pairs")
     p.add_argument("--dir", default=None, help="where the bookie's data goes (default: TMPDIR)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="bookie configuration override; repeatable")
@@ -61,6 +110,15 @@ def main():
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     conf = dict(kv.split("=", 1) for kv in a.set)
+    if a.catchup_only and a.compare:
+        _compare(a, [x for kv in a.set for x in ("--set", kv)])
+        return
+    if a.catchup_only:
+        r = scale.bench_catchup(a.catchup_entries, a.read_ledgers, drop_all=a.drop_all,
+                                base_dir=a.dir, conf=conf,
+                                report=lambda line: print(line, file=sys.stderr, flush=True))
+        print(json.dumps(r) if a.json else scale.format_catchup(r))
+        return
     rows = bench_scale([parse_count(s) for s in a.steps.split(",")], entry_size=a.entry_size,
                        ledgers=a.ledgers, rate=a.rate, rate_seconds=a.rate_seconds,
                        random_reads=a.random_reads, catchup_entries=a.catchup_entries,

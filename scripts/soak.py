@@ -5,6 +5,7 @@ cluster, then a self-check of everything that was acknowledged (Jepsen-like).
     .venv/bin/python scripts/soak.py                        # 60 s, 5 bookies
     .venv/bin/python scripts/soak.py --duration 600 --seed 7 --keep
     .venv/bin/python scripts/soak.py --secure               # TLS, tokens, etcd auth (docs/security.md)
+    .venv/bin/python scripts/soak.py --secure --hosts       # the same across namespace hosts
 
 It starts its own LocalCluster (etcd + N bookie processes) in a temp dir, since
 the nemesis kills, pauses and restarts bookies. For --duration seconds:
@@ -822,8 +823,6 @@ def main():
         extra = dict(kv.split("=", 1) for kv in a.set)
     except ValueError:
         p.error("--set takes KEY=VALUE")
-    if a.secure and a.hosts:
-        p.error("--secure does not go with --hosts yet")
     if a.bookies < 3:
         p.error("--bookies must be at least 3")
     if a.hosts and netns.unavailable():
@@ -861,14 +860,14 @@ def main():
         conf = {**TEST_DEFAULTS, **(AUTORECOVERY if a.autorecovery else {}),
                 **({"ensemblePlacementPolicy": "rackaware"} if racks else {}), **extra}
         cluster = netns.HostCluster(net, base, hosts, net.add_host("meta"), conf,
-                                    num_shards=a.shards, racks=racks)
+                                    num_shards=a.shards, racks=racks, secure=a.secure)
         say(f"soak: hosts on {net.subnet} (bridge {net.bridge}), racks {racks or 'none'}")
     else:
         cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards,
                                conf_overrides={**(AUTORECOVERY if a.autorecovery else {}),
                                                **extra},
                                secure=a.secure)
-        CLIENT_SETTINGS.update(cluster.client_settings())
+    CLIENT_SETTINGS.update(cluster.client_settings())
     stop = threading.Event()
     threads = []
     clients = []

@@ -12,12 +12,15 @@ phase then deletes and creates ``churn`` ledgers and reports the same.
 ``compare=True`` also measures, in the same run and on the same cluster, the
 paths this replaced: a fresh id write per ledger (two etcd round trips per
 create instead of one), one etcd transaction per ledger write instead of
-concurrent writes sharing them (:mod:`bk.meta.combiner`) and listings by plain pages (each page visits every
-remaining key on etcd 3.5), with or without asking etcd to sort them.
+concurrent writes sharing them (:mod:`bk.meta.combiner`), a combiner whose
+leader sends at once instead of lingering for company under load (rate, and
+client and etcd CPU per ledger) and listings by plain pages (each page visits
+every remaining key on etcd 3.5), with or without asking etcd to sort them.
 """
 
 from __future__ import annotations
 
+import resource
 import tempfile
 import threading
 import time
@@ -28,7 +31,7 @@ import psutil
 from bk.client.bookkeeper import BookKeeper
 from bk.localcluster import LocalCluster, etcd_flags
 from bk.meta.etcd_server import EtcdServer
-from bk.meta.store import MetadataStore, ledger_key_name
+from bk.meta.store import LIST_PAGE, MetadataStore, ledger_key_name
 
 PAYLOAD = b"x" * 100
 
@@ -50,6 +53,11 @@ def _cpu_seconds(procs) -> float:
         except psutil.Error:
             pass
     return total
+
+
+def _own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def idle_cpu(cluster: LocalCluster, seconds: float) -> dict:
@@ -99,14 +107,15 @@ def create_close(client: BookKeeper, count: int, threads: int, fresh_ids: bool =
     return count / (time.monotonic() - t0)
 
 
-def list_seconds(client: BookKeeper, mode: str = "windows") -> tuple[float, int]:
+def list_seconds(client: BookKeeper, mode: str = "windows",
+                 page_size: int = LIST_PAGE) -> tuple[float, int]:
     """(seconds, ids) to list every ledger id. ``windows``: the client's listing
     (requests over id windows that hold about a page); ``pages``: plain pages
     from the last key to the end of the prefix (etcd 3.5 visits every remaining
     key for each page); ``sorted``: the same, asking etcd to sort each page."""
     t0 = time.monotonic()
     if mode == "windows":
-        n = sum(1 for _ in client.list_ledgers())
+        n = sum(1 for _ in client.list_ledgers(page_size=page_size))
         return time.monotonic() - t0, n
     store = client._store
     start = store._key("ledgers/")
@@ -181,10 +190,15 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
             try:
                 held = 0
                 created: list[int] = []
+                etcd = _tree(cluster.etcd.pid)
                 for target in steps:
+                    c0, e0 = _own_cpu(), _cpu_seconds(etcd)
                     rate = create_close(client, target - held, threads, out=created)
+                    per = 1e6 / (target - held)
+                    row = {"ledgers": target, "create_close_per_s": round(rate),
+                           "client_cpu_us": round((_own_cpu() - c0) * per),
+                           "etcd_cpu_us": round((_cpu_seconds(etcd) - e0) * per)}
                     held = target
-                    row = {"ledgers": held, "create_close_per_s": round(rate)}
                     if compare and not out["compare"]:
                         n = min(2000, max(200, held // 10))
                         old = create_close(client, n, threads, fresh_ids=True, out=created)
@@ -206,6 +220,23 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
                         out["compare"]["create_close_per_s"].update(
                             one_txn_per_write=round(alone), shared_txns=round(shared),
                             shared_ratio=round(shared / alone, 2))
+                        # a leader sending at once vs waiting combiner.linger for
+                        # company under load: rate (best) and CPU per ledger (least)
+                        linger, best = combiner.linger, {}
+                        for _ in range(3):
+                            for name, value in (("no_linger", 0.0), ("linger", linger)):
+                                combiner.linger = value
+                                c0, e0 = _own_cpu(), _cpu_seconds(etcd)
+                                r = create_close(client, n, threads, out=created)
+                                cpu = ((_own_cpu() - c0) * 1e6 / n,
+                                       (_cpu_seconds(etcd) - e0) * 1e6 / n)
+                                b = best.setdefault(name, [0.0, cpu[0], cpu[1]])
+                                best[name] = [max(b[0], r), min(b[1], cpu[0]),
+                                              min(b[2], cpu[1])]
+                            held += 2 * n
+                        out["compare"]["linger"] = {
+                            f"{name}_{k}": round(v) for name, b in best.items()
+                            for k, v in zip(("per_s", "client_us", "etcd_us"), b)}
                     row["list_s"], n_listed = list_seconds(client)
                     row["list_s"] = round(row["list_s"], 2)
                     row["listed"] = n_listed
@@ -244,6 +275,9 @@ def format_row(row: dict) -> str:
     head = (f"{row['ledgers']:>9} ledgers" if "ledgers" in row
             else f"churn {row['churned']} deleted+created")
     parts = [head, f"create+close {row['create_close_per_s']}/s"]
+    if "client_cpu_us" in row:
+        parts.append(f"CPU per ledger: client {row['client_cpu_us']} us, "
+                     f"etcd {row['etcd_cpu_us']} us")
     if "list_s" in row:
         old = [f"{k} {row[f'list_{k}_s']}s" for k in ("pages", "sorted")
                if f"list_{k}_s" in row]
@@ -260,8 +294,9 @@ def format_row(row: dict) -> str:
 
 def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> dict:
     """Listing alone, on an etcd with nothing but ``ledgers`` ledger keys (ids as
-    clients hand them out: blocks of 1024 from 8 writers, interleaved): seconds
-    to list them by id windows (the client's listing) and by plain pages."""
+    clients hand them out: blocks of 1024 from 8 writers, interleaved): seconds,
+    client CPU and etcd CPU to list them by id windows (the client's listing) of
+    1,000 and of LIST_PAGE ids, and (up to 300,000) seconds by plain pages."""
     value = b'{"state":"CLOSED"}'
     with tempfile.TemporaryDirectory(prefix="bk-bench-list-", dir=base_dir) as d, \
             EtcdServer(d, extra_args=etcd_flags()) as etcd:
@@ -286,15 +321,26 @@ def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> 
         class _Client:               # what list_seconds needs of a client
             _store = store
 
-            def list_ledgers(self):
-                return store.list_ledgers()
+            def list_ledgers(self, page_size):
+                return store.list_ledgers(page_size=page_size)
         out = {"ledgers": made}
-        # plain pages grow quadratically: minutes at a million
-        for mode in ("windows", "pages") if made <= 300_000 else ("windows",):
-            secs, n = list_seconds(_Client(), mode)
-            out[f"{mode}_s"] = round(secs, 2)
-            assert n == made, (mode, n, made)
-        if "pages_s" in out:
+        # id windows of LIST_PAGE ids and of 1,000 (the page before), alternated
+        # three times (best wall time, least CPU: a noisy machine)
+        etcd_procs = _tree(etcd.pid)
+        for _ in range(3):
+            for page in (1000, LIST_PAGE):
+                c0, e0 = _own_cpu(), _cpu_seconds(etcd_procs)
+                secs, n = list_seconds(_Client(), "windows", page)
+                assert n == made, (page, n, made)
+                for k, v in ((f"windows_{page}_s", secs),
+                             (f"client_cpu_{page}_s", _own_cpu() - c0),
+                             (f"etcd_cpu_{page}_s", _cpu_seconds(etcd_procs) - e0)):
+                    out[k] = round(min(out.get(k, v), v), 2)
+        out["windows_s"] = out[f"windows_{LIST_PAGE}_s"]
+        if made <= 300_000:           # plain pages grow quadratically: minutes at 1M
+            secs, n = list_seconds(_Client(), "pages")
+            out["pages_s"] = round(secs, 2)
+            assert n == made, ("pages", n, made)
             out["ratio"] = round(out["pages_s"] / max(out["windows_s"], 1e-6), 1)
         progress(out)
         store.close()

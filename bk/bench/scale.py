@@ -17,6 +17,15 @@ it measures and prints:
 
 "Cold" means the page cache was dropped (``/proc/sys/vm/drop_caches``, as
 root, as CI runs); without root the figures are marked warm.
+
+:func:`bench_catchup` is the catch-up read alone, quick enough to repeat
+(``scripts/bench_scale.py --catchup-only``): 100 interleaved ledgers of 1 KiB
+entries are written through the client and pushed into entry logs, then some
+of them are read back cold, one at a time, reporting MB/s, CPU per entry of
+the client and of the shard worker (``/proc/<pid>/stat``) and the bytes the
+worker read from disk (``/proc/<pid>/io``). By default "cold" evicts only the
+bookie's own files from the page cache (``posix_fadvise(DONTNEED)``), leaving
+other processes' caches alone.
 """
 
 from __future__ import annotations
@@ -70,6 +79,51 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def evict_files(root: str) -> int:
+    """Evict the files under ``root`` from the page cache (each synced, then
+    ``POSIX_FADV_DONTNEED``); pages a process has mapped stay, as with
+    drop_caches. Returns the files evicted."""
+    n = 0
+    for d, _, names in os.walk(root):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return n
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds a process's threads have run (``/proc/<pid>/task/*/schedstat``,
+    nanoseconds; ``/proc/<pid>/stat``'s ticks are 10 ms, too coarse here). Threads
+    that ended are not counted: measure across spans where they all live."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total / 1e9
+
+
+def proc_read_bytes(pid: int) -> int:
+    """Bytes a process made the kernel read from storage (``/proc/<pid>/io``)."""
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    return 0
 
 
 class _Filler:
@@ -252,6 +306,70 @@ def _catchup(client, ledger_ids: list[int]) -> dict:
     dt = time.perf_counter() - t0
     return {"ledgers": len(ledger_ids), "mb": round(nbytes / 1e6, 1),
             "mb_per_sec": round(nbytes / 1e6 / dt, 1)}
+
+
+def bench_catchup(entries: int = 3000, read_ledgers: int = 10, chunk: int = 5000,
+                  drop_all: bool = False, base_dir: str | None = None, conf=None,
+                  report=print) -> dict:
+    """The cold catch-up read alone: 100 ledgers of ``entries`` 1 KiB entries
+    written interleaved, flushed to entry logs, then ``read_ledgers`` of them
+    read whole through ``bk.BookKeeper`` (``read_entries`` of ``chunk``
+    entries), each after evicting the bookie's files from the page cache
+    (``drop_all``: the whole page cache, as root). Returns MB/s, CPU µs per
+    entry of the client and of the shard worker, and disk MB the worker read."""
+    conf = dict(conf or {})
+    with tempfile.TemporaryDirectory(prefix="bk-bench-catchup-", dir=base_dir) as d:
+        with LocalCluster(num_bookies=1, base_dir=d, num_shards=1,
+                          conf_overrides=conf) as cluster:
+            b = cluster.bookies[0]
+            with BookKeeper(cluster.metadata_uri) as client:
+                t0 = time.perf_counter()
+                ids = _write_catchup_set(client, entries)
+                # Push the set out of the write cache (the journal's tail) into
+                # entry logs: more than the write cache of another ledger after it.
+                wc = int(conf.get("dbStorage_writeCacheMaxSizeMb", 64)) << 20
+                h = client.create_ledger(1, 1, 1, password=b"scale")
+                blob = os.urandom(1024)
+                for _ in range(0, wc + (8 << 20), 1000 << 10):
+                    h.add_entries([blob] * 1000)
+                h.close()
+                report(f"  wrote {len(ids)} x {entries} x 1 KiB interleaved in "
+                       f"{time.perf_counter() - t0:.1f}s")
+            wpid = b.worker_pids()[0]
+            wall = ccpu = wcpu = 0.0
+            disk = nbytes = n = 0
+            with BookKeeper(cluster.metadata_uri) as client:
+                for lid in ids[:: max(1, len(ids) // read_ledgers)][:read_ledgers]:
+                    if not (drop_all and drop_caches()):
+                        evict_files(b.dir)
+                    r0, w0 = proc_read_bytes(wpid), proc_cpu(wpid)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    h = client.open_ledger(lid, password=b"scale")
+                    last = h.last_add_confirmed
+                    e = 0
+                    while e <= last:
+                        end = min(last, e + chunk - 1)
+                        for ent in h.read_entries(e, end):
+                            nbytes += len(ent.data)
+                            n += 1
+                        e = end + 1
+                    h.close()
+                    wall += time.perf_counter() - t0
+                    ccpu += time.process_time() - c0
+                    wcpu += proc_cpu(wpid) - w0
+                    disk += proc_read_bytes(wpid) - r0
+            return {"ledgers": read_ledgers, "entries": n, "mb": round(nbytes / 1e6, 1),
+                    "mb_per_sec": round(nbytes / 1e6 / wall, 1),
+                    "client_us_per_entry": round(ccpu / n * 1e6, 2),
+                    "worker_us_per_entry": round(wcpu / n * 1e6, 2),
+                    "disk_mb": round(disk / 1e6, 1), "seconds": round(wall, 3)}
+
+
+def format_catchup(r: dict) -> str:
+    return (f"cold catch-up: {r['mb_per_sec']} MB/s ({r['entries']:,} x 1 KiB from "
+            f"{r['ledgers']} ledgers in {r['seconds']}s) | CPU per entry: client "
+            f"{r['client_us_per_entry']} us, worker {r['worker_us_per_entry']} us | worker "
+            f"read {r['disk_mb']} MB from disk")
 
 
 def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,

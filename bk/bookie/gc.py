@@ -25,8 +25,14 @@ costs. The cluster may hold millions of ledgers, so nothing here reads them all:
   bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`). Each shard reports its ledgers (``gc_begin``);
   those absent at the member revision are dropped. It asks only about the
   shard's own ids, a group per request (``existing_ledgers``). It also catches
-  what a watch cannot: entries that reached a bookie after their ledger was
-  deleted, or written with no metadata at all.
+  what a watch cannot: entries written with no metadata at all, or that reached
+  a bookie long after their ledger was deleted.
+
+Late entries. Each round hands every shard all the deletions it verified, not
+only those of ledgers it holds: a shard tombstones what it holds and refuses,
+for one reconcile interval (in memory), new entries of the others, which may
+still arrive from a zombie writer or a re-replication in flight. Without that
+they would create the ledger anew and stay until the next full reconcile.
 
 Safety does not rest on the watch: an event only nominates a ledger; the
 decision is always "absent at a revision at which the cluster was verified to
@@ -235,21 +241,24 @@ class GarbageCollector:
             return None
 
     def check(self, rnd: GcRound, shard: int, local_ids) -> list[int]:
-        """Full round: the ids of ``local_ids`` (what ``shard`` holds) that have no
-        metadata at a revision of this bookie's cluster."""
+        """Full round: the ids of ``local_ids`` (what ``shard`` holds) and of the
+        round's candidates of ``shard`` that have no metadata at a revision of this
+        bookie's cluster (the shard refuses late entries of deleted ledgers it
+        holds nothing of: see ``bk.bookie.storage.RecentDeletions``)."""
+        ids = sorted(set(local_ids).union(
+            lid for lid in rnd.candidates if P.shard_of(lid, self.num_shards) == shard))
         for attempt in range(2):
             rev = self._member_revision(rnd)
             if rev is None:
                 return []
             try:
-                live = self.store.existing_ledgers(local_ids, revision=rev) if local_ids \
-                    else set()
+                live = self.store.existing_ledgers(ids, revision=rev) if ids else set()
             except MetadataCompactedError:
                 if attempt:
                     raise
                 continue            # compacted while we read: once more at a new revision
             rnd.revisions[shard] = rev
-            return [lid for lid in local_ids if lid not in live]
+            return [lid for lid in ids if lid not in live]
         return []
 
     def incremental(self, rnd: GcRound) -> dict[int, list[int]]:

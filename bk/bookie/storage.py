@@ -28,6 +28,15 @@ BookKeeper's DbLedgerStorage, with the journal as the write cache:
 * **Read-ahead cache**: a miss that goes to an entry log reads the next
   ``dbStorage_readAheadCacheBatchSize`` entries of the same run with the same
   ``pread`` and keeps them (bounded by ``dbStorage_readAheadCacheMaxSizeMb``).
+* **Range reads** (READ_RANGE, what catch-up readers send): each run of the
+  range is read with one ``pread`` and decoded straight into the answer
+  (:func:`bk.bookie.entrylog.decode_flat`: CRC checked per record, no object
+  per entry but its digest and payload). Entry logs are read without the
+  kernel's read-ahead (a log interleaves ledgers); instead a READ_RANGE has
+  the disk start on the ledger's next runs (``posix_fadvise(WILLNEED)``, up to
+  the smaller of the read-ahead cache size and :data:`PREFETCH_MAX_BYTES` past
+  its answer), so several runs are read at once while the loop works. Those
+  pages are the kernel's page cache, not the worker's memory.
 
 Memory is therefore the two tails (bounded by the write cache size), the
 read-ahead cache, and per ledger its state (not per entry): it does not grow
@@ -46,7 +55,11 @@ A tombstone is forever (ids are never reused): an ADD to a deleted ledger
 gets EFENCED, also with the recovery flag, a fence ENOLEDGER, and neither
 creates state, so a writer that outlived its ledger's recovery and deletion
 is never acknowledged again. A ledger found with state and a tombstone at
-open (a crash in between) is deleted then.
+open (a crash in between) is deleted then. GC also names deleted ledgers this
+shard holds nothing of (every deletion the bookie's watch saw): those are
+refused the same way for one full-reconcile interval (:class:`RecentDeletions`,
+in memory), so an ADD that arrives after the deletion (a zombie writer's, a
+re-replication in flight) is not kept until the next full reconcile.
 
 Over-replicated ledgers. :meth:`ShardStorage.drop_ledgers` forgets a
 ledger's entries (a DROP record, its runs removed) but keeps its state fenced,
@@ -70,8 +83,8 @@ from array import array
 from collections import OrderedDict
 
 from bk.bookie import journal as J
-from bk.bookie.entrylog import JOURNAL_LOG, EntryLogError, EntryLogs, decode_records, \
-    is_journal_log, journal_log_id
+from bk.bookie.entrylog import JOURNAL_LOG, EntryLogError, EntryLogs, decode_flat, \
+    decode_records, is_journal_log, journal_log_id
 from bk.bookie.flusher import CompactJob, FlushJob, Flusher, RemoveJob
 from bk.bookie.index import Index
 from bk.bookie.journal import ADD_OVERHEAD, CorruptRecordError, Journal, JournalError, \
@@ -90,6 +103,8 @@ _FILL = array("q", [-1]) * 4096
 SPAN_MIN_ENTRIES = 4               # see _Tail.spans
 _NO_POS = -1
 READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this much
+PREFETCH_MAX_BYTES = 8 << 20        # how far past its answer a READ_RANGE starts reads
+PREFETCH_LEDGERS = 1024             # ledgers whose prefetch position is remembered
 FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
 
 
@@ -161,6 +176,51 @@ class Tombstones:
             f.flush()
             os.fsync(f.fileno())
         self._ids = array("q", heapq.merge(self._ids, new))
+
+
+class RecentDeletions:
+    """Ids of ledgers deleted while this shard held nothing of them, kept in memory
+    for ``keep`` seconds: an ADD for one of them (a zombie writer's, or a
+    re-replication or recovery write-back still in flight) is refused like one
+    to a tombstone, instead of creating the ledger anew and sitting on disk until
+    the next full GC reconcile. A durable tombstone for each would grow with
+    every deletion in the cluster; after ``keep`` seconds (one full-reconcile
+    interval) or a restart, that reconcile is again what reclaims a late write.
+    One sorted ``array('q')`` per GC round (8 bytes an id), at most ``limit`` ids."""
+
+    def __init__(self, keep: float, limit: int = 4_000_000):
+        self.keep = keep
+        self.limit = limit
+        self._rounds: list[tuple[float, array]] = []    # (expiry, sorted ids), oldest first
+        self._count = 0
+
+    def add(self, ledgers) -> None:
+        now = time.monotonic()
+        self._expire(now)
+        ids = array("q", sorted(set(ledgers)))
+        if not ids:
+            return
+        self._rounds.append((now + self.keep, ids))
+        self._count += len(ids)
+        while self._count > self.limit and len(self._rounds) > 1:
+            self._count -= len(self._rounds.pop(0)[1])
+
+    def _expire(self, now: float) -> None:
+        while self._rounds and self._rounds[0][0] <= now:
+            self._count -= len(self._rounds.pop(0)[1])
+
+    def __contains__(self, ledger: int) -> bool:
+        if not self._rounds:
+            return False
+        self._expire(time.monotonic())
+        for _, ids in self._rounds:
+            i = bisect.bisect_left(ids, ledger)
+            if i < len(ids) and ids[i] == ledger:
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return self._count
 
 
 def _le_bytes(ids: array) -> bytes:
@@ -302,6 +362,44 @@ class _Tail:
         return len(self.pos) - self.pos.count(-1) + (len(self.extra) if self.extra else 0)
 
 
+def _at_or_after(run, entry: int) -> int:
+    """Position in ``run`` of its first record with an entry id >= ``entry``."""
+    if entry <= run.first:
+        return 0
+    return min(run.count, (entry - run.first + run.step - 1) // run.step)
+
+
+def _fit(run, i: int, i_max: int, k: int, room: int, left: int) -> int:
+    """End (exclusive position) of the records ``i, i + k, ...`` (up to
+    ``i_max``) of ``run`` whose digests and payloads fit ``room`` bytes and whose
+    count fits ``left``: what one READ_RANGE reads of the run with one pread."""
+    if k == 1:
+        most = min(i_max - i + 1, left)
+        if run.rlen:
+            size = run.rlen - ADD_OVERHEAD
+            return i + max(0, min(most, room // size if size > 0 else most))
+        # variable sizes: the largest n with rel(i + n) - rel(i) - n * overhead <= room
+        base = run.rel(i)
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if run.rel(i + mid) - base - mid * ADD_OVERHEAD <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return i + lo
+    j = i
+    picked = got = 0
+    while j <= i_max and picked < left:
+        size = run.rel(j + 1) - run.rel(j) - ADD_OVERHEAD
+        if got + size > room:
+            break
+        got += size
+        picked += 1
+        j += k
+    return j - k + 1 if picked else i
+
+
 class _ReadCache:
     """Read-ahead cache: (ledger, entry) -> (lac, digest, payload), LRU, bounded in bytes."""
 
@@ -345,7 +443,8 @@ class ShardStorage:
                  sync_data: bool = True, owns=None, progress=None, ledger_dirs=None,
                  write_cache_bytes: int = 64 << 20, flush_bytes: int | None = None,
                  flush_interval: float = 60.0, read_cache_bytes: int = 32 << 20,
-                 read_ahead_entries: int = 100, log_size_limit: int = 256 << 20):
+                 read_ahead_entries: int = 100, log_size_limit: int = 256 << 20,
+                 recent_deletions_seconds: float = 3600.0):
         # ``owns(ledger_id)``: whether this shard owns a ledger; an ADD or fence of a
         # ledger it does not own is a misrouted request (EBADREQ), never new state.
         self._owns = owns
@@ -365,6 +464,8 @@ class ShardStorage:
         self._wc_entries = 0
         self._flushing_entries = 0
         self._cache = _ReadCache(read_cache_bytes)
+        self.prefetch_bytes = min(read_cache_bytes, PREFETCH_MAX_BYTES)
+        self._ahead: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self.checkpoints = 0
         self.replayed_records = 0
         self.last_flush: dict = {}
@@ -378,6 +479,7 @@ class ShardStorage:
         self._compaction_done: dict | None = None
         self._last_swap = time.monotonic()
         self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
+        self._gone = RecentDeletions(recent_deletions_seconds)
         self._journal = Journal(journal_dir, segment_size, sync_data)
         self._index = None
         self._flusher = None
@@ -456,8 +558,8 @@ class ShardStorage:
         fence) for single and batched adds."""
         st = self._ledgers.get(ledger)
         if st is None:
-            if ledger in self._tomb:     # deleted: its old writer must never get in again
-                return EFENCED
+            if ledger in self._tomb or ledger in self._gone:
+                return EFENCED          # deleted: its old writer must never get in again
             if entry < 0 or not self._owned(ledger):
                 return EBADREQ
             st = self._new_ledger(ledger, master_key)
@@ -794,6 +896,8 @@ class ShardStorage:
         if e > hi:
             return EOK, max(first, last + 1), out
         with self._index.read_txn() as txn:
+            if self.prefetch_bytes:
+                self._prefetch(ledger, e, max_bytes, txn)
             runs = self._index.runs_from(ledger, e, txn)
             run = next(runs, None)
             while e <= hi:
@@ -832,32 +936,28 @@ class ShardStorage:
                     k = stride // run.step
                     i_max = min(run.count - 1, (hi - run.first) // run.step)
                     # The records of this run to read with one pread: by their sizes,
-                    # about what the byte and count budgets still allow.
-                    room = max_bytes - total
-                    left = max_count - len(out) // 4
-                    j = i
-                    picked = got_bytes = 0
-                    while j <= i_max:
-                        size = run.rel(j + 1) - run.rel(j) - ADD_OVERHEAD
-                        if picked and (got_bytes + size > room or picked >= left):
-                            break
-                        got_bytes += size
-                        picked += 1
-                        j += k
-                    end = j - k + 1
+                    # what the byte and count budgets still allow.
+                    end = _fit(run, i, i_max, k, max_bytes - total, max_count - len(out) // 4)
+                    if end == i:
+                        if out:
+                            return EOK, e, out
+                        end = i + 1               # at least one entry
                     want = None if k == 1 else set(range(e, run.first + end * run.step, stride))
-                    recs = []
-                    if not self._read_run(run, i, end, recs, want):
-                        return (EIO if not out else EOK), e, out
-                    for rl, re_, lac, digest, payload in recs:
-                        n = len(payload)
-                        if out and total + n > max_bytes:
-                            return EOK, re_, out
-                        out += (re_, lac, digest, payload)
-                        total += n
-                        if total >= max_bytes or len(out) >= 4 * max_count:
-                            return EOK, re_ + 1, out
-                    e = run.first + j * run.step
+                    a, b = run.rel(i), run.rel(end)
+                    n0 = len(out)
+                    try:
+                        data = self._logs.read(run.log, run.off + a, b - a)
+                        total += decode_flat(data, ledger, out, want)
+                    except (EntryLogError, OSError) as err:
+                        log.error("read of entries %d.. of ledger %d from entry log %d: %s",
+                                  e, ledger, run.log, err)
+                        # the records before the bad one are good: the range ends there
+                        return (EIO if not out else EOK), \
+                            (out[-4] + 1 if len(out) > n0 else e), out
+                    e = run.first + (end - 1) * run.step + 1
+                    if total >= max_bytes or len(out) >= 4 * max_count:
+                        return EOK, e, out
+                    e += (offset - e) % stride
                     continue
                 # ``e`` is in no run and not in a tail: jump to the next entry held.
                 target = run.first if run is not None else hi + 1
@@ -871,6 +971,31 @@ class ShardStorage:
                     target = e + 1
                 e = target + (offset - target) % stride
         return EOK, max(first, last + 1), out
+
+    def _prefetch(self, ledger: int, e: int, size: int, txn) -> None:
+        """Start the disk reads (``EntryLogs.prefetch``) of the ledger's runs from
+        entry ``e`` on: the ``size`` bytes this READ_RANGE answers and
+        ``prefetch_bytes`` more, skipping what an earlier one already started.
+        The reads of a catch-up reader's next runs are then in flight, several
+        at once, while this answer is built and sent."""
+        ahead = self._ahead.pop(ledger, None)
+        done_to = ahead[1] if ahead is not None and ahead[0] <= e <= ahead[1] else e
+        want = size + self.prefetch_bytes
+        seen = 0
+        end = e
+        for run in self._index.runs_from(ledger, e, txn):
+            i = _at_or_after(run, e)
+            b = run.rel(run.count)
+            seen += b - run.rel(i)
+            s0 = run.rel(max(i, _at_or_after(run, done_to)))
+            if s0 < b:
+                self._logs.prefetch(run.log, run.off + s0, b - s0)
+            end = run.last + 1
+            if seen >= want:
+                break
+        self._ahead[ledger] = (e, max(end, done_to))
+        if len(self._ahead) > PREFETCH_LEDGERS:
+            self._ahead.popitem(last=False)
 
     def read_lac(self, ledger: int) -> tuple[int, int, int]:
         """``(status, lac, last_entry_id)``; ENOLEDGER with ``-1, -1``."""
@@ -1145,8 +1270,13 @@ class ShardStorage:
         tombstone for each; return how many."""
         # Tombstones first: once a ledger's state is gone, only its tombstone keeps
         # an old writer's ADD from creating it anew.
+        ledger_ids = list(ledger_ids)
         ids = [lid for lid in ledger_ids if lid in self._ledgers]
         self._tomb.add(ids)
+        if len(ids) < len(ledger_ids):
+            # deleted, and nothing of them here (yet): refuse what arrives late
+            held = set(ids)
+            self._gone.add(lid for lid in ledger_ids if lid not in held)
         if not ids:
             return 0
         self._wait_flusher()
@@ -1317,6 +1447,7 @@ class ShardStorage:
             "read_cache_hits": self._cache.hits,
             "read_cache_misses": self._cache.misses,
             "tombstones": len(self._tomb),
+            "recent_deletions": len(self._gone),     # refused for a while: RecentDeletions
             "replayed_records": self.replayed_records,
         }
 

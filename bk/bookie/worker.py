@@ -70,10 +70,11 @@ TLS and identities (``bk.security``): the arbiter reads the plaintext HELLO
 START_TLS the worker answers HELLO in plaintext and then runs the server side
 of the handshake on that same socket, non-blocking, in this loop (a
 connection that has not finished it within HANDSHAKE_TIMEOUT is closed).
-A TLS connection reads until the socket has nothing more *and* the SSL object
-holds no decrypted bytes (``pending()``): the selector cannot see those. Its
-output goes through ``send`` in chunks (an SSL socket has no ``sendmsg``),
-retried with the same leading bytes after SSLWantWrite as OpenSSL requires.
+TLS runs through memory BIOs (:class:`bk.security.tls.TLSStream`): a TLS
+connection's socket is read once per readiness event in large chunks, as a
+plaintext one, and decrypted from memory; its answers are encrypted (full
+16 KiB records) and leave with one ``sendmsg``, what the socket does not take
+waiting as ciphertext (counted against OUT_HIGH like ``out``).
 With ``authProvider`` set a connection may send nothing but AUTH until its
 identity is known; its role then fixes ``_Conn.allowed``, the ops it may
 send, checked per frame by :meth:`_dispatch_checked`; a connection whose role
@@ -127,7 +128,6 @@ HEARTBEAT_INTERVAL = 1.0
 COMPACT_ROUND_BYTES = 256 << 20
 SWITCH_INTERVAL = 0.0002
 HANDSHAKE_TIMEOUT = 10.0     # TLS handshake and AUTH of a new connection, at most
-TLS_CHUNK = 256 * 1024       # bytes per SSL send
 # the connection states besides READY (0): waiting for the TLS handshake, for AUTH
 _READY, _HANDSHAKE, _AUTH = 0, 1, 2
 
@@ -143,7 +143,7 @@ def staggered_checkpoint_bytes(limit: int) -> int:
 
 class _Conn:
     __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused", "ack", "ack_gen",
-                 "tls", "state", "allowed", "may_fence", "role", "deadline")
+                 "tls", "state", "allowed", "may_fence", "role", "ident", "deadline")
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
@@ -158,11 +158,12 @@ class _Conn:
         self.paused = False
         self.ack = None          # [rid, acked runs, errors] of the group being gathered
         self.ack_gen = -1        # the group ``ack`` belongs to
-        self.tls = False         # the socket is an SSLSocket
+        self.tls = None          # a tls.TLSStream once START_TLS began
         self.state = _READY
         self.allowed = None      # op codes this connection may send; None: all
         self.may_fence = True
         self.role = None
+        self.ident = None        # auth.Identity, checked again when token files change
         self.deadline = 0.0      # of the handshake / AUTH
 
 
@@ -211,12 +212,14 @@ class ShardWorker:
         self._last_read_status = EOK
         self.tls = tls.ServerTLS(conf) if conf.tlsCertificatePath else None
         self.auth = auth.Authenticator(conf)
+        self._scratch = bytearray(RECV_SIZE)         # TLS: ciphertext read, then decrypted
         self.tls_required = self.tls is not None and conf.tlsRequired
         if self.tls is not None:
             self.features |= P.FEATURE_TLS
         if self.auth.enabled:
             self.features |= P.FEATURE_AUTH
         self._unready: set[_Conn] = set()            # in handshake or before AUTH
+        self._auth_gen = self.auth.generation        # the token files checked against
 
     # --- life cycle --------------------------------------------------------
     def run(self):
@@ -260,7 +263,8 @@ class ShardWorker:
             flush_bytes=self.ckpt_bytes, flush_interval=conf.flushInterval / 1000.0,
             read_cache_bytes=conf.dbStorage_readAheadCacheMaxSizeMb << 20,
             read_ahead_entries=conf.dbStorage_readAheadCacheBatchSize,
-            log_size_limit=conf.logSizeLimit)
+            log_size_limit=conf.logSizeLimit,
+            recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds)
         stats = self.storage.stats()
         log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
                  time.monotonic() - t0, stats.get("ledgers"))
@@ -377,11 +381,11 @@ class ShardWorker:
         self._quiesce()
         self._sync_q.put(None)
         deadline = time.monotonic() + 2.0
-        pending = [c for c in self.conns if c.out and not c.closed]
+        pending = [c for c in self.conns if self._unsent(c) and not c.closed]
         while pending and time.monotonic() < deadline:
             for c in pending:
                 self._flush(c)
-            pending = [c for c in pending if c.out and not c.closed]
+            pending = [c for c in pending if self._unsent(c) and not c.closed]
             if pending:
                 time.sleep(0.01)
         for c in list(self.conns):
@@ -442,6 +446,9 @@ class ShardWorker:
                     return
                 if self._unready:
                     self._expire_unready(now)
+                self.auth.refresh(now)
+                if self.auth.generation != self._auth_gen:
+                    self._close_revoked()
             if self._compacting is not None:
                 self._compaction_step()
             storage.maintain(now)
@@ -616,43 +623,39 @@ class ShardWorker:
         if conn.out:       # the HELLO answer did not go out whole: nothing sane to do
             self._close(conn, "could not send the HELLO answer before TLS")
             return
-        ctx = self.tls.context()
-        self.sel.unregister(conn.sock)
         try:
-            conn.sock = ctx.wrap_socket(conn.sock, server_side=True,
-                                        do_handshake_on_connect=False)
-        except (ssl.SSLError, OSError) as e:
-            conn.sock.close()
-            conn.closed = True
-            self.conns.discard(conn)
-            log.warning("shard %d: TLS with %s failed: %s", self.shard, conn.peer, tls.reason(e))
+            conn.tls = tls.TLSStream(self.tls.context(), conn.sock, server_side=True)
+        except (ssl.SSLError, ValueError) as e:
+            self._close(conn, f"TLS failed: {tls.reason(e)}")
             return
-        conn.tls = True
         conn.state = _HANDSHAKE
         conn.allowed = auth.AUTH_ONLY
         conn.deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         self._unready.add(conn)
-        self.sel.register(conn.sock, selectors.EVENT_READ, conn)
         self._handshake(conn)
 
     def _handshake(self, conn: _Conn):
+        t = conn.tls
         try:
-            conn.sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
-            return
-        except ssl.SSLWantWriteError:
-            self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-            return
-        except (ssl.SSLError, OSError) as e:
-            self.m.auth_failed("tls_handshake")     # nothing of ours to flush: close
+            done = t.handshake()
+        except (ssl.SSLError, OSError, ValueError) as e:
+            self.m.auth_failed("tls_handshake")
+            try:
+                t.flush()                # the alert tells the client why
+            except OSError:
+                pass
             self._close(conn, f"TLS handshake failed: {tls.reason(e)}")
             return
-        # A client always sends AUTH after the handshake, even to a bookie that
-        # checks no identity: its answer is where a refused certificate shows.
-        conn.state = _AUTH
-        self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
-        self._on_readable_tls(conn)
+        if not done and t.eof:
+            self.m.auth_failed("tls_handshake")
+            self._close(conn, "TLS handshake failed: the client closed the connection")
+            return
+        self._flush_tls(conn)
+        if done and not conn.closed:
+            # A client always sends AUTH after the handshake, even to a bookie that
+            # checks no identity: its answer is where a refused certificate shows.
+            conn.state = _AUTH
+            self._on_readable_tls(conn)
 
     def _auth(self, conn: _Conn, msg: list):
         P.check_request(msg)
@@ -661,13 +664,16 @@ class ShardWorker:
             self._send(conn, _frame([P.AUTH, rid, EBADREQ, "already authenticated"]))
             return
         try:
-            role = self.auth.identify(token, tls.peer_identity(conn.sock) if conn.tls else None)
+            ident = self.auth.authenticate(token, conn.tls.peer_identity()
+                                           if conn.tls is not None else None)
         except AuthError as e:
             self._send(conn, _frame([P.AUTH, rid, EAUTH, str(e)]))
             self._refuse_conn(conn, "auth", f"AUTH refused: {e}")
             return
+        role = None if ident is None else ident.role
         conn.allowed, conn.may_fence = self.auth.grant(role)
         conn.role = role
+        conn.ident = ident
         conn.state = _READY
         self._unready.discard(conn)
         self._send(conn, _frame([P.AUTH, rid, EOK, role]))
@@ -734,54 +740,55 @@ class ShardWorker:
             self.m.auth_failed("tls_handshake" if conn.state == _HANDSHAKE else "auth")
             self._close(conn, "no TLS handshake or AUTH in time")
 
+    def _close_revoked(self):
+        """The token files changed: close the connections whose token was revoked or
+        whose key was removed (the client reconnects, presenting its current token)."""
+        self._auth_gen = self.auth.generation
+        for conn in [c for c in self.conns if c.ident is not None]:
+            why = self.auth.refused(conn.ident)
+            if why:
+                self.m.auth_failed("revoked")
+                self._close(conn, f"role {conn.role!r}: {why}")
+
     def _on_readable_tls(self, conn: _Conn):
-        """Read a TLS connection until the socket and the SSL object's decrypted
-        buffer (which the selector cannot see) are both empty, or RECV_SIZE bytes
-        were taken with nothing pending (the selector sees the rest)."""
-        if conn.state == _HANDSHAKE:
-            self._handshake(conn)
+        """Read a TLS connection's socket once (as a plaintext one) and dispatch the
+        frames of the records it completed."""
+        t = conn.tls
+        try:
+            if conn.state == _HANDSHAKE:
+                t.feed(self._scratch)
+                self._handshake(conn)
+                return
+            got = t.recv_into(conn.fb, RECV_SIZE, self._scratch)
+        except OSError as e:             # ssl.SSLError included
+            self._close_after(conn, e)
             return
-        fb = conn.fb
-        sock = conn.sock
-        got = 0
-        while True:
-            try:
-                n = sock.recv_into(fb.recv_buffer(RECV_SIZE), RECV_SIZE)
-            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError,
-                    InterruptedError):
-                break
-            except OSError as e:
-                self._close_after(conn, e)
-                return
-            if not n:
-                self._close(conn, None)
-                return
-            fb.commit(n)
-            got += n
-            if got >= RECV_SIZE and not sock.pending():
-                break
+        if t.backlog:                    # TLS itself answered something
+            self._flush_tls(conn)
         if got:
             self._dispatch_frames(conn)
+        elif t.eof:                      # (frames that came with the EOF went first)
+            self._close(conn, None)
 
-    def _send_tls(self, conn: _Conn):
-        """Send what ``conn.out`` holds in TLS_CHUNK pieces; the bytes sent, or None
-        if the connection broke. After SSLWantWrite the next call starts at the same
-        byte with at least as many bytes, as OpenSSL requires of a retried write."""
-        out = conn.out
-        sent = 0
-        while sent < len(out):
-            try:
-                sent += conn.sock.send(out[sent:sent + TLS_CHUNK])
-            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError,
-                    InterruptedError):
-                break
-            except OSError as e:
-                self._close_after(conn, e)
-                return None
-        return sent
+    def _flush_tls(self, conn: _Conn) -> int:
+        """Encrypt ``conn.out`` and send what the socket takes; the ciphertext bytes
+        left (-1 if the connection broke)."""
+        t = conn.tls
+        try:
+            if conn.out:
+                t.encrypt([conn.out])
+                conn.out.clear()
+            left = t.flush()
+        except OSError as e:
+            self._close_after(conn, e)
+            return -1
+        if bool(left) != conn.writing:
+            conn.writing = bool(left)
+            self._update_interest(conn)
+        return left
 
     def _on_readable(self, conn: _Conn):
-        if conn.tls:
+        if conn.tls is not None:
             self._on_readable_tls(conn)
             return
         fb = conn.fb
@@ -806,7 +813,8 @@ class ShardWorker:
         try:
             for msg in conn.fb.frames():
                 dispatch(conn, msg)
-                if len(conn.out) > OUT_HIGH or conn.closed:
+                if len(conn.out) > OUT_HIGH or conn.closed or (
+                        conn.tls is not None and conn.tls.backlog_bytes > OUT_HIGH):
                     if not conn.closed and not conn.paused:
                         conn.paused = True
                         self._update_interest(conn)
@@ -1054,9 +1062,16 @@ class ShardWorker:
     def _send_frames(self, conn: _Conn, frames: list):
         """Send frames with one ``sendmsg`` (no join); what the socket does not take
         waits in ``conn.out``."""
-        if conn.tls:                 # an SSL socket has no sendmsg
-            for f in frames:
-                conn.out += f
+        if conn.tls is not None:     # encrypted, then one sendmsg of the records
+            if conn.out:
+                for f in frames:
+                    conn.out += f
+            else:
+                try:
+                    conn.tls.encrypt(frames)
+                except ssl.SSLError as e:
+                    self._close_after(conn, e)
+                    return
             self._flush(conn)
             return
         try:
@@ -1085,15 +1100,18 @@ class ShardWorker:
             self._flush(conn)
 
     def _flush(self, conn: _Conn):
-        if conn.closed or not conn.out:
-            if conn.state == _HANDSHAKE and not conn.closed:
-                self._handshake(conn)    # it waited for the socket to take its bytes
+        if conn.closed:
             return
-        if conn.tls:
-            n = self._send_tls(conn)
-            if n is None:
+        if conn.tls is not None:
+            if conn.state == _HANDSHAKE:
+                self._handshake(conn)    # it waited for the socket to take its bytes
+                return
+            unsent = self._flush_tls(conn)
+            if unsent < 0:
                 return
         else:
+            if not conn.out:
+                return
             try:
                 n = conn.sock.send(conn.out)
             except (BlockingIOError, InterruptedError):
@@ -1101,16 +1119,21 @@ class ShardWorker:
             except OSError as e:
                 self._close_after(conn, e)
                 return
-        if n:
-            del conn.out[:n]
-        want_write = bool(conn.out)
-        paused = conn.paused and len(conn.out) > OUT_LOW
+            if n:
+                del conn.out[:n]
+            unsent = len(conn.out)
+        want_write = bool(unsent)
+        paused = conn.paused and unsent > OUT_LOW
         if want_write != conn.writing or paused != conn.paused:
             if conn.paused and not paused and conn.fb.pending:
                 self._resume.append(conn)      # frames left waiting: dispatch them now
             conn.writing = want_write
             conn.paused = paused
             self._update_interest(conn)
+
+    @staticmethod
+    def _unsent(conn: _Conn) -> int:
+        return len(conn.out) + (conn.tls.backlog_bytes if conn.tls is not None else 0)
 
     def _update_interest(self, conn: _Conn):
         mask = (0 if conn.paused else selectors.EVENT_READ) | \

@@ -24,7 +24,7 @@ from bk.log.records import check_log_name
 from bk.log.writer import CONF_KEYS, SHAPE_KEYS, LogWriter
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.racks import all_racks
-from bk.meta.store import MetadataStore
+from bk.meta.store import LIST_PAGE, MetadataStore
 from bk.metrics import client_registry
 from bk.security import ClientSecurity
 from bk.security.etcd import EtcdCredentials
@@ -364,7 +364,7 @@ class BookKeeper:
         self._check()
         self._store.delete_ledger(ledger_id)
 
-    def list_ledgers(self, page_size: int = 1000):
+    def list_ledgers(self, page_size: int = LIST_PAGE):
         """Iterator of the ids of every ledger, ascending; lazy, one metadata range
         request per ``page_size`` ids (never the whole listing in one request)."""
         self._check()

@@ -62,10 +62,10 @@ with the token, if any (state AUTH), and is READY once AUTH is answered; a
 bookie that announced ``FEATURE_AUTH`` gets AUTH after a plaintext HELLO.
 The connect timeout covers all of it. A failure on the way is a
 :class:`SecurityError` naming the bookie and the reason, never a fallback to
-plaintext. A TLS socket has no ``sendmsg``: its buffers go out joined in
-pieces of at most TLS_CHUNK (a retry after SSLWantWrite starts with the same
-bytes, as OpenSSL requires), and reads go on until the SSL object holds no
-decrypted bytes (``pending()``), which the selector cannot see.
+plaintext. TLS runs through memory BIOs (:class:`bk.security.tls.TLSStream`):
+the socket is read in the same large chunks as a plaintext one and decrypted
+from memory, and a write encrypts everything queued (full 16 KiB records) and
+sends the ciphertext with one ``sendmsg``, as a plaintext write does.
 
 Fork safety: a child process (multiprocessing, PySpark) must not share the
 parent's sockets or thread. ``os.register_at_fork`` marks every loop, and the
@@ -97,7 +97,6 @@ log = logging.getLogger("bk.client")
 
 IDLE, CONNECTING, HELLO, READY, HANDSHAKE, AUTH = range(6)
 _SETUP = (CONNECTING, HELLO, HANDSHAKE, AUTH)
-TLS_CHUNK = 1 << 16            # bytes per SSL send, at most (whole buffers joined)
 _EV_R = selectors.EVENT_READ
 _EV_RW = selectors.EVENT_READ | selectors.EVENT_WRITE
 _RECV = 1 << 18
@@ -252,7 +251,7 @@ class Connection:
         self.down_until = 0.0
         self._connect_deadline = 0.0
         self._wants_write = False
-        self.tls = False         # the socket is an SSLSocket
+        self.tls = None          # a tls.TLSStream once START_TLS began
         self.role = None         # what the bookie's AUTH answer named
 
     def __repr__(self):
@@ -333,7 +332,8 @@ class Connection:
         self.adds.pop(lid, None)
         if self.addq:
             self.addq = [(ops, seg) for ops, seg in self.addq if ops[0].handle._lid != lid]
-        if self.sock is not None and self.wq and not self.adds and not self.inflight:
+        if self.sock is not None and (self.wq or self.tls is not None and self.tls.backlog) \
+                and not self.adds and not self.inflight:
             self._fail(BookieUnavailableError(
                 f"bookie {self.bookie_id}: connection closed, its writer replaced the "
                 f"bookie while the socket was not draining"), fast=True)
@@ -415,37 +415,31 @@ class Connection:
 
     # --- TLS and AUTH (see the module's docstring) ------------------------------------
     def _start_tls(self):
-        loop = self.loop
-        raw = self.sock
-        loop.sel.unregister(raw)
+        if self.loop.scratch is None:
+            self.loop.scratch = bytearray(_RECV)
         try:
-            self.sock = loop.security.wrap(raw, self.addr[0])
-        except (ssl.SSLError, OSError, ValueError) as e:
-            raw.close()
-            self.sock = None
+            self.tls = self.loop.security.stream(self.sock, self.addr[0])
+        except (ssl.SSLError, ValueError) as e:
             self._fail(SecurityError(f"TLS with bookie {self.bookie_id}: {tls.reason(e)}"))
             return
-        self.tls = True
         self.state = HANDSHAKE
-        loop.sel.register(self.sock, _EV_R, self)
-        self._wants_write = False
         self._handshake()
 
     def _handshake(self):
+        t = self.tls
         try:
-            self.sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self._want(False)
-            return
-        except ssl.SSLWantWriteError:
-            self._want(True)
-            return
-        except (ssl.SSLError, ssl.CertificateError, OSError) as e:
+            done = t.handshake()
+            left = t.flush()
+        except (ssl.SSLError, ssl.CertificateError, OSError, ValueError) as e:
             self._fail(SecurityError(f"TLS with bookie {self.bookie_id} failed: "
                                      f"{tls.reason(e)}"))
             return
-        self._want(False)
-        self._send_auth()
+        self._want(bool(left))
+        if done:
+            self._send_auth()
+        elif t.eof:
+            self._fail(SecurityError(f"TLS with bookie {self.bookie_id} failed: the bookie "
+                                     f"closed the connection during the handshake"))
 
     def _want(self, write: bool):
         if write != self._wants_write:
@@ -540,39 +534,32 @@ class Connection:
             self._fail(BookieUnavailableError(f"bad frame from bookie {self.bookie_id}: {e}"))
 
     def _read_tls(self, fb) -> bool:
-        """Read what the socket and the SSL object hold; False if nothing came (or the
-        connection failed)."""
-        if self.state == HANDSHAKE:
-            self._handshake()
-            return False
-        sock = self.sock
-        got = 0
-        while True:
-            try:
-                n = sock.recv_into(fb.recv_buffer(_RECV), _RECV)
-            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError,
-                    InterruptedError):
-                break
-            except OSError as e:
-                why = tls.reason(e)
-                self._fail(SecurityError(f"bookie {self.bookie_id} refused the connection: "
-                                         f"{why}") if self.state == AUTH else
-                           BookieUnavailableError(f"connection to bookie {self.bookie_id} "
-                                                  f"broke: {why}"))
+        """Read the socket once and decrypt what it held; False if no plaintext came
+        (or the connection failed)."""
+        t = self.tls
+        try:
+            if self.state == HANDSHAKE:
+                t.feed(self.loop.scratch)
+                self._handshake()
                 return False
-            if not n:
-                if got:
-                    break          # the frames first (a refusal's answer); EOF next time
-                self._fail(SecurityError(f"bookie {self.bookie_id} closed the connection at "
-                                         f"AUTH") if self.state == AUTH else
+            got = t.recv_into(fb, _RECV, self.loop.scratch)
+            if t.backlog:                # TLS itself answered something
+                self._want(bool(t.flush()))
+        except OSError as e:             # ssl.SSLError included: an alert of the bookie
+            why = tls.reason(e)
+            self._fail(SecurityError(f"bookie {self.bookie_id} refused the connection: "
+                                     f"{why}") if self.state in (AUTH, HANDSHAKE) else
+                       BookieUnavailableError(f"connection to bookie {self.bookie_id} "
+                                              f"broke: {why}"))
+            return False
+        if not got:
+            if t.eof:                    # (frames that came with the EOF went first)
+                self._fail(SecurityError(f"bookie {self.bookie_id} closed the connection "
+                                         f"at AUTH") if self.state == AUTH else
                            BookieUnavailableError(f"bookie {self.bookie_id} closed the "
                                                   f"connection"))
-                return False
-            fb.commit(n)
-            got += n
-            if got >= _RECV and not sock.pending():
-                break
-        return bool(got)
+            return False
+        return True
 
     def _on_add_reply(self, msg):
         """The answer to a single ADD: ``[op, rid, status, ledger, entry]``."""
@@ -664,10 +651,9 @@ class Connection:
         if self.addq and self.state == READY:
             self._encode_adds(q)
         sock = self.sock
-        if self.tls:
-            if not self._send_tls(q):
-                return
-            q = ()
+        if self.tls is not None:
+            self._write_tls(q)
+            return
         while q:
             chunk = q[:_IOV] if len(q) > _IOV else q
             try:
@@ -698,29 +684,21 @@ class Connection:
             self._wants_write = wants
             self.loop.sel.modify(self.sock, _EV_RW if wants else _EV_R, self)
 
-    def _send_tls(self, q) -> bool:
-        """Send the buffers of ``q`` over TLS, whole buffers joined up to TLS_CHUNK;
-        False if the connection failed. SSL writes are all or nothing here, and a
-        retry after SSLWantWrite sends the same leading bytes (or more), as OpenSSL
-        requires: buffers leave ``q`` only once sent."""
-        sock = self.sock
-        while q:
-            k, size = 1, len(q[0])
-            while k < len(q) and size < TLS_CHUNK:
-                size += len(q[k])
-                k += 1
-            data = q[0] if k == 1 else b"".join(q[:k])
-            try:
-                sock.send(data)
-            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError,
-                    InterruptedError):
-                return True
-            except OSError as e:
-                self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
-                                                  f"{tls.reason(e)}"))
-                return False
-            del q[:k]
-        return True
+    def _write_tls(self, q):
+        """Encrypt the buffers of ``q`` (all of them, at once: records of 16 KiB) and
+        send the ciphertext with one sendmsg; what the socket does not take waits in
+        the stream's backlog."""
+        t = self.tls
+        try:
+            if q:
+                t.encrypt(q)
+                q.clear()
+            left = t.flush()
+        except OSError as e:
+            self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
+                                              f"{tls.reason(e)}"))
+            return
+        self._want(bool(left))
 
     def _encode_adds(self, q):
         """Turn the queued adds into ADD_BATCH frames (or single ADDs for a bookie
@@ -778,7 +756,7 @@ class Connection:
             self.sock.close()
             self.sock = None
         self.state = IDLE
-        self.tls = False
+        self.tls = None
         self.wq = []
         self.out = []
         self.queued = []
@@ -848,6 +826,7 @@ class IOLoop:
         self._wake_w.setblocking(False)
         self.sel.register(self._wake_r, _EV_R, None)
         self._submit = collections.deque()
+        self.scratch = None      # what TLS connections read before decrypting (made once)
         self._sleeping = False
         self._stopping = False
         self._conns: dict[tuple, Connection] = {}

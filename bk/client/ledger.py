@@ -74,6 +74,7 @@ import concurrent.futures
 import enum
 import itertools
 import logging
+import operator
 import threading
 import time
 import weakref
@@ -83,12 +84,13 @@ from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_segments
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
-                       LedgerClosedError, LedgerFencedError, MetadataError,
-                       MetadataVersionError, NoSuchEntryError, NoSuchLedgerError,
+                       LedgerClosedError, LedgerFencedError, NoSuchEntryError,
+                       NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.metrics import client_metrics, observe_many
+from bk.retry import retry_cas
 
 log = logging.getLogger("bk.client")
 
@@ -100,6 +102,7 @@ _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generou
 _READ_WINDOW = 1000            # most single READs kept in flight by read_entries
 _RANGE_WINDOW = 10_000         # most entries read_entries has in flight as READ_RANGEs
 _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
+_data_of = operator.attrgetter("data")
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 
 
@@ -459,6 +462,20 @@ class _RangeRead:
             first, stride, offset = self.first, self.stride, self.offset
             top = min(self.last, nxt - 1)
             spec = self.spec
+            wanted = range(first, top + 1, stride)
+            n = len(ok) // 3
+            if not spec and not bad and n == len(wanted) and n and ok[0] == first \
+                    and ok[-3] == wanted[-1] and ok[0::3] == list(wanted) \
+                    and results[first - base:top - base + 1:stride].count(None) == n:
+                # the common answer, every entry wanted once and in order: stored
+                # with slicing, no Python work per entry but its LedgerEntry
+                results[first - base:top - base + 1:stride] = \
+                    list(map(LedgerEntry, itertools.repeat(lid, n), ok[0::3], ok[1::3], ok[2::3]))
+                batch.done(n)
+                self.first = first + n * stride
+                if self.first <= self.last:
+                    self.start()
+                return
             got = 0
             seen = 0
             for i in range(0, len(ok), 3):
@@ -476,7 +493,6 @@ class _RangeRead:
             for e, err in bad:
                 if first <= e <= top and (e - offset) % stride == 0:
                     self._fail(e, bid, err)
-            wanted = range(first, top + 1, stride)
             if got + seen + len(bad) < len(wanted):
                 # covered up to nxt - 1: what is missing there, this bookie lacks
                 badset = {e for e, _ in bad}
@@ -597,6 +613,7 @@ class LedgerHandle:
         self._reorder = bool(self._conf.reorderReadSequenceEnabled)
         self._spec_timeout = float(self._conf.speculativeReadTimeout) / 1000.0
         self._read_window_bytes = int(self._conf.readWindowBytes)
+        self._read_avg = 0                # average size of the entries read so far
         self._max_payload = int(self._conf.nettyMaxFrameSizeBytes) - _FRAME_OVERHEAD
         self._bconns: dict = {}           # bookie id -> Connection for this ledger's shard
         self._m = client_metrics()
@@ -1261,7 +1278,6 @@ class LedgerHandle:
             self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")
 
     def _change_ensemble_once(self):
-        store = self._client._store
         md, version = self._md, self._version
         start = self._lac + 1               # frozen while CHANGING
         with self._change_lock:
@@ -1296,23 +1312,14 @@ class LedgerHandle:
                                 + [(start, new_ens)])
             new_version = version
         else:
-            for attempt in range(20):
-                ensembles = [(f, b) for f, b in md.ensembles if f < start] + [(start, new_ens)]
-                new_md = md.replace(ensembles=ensembles)
-                try:
-                    new_version = store.write_ledger(new_md, version)
-                    break
-                except MetadataVersionError:
-                    md, version = store.read_ledger(self._lid)
-                    if md.state != LedgerState.OPEN:
-                        raise LedgerFencedError(
-                            f"ledger is {md.state.value} in the metadata store "
-                            f"(recovered by another client)") from None
-                    log.info("ledger %d: metadata changed under the ensemble change; merging",
-                             self._lid)
-            else:
-                raise MetadataError(
-                    f"ensemble change of ledger {self._lid}: too many CAS conflicts")
+            def changed(md):
+                if md.state != LedgerState.OPEN:
+                    raise LedgerFencedError(f"ledger is {md.state.value} in the metadata store "
+                                            f"(recovered by another client)")
+                return md.replace(ensembles=[(f, b) for f, b in md.ensembles if f < start]
+                                  + [(start, new_ens)])
+            new_md, new_version = self._cas_metadata(f"ensemble change of ledger {self._lid}",
+                                                     changed)
         log.info("ledger %d: ensemble from entry %d is now %s (replaced %s)%s", self._lid, start,
                  new_ens, mapping, " (recovery: stored when it closes the ledger)"
                  if self._recovery else "")
@@ -1413,7 +1420,9 @@ class LedgerHandle:
                     self._drain(5.0)
                 self._settle(self._add_timeout * 2
                              + float(self._conf.metadataTimeoutMillis) / 1000 * 3)
-                self._loop.call_soon(self._stop_ticker)
+                # no call_soon(_stop_ticker) here: _tick removes itself at its next
+                # run once the writer is closed with nothing in flight, and waking
+                # the I/O thread for it cost every ledger a syscall
             elif self._md.state == LedgerState.CLOSED:
                 return
             self._close_metadata()
@@ -1429,29 +1438,39 @@ class LedgerHandle:
             self._loop._tickers.remove(self._tick)
         self._ticker_on = False
 
-    def _close_metadata(self):
+    def _cas_metadata(self, what, change):
+        """Write ``change(md)`` over this handle's metadata with compare-and-swap
+        (:func:`bk.retry.retry_cas`): after a lost CAS, re-read and apply ``change``
+        to what is there now. ``change`` raises to give up, or returns None when
+        there is nothing to write. Returns ``(metadata, version)``."""
         store = self._client._store
+        cur = [self._md, self._version, False]       # metadata, version, re-read?
+
+        def attempt():
+            if cur[2]:
+                cur[0], cur[1] = store.read_ledger(self._lid)
+            cur[2] = True
+            new_md = change(cur[0])
+            if new_md is None:
+                return cur[0], cur[1]
+            return new_md, store.write_ledger(new_md, cur[1])
+        return retry_cas(what, attempt)
+
+    def _close_metadata(self):
         lac, length = self._lac, self._length
-        md, version = self._md, self._version
         what = f"close ledger {self._lid}"
-        for attempt in range(20):
+
+        def closed(md):
             if md.state == LedgerState.CLOSED:
                 if md.last_entry_id == lac:
-                    self._md = md
-                    return
+                    return None
                 raise LedgerFencedError(
                     f"{what}: ledger was closed by another client at entry {md.last_entry_id}, "
                     f"this writer's last acknowledged entry is {lac}")
             if md.state == LedgerState.IN_RECOVERY and not self._recovery:
                 raise LedgerFencedError(f"{what}: ledger is being recovered by another client")
-            new_md = md.replace(state=LedgerState.CLOSED, last_entry_id=lac, length=length)
-            try:
-                self._version = store.write_ledger(new_md, version)
-                self._md = new_md
-                return
-            except MetadataVersionError:
-                md, version = store.read_ledger(self._lid)
-        raise MetadataError(f"{what}: too many CAS conflicts")
+            return md.replace(state=LedgerState.CLOSED, last_entry_id=lac, length=length)
+        self._md, self._version = self._cas_metadata(what, closed)
 
     # ============================ read path ============================================
     def _readable_last(self):
@@ -1522,7 +1541,7 @@ class LedgerHandle:
         nbytes = 0
         while e <= last:
             # The window is sized in bytes too, from the entries read so far.
-            avg = nbytes // len(out) if out else _FIRST_ENTRY_GUESS
+            avg = nbytes // len(out) if out else (self._read_avg or _FIRST_ENTRY_GUESS)
             cap = _RANGE_WINDOW if self._loop.batching else _READ_WINDOW
             window = max(1, min(cap, self._read_window_bytes // max(1, avg)))
             end = min(last, e + window - 1)
@@ -1541,8 +1560,10 @@ class LedgerHandle:
                                     self._read_range(e + i, last, retry=False)
                         raise err
             out += results
-            nbytes += sum([len(r.data) for r in results])
+            nbytes += sum(map(len, map(_data_of, results)))
             e = end + 1
+        if out:
+            self._read_avg = max(1, nbytes // len(out))
         return out
 
     def _start_reads(self, entry_ids, avg=_FIRST_ENTRY_GUESS):
@@ -1575,6 +1596,8 @@ class LedgerHandle:
         answers stream back pipelined."""
         md = self._md
         frags = md.ensembles
+        # Requests of half a frame: measured against 512 KiB ones, same run,
+        # cold and warm, they cost both the client and the bookie less per entry.
         budget = max(1, min(self._read_window_bytes, self._loop.max_frame_size // 2))
         e = first
         while e <= last:

@@ -12,6 +12,11 @@ travel together, the way the bookie journal's group commit shares an fsync:
   returns, the first queued thread becomes the next leader and sends the
   whole queue (distinct keys, at most ``max_batch``) as one transaction whose
   comparisons are all of theirs and whose success branch is all of their puts.
+  Under load (the previous transaction carried several writes) the leader
+  first waits ``linger`` (1 ms) for more company: a call costs client and etcd
+  the same CPU whether it carries 5 writes or 10 (32 threads creating and
+  closing ledgers: 0.3 -> 0.16 transactions a ledger, ~13% less client and
+  ~25% less etcd CPU per ledger, measured alternating).
 * If that transaction succeeds, every write in it succeeded, each key's new
   version being the transaction's revision. If any comparison failed, nothing
   was written (etcd transactions are atomic) and each write is sent again
@@ -27,6 +32,7 @@ calls shrinks (to ~1 per ``max_batch`` writes under load).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 
@@ -49,7 +55,7 @@ class TxnCombiner:
 
     ``send(compares, puts) -> (succeeded, revision)`` runs one transaction."""
 
-    def __init__(self, send: Callable, max_batch: int = 64):
+    def __init__(self, send: Callable, max_batch: int = 64, linger: float = 0.001):
         self._send = send
         self.max_batch = max_batch
         self._lock = threading.Lock()
@@ -57,6 +63,8 @@ class TxnCombiner:
         self._busy = False
         self.batches = 0              # transactions sent for more than one write (stats)
         self.enabled = True           # False: every write alone (benchmarks compare)
+        self.linger = linger          # seconds a leader waits for company under load
+        self._last = 0                # writes in the previous transaction
 
     def write(self, key: bytes, compare, put, alone: Callable[[], int]) -> int:
         """The new version of ``key``: ``alone()`` if no batch is in flight, else as
@@ -79,6 +87,8 @@ class TxnCombiner:
         return w.result
 
     def _lead(self, me: _Write) -> None:
+        if self.linger and self._last > 1 and len(self._queue) < self.max_batch:
+            time.sleep(self.linger)     # under load: let more writes join this one
         with self._lock:
             batch, keys, rest = [], set(), []
             # a promoted leader is first in the queue; the first leader is in no queue
@@ -107,6 +117,7 @@ class TxnCombiner:
                     w.done.set()
 
     def _run(self, batch: list[_Write]) -> None:
+        self._last = len(batch)
         if len(batch) > 1:
             try:
                 ok, rev = self._send([w.compare for w in batch], [w.put for w in batch])

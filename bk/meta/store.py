@@ -97,6 +97,10 @@ LAYOUT_VERSION = 3
 LAYOUT_VERSIONS = (2, 3)
 ID_BLOCK_BITS = 10
 ID_GROUP = 100          # point reads sent at once by existing_ledgers
+# Ids per range request of a listing (keys only, ~45 bytes each: ~0.5 MB a page).
+# Listing 1M ids by pages of 10,000 cost etcd ~25% and this client ~35% less CPU
+# than by pages of 1,000 (a request costs both sides a fixed share).
+LIST_PAGE = 10_000
 LEDGER_ID_DIGITS = 20
 MAX_LEDGER_ID = 2 ** 63 - 1
 # A ledger id is (scope << REVISION_BITS) | revision: the scope (1..2**15-1) comes
@@ -752,7 +756,7 @@ class MetadataStore:
                     name.decode("utf-8", "replace"), self._root)
         return None
 
-    def list_ledgers(self, page_size: int = 1000) -> Iterator[int]:
+    def list_ledgers(self, page_size: int = LIST_PAGE) -> Iterator[int]:
         """All ledger ids, ascending, ``page_size`` keys per range request.
 
         Not a snapshot: ledgers created or deleted while iterating may or may

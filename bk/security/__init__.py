@@ -12,16 +12,29 @@ from bk.security import auth, tls
 
 class ClientSecurity:
     """What a client (or a bookie talking to other bookies) brings to a bookie: a
-    TLS context (None: plaintext) and a token (None: none). Built once from the
-    configuration and shared by every connection."""
+    TLS context (None: plaintext) and a token (None: none), or a token file read
+    again when it changes. Built once from the configuration and shared by every
+    connection."""
 
-    def __init__(self, context: ssl.SSLContext | None = None, token: str | None = None):
+    def __init__(self, context: ssl.SSLContext | None = None, token: str | None = None,
+                 token_file: "auth.TokenFile | None" = None):
         self.context = context
-        self.token = token
+        self._token = token
+        self._token_file = token_file
 
     @classmethod
     def from_conf(cls, conf) -> "ClientSecurity":
-        return cls(tls.client_context(conf), auth.client_token(conf))
+        ctx = tls.client_context(conf)
+        if conf.authTokenFile:
+            return cls(ctx, token_file=auth.TokenFile(conf.authTokenFile))
+        return cls(ctx, auth.client_token(conf))
+
+    @property
+    def token(self) -> str | None:
+        """The token to present at a new connection (the file's current one)."""
+        if self._token_file is not None:
+            return self._token_file.current()
+        return self._token
 
     def __repr__(self):          # never the token itself
         return (f"ClientSecurity(tls={self.context is not None}, "
@@ -31,6 +44,10 @@ class ClientSecurity:
         """``sock`` wrapped for a client handshake to ``host`` (not yet run)."""
         ctx = self.context
         return ctx.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+
+    def stream(self, sock, host: str) -> "tls.TLSStream":
+        """TLS to ``host`` over the non-blocking ``sock``, for an event loop."""
+        return tls.TLSStream(self.context, sock, server_side=False, server_hostname=host)
 
 
 PLAINTEXT = ClientSecurity()

@@ -11,11 +11,10 @@ already open keep theirs (as a TLS session does anyway).
 from __future__ import annotations
 
 import logging
-import os
 import ssl
-import time
 
 from bk.errors import ConfigError
+from bk.security.watch import FileWatch
 
 log = logging.getLogger("bk.security")
 
@@ -112,34 +111,153 @@ class ServerTLS:
     def __init__(self, conf):
         self.conf = conf
         self.refresh = conf.tlsCertFilesRefreshDurationSeconds
-        self._files = [f for f in (conf.tlsCertificatePath, conf.tlsKeyStore,
-                                   conf.tlsTrustStore) if f]
-        self._stamp = self._stamp_now()
+        self._watch = FileWatch((conf.tlsCertificatePath, conf.tlsKeyStore,
+                                 conf.tlsTrustStore), self.refresh)
         self.ctx = server_context(conf)
-        self._next_check = time.monotonic() + self.refresh
-
-    def _stamp_now(self):
-        out = []
-        for f in self._files:
-            try:
-                st = os.stat(f)
-                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-            except OSError:
-                out.append(None)
-        return out
 
     def context(self) -> ssl.SSLContext | None:
-        if self.refresh and self.ctx is not None:
-            now = time.monotonic()
-            if now >= self._next_check:
-                self._next_check = now + self.refresh
-                stamp = self._stamp_now()
-                if stamp != self._stamp:
-                    try:
-                        ctx = server_context(self.conf)
-                    except ConfigError as e:   # a half-written renewal: try next time
-                        log.warning("TLS files changed but do not load yet: %s", e)
-                    else:
-                        self.ctx, self._stamp = ctx, stamp
-                        log.info("TLS certificate files changed: loaded them again")
+        if self.refresh and self.ctx is not None and self._watch.changed():
+            try:
+                ctx = server_context(self.conf)
+            except ConfigError as e:   # a half-written renewal: try next time
+                log.warning("TLS files changed but do not load yet: %s", e)
+            else:
+                self.ctx = ctx
+                self._watch.accept()
+                log.info("TLS certificate files changed: loaded them again")
         return self.ctx
+
+
+# Plaintext bytes per SSLObject.write: whole TLS records (16 KiB each) come out of
+# it, and a larger piece only means a larger join of small buffers.
+WRITE_PIECE = 1 << 16
+_IOV = 512
+
+
+class TLSStream:
+    """TLS on a non-blocking socket through memory BIOs, for the event loops of the
+    client (``bk.client.connection``) and the shard worker.
+
+    An ``SSLSocket`` reads each record with two ``read`` syscalls (its header, then
+    its body) and writes each record with one ``write``; at 30,000 entries/s that is
+    a syscall per 16 KiB each way plus an exception per drained socket. Here the
+    socket is read in large chunks (one ``recv_into`` per readiness event) that
+    the SSL object decrypts from memory, and what it encrypts (any number of
+    records) leaves with one ``sendmsg``. Ciphertext the socket does not take waits
+    in ``backlog``, so a write never has to be retried with the same bytes.
+    """
+
+    __slots__ = ("sock", "obj", "_in", "_out", "backlog", "backlog_bytes", "eof")
+
+    def __init__(self, ctx: ssl.SSLContext, sock, server_side: bool,
+                 server_hostname: str | None = None):
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(self._in, self._out, server_side=server_side,
+                                server_hostname=server_hostname)
+        self.sock = sock
+        self.backlog = []          # ciphertext the socket has not taken (bytes, views)
+        self.backlog_bytes = 0
+        self.eof = False           # the peer closed its side
+
+    def handshake(self) -> bool:
+        """Advance the handshake (after :meth:`feed`); True once it is done.
+        ssl.SSLError if it failed (its alert, if any, is in the backlog)."""
+        try:
+            self.obj.do_handshake()
+            return True
+        except ssl.SSLWantReadError:
+            return False
+        finally:
+            self._pull()
+
+    def feed(self, scratch: bytearray) -> int:
+        """Move what the socket holds (one read, at most ``len(scratch)``) into the
+        SSL object; the bytes read (0: none; sets ``eof`` if the peer closed).
+        OSError if the socket broke."""
+        try:
+            n = self.sock.recv_into(scratch)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        if not n:
+            self.eof = True
+            self._in.write_eof()
+            return 0
+        with memoryview(scratch) as view:
+            self._in.write(view[:n])
+        return n
+
+    def recv_into(self, fb, size: int, scratch: bytearray) -> int:
+        """Read the socket once and decrypt every whole record into the FrameBuffer
+        ``fb``; the plaintext bytes it got (0 with ``eof`` set: the peer closed).
+        ssl.SSLError on a TLS error (an alert of the peer), OSError if the socket
+        broke."""
+        self.feed(scratch)
+        obj = self.obj
+        got = 0
+        while True:
+            try:
+                n = obj.read(size, fb.recv_buffer(size))
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:       # close_notify
+                self.eof = True
+                break
+            except ssl.SSLEOFError:
+                if not self.eof:
+                    raise
+                break
+            if not n:
+                break
+            fb.commit(n)
+            got += n
+        if self._out.pending:        # TLS 1.3 may answer (a key update)
+            self._pull()
+        return got
+
+    def encrypt(self, bufs) -> None:
+        """Encrypt the buffers ``bufs`` (small ones joined up to WRITE_PIECE, so that
+        records are full) into the backlog; send it with :meth:`flush`."""
+        write = self.obj.write
+        i, k = 0, len(bufs)
+        while i < k:
+            j, size = i + 1, len(bufs[i])
+            while j < k and size < WRITE_PIECE:
+                size += len(bufs[j])
+                j += 1
+            write(bufs[i] if j == i + 1 else b"".join(bufs[i:j]))
+            i = j
+        self._pull()
+
+    def _pull(self) -> None:
+        out = self._out
+        if out.pending:
+            data = out.read()
+            self.backlog.append(data)
+            self.backlog_bytes += len(data)
+
+    def flush(self) -> int:
+        """Send the backlog (sendmsg, as much as the socket takes); the bytes left.
+        OSError if the socket broke."""
+        q = self.backlog
+        while q:
+            chunk = q[:_IOV] if len(q) > _IOV else q
+            k = len(chunk)
+            try:
+                n = self.sock.sendmsg(chunk)
+            except (BlockingIOError, InterruptedError):
+                break
+            self.backlog_bytes -= n
+            i = 0
+            while i < k and n >= len(q[i]):
+                n -= len(q[i])
+                i += 1
+            if i < k and n:
+                q[i] = memoryview(q[i])[n:]
+            del q[:i]
+            if i < k:                    # the socket took less than offered: full
+                break
+        return self.backlog_bytes
+
+    def peer_identity(self) -> str | None:
+        return peer_identity(self.obj)

@@ -10,8 +10,11 @@ import signal
 import urllib.request
 
 import bk
+from bk import protocol as P
 from bk.bookie.layout import GC_STATE_FILE
-from bk.testing import closed_ledger, entries_held, wait_until
+from bk.client.digest import master_key
+from bk.errors import EFENCED
+from bk.testing import BookieConnection, closed_ledger, entries_held, wait_until
 
 PW = b"gc"
 QUIET = {"gcWaitTime": 300, "httpServerEnabled": True, "httpServerPort": 0}
@@ -134,3 +137,47 @@ def test_a_reformatted_cluster_never_makes_the_watch_drop_data(cluster_factory):
         assert held(b, lid) == set(range(5))
     with open(b.log_file) as f:
         assert "garbage collection skipped, nothing deleted" in f.read()
+
+
+def test_a_write_after_the_deletion_to_a_bookie_that_held_nothing_is_refused(cluster_factory):
+    """A bookie applies a deletion it learned from the watch while it holds nothing of
+    the ledger. Entries of that ledger arriving afterwards (a zombie writer after an
+    ensemble change, a re-replication or recovery write-back in flight) are refused
+    as a tombstone refuses them, instead of creating the ledger anew and staying on
+    disk until the next full reconcile; nothing refused comes back after kill -9,
+    and the bookie's other ledgers are untouched."""
+    c = cluster_factory(2, conf_overrides=QUIET)
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lh = client.create_ledger(1, 1, 1, password=PW)
+        lh.add_entries([b"d0", b"d1"])
+        holder = c.bookie(lh.metadata.last_ensemble[0])
+        late = next(b for b in c.bookies if b is not holder)
+        while True:                      # a live ledger on the other bookie
+            kept = client.create_ledger(1, 1, 1, password=PW)
+            if kept.metadata.last_ensemble == [late.bookie_id]:
+                break
+            kept.close()
+        kept.add_entries([b"k%d" % i for i in range(5)])
+        kept.close()
+        lid = lh.ledger_id
+        for b in (holder, late):             # past the full reconcile at start
+            wait_until(lambda: remembered_on_disk(b) > 0, what="a first round remembered")
+        client.delete_ledger(lid)
+        deleted_at = c.store.revision()
+        for b in (holder, late):
+            wait_until(lambda: remembered_on_disk(b) >= deleted_at,
+                       what=f"{b.bookie_id} applied the deletion")
+        assert not held(holder, lid) and not held(late, lid)
+
+        def late_add(entry, recovery):
+            with BookieConnection(late.bookie_id,
+                                  shard=P.shard_of(lid, late.num_shards)) as conn:
+                return conn.call(P.add(conn.next_rid(), lid, entry, entry - 1,
+                                       master_key(PW), b"", b"late", recovery=recovery))[2]
+        assert late_add(2, recovery=False) == EFENCED       # a zombie writer's add
+        assert late_add(0, recovery=True) == EFENCED        # a write-back, a re-replication
+        assert not held(late, lid)
+        late.kill()
+        late.start()
+        assert not held(late, lid)
+        assert held(late, kept.ledger_id) == set(range(5))

@@ -5,6 +5,7 @@ bk.security.auth, as `bkshell tokens` makes them.
 """
 
 import glob
+import json
 import os
 import shutil
 
@@ -343,3 +344,190 @@ def test_a_tailing_reader_long_polls_over_tls_while_a_writer_adds(secure):
         assert got == [b"t%d" % i for i in range(30)]
         lh.close()
         rh.close()
+
+
+def _bkshell(*args):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "bk.cli.shell", *args], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def _connects(bookie_id, token):
+    """The role a new connection presenting ``token`` gets, or the AuthError's text."""
+    try:
+        with BookieConnection(bookie_id, 0, security=ClientSecurity(None, token)) as c:
+            return c.role
+    except AuthError as e:
+        return str(e)
+
+
+def test_token_key_rotation_and_revocation_without_a_restart(cluster_factory, tmp_path):
+    key, revoked = str(tmp_path / "token.key"), str(tmp_path / "revoked")
+    _bkshell("tokens", "create-secret-key", "--output", key)
+    open(revoked, "w").close()
+    t_old = _bkshell("tokens", "create", "-k", key, "--subject", "app")
+    c = cluster_factory(0)
+    b = c.add_bookie(authProvider="token", tokenSecretKeyFile=key, tokenRevocationFile=revoked,
+                     tokenFilesRefreshDurationSeconds=1, clientRoles="app",
+                     superUserRoles="bookie", numShards=1)
+    pid = b.pid
+    held_old = BookieConnection(b.bookie_id, 0, security=ClientSecurity(None, t_old))
+    assert held_old.role == "app"
+    # a client reading its token from a file, writing a ledger on this one bookie
+    token_file = tmp_path / "app.token"
+    token_file.write_text(t_old + "\n")
+    client = c.client(authTokenFile=str(token_file))
+    lh = client.create_ledger(1, 1, 1, password=PASSWORD)
+    lh.add_entry(b"before")
+
+    # rotate: a new key signs, the old one still verifies
+    _bkshell("tokens", "create-secret-key", "--rotate", "--output", key)
+    kids = json.loads(_bkshell("tokens", "list-secret-keys", "-k", key, "--json"))
+    assert [k["signs"] for k in kids] == [True, False]
+    t_new = _bkshell("tokens", "create", "-k", key, "--subject", "app")
+    assert json.loads(_bkshell("tokens", "show", t_new))["kid"] == kids[0]["kid"]
+    wait_until(lambda: _connects(b.bookie_id, t_new) == "app", timeout=20,
+               what="a token of the rotated-in key accepted")
+    assert _connects(b.bookie_id, t_old) == "app"
+    held_new = BookieConnection(b.bookie_id, 0, security=ClientSecurity(None, t_new))
+
+    # the client gets its new token; the old key is removed: its tokens are refused,
+    # its open connections closed, and the client goes on with the new token
+    token_file.write_text(t_new + "\n")
+    _bkshell("tokens", "remove-secret-key", "-k", key, "--key-id", kids[1]["kid"])
+    wait_until(lambda: "no longer" in _connects(b.bookie_id, t_old), timeout=20,
+               what="a token of the removed key refused")
+    assert held_old.closed_by_peer(timeout=10)
+    held_old.close()
+    lh.close()
+
+    def writes():
+        try:
+            with client.create_ledger(1, 1, 1, password=PASSWORD) as again:
+                again.add_entry(b"after")
+            return True
+        except bk.errors.BKError:      # its connection closed under that add: again
+            return False
+    wait_until(writes, timeout=20, what="the client writing with its new token")
+    assert held_new.call(P.ping(held_new.next_rid()))[2] == EOK
+
+    # revoke the new token: refused at its next connection, its open one closed;
+    # another token of the same role still works
+    _bkshell("tokens", "revoke", "--revocation-file", revoked, "--token", t_new)
+    wait_until(lambda: "revoked" in _connects(b.bookie_id, t_new), timeout=20,
+               what="the revoked token refused")
+    assert held_new.closed_by_peer(timeout=10)
+    held_new.close()
+    t_other = _bkshell("tokens", "create", "-k", key, "--subject", "app")
+    assert _connects(b.bookie_id, t_other) == "app"
+    with pytest.raises(bk.errors.BKError, match="revoked"):
+        with c.client(authTokenFile=str(token_file), timeout=2.0) as revoked_client:
+            with revoked_client.open_ledger(lh.ledger_id, password=PASSWORD) as rh:
+                rh.read_entries(0, 0)
+    client.close()
+    assert b.pid == pid
+    with c.client(authToken=t_other) as reader:
+        with reader.open_ledger(lh.ledger_id, password=PASSWORD) as rh:
+            assert [e.data for e in rh.read_entries(0, 0)] == [b"before"]
+
+
+def test_autorecovery_daemon_serves_https_admin_views_to_super_users(cluster_factory,
+                                                                      tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from bk.util import free_port
+    pki = Pki(str(tmp_path))
+    crt, key = pki.issue("autorecovery", "127.0.0.1")
+    secret = str(tmp_path / "secret.key")
+    auth.write_secret_key(secret, auth.create_secret_key())
+    k = auth.read_secret_key(secret)
+    admin, app = auth.create_token(k, "admin"), auth.create_token(k, "app")
+    c = cluster_factory(1)
+    port = free_port()
+    settings = {"httpServerEnabled": "true", "httpServerPort": port,
+                "httpServerTlsEnable": "true", "tlsCertificatePath": crt, "tlsKeyStore": key,
+                "authProvider": "token", "tokenSecretKeyFile": secret,
+                "superUserRoles": "admin", "clientRoles": "app"}
+    args = [sys.executable, "-m", "bk.cli.bookie", "autorecovery", "--metadata",
+            c.metadata_uri, "--log-file", str(tmp_path / "autorecovery.log")]
+    for name, value in settings.items():
+        args += ["--set", f"{name}={value}"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        def up():
+            try:
+                return _https(port, "/heartbeat", pki.trust)[0] == 200
+            except OSError:
+                assert proc.poll() is None, "bookie autorecovery exited"
+                return False
+        wait_until(up, timeout=30, what="bookie autorecovery serving HTTPS")
+        status = "/api/v1/autorecovery/status"
+        assert _https(port, status, pki.trust)[0] == 401
+        code, why = _https(port, status, pki.trust, app)
+        assert code == 403 and "not a super-user" in why
+        code, body = _https(port, status, pki.trust, admin)
+        assert code == 200 and json.loads(body)["here"] is True
+        assert _https(port, "/metrics", pki.trust)[0] == 200
+        from bk.testing import http_get
+        assert http_get(port, "/heartbeat")[0] != 200      # no plaintext on that port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    text = open(tmp_path / "autorecovery.log").read()
+    assert admin not in text and app not in text and open(secret).read().strip() not in text
+
+
+def _auth_failures(port) -> dict:
+    """{kind: count} of bookie_AUTH_FAILURES from one /metrics scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from bk.testing import http_get
+    status, text, _ = http_get(port, "/metrics")
+    assert status == 200
+    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "bookie_AUTH_FAILURES_total"}
+
+
+def test_auth_failures_metric_counts_exactly_the_refusals(cluster_factory, tmp_path):
+    pki = Pki(str(tmp_path))
+    crt, key = pki.issue("bookie", "127.0.0.1")
+    secret = str(tmp_path / "secret.key")
+    auth.write_secret_key(secret, auth.create_secret_key())
+    k = auth.read_secret_key(secret)
+    c = cluster_factory(0)
+    b = c.add_bookie(tlsCertificatePath=crt, tlsKeyStore=key, authProvider="token",
+                     tokenSecretKeyFile=secret, clientRoles="app", readOnlyRoles="reader",
+                     httpServerEnabled=True, httpServerPort=0, numShards=2)
+    port = c.store.bookie_info(b.bookie_id)["httpPort"]
+    assert _auth_failures(port) == {}
+    for _ in range(2):                                            # tls_required
+        with pytest.raises(SecurityError, match="requires TLS"):
+            BookieConnection(b.bookie_id, 0)
+    for token in (None, auth.create_token(k, "app", -5),          # auth
+                  auth.create_token(auth.create_secret_key(), "app")):
+        with pytest.raises(AuthError):
+            BookieConnection(b.bookie_id, 1, security=client_security(pki.trust, token=token))
+    reader = auth.create_token(k, "reader")
+    with BookieConnection(b.bookie_id, 0, security=client_security(pki.trust,
+                                                                 token=reader)) as conn:
+        for eid in range(4):                                      # op
+            r = conn.call(P.add(conn.next_rid(), 5, eid, -1, b"k" * 20, b"", b"x"))
+            assert r[2] == EAUTH
+        assert conn.call(P.read_lac(conn.next_rid(), 5))[2] != EAUTH
+    expected = {"tls_required": 2, "auth": 3, "op": 4}
+    wait_until(lambda: _auth_failures(port) == expected, timeout=20,
+               what=f"bookie_AUTH_FAILURES == {expected}")
+    # nothing else counted afterwards: one more refusal moves it by exactly one
+    with pytest.raises(SecurityError):
+        BookieConnection(b.bookie_id, 1)
+    expected["tls_required"] += 1
+    wait_until(lambda: _auth_failures(port) == expected, timeout=20,
+               what=f"bookie_AUTH_FAILURES == {expected}")

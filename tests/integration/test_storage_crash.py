@@ -15,7 +15,9 @@ import sys
 import threading
 import time
 
+import bk
 from bk import protocol as P
+from bk.bench.scale import evict_files
 from bk.bookie import journal as J
 from bk.errors import ENOLEDGER, EOK
 from bk.meta.ledger import LedgerMetadata
@@ -170,6 +172,65 @@ def test_kill9_with_journal_segments_as_entry_logs(cluster_factory):
     read_back(b, keep, acked)
     with BookieConnection(b.bookie_id, 0) as conn:
         assert conn.call(P.read(conn.next_rid(), doomed, 0))[2] == ENOLEDGER
+
+
+def _entry(lid: int, e: int) -> bytes:
+    return (b"%d/%d;" % (lid, e) * 100)[:1000 + e % 50]
+
+
+def test_catch_up_through_the_client_from_bookies_holding_more_than_their_caches(
+        cluster_factory):
+    """Ledgers written interleaved into bookies holding far more than their write
+    and read-ahead caches, read back whole through the client (READ_RANGEs,
+    the bookies' prefetch, the client's bulk decode) with the bookies' files out
+    of the page cache, while another writer keeps the bookies flushing: every
+    entry comes back once, in order, intact. E=2: each bookie is asked every
+    other entry (Qw=2, the stride over runs of every entry) or holds every other
+    one (Qw=1, runs of every other entry)."""
+    c = cluster_factory(2, num_shards=1, conf_overrides=dict(
+        SMALL_CACHE, dbStorage_readAheadCacheMaxSizeMb=1, logSizeLimit=4 << 20))
+    n = 1500
+    with bk.BookKeeper(c.metadata_uri) as client:
+        hs = [client.create_ledger(2, qw, qw, password=b"p") for qw in (2, 2, 1, 1, 1)]
+        for first in range(0, n, 50):
+            futs = [h.add_entry_async(_entry(h.ledger_id, e)) for h in hs
+                    for e in range(first, first + 50)]
+            for f in futs:
+                f.result()
+        for h in hs:
+            h.close()
+        for b in c.bookies:
+            evict_files(b.dir)
+        stop = threading.Event()
+        written = []
+
+        def writer():
+            w = client.create_ledger(2, 2, 2, password=b"p")
+            while not stop.is_set():
+                w.add_entries([PAYLOAD] * 100)
+                written.append(100)
+            w.close()
+        t = threading.Thread(target=writer)
+        before = [shard_info(b, 0)["checkpoints"] for b in c.bookies]
+        t.start()
+        try:
+            for h in hs:
+                r = client.open_ledger(h.ledger_id, password=b"p")
+                got = []
+                for e in range(0, n, 400):
+                    got += r.read_entries(e, min(n - 1, e + 399))
+                assert [x.entry_id for x in got] == list(range(n))
+                bad = [x.entry_id for x in got if x.data != _entry(h.ledger_id, x.entry_id)]
+                assert not bad, bad[:10]
+                r.close()
+            # the reads ran while flushes did
+            wait_until(lambda: all(shard_info(b, 0)["checkpoints"] > k
+                                   for b, k in zip(c.bookies, before)),
+                       timeout=60, what="flushes during the reads")
+        finally:
+            stop.set()
+            t.join(60)
+        assert sum(written) > 0
 
 
 def _write_v1_shard(jdir: str, ledgers: int, entries: int) -> None:

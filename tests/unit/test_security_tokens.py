@@ -121,3 +121,147 @@ def test_local_ca_certificates_verify(tmp_path):
     assert out["got"] == b"hello"
     assert ssl.PEM_cert_to_DER_cert(open(crt).read().split("-----END CERTIFICATE-----")[0]
                                     + "-----END CERTIFICATE-----\n")
+
+
+def _bump(path):
+    """Make a rewrite visible to a FileWatch even within one mtime tick."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000_000))
+
+
+def test_key_rotation_several_keys_verify_the_first_signs(key_file, tmp_path):
+    old = auth.read_secret_key(key_file)
+    new = auth.create_secret_key()
+    auth.write_secret_keys(key_file, [new, old])
+    assert os.stat(key_file).st_mode & 0o777 == 0o600
+    assert auth.read_secret_key(key_file) == new
+    a = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                clientRoles="app", tokenFilesRefreshDurationSeconds=0))
+    t_old, t_new = auth.create_token(old, "app"), auth.create_token(new, "app")
+    ident = a.authenticate(t_old, None)
+    assert ident.role == "app" and ident.key_id == auth.key_id(old)
+    assert a.authenticate(t_new, None).key_id == auth.key_id(new)
+    # a token made before tokens named their key (no kid, no jti) is tried on each key
+    import jwt
+    legacy = jwt.encode({"sub": "app"}, old, algorithm="HS256")
+    legacy_ident = a.authenticate(legacy, None)
+    assert legacy_ident.key_id == auth.key_id(old)
+    assert legacy_ident.token_id.startswith("sha256:")
+    # the key leaves the file: its tokens are refused
+    auth.write_secret_keys(key_file, [new])
+    b = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                clientRoles="app", tokenFilesRefreshDurationSeconds=1))
+    with pytest.raises(AuthError, match="no longer"):
+        b.authenticate(t_old, None)
+    with pytest.raises(AuthError, match="signature does not verify"):
+        b.authenticate(legacy, None)
+    assert b.identify(t_new, None) == "app"
+    assert auth.key_id(new) not in open(key_file).read()     # a digest, not the key
+
+
+def test_refresh_picks_up_a_removed_key_and_revocations(key_file, tmp_path):
+    old = auth.read_secret_key(key_file)
+    new = auth.create_secret_key()
+    auth.write_secret_keys(key_file, [new, old])
+    revoked = str(tmp_path / "revoked")
+    with pytest.raises(ConfigError, match="tokenRevocationFile"):
+        auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                tokenRevocationFile=revoked, clientRoles="app"))
+    open(revoked, "w").close()
+    a = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
+                                tokenRevocationFile=revoked, clientRoles="app,batch",
+                                tokenFilesRefreshDurationSeconds=1))
+    t_old, t_new, t_batch = (auth.create_token(old, "app"), auth.create_token(new, "app"),
+                             auth.create_token(new, "batch"))
+    ids = {t: a.authenticate(t, None) for t in (t_old, t_new, t_batch)}
+    assert not a.refresh()                     # nothing changed
+    auth.write_secret_keys(key_file, [new])
+    assert auth.add_revocation(revoked, "jti", ids[t_new].token_id)
+    assert not auth.add_revocation(revoked, "jti", ids[t_new].token_id)
+    _bump(key_file)
+    import time
+    assert a.refresh(time.monotonic() + 2)
+    assert "no longer" in a.refused(ids[t_old])
+    assert "revoked" in a.refused(ids[t_new])
+    assert a.refused(ids[t_batch]) is None
+    with pytest.raises(AuthError, match="revoked"):
+        a.authenticate(t_new, None)
+    auth.add_revocation(revoked, "sub", "batch")
+    _bump(revoked)
+    assert a.refresh(time.monotonic() + 4)
+    with pytest.raises(AuthError, match="role 'batch' were revoked"):
+        a.authenticate(auth.create_token(new, "batch"), None)
+    # a half-written file keeps what was loaded, and is retried
+    with open(revoked, "a") as f:
+        f.write("nonsense\n")
+    _bump(revoked)
+    assert not a.refresh(time.monotonic() + 6)
+    assert a.refused(ids[t_batch])
+    with pytest.raises(ConfigError, match="line"):
+        auth.read_revocations(revoked)
+
+
+def test_client_token_file_is_read_again_when_it_changes(key_file, tmp_path):
+    key = auth.read_secret_key(key_file)
+    path = tmp_path / "app.token"
+    first, second = auth.create_token(key, "app"), auth.create_token(key, "app")
+    path.write_text(first + "\n")
+    sec = ClientSecurity.from_conf(conf(authTokenFile=str(path)))
+    assert sec.token == first
+    path.write_text(second + "\n")
+    _bump(str(path))
+    from bk.testing import wait_until
+    wait_until(lambda: sec.token == second, timeout=5, what="the new token")
+    assert second not in repr(sec)
+
+
+def test_tls_stream_carries_frames_through_a_full_socket_in_both_directions(tmp_path):
+    """TLSStream (the event loops' TLS) over a non-blocking socket pair with small
+    buffers: the handshake, then thousands of frames each way that the sockets
+    take in pieces (partial sendmsg, backlog), every frame arriving whole and in
+    order, and a close seen as EOF."""
+    import socket
+    ca = pki.make_ca(str(tmp_path))
+    crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
+    server_ctx = tls.server_context(conf(tlsCertificatePath=crt, tlsKeyStore=key))
+    client_ctx = tls.client_context(conf(tlsEnabled=True, tlsTrustStore=ca.cert_path))
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setblocking(False)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    client = tls.TLSStream(client_ctx, a, server_side=False, server_hostname="127.0.0.1")
+    server = tls.TLSStream(server_ctx, b, server_side=True)
+    scratch = bytearray(1 << 16)
+    done = {client: False, server: False}
+    for _ in range(100):
+        for t in (client, server):
+            t.feed(scratch)
+            done[t] = done[t] or t.handshake()
+            t.flush()
+        if all(done.values()):
+            break
+    assert all(done.values())
+    assert server.peer_identity() is None and client.obj.version() in ("TLSv1.2", "TLSv1.3")
+    frames = [P.encode_frame([P.PING, i, b"x" * (i % 3000)]) for i in range(2000)]
+    want = sum(map(len, frames))
+    got = {client: P.FrameBuffer(1 << 20), server: P.FrameBuffer(1 << 20)}
+    seen = {client: [], server: []}
+    client.encrypt(frames)
+    server.encrypt(frames)
+    assert client.backlog_bytes > want       # all of it encrypted, nothing sent yet
+    partial = 0
+    for _ in range(100_000):
+        for t, peer in ((client, server), (server, client)):
+            partial += t.flush() > 0
+            peer.recv_into(got[peer], 1 << 16, scratch)
+            seen[peer] += [m[1] for m in got[peer].frames()]
+        if len(seen[client]) == len(seen[server]) == len(frames):
+            break
+    assert seen[client] == seen[server] == list(range(2000))
+    assert partial > 10                      # the sockets did take it in pieces
+    assert client.backlog_bytes == server.backlog_bytes == 0 and not client.backlog
+    a.close()
+    for _ in range(10):
+        if server.recv_into(got[server], 1 << 16, scratch) == 0 and server.eof:
+            break
+    assert server.eof

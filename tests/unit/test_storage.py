@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 import pytest
 
 from bk.bookie import flusher as F
 from bk.bookie import journal as J
 from bk.bookie.entrylog import JOURNAL_LOG
+from bk.bookie import storage as S
 from bk.bookie.storage import ShardStorage
-from bk.errors import EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EUA
+from bk.errors import EBADREQ, EFENCED, EIO, ENOENTRY, ENOLEDGER, EOK, EUA
+from bk.testing import wait_until
 
 SEG = 64 * 1024
 KEY = b"master-key-1"
@@ -419,6 +422,119 @@ def test_read_range_over_index_and_tail_with_a_stride(tmp_path):
     status, nxt, got = s.read_range(4, 10, 40, 120)          # the byte budget
     assert got[0::4] == [12, 15] and nxt == 18
     assert s.read_range(4, 1, 2, 1 << 20) == (EOK, 3, [])
+    s.close()
+
+
+def catch_up(s, ledger, first, last, budget, stride=1, offset=0):
+    """Read ``first..last`` with successive READ_RANGEs, as a catch-up reader
+    does: each from the ``next`` of the previous answer."""
+    got = []
+    e = first
+    while e <= last:
+        status, nxt, entries = s.read_range(ledger, e, last, budget, stride, offset)
+        assert status == EOK and nxt > e
+        assert entries[0::4] == sorted(entries[0::4]) and all(x >= e for x in entries[0::4])
+        got += entries
+        e = nxt
+    return got
+
+
+def test_catch_up_over_many_runs_with_prefetch(tmp_path, monkeypatch):
+    """A ledger written among others lies in many runs over several entry logs:
+    successive READ_RANGEs (prefetching the next runs) return every entry once,
+    intact, cut at their byte budgets, with and without a stride; the prefetch
+    positions kept are bounded."""
+    monkeypatch.setattr(S, "PREFETCH_LEDGERS", 3)
+    s = open_storage(tmp_path, flush_bytes=None, write_cache_bytes=2 << 20,
+                     log_size_limit=1 << 20, read_cache_bytes=256 << 10)
+    assert s.prefetch_bytes == 256 << 10
+    ledgers = (11, 12, 13, 14, 15)
+    for e in range(0, 1500, 10):             # ten entries of each ledger at a time
+        for lid in ledgers:
+            for x in range(e, e + 10):
+                assert add(s, lid, x, n=300 + x % 7) == EOK   # sizes vary: offset tables
+        s.sync()
+        s.maintain()
+    s.checkpoint()
+    runs = s._index.runs_of(12)
+    assert len(runs) >= 3 and len({r.log for r in runs}) >= 2
+    for lid in ledgers:
+        got = catch_up(s, lid, 0, 1499, budget=50_000)
+        assert got[0::4] == list(range(1500))
+        assert got[1::4] == [x - 1 for x in range(1500)]
+        assert all(got[2 + 4 * x] == digest(lid, x) for x in range(1500))
+        assert all(got[3 + 4 * x] == payload(lid, x, 300 + x % 7) for x in range(1500))
+    assert len(s._ahead) <= 3
+    got = catch_up(s, 13, 5, 1400, budget=20_000, stride=3, offset=2)
+    assert got[0::4] == list(range(5, 1401, 3))
+    assert all(got[3 + 4 * i] == payload(13, x, 300 + x % 7)
+               for i, x in enumerate(range(5, 1401, 3)))
+    # a budget smaller than one entry still returns one entry per request
+    status, nxt, got = s.read_range(14, 700, 1499, 1)
+    assert status == EOK and got[0::4] == [700] and nxt == 701
+    s.close()
+
+
+def test_a_corrupt_record_ends_a_range_before_it(tmp_path):
+    """READ_RANGE returns the good records before a corrupt one, then EIO for
+    it: the client reads that entry from another replica."""
+    s = open_storage(tmp_path)
+    for e in range(50):
+        assert add(s, 21, e, n=500) == EOK
+    s.checkpoint()
+    run = s._index.lookup(21, 30)
+    i = run.index_of(30)
+    at = run.off + run.rel(i) + J.ADD_OVERHEAD + len(digest(21, 30)) + 100
+    fd = os.open(s._logs.path(run.log), os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), at)      # one flipped payload byte
+    finally:
+        os.close(fd)
+    status, nxt, got = s.read_range(21, 0, 49, 1 << 20)
+    assert status == EOK and nxt == 30 and got[0::4] == list(range(30))
+    assert got[3::4] == [payload(21, x, 500) for x in range(30)]
+    assert s.read_range(21, 30, 49, 1 << 20)[0] == EIO
+    assert s.read_entry(21, 30)[0] == EIO
+    status, nxt, got = s.read_range(21, 31, 49, 1 << 20)
+    assert status == EOK and got[0::4] == list(range(31, 50))
+    s.close()
+
+
+@pytest.mark.parametrize("flush_mode", ["copy"], indirect=True)   # entry-log layout
+def test_catch_up_reads_racing_a_compaction(tmp_path, monkeypatch):
+    """A catch-up reader's READ_RANGEs while a compaction copies its runs, after
+    the compaction's index commit and after its old logs are gone all return
+    the same intact entries."""
+    s = open_small_logs(tmp_path)
+    _two_ledgers(s, n=1200)
+    assert s.delete_ledgers([7]) == 1
+    copied = threading.Event()
+    go_on = threading.Event()
+    commit = s._index.write
+
+    def held_commit():
+        copied.set()                           # the live runs are copied, not committed
+        assert go_on.wait(30)
+        return commit()
+    monkeypatch.setattr(s._index, "write", held_commit)
+
+    def read_all():
+        got = catch_up(s, 8, 0, 1199, budget=64 << 10)
+        assert got[0::4] == list(range(1200))
+        assert got[3::4] == [payload(8, x) for x in range(1200)]
+    assert s.start_compaction(0.6)
+    assert copied.wait(30)
+    read_all()                                 # old runs, while the copies are being made
+    go_on.set()
+    # the commit is done, not yet taken back by the loop
+    wait_until(lambda: not s._flusher.done.empty(), timeout=30, step=0.001,
+               what="the compaction's commit")
+    read_all()                                 # this snapshot of the index: old logs
+    stats = s.compaction_result()
+    assert stats["logs_removed"] >= 1 and stats["entries_moved"] > 0
+    read_all()                                 # the new runs, old logs forgotten
+    _check_survivor(s, n=1200)
     s.close()
 
 
