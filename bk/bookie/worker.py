@@ -759,7 +759,7 @@ class ShardWorker:
                 t.feed(self._scratch)
                 self._handshake(conn)
                 return
-            got = t.recv_into(conn.fb, RECV_SIZE, self._scratch)
+            got = t.recv_into(conn.fb, self._scratch)
         except OSError as e:             # ssl.SSLError included
             self._close_after(conn, e)
             return
