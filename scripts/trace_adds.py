@@ -55,7 +55,7 @@ def patch_worker(m):
     def _boot(self):
         boot(self)
         self._tr, self._tr_pend, self._tr_groups, self._tr_syncs = {}, [], [], []
-        self._tr_sel = 0.0
+        self._tr_sel = self._tr_done = 0.0
         inner = self.sel.select
 
         def select(timeout=None):
@@ -70,7 +70,8 @@ def patch_worker(m):
         for lid, eid, *_ in m.P.split_add_batch(msg[5], msg[4]):
             if eid % SAMPLE == 0:
                 self._tr[(lid, eid)] = {"w_select": self._tr_sel, "dispatched": t,
-                                        "in_flight": self.sync_job is not None}
+                                        "in_flight": self.sync_job is not None,
+                                        "after_done": self._tr_done == self._tr_sel}
                 self._tr_pend.append((lid, eid))
 
     def _start_sync(self):
@@ -99,6 +100,10 @@ def patch_worker(m):
             self._tr_syncs.append((t0, mono() - t0, job.bytes))
             os.write(self._sync_w, b"s")
 
+    def _on_sync_done(self):
+        self._tr_done = self._tr_sel
+        return sync_done(self)
+
     def _drain(self):
         try:
             with open(os.path.join(OUT, "w-%d.json" % os.getpid()), "w") as f:
@@ -108,7 +113,7 @@ def patch_worker(m):
             print("trace_adds: could not write the trace: %r" % (e,), file=sys.stderr)
         return drain(self)
     W._boot, W._add_batch, W._start_sync, W._release = _boot, _add_batch, _start_sync, _release
-    W._sync_thread, W._drain, W._on_sync_done = _sync_thread, _drain, sync_done
+    W._sync_thread, W._drain, W._on_sync_done = _sync_thread, _drain, _on_sync_done
 
 
 def patch_client(cm, lm):
@@ -266,12 +271,14 @@ def main():
             for x, y in HOPS[1:]:
                 h[f"{x} -> {y}"].append(t[y] - t[x])
             h["a sync was in flight at dispatch (share)"].append(float(w["in_flight"]))
+            h["read in the pass that saw a sync end, after it (share)"].append(
+                float(w["after_done"]))
     for name, _ in modes:
         h = hops[name]
         print(f"\n{name}: {len(h['sub -> pick'])} entries followed; ms p50 / p90 / p99")
         for k, xs in h.items():
             if k.endswith("(share)"):
-                print(f"  {k:40s} {sum(xs) / max(1, len(xs)):.2f}")
+                print(f"  {k:56s} {sum(xs) / max(1, len(xs)):.2f}")
             else:
                 print(f"  {k:40s} {pct(xs, .5):7.3f} {pct(xs, .9):7.3f} {pct(xs, .99):7.3f}")
         s = syncs[name]
