@@ -55,6 +55,7 @@ def patch_worker(m):
     def _boot(self):
         boot(self)
         self._tr, self._tr_pend, self._tr_groups, self._tr_syncs = {}, [], [], []
+        self._tr_answer = []
         self._tr_sel = self._tr_done = 0.0
         inner = self.sel.select
 
@@ -102,12 +103,16 @@ def patch_worker(m):
 
     def _on_sync_done(self):
         self._tr_done = self._tr_sel
-        return sync_done(self)
+        t0 = mono()
+        r = sync_done(self)
+        self._tr_answer.append((t0, mono() - t0))
+        return r
 
     def _drain(self):
         try:
             with open(os.path.join(OUT, "w-%d.json" % os.getpid()), "w") as f:
                 json.dump({"bookie": self.bookie_id, "syncs": self._tr_syncs,
+                           "answer": self._tr_answer,
                            "adds": [[k[0], k[1], v] for k, v in self._tr.items()]}, f)
         except Exception as e:
             print("trace_adds: could not write the trace: %r" % (e,), file=sys.stderr)
@@ -245,6 +250,7 @@ def main():
     # the cluster stopped: the bookies wrote their traces
     workers = {}
     syncs = collections.defaultdict(list)
+    answer = collections.defaultdict(list)
     for fn in os.listdir(d):
         if fn.startswith("w-"):
             with open(os.path.join(d, fn)) as f:
@@ -255,6 +261,10 @@ def main():
                 for s, e, name in windows:
                     if s <= t0 <= e:
                         syncs[name].append((dt, nbytes))
+            for t0, dt in w["answer"]:
+                for s, e, name in windows:
+                    if s <= t0 <= e:
+                        answer[name].append(dt)
     hops = collections.defaultdict(lambda: collections.defaultdict(list))
     for (lid, eid), c in ev.items():
         if "pick" not in c or len(c["c_read"]) < 2:
@@ -286,6 +296,10 @@ def main():
             print(f"  {'fdatasync of a group commit':40s} {pct([x for x, _ in s], .5):7.3f} "
                   f"{pct([x for x, _ in s], .9):7.3f} {pct([x for x, _ in s], .99):7.3f}"
                   f"   ({sorted(n for _, n in s)[len(s) // 2] / 1024:.0f} KiB per group, median)")
+        x = answer[name]
+        if x:
+            print(f"  {'a synced group answered, the next begun':40s} {pct(x, .5):7.3f} "
+                  f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
 
 
 if __name__ == "__main__":
