@@ -201,9 +201,9 @@ class TLSStream:
         # Read while a whole record may be there: fewer than 5 bytes (a record's
         # header) cannot be one, and a read that finds none raises, which costs more
         # than this check (the usual case: the last record was taken whole). Each
-        # read asks ``fb`` for one record's room, not a socket read's: asking for
-        # 256 KiB behind a record already taken made the buffer grow to twice its
-        # size (and copy itself) as soon as a read brought two records.
+        # read asks ``fb`` for one record's room, not a socket read's: 256 KiB asked
+        # for behind a record already taken would make the buffer double (and copy
+        # itself) whenever one socket read brings two records.
         while inbuf.pending >= 5 or obj.pending() or self.eof:
             try:
                 n = obj.read(RECORD, fb.recv_buffer(RECORD))
