@@ -32,6 +32,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -283,6 +284,7 @@ def main():
             h["a sync was in flight at dispatch (share)"].append(float(w["in_flight"]))
             h["read in the pass that saw a sync end, after it (share)"].append(
                 float(w["after_done"]))
+    shutil.rmtree(d, ignore_errors=True)     # the bookies' data: hundreds of MB a run
     for name, _ in modes:
         h = hops[name]
         print(f"\n{name}: {len(h['sub -> pick'])} entries followed; ms p50 / p90 / p99")
