@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import struct
 from array import array
+from itertools import accumulate, islice
 from typing import Iterator
 
 import lmdb
@@ -138,12 +139,15 @@ def make_runs(ledger: int, entries: list, sizes: list, log_id: int, off: int) ->
     from ``off`` of ``log_id``) into runs of constant step."""
     runs = []
     n = len(entries)
+    dense = isinstance(entries, range) and entries.step == 1
     i = 0
     while i < n:
         j = i + 1
         step = entries[j] - entries[i] if j < n else 1
         # a step that does not fit its u32 field ends the run at one entry
         limit = min(n, i + MAX_RUN_ENTRIES) if step <= MAX_STEP else j
+        if dense:
+            j = limit                     # consecutive entries: no need to look
         while j < limit and entries[j] - entries[j - 1] == step:
             j += 1
         part = sizes[i:j]
@@ -151,11 +155,7 @@ def make_runs(ledger: int, entries: list, sizes: list, log_id: int, off: int) ->
         rlen = part[0]
         if nbytes != rlen * len(part) or min(part) != rlen:
             rlen = 0
-            offs = array("I", [0]) * len(part)
-            acc = 0
-            for k, s in enumerate(part):
-                offs[k] = acc
-                acc += s
+            offs = array("I", accumulate(islice(part, len(part) - 1), initial=0))
         else:
             offs = None
         runs.append(Run(ledger, entries[i], log_id, off, j - i, step if j - i > 1 else 1,

@@ -25,6 +25,24 @@ def test_make_runs_splits_by_step_and_size():
     assert (s.first, s.count, s.off, s.nbytes, list(s.offs)) == (13, 2, 360, 130, [0, 70])
 
 
+def test_make_runs_of_a_range_matches_the_list_form():
+    # A dense tail hands make_runs a range (no per-entry walk); the runs must be
+    # the ones the same entries as a list give, sizes varying and runs split at
+    # MAX_RUN_ENTRIES.
+    n = I.MAX_RUN_ENTRIES + 7
+    sizes = [40 + (k % 3) for k in range(n)]
+    fast = I.make_runs(3, range(100, 100 + n), sizes, 2, 64)
+    slow = I.make_runs(3, list(range(100, 100 + n)), sizes, 2, 64)
+    as_rows = [(r.first, r.count, r.step, r.off, r.nbytes, r.rlen,
+                list(r.offs) if r.offs is not None else None) for r in fast]
+    assert as_rows == [(r.first, r.count, r.step, r.off, r.nbytes, r.rlen,
+                        list(r.offs) if r.offs is not None else None) for r in slow]
+    assert [(r.first, r.count) for r in fast] == [(100, I.MAX_RUN_ENTRIES),
+                                                  (100 + I.MAX_RUN_ENTRIES, 7)]
+    assert list(fast[1].offs) == [0, 41, 83, 123, 164, 206, 246]
+    assert fast[1].off == 64 + sum(sizes[:I.MAX_RUN_ENTRIES])
+
+
 def test_a_huge_step_ends_a_run():
     runs = I.make_runs(1, [0, 10**12], [40, 40], 1, 64)
     assert [(r.first, r.count) for r in runs] == [(0, 1), (10**12, 1)]
