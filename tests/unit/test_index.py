@@ -117,3 +117,27 @@ def test_entry_log_records_are_journal_records_and_are_checked(tmp_path):
     assert os.listdir(tmp_path / ("d2" if w.id % 2 else "d1") / "entrylogs")
     assert logs.remove(w.id) > 0 and logs.ids() == []
     logs.close()
+
+
+def test_trim_drops_the_mapped_index_over_the_cap(tmp_path):
+    idx = I.Index(str(tmp_path))
+    with idx.write() as w:
+        for lid in range(300):                  # runs with per-entry offsets: ~4 MiB
+            for run in I.make_runs(lid, range(3000), [30 + k % 5 for k in range(3000)], 1, 64):
+                w.put_run(run)
+    data = os.path.join(idx.path, "data.mdb")
+
+    def smaps():                                # the kernel's own count, for comparison
+        return sum(m[3] for m in I.mapped_resident(data))
+
+    for lid in range(300):
+        assert idx.lookup(lid, 2999).last == 2999
+    before = idx.resident_bytes()
+    assert before == smaps() and before > 2 << 20
+    assert idx.trim(before) == before and idx.resident_bytes() == before   # at the cap: kept
+    assert idx.trim(1 << 20) == before
+    assert idx.resident_bytes() == smaps() < 1 << 20
+    for lid in range(300):                      # the dropped pages map again on use
+        run = idx.lookup(lid, 1234)
+        assert (run.ledger, run.index_of(1234) >= 0) == (lid, True)
+    idx.close()
