@@ -27,8 +27,9 @@ A flush, on this thread:
    of ``ADOPT_MIN_BYTES`` or more is sorted already and is not copied at all:
    its runs point into the journal segment, which becomes an entry log too
    (see ``bk.bookie.entrylog``). Other ledgers are gathered entry by entry;
-3. ``fdatasync``s the entry log (it was also synced every few MiB on the
-   way, see ``bk.bookie.entrylog``) and the journal segments the runs point
+3. ``fdatasync``s the entry log (its writeback was started chunk by chunk
+   on the way, and held to the job's ``rate``: see ``bk.bookie.entrylog``,
+   :class:`~bk.bookie.entrylog.WritePacer`) and the journal segments the runs point
    into (the journal's last group before the mark may not be synced yet);
 4. commits in ONE LMDB transaction: the new runs, the ledger states, the
    logs' sizes and live bytes, and the mark.
@@ -62,13 +63,19 @@ import threading
 import time
 from array import array
 
-from bk.bookie.entrylog import ADOPT_MIN_BYTES, JOURNAL_LOG, EntryLogs, journal_log_id
+from bk.bookie.entrylog import ADOPT_MIN_BYTES, JOURNAL_LOG, EntryLogs, WritePacer, journal_log_id
 from bk.bookie.index import Index, Run, make_runs, uniform_runs
 from bk.bookie.journal import _fsync_dir
 
 log = logging.getLogger("bk.flusher")
 
 _LEN = struct.Struct("<I")
+# Bytes/s a flush writes at least (it aims at twice the rate its tail filled at,
+# see ShardStorage._start_flush), and a compaction: fast enough that a flush of
+# a default write cache's half takes ~2 s, slow enough that the journal's syncs
+# on the same disk do not queue behind it (bk.bookie.entrylog, WritePacer).
+FLUSH_MIN_RATE = 16 << 20
+COMPACT_RATE = 64 << 20
 _OFF_MASK = 0xFFFFFFFF
 
 
@@ -77,8 +84,9 @@ class FlushJob:
     key, lac, last]}, ``mark``, ``regions`` [(seq, path, lo, hi)] of the journal
     to read (or ``views`` {seq: (buffer, base)} already in memory)."""
 
-    def __init__(self, tails, states, mark, regions=(), views=None, nbytes=0):
+    def __init__(self, tails, states, mark, regions=(), views=None, nbytes=0, rate=0.0):
         self.tails = tails
+        self.rate = rate                 # bytes/s the flush writes at (0: unpaced)
         self.states = states
         self.mark = mark
         self.regions = regions
@@ -100,7 +108,7 @@ class FlushJob:
                 views.close()
         self.stats = {"bytes": copied[0], "entries": copied[1], "runs": copied[2],
                       "merged": copied[3], "adopted": set(adopted or ()),
-                      "seconds": time.monotonic() - t0}
+                      "seconds": time.monotonic() - t0, "paced_seconds": fl.pacer.slept}
 
 
 class _SegmentViews:
@@ -145,6 +153,7 @@ class CompactJob:
         # journal segments from this log id on (the one holding the flushed mark and
         # later) are the journal's still: never compacted away
         self.keep_from = keep_from
+        self.rate = COMPACT_RATE
         self.error: BaseException | None = None
         self.stats: dict = {}
         self.removable: list[int] = []
@@ -198,7 +207,9 @@ class Flusher:
         self.index = index
         self.logs = logs
         self.writer = None
-        self.pending = 0                 # jobs submitted and not yet taken back
+        self.pacer = WritePacer()        # the loop may hurry it from its own thread
+        self.pending = 0
+        self._submitted = 0              # jobs numbered 1, 2, ... for the pacer                 # jobs submitted and not yet taken back
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -206,7 +217,13 @@ class Flusher:
 
     def submit(self, job) -> None:
         self.pending += 1
+        self._submitted += 1
+        job.seq = self._submitted
         self._q.put(job)
+
+    def hurry(self) -> None:
+        """Every job submitted so far writes at full speed (the loop waits for them)."""
+        self.pacer.hurry(self._submitted)
 
     def stop(self) -> None:
         self._q.put(None)
@@ -220,6 +237,7 @@ class Flusher:
             job = self._q.get()
             if job is None:
                 return
+            self.pacer.start(getattr(job, "rate", 0.0), job.seq)
             try:
                 job.run(self)
             except BaseException as e:     # reported to the loop, which decides
@@ -238,7 +256,7 @@ class Flusher:
                 w.sync()
                 w.close()
                 closed.append((w.id, w.dir_index, w.size))
-            w = self.writer = self.logs.new_writer()
+            w = self.writer = self.logs.new_writer(self.pacer)
         return w
 
     # --- flush --------------------------------------------------------------------

@@ -10,9 +10,10 @@ import pytest
 
 from bk.bookie import flusher as F
 from bk.bookie import journal as J
-from bk.bookie.entrylog import JOURNAL_LOG
+from bk.bookie.entrylog import JOURNAL_LOG, PACE_STEP, WritePacer
 from bk.bookie import storage as S
-from bk.bookie.storage import ShardStorage
+from bk.bookie.flusher import FLUSH_MIN_RATE
+from bk.bookie.storage import ShardStorage, flush_rate
 from bk.errors import EBADREQ, EFENCED, EIO, ENOENTRY, ENOLEDGER, EOK, EUA
 from bk.testing import wait_until
 
@@ -1044,3 +1045,83 @@ def test_logs_compaction_emptied_and_a_crash_left_go_at_open(tmp_path, monkeypat
     _check_survivor(s, n=1200)
     s.close()
 
+
+
+# --- pacing of flush writes --------------------------------------------------------
+
+class _Clock:
+    """A clock that only moves when the pacer sleeps."""
+
+    def __init__(self):
+        self.t = 100.0
+        self.sleeps = []
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.t += s
+
+
+def test_a_paced_job_is_held_to_its_rate_in_bounded_steps():
+    clock = _Clock()
+    p = WritePacer(clock=clock, sleep=clock.sleep)
+    p.start(rate=1 << 20, seq=1)                 # 1 MiB/s
+    for _ in range(8):
+        p.wrote(256 << 10)                       # 2 MiB in all
+    assert clock.t - 100.0 == pytest.approx(2.0)
+    assert p.slept == pytest.approx(2.0)
+    assert max(clock.sleeps) <= PACE_STEP        # a hurry is seen within one step
+
+
+def test_a_hurried_job_is_not_held_back_even_when_the_hurry_came_first():
+    clock = _Clock()
+    p = WritePacer(clock=clock, sleep=clock.sleep)
+    p.hurry(upto=2)                              # the loop waits for jobs 1 and 2
+    p.start(rate=1 << 20, seq=2)
+    p.wrote(4 << 20)
+    assert clock.sleeps == [] and p.slept == 0.0
+    p.start(rate=1 << 20, seq=3)                 # a later job is paced again
+    p.wrote(1 << 20)
+    assert p.slept == pytest.approx(1.0)
+
+
+def test_an_unpaced_job_never_sleeps():
+    clock = _Clock()
+    p = WritePacer(clock=clock, sleep=clock.sleep)
+    p.start(rate=0.0, seq=1)
+    p.wrote(64 << 20)
+    assert clock.sleeps == []
+
+
+def test_a_flush_is_written_in_half_the_time_its_tail_took_to_fill():
+    assert flush_rate(256 << 20, 8.0) == 64 << 20              # busy: twice the fill rate
+    assert flush_rate(32 << 20, 60.0) == FLUSH_MIN_RATE        # idle: the floor
+    assert flush_rate(1 << 20, 0.0) == 0.0                     # no time measured: unpaced
+
+
+def test_a_flush_the_loop_waits_for_is_not_held_to_its_rate(tmp_path, monkeypatch):
+    """A flush started by the loop is paced (here at 1 byte/s: it would never
+    end); the back-pressure wait and a checkpoint hurry it, so every entry is
+    flushed and read back, and the new tail's flush is not paced either."""
+    monkeypatch.setattr(S, "FLUSH_MIN_RATE", 1)
+    s = open_storage(tmp_path, flush_bytes=64 << 10, write_cache_bytes=1 << 20)
+    try:
+        for e in range(200):
+            assert add(s, 7, e) == EOK
+        s._journal.sync()
+        s._last_swap -= 1e6                       # a tail that took ~11 days to fill...
+        s.maintain()                              # ...starts a flush held to 1 byte/s
+        assert s._flusher.pending == 1
+        assert s._flushing is not None
+        for e in range(200, 2000):                # the next tail fills: back-pressure
+            assert add(s, 7, e) == EOK
+            s._journal.sync()
+            s.maintain()
+        s.checkpoint()                            # without the hurries: never returns
+        for e in (0, 199, 200, 1999):
+            assert_entry(s, 7, e)
+        assert s._wc_entries == 0 and s._flushing is None
+    finally:
+        s.close()
