@@ -226,6 +226,8 @@ class _Waiter:
 _FUTURE_LOCK = threading.Lock()
 _PENDING = concurrent.futures._base.PENDING
 _FINISHED = concurrent.futures._base.FINISHED
+_DONE = (_FINISHED, concurrent.futures._base.CANCELLED,
+         concurrent.futures._base.CANCELLED_AND_NOTIFIED)
 
 
 class _AddFuture(concurrent.futures.Future):
@@ -275,7 +277,7 @@ class _AddFuture(concurrent.futures.Future):
                 log.exception("exception calling callback for %r", self)
 
     def done(self):
-        return self._state == _FINISHED or super().done()
+        return self._state in _DONE          # one read: no lock (nor a Condition made)
 
     def result(self, timeout=None):
         if self._state == _FINISHED:        # no lock once it is done
