@@ -110,6 +110,7 @@ _RANGE_REQUEST_BYTES = 256 * 1024
 _PROBE_ENTRIES = 16            # first window of a read whose entry size is unknown
 _data_of = operator.attrgetter("data")
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
+_REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
 
 
 class LedgerEntry:
@@ -833,7 +834,10 @@ class LedgerHandle:
         # so it never waits for a submitter signing entries.
         self._outbox = collections.deque()
         self._flush_armed = False
-        self._rec = protocol.add_record_struct(self._digest.size).pack
+        rec = _REC_PACK.get(self._digest.size)
+        if rec is None:
+            rec = _REC_PACK[self._digest.size] = protocol.add_record_struct(self._digest.size).pack
+        self._rec = rec
         self._sign = self._digest.sign
         self._dlen = self._digest.size
         self._completed = 0                 # I/O thread only
