@@ -146,6 +146,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
     _S("dbStorage_readAheadCacheBatchSize", int, 100, "Entries of the same ledger a read "
        "that misses the caches reads ahead with the same pread (at most 1 MiB).",
        minimum=1),
+    _S("dbStorage_rocksDB_blockCacheSize", int, 16 * 1024 * 1024, "Bytes of a shard's "
+       "index (LMDB, read through a mapping) kept in the worker's memory, as BookKeeper's "
+       "index block cache: past it, checked every second, the mapped index pages are "
+       "dropped from the process (they stay in the page cache, and a lookup maps them "
+       "again), so RSS does not grow with the index.", minimum=64 * 1024),
     _S("logSizeLimit", int, 256 * 1024 * 1024, "Bytes after which a shard starts a new entry "
        "log. Smaller logs are compacted in finer steps (BookKeeper's default is 1 GiB).",
        minimum=1 << 20, maximum=1 << 40),

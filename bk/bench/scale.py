@@ -6,7 +6,10 @@ the raw protocol with entries over ``ledgers`` ledgers, interleaved (each
 ADD_BATCH carries one entry of many ledgers), at full speed. After each step
 it measures and prints:
 
-* entries held; the worker's RSS and peak RSS (VmHWM) from /proc;
+* entries held; the worker's RSS, measured at the same point of every step
+  (after that step's reads, when its caches are warm), split into anonymous
+  memory, file-backed pages and, of those, the LMDB index's mapped pages,
+  and its peak RSS (VmHWM), from /proc;
 * bytes and seconds of the last flush (what a flush costs at this size);
 * add latency p50/p99/p99.9 at a fixed ``rate`` adds/s for ``rate_seconds``;
 * restart after kill -9: seconds until the last entry is served;
@@ -68,6 +71,22 @@ def proc_memory(pid: int) -> dict:
             if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = round(int(rest.split()[0]) / 1024, 1)
     return out
+
+
+def mapped_file_mib(pid: int, suffix: str) -> float:
+    """Resident MiB of a process's mappings of files whose path ends with ``suffix``
+    (``/proc/<pid>/smaps``): e.g. the shard's LMDB index, ``/data.mdb``."""
+    total = 0
+    cur = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if line.startswith("Rss:"):
+                if cur:
+                    total += int(line.split()[1])
+                cur = False
+            elif "-" in line.split(None, 1)[0] and not line.startswith(("Rss", "Pss")):
+                cur = line.rstrip("\n").endswith(suffix)
+    return round(total / 1024, 1)
 
 
 def drop_caches() -> bool:
@@ -402,7 +421,7 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
                     filled_rate = (target - (steps[k - 1] if k else 0)) / fill_s
                     latency = filler.paced(rate, rate_seconds)
                     info = _shard_info(b.bookie_id)
-                    mem = proc_memory(b.worker_pids()[0])
+                    mem_running = proc_memory(b.worker_pids()[0])
                     filler.close()
                     last_i = filler.next - 1
                     restart = _restart(b, ids[last_i % ledgers], last_i // ledgers)
@@ -416,6 +435,10 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
                         client.close()
                         client = BookKeeper(cluster.metadata_uri)
                         catch = _catchup(client, pick)
+                    # Memory after the step's reads (caches warm), the same point every step.
+                    pid = b.worker_pids()[0]
+                    mem = proc_memory(pid)
+                    index_mib = mapped_file_mib(pid, "/data.mdb")
                     filler = _Filler(b.bookie_id, ids, entry_size)
                     filler.next = last_i + 1
                     row = {
@@ -423,6 +446,10 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
                         "fill_adds_per_sec": round(filled_rate),
                         "worker_rss_mib": mem.get("VmRSS"), "worker_hwm_mib": mem.get("VmHWM"),
                         "worker_anon_mib": mem.get("RssAnon"),
+                        "worker_file_mib": mem.get("RssFile"),
+                        "worker_index_mapped_mib": index_mib,
+                        "running_rss_mib": mem_running.get("VmRSS"),
+                        "running_hwm_mib": mem_running.get("VmHWM"),
                         "rss_after_restart_mib": mem_after.get("VmRSS"),
                         "last_flush_bytes": info.get("last_flush_bytes"),
                         "last_flush_seconds": info.get("last_flush_seconds"),
@@ -442,8 +469,10 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
 def format_row(r: dict) -> str:
     lat, rr, cu = r["add_latency"], r["random_read"], r["catchup_read"]
     temp = "cold" if r["cold"] else "warm"
-    return (f"{r['entries']:>12,} entries | RSS {r['worker_rss_mib']} MiB (peak "
-            f"{r['worker_hwm_mib']}, anon {r['worker_anon_mib']}) | last flush "
+    return (f"{r['entries']:>12,} entries | RSS after reads {r['worker_rss_mib']} MiB (anon "
+            f"{r['worker_anon_mib']}, file {r['worker_file_mib']} of which index "
+            f"{r['worker_index_mapped_mib']}; peak before restart "
+            f"{r['running_hwm_mib']}) | last flush "
             f"{(r['last_flush_bytes'] or 0) / 2**20:.1f} MiB in "
             f"{r['last_flush_seconds'] or 0:.2f}s | adds at "
             f"{lat['rate']}/s p50/p99/p99.9 {lat['p50_ms']}/{lat['p99_ms']}/{lat['p999_ms']} ms | "

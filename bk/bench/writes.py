@@ -14,6 +14,7 @@ import threading
 import time
 
 from bk.client.bookkeeper import BookKeeper
+from bk.errors import BKError
 
 
 class _LedgerStats:
@@ -134,7 +135,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
         for h in handles:
             try:
                 h.close()
-            except bk.errors.BKError:
+            except BKError:
                 pass
         rate_measured = count / elapsed if elapsed > 0 else 0.0
         return {

@@ -29,7 +29,8 @@ Writing: records are gathered in a buffer written with ``os.write`` every
 (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, through libc: Python has no
 binding) and waited for one chunk later, so a flush never leaves a burst of
 dirty pages for the journal's next ``fdatasync`` (on the same disk) to queue
-behind. Where the call is missing, an ``fdatasync`` every :data:`SYNC_STEP`
+behind: that sync's cache flush waits for the writes in flight, which the
+pacing keeps to two chunks of the flush (so the chunk is small: 256 KiB). Where the call is missing, an ``fdatasync`` every :data:`SYNC_STEP`
 bytes does the pacing.
 :meth:`LogWriter.sync` makes everything durable before the index is
 committed.
@@ -74,7 +75,7 @@ _ADD_FIELDS = struct.Struct("<qqqH")     # ledger, entry, lac, dlen (after the p
 _ADD_HEAD = struct.Struct("<IIBqqqH")    # the whole head of an ADD record
 _LOG_NAME = re.compile(r"^([0-9a-f]{16})\.log$")
 LOG_SUBDIR = "entrylogs"
-WRITE_CHUNK = 1 << 20
+WRITE_CHUNK = 256 << 10
 SYNC_STEP = 8 << 20
 MAX_OPEN_READERS = 128
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4

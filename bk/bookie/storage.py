@@ -106,6 +106,7 @@ READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this mu
 PREFETCH_MAX_BYTES = 8 << 20        # how far past its answer a READ_RANGE starts reads
 PREFETCH_LEDGERS = 1024             # ledgers whose prefetch position is remembered
 FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
+INDEX_TRIM_SECONDS = 1.0            # how often the index map's resident size is checked
 
 
 # --- tombstones of deleted ledgers ----------------------------------------------
@@ -444,7 +445,7 @@ class ShardStorage:
                  write_cache_bytes: int = 64 << 20, flush_bytes: int | None = None,
                  flush_interval: float = 60.0, read_cache_bytes: int = 32 << 20,
                  read_ahead_entries: int = 100, log_size_limit: int = 256 << 20,
-                 recent_deletions_seconds: float = 3600.0):
+                 recent_deletions_seconds: float = 3600.0, index_cache_bytes: int = 16 << 20):
         # ``owns(ledger_id)``: whether this shard owns a ledger; an ADD or fence of a
         # ledger it does not own is a misrouted request (EBADREQ), never new state.
         self._owns = owns
@@ -478,6 +479,11 @@ class ShardStorage:
         self._compaction = None                  # a CompactJob in flight
         self._compaction_done: dict | None = None
         self._last_swap = time.monotonic()
+        # The index's mapped pages the worker keeps resident (see bk.bookie.index)
+        self.index_cache_bytes = index_cache_bytes
+        self._index_resident = 0
+        self.index_trims = 0                     # checks that found it over and dropped it
+        self._next_trim = 0.0
         self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
         self._gone = RecentDeletions(recent_deletions_seconds)
         self._journal = Journal(journal_dir, segment_size, sync_data)
@@ -1053,9 +1059,12 @@ class ShardStorage:
         fl = self._flusher
         while fl.pending and not fl.done.empty():
             self._finish(fl.done.get())
+        now = time.monotonic() if now is None else now
+        if now >= self._next_trim:
+            self._next_trim = now + INDEX_TRIM_SECONDS
+            self._trim_index()
         due = self._journal_bytes() - self._swap_at
         if self._flushing is None:
-            now = time.monotonic() if now is None else now
             if self._flush_failed is not None and now - self._last_swap < FLUSH_RETRY_SECONDS:
                 return                # the journal keeps it all meanwhile
             if due >= self.flush_bytes or (due and now - self._last_swap >= self.flush_interval):
@@ -1064,6 +1073,17 @@ class ShardStorage:
             log.warning("%s: the write cache is full while a flush runs; waiting for it",
                         self.index_dir)
             self._wait_flusher()
+
+    def _trim_index(self) -> None:
+        """Keep the index's mapped pages under ``index_cache_bytes``: RSS bounded
+        by the configured caches, not by the entries held."""
+        try:
+            self._index_resident = self._index.trim(self.index_cache_bytes)
+            if self._index_resident > self.index_cache_bytes:
+                self.index_trims += 1
+        except OSError as e:               # no /proc, or madvise refused: memory only
+            log.warning("%s: cannot bound the index's memory: %s", self.index_dir, e)
+            self._next_trim = float("inf")
 
     def _start_flush(self) -> None:
         j = self._journal
@@ -1431,6 +1451,8 @@ class ShardStorage:
             "journal_segments_as_logs_bytes": self._adopted_bytes(),
             "entry_log_bytes": self._logs.disk_usage(),
             "index_bytes": self._index.disk_usage(),
+            "index_resident_bytes": self._index_resident,   # at the last check, before a trim
+            "index_trims": self.index_trims,
             "syncs": j.syncs,
             "synced_records": j.synced_records,
             "synced_bytes": j.synced_bytes,

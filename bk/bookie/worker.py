@@ -264,7 +264,8 @@ class ShardWorker:
             read_cache_bytes=conf.dbStorage_readAheadCacheMaxSizeMb << 20,
             read_ahead_entries=conf.dbStorage_readAheadCacheBatchSize,
             log_size_limit=conf.logSizeLimit,
-            recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds)
+            recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds,
+            index_cache_bytes=conf.dbStorage_rocksDB_blockCacheSize)
         stats = self.storage.stats()
         log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
                  time.monotonic() - t0, stats.get("ledgers"))
@@ -759,7 +760,7 @@ class ShardWorker:
                 t.feed(self._scratch)
                 self._handshake(conn)
                 return
-            got = t.recv_into(conn.fb, RECV_SIZE, self._scratch)
+            got = t.recv_into(conn.fb, self._scratch)
         except OSError as e:             # ssl.SSLError included
             self._close_after(conn, e)
             return

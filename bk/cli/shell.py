@@ -1559,14 +1559,22 @@ class _Size(click.ParamType):
 @click.option("--catchup-entries", default=5000, show_default=True,
               type=click.IntRange(min=0), help="1 KiB entries of each of the 100 "
               "interleaved catch-up ledgers (0: no catch-up measurement).")
+@click.option("--catchup-only", is_flag=True,
+              help="Measure only the cold catch-up read: the 100 ledgers written "
+              "interleaved, then --read-ledgers of them read back, each cold.")
+@click.option("--read-ledgers", default=10, show_default=True, type=click.IntRange(min=1),
+              help="--catchup-only: ledgers read back.")
+@click.option("--drop-all", is_flag=True,
+              help="--catchup-only: drop the whole page cache (root) instead of evicting "
+              "the bookie's files only.")
 @click.option("--dir", "base_dir", default=None, type=click.Path(file_okay=False),
               help="Where the bookie's data goes (default: a temp dir, removed after).")
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
               help="A bookie setting for the run; repeatable.")
 @_json_opt
 @handled
-def bench_scale_cmd(steps, entry_size, ledgers, rate, rate_seconds, catchup_entries, base_dir,
-                    settings, as_json):
+def bench_scale_cmd(steps, entry_size, ledgers, rate, rate_seconds, catchup_entries,
+                    catchup_only, read_ledgers, drop_all, base_dir, settings, as_json):
     """Storage at scale: one bookie filled in steps, measured after each.
 
     Starts its own one-bookie, one-shard cluster (needs no --metadata), fills it at
@@ -1576,12 +1584,17 @@ def bench_scale_cmd(steps, entry_size, ledgers, rate, rate_seconds, catchup_entr
     last entry is served, random read p99 and catch-up read MB/s of one ledger
     written among 99 others, with the page cache dropped (as root; else warm).
 
+    With --catchup-only, only the catch-up read (quick, repeatable): MB/s, CPU
+    us per entry of the client and of the shard worker, and the MB the worker
+    read from disk.
+
     \b
     Example:
       bkshell bench scale --steps 1M,10M
       bkshell bench scale --steps 1M,10M --entry-size 1024 --json
+      bkshell bench scale --catchup-only --catchup-entries 3000
     """
-    from bk.bench.scale import bench_scale, parse_count
+    from bk.bench.scale import bench_catchup, bench_scale, format_catchup, parse_count
     from bk.config import SETTINGS
 
     overrides = {}
@@ -1591,6 +1604,16 @@ def bench_scale_cmd(steps, entry_size, ledgers, rate, rate_seconds, catchup_entr
             raise click.BadParameter(f"{kv!r}: expected KEY=VALUE with a known key",
                                      param_hint="--set")
         overrides[key] = value
+    if catchup_only:
+        if not catchup_entries:
+            raise click.BadParameter("--catchup-only needs --catchup-entries above 0",
+                                     param_hint="--catchup-entries")
+        r = bench_catchup(catchup_entries, read_ledgers, drop_all=drop_all, base_dir=base_dir,
+                          conf=overrides, report=lambda line: click.echo(line, err=True))
+        if as_json:
+            return _json_out(r)
+        click.echo(format_catchup(r))
+        return None
     rows = bench_scale([parse_count(x) for x in steps.split(",")], entry_size=entry_size,
                        ledgers=ledgers, rate=rate, rate_seconds=rate_seconds,
                        catchup_entries=catchup_entries, base_dir=base_dir, conf=overrides,

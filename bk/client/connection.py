@@ -542,7 +542,7 @@ class Connection:
                 t.feed(self.loop.scratch)
                 self._handshake()
                 return False
-            got = t.recv_into(fb, _RECV, self.loop.scratch)
+            got = t.recv_into(fb, self.loop.scratch)
             if t.backlog:                # TLS itself answered something
                 self._want(bool(t.flush()))
         except OSError as e:             # ssl.SSLError included: an alert of the bookie

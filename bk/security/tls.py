@@ -131,6 +131,8 @@ class ServerTLS:
 # Plaintext bytes per SSLObject.write: whole TLS records (16 KiB each) come out of
 # it, and a larger piece only means a larger join of small buffers.
 WRITE_PIECE = 1 << 16
+# Plaintext of one TLS record, at most (2**14): what one SSLObject.read returns.
+RECORD = 1 << 14
 _IOV = 512
 
 
@@ -187,7 +189,7 @@ class TLSStream:
             self._in.write(view[:n])
         return n
 
-    def recv_into(self, fb, size: int, scratch: bytearray) -> int:
+    def recv_into(self, fb, scratch: bytearray) -> int:
         """Read the socket once and decrypt every whole record into the FrameBuffer
         ``fb``; the plaintext bytes it got (0 with ``eof`` set: the peer closed).
         ssl.SSLError on a TLS error (an alert of the peer), OSError if the socket
@@ -198,10 +200,13 @@ class TLSStream:
         got = 0
         # Read while a whole record may be there: fewer than 5 bytes (a record's
         # header) cannot be one, and a read that finds none raises, which costs more
-        # than this check (the usual case: the last record was taken whole).
+        # than this check (the usual case: the last record was taken whole). Each
+        # read asks ``fb`` for one record's room, not a socket read's: 256 KiB asked
+        # for behind a record already taken would make the buffer double (and copy
+        # itself) whenever one socket read brings two records.
         while inbuf.pending >= 5 or obj.pending() or self.eof:
             try:
-                n = obj.read(size, fb.recv_buffer(size))
+                n = obj.read(RECORD, fb.recv_buffer(RECORD))
             except ssl.SSLWantReadError:
                 break
             except ssl.SSLZeroReturnError:       # close_notify

@@ -25,6 +25,24 @@ def test_make_runs_splits_by_step_and_size():
     assert (s.first, s.count, s.off, s.nbytes, list(s.offs)) == (13, 2, 360, 130, [0, 70])
 
 
+def test_make_runs_of_a_range_matches_the_list_form():
+    # A dense tail hands make_runs a range (no per-entry walk); the runs must be
+    # the ones the same entries as a list give, sizes varying and runs split at
+    # MAX_RUN_ENTRIES.
+    n = I.MAX_RUN_ENTRIES + 7
+    sizes = [40 + (k % 3) for k in range(n)]
+    fast = I.make_runs(3, range(100, 100 + n), sizes, 2, 64)
+    slow = I.make_runs(3, list(range(100, 100 + n)), sizes, 2, 64)
+    as_rows = [(r.first, r.count, r.step, r.off, r.nbytes, r.rlen,
+                list(r.offs) if r.offs is not None else None) for r in fast]
+    assert as_rows == [(r.first, r.count, r.step, r.off, r.nbytes, r.rlen,
+                        list(r.offs) if r.offs is not None else None) for r in slow]
+    assert [(r.first, r.count) for r in fast] == [(100, I.MAX_RUN_ENTRIES),
+                                                  (100 + I.MAX_RUN_ENTRIES, 7)]
+    assert list(fast[1].offs) == [0, 41, 83, 123, 164, 206, 246]
+    assert fast[1].off == 64 + sum(sizes[:I.MAX_RUN_ENTRIES])
+
+
 def test_a_huge_step_ends_a_run():
     runs = I.make_runs(1, [0, 10**12], [40, 40], 1, 64)
     assert [(r.first, r.count) for r in runs] == [(0, 1), (10**12, 1)]
@@ -99,3 +117,27 @@ def test_entry_log_records_are_journal_records_and_are_checked(tmp_path):
     assert os.listdir(tmp_path / ("d2" if w.id % 2 else "d1") / "entrylogs")
     assert logs.remove(w.id) > 0 and logs.ids() == []
     logs.close()
+
+
+def test_trim_drops_the_mapped_index_over_the_cap(tmp_path):
+    idx = I.Index(str(tmp_path))
+    with idx.write() as w:
+        for lid in range(300):                  # runs with per-entry offsets: ~4 MiB
+            for run in I.make_runs(lid, range(3000), [30 + k % 5 for k in range(3000)], 1, 64):
+                w.put_run(run)
+    data = os.path.join(idx.path, "data.mdb")
+
+    def smaps():                                # the kernel's own count, for comparison
+        return sum(m[3] for m in I.mapped_resident(data))
+
+    for lid in range(300):
+        assert idx.lookup(lid, 2999).last == 2999
+    before = idx.resident_bytes()
+    assert before == smaps() and before > 2 << 20
+    assert idx.trim(before) == before and idx.resident_bytes() == before   # at the cap: kept
+    assert idx.trim(1 << 20) == before
+    assert idx.resident_bytes() == smaps() < 1 << 20
+    for lid in range(300):                      # the dropped pages map again on use
+        run = idx.lookup(lid, 1234)
+        assert (run.ledger, run.index_of(1234) >= 0) == (lid, True)
+    idx.close()

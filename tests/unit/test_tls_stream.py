@@ -1,0 +1,115 @@
+"""TLSStream (bk.security.tls), the TLS of the client's I/O loop and the shard
+workers, over real non-blocking sockets and real TLS contexts: frames larger
+than a record, records split over socket reads, the frame buffer's size."""
+
+import socket
+
+import pytest
+
+from bk import protocol as P
+from bk.config import Config
+from bk.security import pki, tls
+
+
+def conf(**kw):
+    return Config.load(overrides=kw, env={})
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(client, server) TLSStreams over a connected socket pair, handshake done."""
+    ca = pki.make_ca(str(tmp_path))
+    crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
+    server_ctx = tls.server_context(conf(tlsCertificatePath=crt, tlsKeyStore=key))
+    client_ctx = tls.client_context(conf(tlsEnabled=True, tlsTrustStore=ca.cert_path))
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setblocking(False)
+    client = tls.TLSStream(client_ctx, a, server_side=False, server_hostname="127.0.0.1")
+    server = tls.TLSStream(server_ctx, b, server_side=True)
+    scratch = bytearray(1 << 16)
+    done = {client: False, server: False}
+    for _ in range(100):
+        for t in (client, server):
+            t.feed(scratch)
+            done[t] = done[t] or t.handshake()
+            t.flush()
+        if all(done.values()):
+            break
+    assert all(done.values())
+    yield client, server
+    a.close()
+    b.close()
+
+
+def _pump(src, dst, fb, scratch, want):
+    """Send src's backlog and decrypt it at dst, one socket read (of at most
+    len(scratch) bytes) at a time, until ``want`` frames arrived; the frames and
+    how many reads it took."""
+    frames, reads = [], 0
+    for _ in range(1_000_000):
+        src.flush()
+        reads += 1
+        dst.recv_into(fb, scratch)
+        frames += fb.frames()
+        if len(frames) >= want:
+            return frames, reads
+    raise AssertionError(f"{len(frames)} of {want} frames arrived")
+
+
+def test_a_frame_larger_than_a_record_arrives_whole_over_small_reads(pair):
+    """A 1 MiB frame is 64+ records; read 1000 ciphertext bytes at a time, records
+    arrive cut anywhere (header and body split across reads), and the frame comes
+    out whole, once, after its last record; the small frame after it too."""
+    client, server = pair
+    body = bytes(range(256)) * 4096                      # 1 MiB, not all zeros
+    big = P.encode_frame([P.PING, 1, body])
+    small = P.encode_frame([P.PING, 2, b"tail"])
+    client.encrypt([big, small])
+    assert client.backlog_bytes > len(big) + len(small)  # plaintext plus record overhead
+    fb = P.FrameBuffer(4 << 20)
+    frames, reads = _pump(client, server, fb, bytearray(1000), 2)
+    assert [m[1] for m in frames] == [1, 2]
+    assert frames[0][2] == body and frames[1][2] == b"tail"
+    assert reads > len(big) // 1000                      # it did come in pieces
+    assert fb.pending == 0 and client.backlog_bytes == 0
+
+
+def test_many_records_per_read_do_not_grow_the_frame_buffer(pair):
+    """Frames of ~30 KiB (two records each, as a batch of adds) read whole in one
+    socket read: the frame buffer keeps the size a plaintext connection has
+    (each SSL read asks it for one record's room, not a socket read's)."""
+    client, server = pair
+    fb = P.FrameBuffer(1 << 20, capacity=1 << 18)
+    scratch = bytearray(1 << 18)
+    for i in range(200):
+        client.encrypt([P.encode_frame([P.PING, i, bytes(30_000)])])
+        frames, _ = _pump(client, server, fb, scratch, 1)
+        assert [m[1] for m in frames] == [i]
+    assert len(fb._buf) == 1 << 18
+
+
+def test_answers_flow_both_ways_interleaved_with_partial_records(pair):
+    """Requests one way and answers the other, each side reading whatever part of
+    the other's records has arrived: every frame arrives once, in order."""
+    client, server = pair
+    fbs, fbc = P.FrameBuffer(1 << 20), P.FrameBuffer(1 << 20)
+    scratch = bytearray(7001)                            # cuts records anywhere
+    sent = answered = 0
+    got_server, got_client = [], []
+    for _ in range(100_000):
+        if sent < 500:
+            client.encrypt([P.encode_frame([P.PING, sent, b"r" * (sent * 37 % 20_000)])])
+            sent += 1
+        client.flush()
+        server.recv_into(fbs, scratch)
+        for m in fbs.frames():
+            got_server.append(m[1])
+            server.encrypt([P.encode_frame([P.PING, m[1], b"a" * 50])])
+        server.flush()
+        client.recv_into(fbc, scratch)
+        got_client += [m[1] for m in fbc.frames()]
+        answered = len(got_client)
+        if answered == 500:
+            break
+    assert got_server == got_client == list(range(500))
