@@ -103,6 +103,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "Empty: none is written; a bookie without one is in /default-region/default-rack."),
     _S("metadataServiceUri", str, "", "etcd://host:port[,host:port...]/prefix of the "
        "metadata store.", scope=BOTH),
+    _S("metadataServiceStartTimeoutSeconds", int, 30, "Seconds a starting bookie waits for an "
+       "unreachable metadata store (retrying with back-off) before it exits with code 5; "
+       "0: exit at once. A store that answers but holds no cluster, or another cookie, "
+       "stops the start at once.", minimum=0),
     # --- storage ---------------------------------------------------------------
     _S("journalDirectories", list, ["/tmp/bk-txn"], "Directories of the journal segments "
        "(every write goes there first; put them on a fast device). Shards are spread over "

@@ -74,6 +74,7 @@ from bk.meta.compactor import Compactor
 from bk.meta.racks import check_rack, set_rack_if_absent
 from bk.meta.store import MetadataStore
 from bk.rawclient import BookiePool
+from bk.retry import Backoff
 from bk.security import ClientSecurity, auth, http_security, tls
 from bk.security.etcd import EtcdCredentials
 
@@ -84,6 +85,8 @@ RESTART_WINDOW = 60.0
 HELLO_TIMEOUT = 10.0
 BOOT_TIMEOUT = 300.0
 HANDOVER_TIMEOUT = 30.0
+# retries of an unreachable metadata store at start (metadataServiceStartTimeoutSeconds)
+_START_BACKOFF = Backoff(first=0.25, factor=2.0, cap=2.0, jitter=0.2)
 
 
 class BookieExit(Exception):
@@ -194,7 +197,7 @@ class Arbiter:
             self.store = MetadataStore(conf.metadataServiceUri,
                                        timeout=conf.metadataTimeoutMillis / 1000.0,
                                        credentials=EtcdCredentials.from_conf(conf))
-            self.num_shards = layout.check_cookie(conf, self.store)
+            self.num_shards = self._check_cookie_waiting()
             self.instance_id = self.store.instance_id
         except CookieMismatchError as e:
             raise BookieExit(EXIT_COOKIE, str(e)) from None
@@ -287,6 +290,28 @@ class Arbiter:
         log.info("bookie %s registered", conf.bookie_id)
         if self.on_ready:
             self.on_ready(None)
+
+    def _check_cookie_waiting(self) -> int:
+        """layout.check_cookie, retried while the metadata store is unreachable for up
+        to metadataServiceStartTimeoutSeconds: a bookie started with (or just before)
+        etcd, or restarted by a supervisor during an etcd outage, waits instead of
+        exiting. Any other answer (no cluster, another cookie) is final at once."""
+        schedule = _START_BACKOFF.start(
+            time.monotonic() + self.conf.metadataServiceStartTimeoutSeconds)
+        while True:
+            try:
+                return layout.check_cookie(self.conf, self.store)
+            except MetadataError as e:
+                if type(e) is not MetadataError:      # answered: not formatted, refused...
+                    raise
+                delay = schedule.next_delay()
+                if delay is None:
+                    raise
+                log.warning("metadata store unreachable, retrying in %.1fs: %s", delay, e)
+                time.sleep(delay)
+                if any(sig in (signal.SIGTERM, signal.SIGINT) for sig in self.signals):
+                    log.info("stop requested while waiting for the metadata store")
+                    raise BookieExit(EXIT_OK, "stopped") from None
 
     def _check_segment_size(self):
         """Every entry a frame can carry must fit one journal segment: otherwise such

@@ -75,6 +75,7 @@ class BookKeeper:
         # thread that finds it empty reserves a block with no lock held.
         self._ids_lock = threading.Lock()
         self._ids: list[range] = []
+        self._pw_keys: dict[bytes, tuple[bytes, bytes]] = {}   # see _password_keys
         # Writable bookies as the watch of bookies/ last saw them (see _writable_view).
         self._view_lock = threading.Lock()
         self._view: frozenset | None = None
@@ -291,14 +292,14 @@ class BookKeeper:
             raise NotEnoughBookiesError(f"create ledger with ensemble size {ensemble_size}: {e}") \
                 from None
         pw = bytes(password)
+        pw_digest, key = self._password_keys(pw)
         for _ in range(10 if ledger_id is None else 1):
             lid = self._next_ledger_id() if ledger_id is None else int(ledger_id)
             md = LedgerMetadata(ledger_id=lid, ensemble_size=ensemble_size,
                                 write_quorum_size=write_quorum_size,
                                 ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
                                 digest_type=digest_type,
-                                password_digest=_digest.password_digest(pw),
-                                master_key=_digest.master_key(pw),
+                                password_digest=pw_digest, master_key=key,
                                 ctime=time.time(), custom_metadata=custom)
             try:
                 version = self._store.create_ledger(md)
@@ -309,7 +310,20 @@ class BookKeeper:
                 continue
         else:
             raise MetadataError("create ledger: could not allocate a free ledger id")
-        return LedgerHandle(self, md, version, pw, writable=True)
+        return LedgerHandle(self, md, version, pw, writable=True, master_key=key)
+
+    def _password_keys(self, pw: bytes) -> tuple[bytes, bytes]:
+        """(salted password digest, master key) of ``pw`` for the metadata of the
+        ledgers this client creates: hashed once per password, not per ledger (the
+        salt is then shared by this client's ledgers of one password, which only
+        tells that their passwords are equal)."""
+        keys = self._pw_keys.get(pw)
+        if keys is None:
+            keys = (_digest.password_digest(pw), _digest.master_key(pw))
+            if len(self._pw_keys) >= 64:      # many passwords: a bounded cache
+                self._pw_keys.clear()
+            self._pw_keys[pw] = keys
+        return keys
 
     def _next_ledger_id(self) -> int:
         while True:

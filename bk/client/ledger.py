@@ -110,6 +110,7 @@ _RANGE_REQUEST_BYTES = 256 * 1024
 _PROBE_ENTRIES = 16            # first window of a read whose entry size is unknown
 _data_of = operator.attrgetter("data")
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
+_REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
 
 
 class LedgerEntry:
@@ -195,39 +196,101 @@ class PendingAdd:
 
 
 class _Waiter:
-    """Blocks a user thread until an add (or the last add of a batch) completes."""
+    """Blocks a user thread until an add (or the last add of a batch) completes.
 
-    __slots__ = ("event", "entry_id", "error")
+    A bare lock taken at creation and released by the completion, not an Event
+    (a Condition, an RLock and one more lock per wait): one is made per
+    blocking add."""
+
+    __slots__ = ("lock", "entry_id", "error")
 
     def __init__(self):
-        self.event = threading.Event()
+        self.lock = threading.Lock()
+        self.lock.acquire()
         self.entry_id = None
         self.error = None
 
     def __call__(self, exc, entry_id):
         self.error = exc
         self.entry_id = entry_id
-        self.event.set()
+        self.lock.release()
 
     def wait(self):
-        while not self.event.wait(1.0):
+        while not self.lock.acquire(timeout=1.0):
             pass
         if self.error is not None:
             raise self.error
         return self.entry_id
 
 
-class _FutureCallback:
-    __slots__ = ("future",)
+# Orders the lazy creation of an _AddFuture's Condition against its completion.
+_FUTURE_LOCK = threading.Lock()
+_PENDING = concurrent.futures._base.PENDING
+_FINISHED = concurrent.futures._base.FINISHED
+_DONE = (_FINISHED, concurrent.futures._base.CANCELLED,
+         concurrent.futures._base.CANCELLED_AND_NOTIFIED)
 
-    def __init__(self, future):
-        self.future = future
+
+class _AddFuture(concurrent.futures.Future):
+    """What ``add_entry_async`` returns: a ``concurrent.futures.Future`` (result,
+    exception, done, add_done_callback, ``concurrent.futures.wait``...) whose
+    Condition and its RLock are made only when someone waits on it while it is
+    still pending. Most adds complete before anyone looks, and the base class's
+    constructor was most of the CPU of a thread submitting adds. Called as the
+    add's callback ``(exc, entry_id)`` on the I/O thread."""
+
+    def __init__(self):          # not super().__init__(): _condition, _waiters are lazy
+        self._state = _PENDING
+        self._result = None
+        self._exception = None
+        self._done_callbacks = []
+
+    def __getattr__(self, name):
+        # called only for attributes not set yet: the base class's lazy ones
+        if name not in ("_condition", "_waiters"):
+            raise AttributeError(name)
+        with _FUTURE_LOCK:
+            d = self.__dict__
+            if "_condition" not in d:
+                d["_waiters"] = []
+                d["_condition"] = threading.Condition()
+            return d[name]
 
     def __call__(self, exc, entry_id):
-        if exc is None:
-            self.future.set_result(entry_id)
-        else:
-            self.future.set_exception(exc)
+        with _FUTURE_LOCK:
+            lazy = "_condition" not in self.__dict__
+            if lazy:                # nobody waits on it: nothing to notify
+                if exc is None:
+                    self._result = entry_id
+                else:
+                    self._exception = exc
+                self._state = _FINISHED
+        if not lazy:
+            if exc is None:
+                self.set_result(entry_id)
+            else:
+                self.set_exception(exc)
+            return
+        for fn in self._done_callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("exception calling callback for %r", self)
+
+    def done(self):
+        return self._state in _DONE          # one read: no lock (nor a Condition made)
+
+    def result(self, timeout=None):
+        if self._state == _FINISHED:        # no lock once it is done
+            if self._exception is not None:
+                raise self._exception
+            return self._result
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        if self._state == _FINISHED:
+            return self._exception
+        return super().exception(timeout)
 
 
 class _ReadBatch:
@@ -592,7 +655,8 @@ class LedgerHandle:
                  writable: bool = False, recovery: bool = False, lac: int = -1, length: int = 0,
                  master_key: bytes | None = None):
         # password None (with master_key): an administrator's handle, see
-        # bk.client.recovery.recover_ledger; a mac digest then goes unchecked.
+        # bk.client.recovery.recover_ledger; a mac digest then goes unchecked. Both:
+        # master_key is the password's, already hashed (create_ledger).
         self._client = client
         self._loop = client._io
         self._conf = client.conf
@@ -605,7 +669,8 @@ class LedgerHandle:
         # bookies replaced): recovery must not leave an entry it wrote back
         # under-replicated, nor end (and its client close) with copies in flight.
         self._qa = md.write_quorum_size if recovery else md.ack_quorum_size
-        self._master_key = master_key if password is None else _digest.master_key(password)
+        self._master_key = master_key if password is None or master_key is not None \
+            else _digest.master_key(password)
         self._digest = _digest.EntryDigest(md.ledger_id, md.digest_type, password)
         self._writable = writable
         self._recovery = recovery
@@ -769,7 +834,10 @@ class LedgerHandle:
         # so it never waits for a submitter signing entries.
         self._outbox = collections.deque()
         self._flush_armed = False
-        self._rec = protocol.add_record_struct(self._digest.size).pack
+        rec = _REC_PACK.get(self._digest.size)
+        if rec is None:
+            rec = _REC_PACK[self._digest.size] = protocol.add_record_struct(self._digest.size).pack
+        self._rec = rec
         self._sign = self._digest.sign
         self._dlen = self._digest.size
         self._completed = 0                 # I/O thread only
@@ -1023,8 +1091,8 @@ class LedgerHandle:
         if data.__class__ is not bytes or len(data) > self._max_payload:
             data = self._check_payload(data)
         if callback is None:
-            fut = concurrent.futures.Future()
-            self._submit_one(data, _FutureCallback(fut))
+            fut = _AddFuture()
+            self._submit_one(data, fut)
             return fut
         self._submit_one(data, callback)
         return None

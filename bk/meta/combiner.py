@@ -44,7 +44,11 @@ class _Write:
         self.compare = compare        # the txn comparison of this write
         self.put = put                # its put op
         self.alone = alone            # () -> version: the write sent by itself
-        self.done = threading.Event()
+        # released once, when the write is done or it is to lead: a bare lock, not
+        # an Event (a Condition, an RLock and another lock per wait; one is made per
+        # ledger create and close)
+        self.done = threading.Lock()
+        self.done.acquire()
         self.lead = False             # woken to send the next batch, not with a result
         self.result = None
         self.error: BaseException | None = None
@@ -79,7 +83,7 @@ class TxnCombiner:
                 self._busy = True
                 w.lead = True
         if not w.lead:
-            w.done.wait()
+            w.done.acquire()
         if w.lead:
             self._lead(w)
         if w.error is not None:
@@ -108,13 +112,13 @@ class TxnCombiner:
                     nxt = self._queue.pop(0)
                     nxt.lead = True
                     self._queue.insert(0, nxt)
-                    nxt.done.set()
+                    nxt.done.release()
                 else:
                     self._busy = False
             for w in batch:
                 if w is not me:
                     w.lead = False
-                    w.done.set()
+                    w.done.release()
 
     def _run(self, batch: list[_Write]) -> None:
         self._last = len(batch)

@@ -138,3 +138,59 @@ def test_etcd_killed_mid_batch_keeps_every_acknowledged_create(etcd, store):
     for lid, version in acked.items():
         m, v = store.read_ledger(lid)
         assert m.ledger_id == lid and v == version
+
+
+def test_etcd_killed_mid_batch_of_closes_keeps_every_answer_exact(cluster_factory):
+    """kill -9 etcd while 12 threads close ledgers (closes sharing transactions): a
+    close that returned left the ledger CLOSED at its last entry; one that raised
+    left it OPEN or CLOSED at that same entry (its outcome unknown, never another
+    state) and, retried once etcd is back, closes it exactly there."""
+    cluster = cluster_factory(3)
+    lock = threading.Lock()
+    closed, unknown = [], []
+    with cluster.client(timeout=3, metadataTimeoutMillis=2000) as client:
+        handles, length = [], {}
+        for i in range(12 * 30):
+            lh = client.create_ledger(3, 2, 2, password=b"pw")
+            data = [b"%d-%d" % (i, k) for k in range(3)]
+            lh.add_entries(data)
+            handles.append(lh)
+            length[lh.ledger_id] = sum(map(len, data))
+        go = threading.Barrier(12)
+
+        def closer(mine):
+            go.wait()
+            for lh in mine:
+                try:
+                    lh.close()
+                except MetadataError:
+                    with lock:
+                        unknown.append(lh)
+                    return
+                with lock:
+                    closed.append(lh)
+        ts = [threading.Thread(target=closer, args=(handles[i::12],)) for i in range(12)]
+        for t in ts:
+            t.start()
+        wait_until(lambda: len(closed) >= 60, timeout=60, what="closes under way")
+        cluster.etcd.kill()                     # every thread is closing: some mid-batch
+        for t in ts:
+            t.join(60)
+        assert unknown and len(closed) < len(handles)
+        cluster.etcd.start()
+        store = cluster.store
+        for lh in closed:
+            m = store.read_ledger(lh.ledger_id)[0]
+            assert (m.state, m.last_entry_id, m.length) == (
+                LedgerState.CLOSED, 2, length[lh.ledger_id])
+        for lh in unknown:
+            m = store.read_ledger(lh.ledger_id)[0]
+            assert m.state in (LedgerState.OPEN, LedgerState.CLOSED), m
+            if m.state == LedgerState.CLOSED:
+                assert m.last_entry_id == 2
+            lh.close()                          # retries only the metadata write
+            m = store.read_ledger(lh.ledger_id)[0]
+            assert (m.state, m.last_entry_id, m.length) == (
+                LedgerState.CLOSED, 2, length[lh.ledger_id])
+        rh = client.open_ledger_no_recovery(unknown[0].ledger_id, password=b"pw")
+        assert [e.data.split(b"-")[1] for e in rh.read_entries(0, 2)] == [b"0", b"1", b"2"]
