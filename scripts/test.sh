@@ -5,7 +5,7 @@
 # The suite runs on BK_TEST_WORKERS pytest-xdist workers (default 3: most of a
 # test's time is spent waiting on processes, not on a core), one test module at
 # a time per worker, so that a module's shared cluster is made once, and the
-# modules on the local Spark session together on one worker; modules marked slow
+# modules on the local Spark session together on one worker; the longest modules
 # start first (tests/conftest.py). BK_TEST_WORKERS=0 runs everything in this one
 # process.
 set -euo pipefail

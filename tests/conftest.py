@@ -4,10 +4,14 @@
 module is one unit of work given to one worker, so that a module's shared cluster
 is made once; the modules on the process's local Spark session (the ``spark``
 fixture, tests/integration/conftest.py) form one unit, so that one JVM serves
-them all. Units are handed out in collection order; modules marked ``slow`` are
-put first, so that no worker starts one of them while the others are running out
-of work. The order inside a module, and of everything else, stays as collected.
+them all. Units are handed out longest first, so that no worker starts a long
+one while the others are running out of work: modules marked ``slow`` first,
+then by how many of their tests start a cluster of their own (what most of an
+integration test's time goes to), the unit tests last; ties by the number of
+tests. The order inside a module stays as collected.
 """
+
+from collections import Counter
 
 from xdist.scheduler import LoadScopeScheduling
 
@@ -15,6 +19,9 @@ from xdist.scheduler import LoadScopeScheduling
 # group them: with pytest 9 the group it appends to a test's id is lost.)
 LOCAL_SPARK_MODULES = {"tests/integration/test_spark.py",
                        "tests/integration/test_security_spark.py"}
+
+# Fixtures that start a cluster (etcd and bookie processes) for one test.
+OWN_CLUSTER = {"cluster", "cluster_factory", "secure_cluster"}
 
 
 class ModuleScheduling(LoadScopeScheduling):
@@ -30,4 +37,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    def module(item):
+        return item.nodeid.split("::", 1)[0]
+    own = Counter(module(i) for i in items if OWN_CLUSTER & set(i.fixturenames))
+    count = Counter(module(i) for i in items)
+    slow = {module(i) for i in items if i.get_closest_marker("slow") is not None}
+    # a stable sort: the tests of a module keep their order and stay together
+    items.sort(key=lambda i: (module(i) not in slow, -own[module(i)],
+                              not module(i).startswith("tests/integration/"), -count[module(i)]))

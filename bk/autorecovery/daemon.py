@@ -2,7 +2,7 @@
 
 The same shape as the bookie's arbiter: it checks that the metadata store
 holds a cluster, binds its HTTP port (``httpServerEnabled``) before anything
-starts, runs an :class:`~bk.autorecovery.AutoRecovery` (auditor candidate and
+starts, runs an :class:`~bk.autorecovery.service.AutoRecovery` (auditor candidate and
 replication worker), and then only waits: signal handlers just record the
 signal, the loop stops on SIGTERM or SIGINT. Exit codes are the bookie's
 (:mod:`bk.exitcodes`).
@@ -20,7 +20,7 @@ import signal
 import socket
 import threading
 
-from bk.autorecovery import AutoRecovery
+from bk.autorecovery.service import AutoRecovery
 from bk.autorecovery.status import status as autorecovery_status
 from bk.errors import BKError
 from bk.exitcodes import EXIT_BIND, EXIT_CONFIG, EXIT_METADATA, EXIT_OK

@@ -57,7 +57,6 @@ import time
 
 from bk import metrics as M
 from bk import protocol as P
-from bk.autorecovery import AutoRecovery
 from bk.autorecovery.checker import claim_overreplicated
 from bk.bookie import control, layout
 from bk.bookie import http as bookie_http
@@ -124,9 +123,18 @@ class _Pending:
 
 
 class Arbiter:
-    def __init__(self, conf: Config, on_ready=None):
+    """``autorecovery``: the class of the auto-recovery this bookie hosts with
+    ``autoRecoveryDaemonEnabled`` (:class:`bk.autorecovery.service.AutoRecovery`,
+    made as ``autorecovery(conf, bookie_id, metrics)`` and started once the bookie
+    is registered; ``bookie start`` passes it). The caller hands it in so that a
+    bookie without auto-recovery never loads the client stack it copies with."""
+
+    def __init__(self, conf: Config, on_ready=None, autorecovery=None):
+        if conf.autoRecoveryDaemonEnabled and autorecovery is None:
+            raise ValueError("autoRecoveryDaemonEnabled is set: pass the auto-recovery to host")
         self.conf = conf
         self.on_ready = on_ready          # called once the bookie serves (daemon hand-off)
+        self._make_autorecovery = autorecovery
         self.workers: list[_Worker] = []
         self.num_shards = 0
         self.sel = selectors.DefaultSelector()
@@ -285,8 +293,8 @@ class Arbiter:
                                        metrics=self.metrics).start()
         if conf.autoRecoveryDaemonEnabled:
             self.metrics.autorecovery = M.AutoRecoveryMetrics()
-            self.autorecovery = AutoRecovery(conf, conf.bookie_id,
-                                             self.metrics.autorecovery).start()
+            self.autorecovery = self._make_autorecovery(conf, conf.bookie_id,
+                                                        self.metrics.autorecovery).start()
         log.info("bookie %s registered", conf.bookie_id)
         if self.on_ready:
             self.on_ready(None)
@@ -917,6 +925,9 @@ class Arbiter:
                     os.kill(w.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        # The signal alone would be seen only when the worker's select times out (up to
+        # a heartbeat interval: select resumes after a handler): the message wakes it.
+        self._tell_workers("stop")
         deadline = time.monotonic() + 30.0
         while any(w.pid for w in self.workers) and time.monotonic() < deadline:
             self._reap()

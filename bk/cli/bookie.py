@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -138,6 +139,10 @@ def start(conf_file, settings, daemon, **flags):
     if pid:
         fail(PROG, f"bookie already running with pid {pid} (pid file {conf.pid_file})")
     from bk.bookie.arbiter import Arbiter
+    hosted = None
+    if conf.autoRecoveryDaemonEnabled:     # only then is the client stack loaded
+        from bk.autorecovery.service import AutoRecovery
+        hosted = AutoRecovery
 
     if daemon:
         log_file = conf.logFile or os.path.join(os.path.abspath(conf.ledgerDirectories[0]),
@@ -166,17 +171,24 @@ def start(conf_file, settings, daemon, **flags):
             pipe.write(f"ok {os.getpid()}\n" if err is None else f"{err}\n")
             pipe.close()
 
-        arbiter = Arbiter(conf, on_ready=ready)
+        arbiter = Arbiter(conf, on_ready=ready, autorecovery=hosted)
         code = arbiter.run()
         if not pipe.closed:
             pipe.write(arbiter.exit_message or f"bookie exited with code {code}")
             pipe.close()
         os._exit(code)
     setup_logging(conf.logLevel, conf.logFile or None)
-    arbiter = Arbiter(conf)
+    arbiter = Arbiter(conf, autorecovery=hosted)
     code = arbiter.run()
     if code:
-        fail(PROG, arbiter.exit_message or f"bookie exited with code {code}", code)
+        click.echo(f"{PROG}: error: {arbiter.exit_message or f'bookie exited with code {code}'}",
+                   err=True)
+    # Everything is stopped and closed: leave without the interpreter's teardown, which
+    # spent over a second collecting the etcd client's and metrics' objects.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @main.command()

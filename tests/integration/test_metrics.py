@@ -69,6 +69,13 @@ def ledgers_per_shard(num_shards):
     return out
 
 
+@pytest.fixture(scope="module")
+def http_bookie(module_cluster_factory):
+    """One bookie serving HTTP, shared by the tests that only add to it and read it:
+    each uses its own ledgers and asserts on how far the counters moved."""
+    return module_cluster_factory(1, conf_overrides=HTTP)
+
+
 ADD_OK = ("bookkeeper_server_ADD_ENTRY_REQUEST_count", {"success": "true"})
 READ_OK = ("bookkeeper_server_READ_ENTRY_REQUEST_count", {"success": "true"})
 
@@ -186,7 +193,7 @@ def test_http_endpoints_state_and_errors(cluster_factory, small_fs):
                    == "writable", what="writable again")
 
 
-def test_dashboard_queries_only_metrics_a_bookie_serves(cluster_factory):
+def test_dashboard_queries_only_metrics_a_bookie_serves(http_bookie):
     with open(os.path.join(ROOT, "conf", "grafana", "bk.json")) as f:
         dash = json.load(f)
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
@@ -195,7 +202,7 @@ def test_dashboard_queries_only_metrics_a_bookie_serves(cluster_factory):
     for e in exprs:
         names.update(n for n in re.findall(r"\b(?:bookie|bookkeeper_server)_[A-Za-z0-9_]+", e))
     assert names
-    c = cluster_factory(1, conf_overrides=HTTP)
+    c = http_bookie
     served = served_names(http_port(c, c.bookies[0]))
     missing = sorted(n for n in names if n not in served)
     assert not missing, f"the dashboard queries metrics no bookie serves: {missing}"
@@ -289,9 +296,9 @@ def test_client_metrics_count_ensemble_changes_bookie_errors_and_recoveries(clus
         assert v("bookkeeper_client_LEDGER_RECOVER_total", success="true") == recovered + 1
 
 
-def test_read_entry_request_counts_entries_and_read_range_counts_requests(cluster_factory):
+def test_read_entry_request_counts_entries_and_read_range_counts_requests(http_bookie):
     import bk
-    c = cluster_factory(1, conf_overrides=HTTP)
+    c = http_bookie
     port = http_port(c, c.bookies[0])
     with bk.BookKeeper(c.metadata_uri) as client:
         lh = client.create_ledger(1, 1, 1, password=b"m")
@@ -310,16 +317,17 @@ def test_read_entry_request_counts_entries_and_read_range_counts_requests(cluste
     # gives their size) fit one request's 256 KiB
     assert requests == 1
     assert moved(m, "bookkeeper_server_READ_ENTRY_REQUEST_count") == 100
-    assert val(m, "bookkeeper_server_READ_RANGE_REQUEST_count", success="false") == 0
+    assert val(m, "bookkeeper_server_READ_RANGE_REQUEST_count", success="false") == \
+        val(before, "bookkeeper_server_READ_RANGE_REQUEST_count", success="false")
 
 
-def test_a_fresh_reader_sizes_its_read_ranges_by_the_entries(cluster_factory):
+def test_a_fresh_reader_sizes_its_read_ranges_by_the_entries(http_bookie):
     """A new handle reads 1 KiB entries in requests of about 256 KiB: from the
     closed ledger's metadata (length / entries), or, for an open ledger, after a
     first window of a few entries. A 64 KiB guess made requests of 40 entries
     (25 for these 1,000), each with its own cost on both sides."""
     import bk
-    c = cluster_factory(1, conf_overrides=HTTP)
+    c = http_bookie
     port = http_port(c, c.bookies[0])
     blob = bytes(range(256)) * 4
     with bk.BookKeeper(c.metadata_uri) as client:

@@ -30,6 +30,16 @@ def test_bk_names_load_on_first_use():
     assert not {m for m in mods if m.split(".")[0] in ("grpc", "pyetcd")}
 
 
+def test_a_bookie_loads_auto_recovery_only_when_it_hosts_it():
+    # bookie start imports the arbiter; the client stack that auto-recovery copies
+    # with comes with bk.autorecovery.service, which `bookie start` imports only
+    # when autoRecoveryDaemonEnabled is set.
+    mods = loaded_after("import bk.bookie.arbiter")
+    assert not {m for m in mods if m.startswith(("bk.client", "bk.autorecovery.service",
+                                                 "bk.autorecovery.replicator"))}
+    assert "bk.autorecovery.replicator" in loaded_after("import bk.autorecovery.service")
+
+
 # Packages whose functions may import bk modules: the CLI defers its imports so that
 # `bkshell --help` stays quick. Everything else imports at the top: an import
 # inside a function is for an optional dependency (pyspark), never to hide an
