@@ -10,7 +10,7 @@ import pytest
 
 from bk.bookie import flusher as F
 from bk.bookie import journal as J
-from bk.bookie.entrylog import JOURNAL_LOG, PACE_STEP, WritePacer
+from bk.bookie.entrylog import HEADER_SIZE, JOURNAL_LOG, PACE_STEP, EntryLogs, WritePacer
 from bk.bookie import storage as S
 from bk.bookie.flusher import FLUSH_MIN_RATE
 from bk.bookie.storage import ShardStorage, flush_rate
@@ -1085,6 +1085,41 @@ def test_a_hurried_job_is_not_held_back_even_when_the_hurry_came_first():
     p.start(rate=1 << 20, seq=3)                 # a later job is paced again
     p.wrote(1 << 20)
     assert p.slept == pytest.approx(1.0)
+
+
+def test_a_gentle_job_pauses_as_long_as_the_disk_was_busy():
+    clock = _Clock()
+    p = WritePacer(clock=clock, sleep=clock.sleep)
+    p.start(rate=1 << 40, seq=1)                 # the rate alone would never hold it
+    assert p.gentle()
+    p.wrote(64 << 10, busy=0.004)
+    assert p.slept == pytest.approx(0.004)
+    p.hurry(upto=1)
+    assert not p.gentle()
+    p.wrote(64 << 10, busy=0.004)
+    assert p.slept == pytest.approx(0.004)
+
+
+def test_a_gentle_log_writer_syncs_each_piece_and_a_hurried_one_does_not(tmp_path):
+    clock = _Clock()
+    p = WritePacer(clock=clock, sleep=clock.sleep)
+    logs = EntryLogs([str(tmp_path)], 1 << 30)
+    w = logs.new_writer(p)
+    try:
+        p.start(rate=1 << 40, seq=1)
+        w.append_pieces([b"g" * (1 << 20)])
+        assert w._synced_to == w._written == HEADER_SIZE + (1 << 20)   # all of it synced
+        assert w._unsynced == 0
+        p.hurry(upto=1)
+        w.append_pieces([b"h" * (1 << 20)])
+        assert w._unsynced > 0                   # writeback started, not synced
+        w.sync()
+        with open(w.path, "rb") as f:
+            data = f.read()
+        assert data[-(2 << 20):] == b"g" * (1 << 20) + b"h" * (1 << 20)
+    finally:
+        w.close()
+        logs.close()
 
 
 def test_an_unpaced_job_never_sleeps():
