@@ -11,6 +11,8 @@ from bk.errors import AuthError, ConfigError
 from bk.security import ClientSecurity, auth, pki, tls
 from bk.security.etcd import EtcdCredentials
 
+from test_tls_stream import stream_pair
+
 
 def conf(**kw):
     return Config.load(overrides=kw, env={})
@@ -220,27 +222,8 @@ def test_tls_stream_carries_frames_through_a_full_socket_in_both_directions(tmp_
     buffers: the handshake, then thousands of frames each way that the sockets
     take in pieces (partial sendmsg, backlog), every frame arriving whole and in
     order, and a close seen as EOF."""
-    import socket
-    ca = pki.make_ca(str(tmp_path))
-    crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
-    server_ctx = tls.server_context(conf(tlsCertificatePath=crt, tlsKeyStore=key))
-    client_ctx = tls.client_context(conf(tlsEnabled=True, tlsTrustStore=ca.cert_path))
-    a, b = socket.socketpair()
-    for s in (a, b):
-        s.setblocking(False)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-    client = tls.TLSStream(client_ctx, a, server_side=False, server_hostname="127.0.0.1")
-    server = tls.TLSStream(server_ctx, b, server_side=True)
+    client, server, a, b = stream_pair(tmp_path, sndbuf=8192)
     scratch = bytearray(1 << 16)
-    done = {client: False, server: False}
-    for _ in range(100):
-        for t in (client, server):
-            t.feed(scratch)
-            done[t] = done[t] or t.handshake()
-            t.flush()
-        if all(done.values()):
-            break
-    assert all(done.values())
     assert server.peer_identity() is None and client.obj.version() in ("TLSv1.2", "TLSv1.3")
     frames = [P.encode_frame([P.PING, i, b"x" * (i % 3000)]) for i in range(2000)]
     want = sum(map(len, frames))

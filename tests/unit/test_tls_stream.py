@@ -15,9 +15,10 @@ def conf(**kw):
     return Config.load(overrides=kw, env={})
 
 
-@pytest.fixture
-def pair(tmp_path):
-    """(client, server) TLSStreams over a connected socket pair, handshake done."""
+def stream_pair(tmp_path, sndbuf=None):
+    """(client, server, client socket, server socket): TLSStreams over a
+    connected non-blocking socket pair (send buffers of ``sndbuf`` bytes if
+    given), handshake done."""
     ca = pki.make_ca(str(tmp_path))
     crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
     server_ctx = tls.server_context(conf(tlsCertificatePath=crt, tlsKeyStore=key))
@@ -25,6 +26,8 @@ def pair(tmp_path):
     a, b = socket.socketpair()
     for s in (a, b):
         s.setblocking(False)
+        if sndbuf:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     client = tls.TLSStream(client_ctx, a, server_side=False, server_hostname="127.0.0.1")
     server = tls.TLSStream(server_ctx, b, server_side=True)
     scratch = bytearray(1 << 16)
@@ -37,6 +40,13 @@ def pair(tmp_path):
         if all(done.values()):
             break
     assert all(done.values())
+    return client, server, a, b
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(client, server) TLSStreams over a connected socket pair, handshake done."""
+    client, server, a, b = stream_pair(tmp_path)
     yield client, server
     a.close()
     b.close()
