@@ -185,3 +185,42 @@ def test_a_write_after_the_deletion_to_a_bookie_that_held_nothing_is_refused(clu
         late.start()
         assert not held(late, lid)
         assert held(late, kept.ledger_id) == set(range(5))
+
+
+def test_a_deletion_applied_just_before_a_kill_is_still_refused_after_the_restart(
+        cluster_factory):
+    """The moment that matters: a bookie verified a deletion of a ledger it holds
+    nothing of and its remembered revision moved past it (the watch will not send
+    it again), then it is killed -9. After the restart the deletion is read back
+    from gc-recent.bin, checked again, and the shard refuses the zombie's entries
+    as before the kill; its other ledgers are untouched."""
+    c = cluster_factory(2, conf_overrides=QUIET)
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lh = client.create_ledger(1, 1, 1, password=PW)
+        lh.add_entries([b"d0", b"d1"])
+        holder = c.bookie(lh.metadata.last_ensemble[0])
+        late = next(b for b in c.bookies if b is not holder)
+        kept = closed_ledger(client, [b"k%d" % i for i in range(5)], 2, 2, 2, password=PW)
+        lid = lh.ledger_id
+        wait_until(lambda: remembered_on_disk(late) > 0, what="a first round remembered")
+        client.delete_ledger(lid)
+        deleted_at = c.store.revision()
+        wait_until(lambda: remembered_on_disk(late) >= deleted_at,
+                   what="the deletion applied and the revision past it")
+        late.kill(signal.SIGKILL)
+        late.start()
+        # the first round after the start hands the remembered deletion to the shard
+        def first_round():
+            try:
+                st = gc_state(c, late)
+            except (OSError, KeyError, TypeError):
+                return False                    # not registered (serving HTTP) yet
+            return st.get("rounds", 0) >= 1 and st["candidates"] == 0
+        wait_until(first_round, what="a first GC round after the restart")
+        assert gc_state(c, late)["recentDeletions"] >= 1
+        with BookieConnection(late.bookie_id, shard=P.shard_of(lid, late.num_shards)) as conn:
+            status = conn.call(P.add(conn.next_rid(), lid, 2, 1, master_key(PW), b"",
+                                     b"late"))[2]
+        assert status == EFENCED                        # refused, as before the kill
+        assert not held(late, lid)
+        assert held(late, kept) == set(range(5))
