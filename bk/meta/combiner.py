@@ -45,10 +45,9 @@ class _Write:
         self.put = put                # its put op
         self.alone = alone            # () -> version: the write sent by itself
         # released once, when the write is done or it is to lead: a bare lock, not
-        # an Event (a Condition, an RLock and another lock per wait; one is made per
-        # ledger create and close)
-        self.done = threading.Lock()
-        self.done.acquire()
+        # an Event (a Condition, an RLock and another lock per wait); made only for
+        # a write that queues (a leader at once waits for nobody)
+        self.done = None
         self.lead = False             # woken to send the next batch, not with a result
         self.result = None
         self.error: BaseException | None = None
@@ -78,6 +77,8 @@ class TxnCombiner:
         w = _Write(key, compare, put, alone)
         with self._lock:
             if self._busy:
+                w.done = threading.Lock()
+                w.done.acquire()
                 self._queue.append(w)
             else:
                 self._busy = True
