@@ -90,6 +90,7 @@ from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, Bo
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.metrics import client_metrics, observe_many
+from bk.park import parker
 from bk.retry import retry_cas
 
 log = logging.getLogger("bk.client")
@@ -198,26 +199,28 @@ class PendingAdd:
 class _Waiter:
     """Blocks a user thread until an add (or the last add of a batch) completes.
 
-    A bare lock taken at creation and released by the completion, not an Event
-    (a Condition, an RLock and one more lock per wait): one is made per
-    blocking add."""
+    The thread parks on its own eventfd (:mod:`bk.park`), which the I/O thread
+    writes with the GIL released; not an Event (a Condition, an RLock and one
+    more lock per wait) nor a Lock (whose release wakes the thread under the
+    GIL): one is made per blocking add."""
 
-    __slots__ = ("lock", "entry_id", "error")
+    __slots__ = ("parker", "done", "entry_id", "error")
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.lock.acquire()
+        self.parker = parker()
+        self.done = False
         self.entry_id = None
         self.error = None
 
     def __call__(self, exc, entry_id):
         self.error = exc
         self.entry_id = entry_id
-        self.lock.release()
+        self.done = True
+        self.parker.unpark()
 
     def wait(self):
-        while not self.lock.acquire(timeout=1.0):
-            pass
+        while not self.done:
+            self.parker.park()
         if self.error is not None:
             raise self.error
         return self.entry_id
