@@ -212,33 +212,41 @@ def test_etcd_stopped_then_killed_under_full_ledger_churn_wakes_every_parked_thr
     lock = threading.Lock()
     done, open_handles, failed_creates = [], [], []
     stop = threading.Event()
-    with cluster.client(timeout=3, metadataTimeoutMillis=2000) as client:
-        def churn():
+    # a transaction hangs up to 20 s on the stopped etcd: long enough for every
+    # thread to block behind it whatever the machine's load
+    in_meta = [False] * 16          # thread i is in create_ledger or close
+    with cluster.client(timeout=3, metadataTimeoutMillis=20000) as client:
+        def churn(i):
             while not stop.is_set():
+                in_meta[i] = True
                 try:
                     lh = client.create_ledger(3, 2, 2, password=b"pw")
                 except MetadataError:
                     with lock:
                         failed_creates.append(1)
                     return
+                in_meta[i] = False
                 lh.add_entry(b"payload-%d" % lh.ledger_id)
+                in_meta[i] = True
                 try:
                     lh.close()
                 except MetadataError:
                     with lock:
                         open_handles.append(lh)
                     return
+                in_meta[i] = False
                 with lock:
                     done.append(lh)
         # daemons: a thread left parked must fail this test, not hang the run
-        ts = [threading.Thread(target=churn, daemon=True) for _ in range(16)]
+        ts = [threading.Thread(target=churn, args=(i,), daemon=True) for i in range(16)]
         for t in ts:
             t.start()
         wait_until(lambda: len(done) >= 200, timeout=60, what="ledgers under way")
-        os.kill(cluster.etcd.pid, signal.SIGSTOP)   # the txns in flight hang; queues fill
+        os.kill(cluster.etcd.pid, signal.SIGSTOP)   # the txns in flight hang
+        # then every thread blocks on a create or close: one leads the hung
+        # transaction, the others are parked, queued or in its batch
+        wait_until(lambda: all(in_meta), timeout=15, what="every thread blocked on etcd")
         stop.set()
-        wait_until(lambda: client._store._combiner._queue, timeout=30,
-                   what="writes queued behind the hung transaction")
         cluster.etcd.kill()
         deadline = time.monotonic() + 60
         for t in ts:
