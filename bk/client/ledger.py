@@ -1157,6 +1157,9 @@ class LedgerHandle:
             self._lac = op.entry_id
             self._length = op.length
             n += 1
+            # counted before its callback: a blocking add's thread, woken by it,
+            # may close at once, and close waits until every add is counted
+            self._completed += 1
             cb = op.cb
             if cb is not None:
                 try:
@@ -1169,7 +1172,6 @@ class LedgerHandle:
             popped = True
         if n:
             observe_many(self._m_add_ok, lats)
-            self._completed += n
         if (n or popped) and self._waiting:
             with self._cond:
                 self._cond.notify_all()
