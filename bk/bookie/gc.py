@@ -36,10 +36,11 @@ they would create the ledger anew and stay until the next full reconcile.
 The shards forget those on a restart, and the remembered revision has by then
 moved past the deletions, so the watch does not send them again: the
 :class:`DeletionLog` (``gc-recent.bin``, written before the revision advances)
-keeps the verified deletions of the last reconcile interval, bounded, and at
-start they are candidates of the first round again (checked absent once more,
-then handed to the shards), so a deletion seen just before a restart is still
-honoured after it.
+keeps the verified deletions of the last reconcile interval, bounded. At start
+the arbiter hands them to the shards as soon as they are ready
+(:func:`remembered_deletions`), and they are candidates of the first round
+again (checked absent once more), so a deletion seen just before a restart is
+still honoured after it.
 
 Safety does not rest on the watch: an event only nominates a ledger; the
 decision is always "absent at a revision at which the cluster was verified to
@@ -202,6 +203,20 @@ class DeletionLog:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+
+
+def remembered_deletions(conf, instance_id: str, state_dir: str, num_shards: int) -> dict:
+    """The deletions verified in the last reconcile interval before this start, per
+    shard (:class:`DeletionLog`): the arbiter hands them to its shards as soon as
+    they are ready, before the first GC round (``gcWaitTime`` later) checks them
+    again. They were verified absent at a revision of this cluster, whose ids
+    are never reused: the shards knew them before the restart."""
+    log_ = DeletionLog(os.path.join(state_dir, GC_RECENT_FILE), instance_id,
+                       float(conf.gcFullReconcileIntervalSeconds)).load()
+    out: dict[int, list[int]] = {}
+    for lid in sorted(log_.ids()):
+        out.setdefault(P.shard_of(lid, num_shards), []).append(lid)
+    return out
 
 
 class GcRound:

@@ -191,9 +191,11 @@ def test_a_deletion_applied_just_before_a_kill_is_still_refused_after_the_restar
         cluster_factory):
     """The moment that matters: a bookie verified a deletion of a ledger it holds
     nothing of and its remembered revision moved past it (the watch will not send
-    it again), then it is killed -9. After the restart the deletion is read back
-    from gc-recent.bin, checked again, and the shard refuses the zombie's entries
-    as before the kill; its other ledgers are untouched."""
+    it again), then it is killed -9. It restarts with no GC round due for an hour:
+    the deletion, read back from gc-recent.bin, reaches the shard as soon as it is
+    ready, so the zombie's entries are refused at once, as before the kill. A full
+    round (SIGUSR1) then checks it again and keeps it; the other ledgers are
+    untouched."""
     c = cluster_factory(2, conf_overrides=QUIET)
     with bk.BookKeeper(c.metadata_uri) as client:
         lh = client.create_ledger(1, 1, 1, password=PW)
@@ -208,19 +210,24 @@ def test_a_deletion_applied_just_before_a_kill_is_still_refused_after_the_restar
         wait_until(lambda: remembered_on_disk(late) >= deleted_at,
                    what="the deletion applied and the revision past it")
         late.kill(signal.SIGKILL)
+        late.write_conf(gcWaitTime=3_600_000)
         late.start()
-        # the first round after the start hands the remembered deletion to the shard
-        def first_round():
-            try:
-                st = gc_state(c, late)
-            except (OSError, KeyError, TypeError):
-                return False                    # not registered (serving HTTP) yet
+
+        def late_add():
+            with BookieConnection(late.bookie_id,
+                                  shard=P.shard_of(lid, late.num_shards)) as conn:
+                return conn.call(P.add(conn.next_rid(), lid, 2, 1, master_key(PW), b"",
+                                       b"late"))[2]
+        assert late_add() == EFENCED                    # refused, as before the kill
+        assert gc_state(c, late).get("rounds", 0) == 0  # by the replay, not by a round
+        assert not held(late, lid)
+        os.kill(late.pid, signal.SIGUSR1)               # a full round checks it again
+
+        def a_round_done():
+            st = gc_state(c, late)
             return st.get("rounds", 0) >= 1 and st["candidates"] == 0
-        wait_until(first_round, what="a first GC round after the restart")
+        wait_until(a_round_done, what="a full GC round after the restart")
         assert gc_state(c, late)["recentDeletions"] >= 1
-        with BookieConnection(late.bookie_id, shard=P.shard_of(lid, late.num_shards)) as conn:
-            status = conn.call(P.add(conn.next_rid(), lid, 2, 1, master_key(PW), b"",
-                                     b"late"))[2]
-        assert status == EFENCED                        # refused, as before the kill
+        assert late_add() == EFENCED
         assert not held(late, lid)
         assert held(late, kept) == set(range(5))
