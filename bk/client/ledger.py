@@ -1449,6 +1449,8 @@ class LedgerHandle:
     # --- close -------------------------------------------------------------------------
     def _drain(self, timeout):
         """Wait until every submitted add completed (acknowledged or failed)."""
+        if self._submitted == self._completed:
+            return True             # a blocking writer's close: nothing to wait for
         deadline = time.monotonic() + timeout
         with self._cond:
             self._waiting += 1
@@ -1467,6 +1469,8 @@ class LedgerHandle:
         its whole write set, or the bookies that did not were replaced (and the
         entries resent) and no ensemble change is running: a closed ledger cannot
         change its ensembles any more."""
+        if not self._unconfirmed and not self._state.changing:
+            return
         deadline = time.monotonic() + timeout
         with self._cond:
             while (self._unconfirmed or self._state.changing) and not self._state.broken:
