@@ -70,7 +70,7 @@ class Parker:
         if self._fd >= 0:
             try:
                 os.close(self._fd)
-            except OSError:
+            except Exception:       # OSError; at interpreter exit, os may be gone
                 pass
             self._fd = -1
 
