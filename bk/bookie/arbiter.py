@@ -60,7 +60,7 @@ from bk import protocol as P
 from bk.autorecovery.checker import claim_overreplicated
 from bk.bookie import control, layout
 from bk.bookie import http as bookie_http
-from bk.bookie.gc import GarbageCollector
+from bk.bookie.gc import GarbageCollector, remembered_deletions
 from bk.config import Config
 from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
 from bk.bookie.worker import ShardWorker
@@ -153,6 +153,7 @@ class Arbiter:
         self.gc_forced = False                 # a full round asked for (SIGUSR1) meanwhile
         self.gc_running = False
         self.gc_pending: set[int] = set()      # shards whose GC round is not done
+        self.gc_replayed: set[int] = set()     # shards yet to answer the deletions replayed at start
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
         self.last_overrep: dict[int, dict] = {}      # shard -> what its last scan found
@@ -224,6 +225,12 @@ class Arbiter:
         for w in self.workers:
             self._spawn(w)
         self._wait_ready()
+        # the shards forgot the deletions they refused late entries of: tell them now
+        for shard, ids in remembered_deletions(conf, self.instance_id,
+                                               os.path.abspath(conf.ledgerDirectories[0]),
+                                               self.num_shards).items():
+            self.gc_replayed.add(shard)    # its gc_done is not a round's (one channel: FIFO)
+            self._gc_send(shard, ids)
         space = layout.disk_space(conf)
         self.readonly = self._over_threshold(space["usage"])
         if self.readonly:
@@ -545,6 +552,7 @@ class Arbiter:
         ev = self.dropped.get(w.shard)
         if ev is not None:              # its gc_drop will never be answered
             ev.set()
+        self.gc_replayed.discard(w.shard)
         self._gc_shard_done(w.shard)
         self._spawn(w)
 
@@ -599,6 +607,9 @@ class Arbiter:
             ev.set()
 
     def handle_gc_done(self, w: _Worker, stats):
+        if w.shard in self.gc_replayed:
+            self.gc_replayed.discard(w.shard)
+            return
         self.gc_results[w.shard] = stats
         self._gc_shard_done(w.shard)
 

@@ -33,6 +33,14 @@ only those of ledgers it holds: a shard tombstones what it holds and refuses,
 for one reconcile interval (in memory), new entries of the others, which may
 still arrive from a zombie writer or a re-replication in flight. Without that
 they would create the ledger anew and stay until the next full reconcile.
+The shards forget those on a restart, and the remembered revision has by then
+moved past the deletions, so the watch does not send them again: the
+:class:`DeletionLog` (``gc-recent.bin``, written before the revision advances)
+keeps the verified deletions of the last reconcile interval, bounded. At start
+the arbiter hands them to the shards as soon as they are ready
+(:func:`remembered_deletions`), and they are candidates of the first round
+again (checked absent once more), so a deletion seen just before a restart is
+still honoured after it.
 
 Safety does not rest on the watch: an event only nominates a ledger; the
 decision is always "absent at a revision at which the cluster was verified to
@@ -48,14 +56,19 @@ covers the gap before the revision advances again.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
+import struct
+import sys
 import threading
 import time
+import zlib
+from array import array
 
 from bk import protocol as P
-from bk.bookie.layout import GC_STATE_FILE
+from bk.bookie.layout import GC_RECENT_FILE, GC_STATE_FILE
 from bk.errors import ClusterIdentityError, MetadataCompactedError, MetadataError
 
 log = logging.getLogger("bk.bookie.gc")
@@ -81,11 +94,136 @@ def write_state(path: str, rec: dict) -> None:
     os.replace(tmp, path)
 
 
+class DeletionLog:
+    """The deletions GC verified within the last ``keep`` seconds (wall clock: they
+    outlive the process), at most ``limit`` ids (the oldest rounds go first), saved
+    atomically as one small binary file: a header, then per round its expiry and
+    its sorted ids (8 bytes each), then a CRC32 of all that. An unreadable or
+    foreign file is ignored: the next full reconcile covers what it held."""
+
+    MAGIC = b"BKGCDL1\n"
+
+    def __init__(self, path: str, instance_id: str, keep: float, limit: int = 1_000_000):
+        self.path = path
+        self.instance_id = instance_id
+        self.keep = keep
+        self.limit = limit
+        self.rounds: list[tuple[float, array]] = []    # (wall-clock expiry, sorted ids)
+        # the rounds read at start: their ids come back as candidates, and a round
+        # that verifies them again must not give them a new expiry (a watch sends a
+        # deletion once, so only these can come twice)
+        self._loaded: list[array] = []
+
+    def __len__(self) -> int:
+        return sum(len(ids) for _, ids in self.rounds)
+
+    def _was_loaded(self, lid: int) -> bool:
+        for ids in self._loaded:
+            i = bisect.bisect_left(ids, lid)
+            if i < len(ids) and ids[i] == lid:
+                return True
+        return False
+
+    def ids(self) -> list[int]:
+        return [lid for _, ids in self.rounds for lid in ids]
+
+    def _expire(self) -> bool:
+        now, n = time.time(), len(self.rounds)
+        self.rounds = [r for r in self.rounds if r[0] > now]
+        total = len(self)
+        while total > self.limit and len(self.rounds) > 1:
+            total -= len(self.rounds.pop(0)[1])
+        if self._loaded:
+            kept = {id(ids) for _, ids in self.rounds}
+            self._loaded = [ids for ids in self._loaded if id(ids) in kept]
+        return len(self.rounds) != n
+
+    def add(self, lids) -> bool:
+        """Remember ``lids`` (those read at start keep their expiry); True if it changed."""
+        lids = set(lids)
+        if self._loaded:
+            lids = {lid for lid in lids if not self._was_loaded(lid)}
+        new = array("q", sorted(lids))
+        changed = self._expire()
+        if new:
+            self.rounds.append((time.time() + self.keep, new))
+            self._expire()
+            changed = True
+        return changed
+
+    def load(self) -> "DeletionLog":
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except OSError:
+            return self
+        try:
+            body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
+            if not body.startswith(self.MAGIC) or zlib.crc32(body) != crc:
+                raise ValueError("bad magic or checksum")
+            pos = len(self.MAGIC)
+            (n,) = struct.unpack_from("<H", body, pos)
+            pos += 2
+            owner = body[pos:pos + n].decode("utf-8")
+            pos += n
+            (count,) = struct.unpack_from("<I", body, pos)
+            pos += 4
+            rounds = []
+            for _ in range(count):
+                expiry, k = struct.unpack_from("<dI", body, pos)
+                pos += 12
+                ids = array("q")
+                ids.frombytes(body[pos:pos + 8 * k])
+                if sys.byteorder != "little":
+                    ids.byteswap()
+                pos += 8 * k
+                rounds.append((expiry, ids))
+        except (ValueError, struct.error, UnicodeDecodeError) as e:
+            log.warning("gc: ignoring %s (%s); the next full reconcile covers it", self.path, e)
+            return self
+        if owner == self.instance_id:
+            self.rounds = rounds
+            self._loaded = [ids for _, ids in rounds]
+            self._expire()
+        return self
+
+    def save(self) -> None:
+        owner = self.instance_id.encode("utf-8")
+        parts = [self.MAGIC, struct.pack("<H", len(owner)), owner,
+                 struct.pack("<I", len(self.rounds))]
+        for expiry, ids in self.rounds:
+            if sys.byteorder != "little":
+                ids = array("q", ids)
+                ids.byteswap()
+            parts += [struct.pack("<dI", expiry, len(ids)), ids.tobytes()]
+        body = b"".join(parts)
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(body + struct.pack("<I", zlib.crc32(body)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def remembered_deletions(conf, instance_id: str, state_dir: str, num_shards: int) -> dict:
+    """The deletions verified in the last reconcile interval before this start, per
+    shard (:class:`DeletionLog`): the arbiter hands them to its shards as soon as
+    they are ready, before the first GC round (``gcWaitTime`` later) checks them
+    again. They were verified absent at a revision of this cluster, whose ids
+    are never reused: the shards knew them before the restart."""
+    log_ = DeletionLog(os.path.join(state_dir, GC_RECENT_FILE), instance_id,
+                       float(conf.gcFullReconcileIntervalSeconds)).load()
+    out: dict[int, list[int]] = {}
+    for lid in sorted(log_.ids()):
+        out.setdefault(P.shard_of(lid, num_shards), []).append(lid)
+    return out
+
+
 class GcRound:
     """One round: full (shards list their ledgers) or incremental (candidates)."""
 
     __slots__ = ("full", "reason", "candidates", "safe", "shards", "revisions", "started",
-                 "failed", "overreplicated")
+                 "failed", "overreplicated", "dead")
 
     def __init__(self, full: bool, reason: str, candidates: set, safe: int, shards):
         self.full = full
@@ -97,6 +235,7 @@ class GcRound:
         self.started = time.time()
         self.failed = False
         self.overreplicated = False     # also look for over-replicated ledgers
+        self.dead: set = set()          # ids verified deleted, handed to the shards
 
 
 class GarbageCollector:
@@ -109,6 +248,10 @@ class GarbageCollector:
         self.bookie_id = conf.bookie_id
         self.num_shards = num_shards
         self.path = os.path.join(state_dir, STATE_FILE)
+        # the shards refuse late entries of deleted ledgers for one reconcile interval
+        # (bk.bookie.storage.RecentDeletions): remembered across restarts here
+        self.recent = DeletionLog(os.path.join(state_dir, GC_RECENT_FILE), instance_id,
+                                  float(conf.gcFullReconcileIntervalSeconds))
         self.reconcile_interval = float(conf.gcFullReconcileIntervalSeconds)
         self.overrep_interval = conf.gcOverreplicatedLedgerWaitTime / 1000.0
         # like BookKeeper: the first scan one interval after start, not at every start
@@ -138,6 +281,11 @@ class GarbageCollector:
             self._watch_from = rev + 1
             self._gap = False                   # unless the watch finds it compacted
             self._next_reconcile = time.monotonic() + self.reconcile_interval
+        # Deletions verified before a restart: candidates once more (revision 0: the
+        # first complete round forgets them), checked absent again, and sent to
+        # the shards, which forgot them.
+        for lid in self.recent.load().ids():
+            self._deleted.setdefault(lid, 0)
         self._thread = threading.Thread(target=self._watch_loop, daemon=True,
                                         name="bk-gc-watch")
         self._thread.start()
@@ -258,7 +406,10 @@ class GarbageCollector:
                     raise
                 continue            # compacted while we read: once more at a new revision
             rnd.revisions[shard] = rev
-            return [lid for lid in ids if lid not in live]
+            dead = [lid for lid in ids if lid not in live]
+            with self._lock:
+                rnd.dead.update(dead)
+            return dead
         return []
 
     def incremental(self, rnd: GcRound) -> dict[int, list[int]]:
@@ -276,7 +427,8 @@ class GarbageCollector:
             log.warning("gc: %d ledgers reported deleted exist at revision %d (e.g. %d); "
                         "keeping them", len(live), rev, min(live))
         out: dict[int, list[int]] = {}
-        for lid in sorted(rnd.candidates - live):
+        rnd.dead = rnd.candidates - live
+        for lid in sorted(rnd.dead):
             out.setdefault(P.shard_of(lid, self.num_shards), []).append(lid)
         for s in rnd.shards:
             rnd.revisions[s] = rev
@@ -297,6 +449,16 @@ class GarbageCollector:
             self.stats["lastReconcile"] = summary
         if not complete:
             return
+        # before the revision moves past these deletions (the watch will not send
+        # them again): a crash between the two only repeats work
+        with self._lock:
+            dead = rnd.dead
+        if self.recent.add(dead):
+            try:
+                self.recent.save()
+            except OSError as e:
+                log.warning("gc: cannot save %s (%s): revision not advanced", self.recent.path, e)
+                return
         with self._lock:
             if rnd.full:
                 self.stats["reconciles"] += 1
@@ -321,7 +483,8 @@ class GarbageCollector:
 
     def state(self) -> dict:
         """For the bookie's HTTP info: what GC knows and did."""
+        recent = len(self.recent)
         with self._lock:
             return {"rememberedRevision": self._remembered, "watchRevision": self._watch_rev,
                     "candidates": len(self._deleted), "reconcileNeeded": self._gap,
-                    **self.stats}
+                    "recentDeletions": recent, **self.stats}

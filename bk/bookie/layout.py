@@ -41,6 +41,10 @@ COOKIE_VERSION = 2
 # What garbage collection remembers (bk.bookie.gc): the etcd revision up to which it
 # applied every deletion. It belongs to the cookie's cluster: a format removes it.
 GC_STATE_FILE = "gc-state.json"
+# The deletions it verified lately (bk.bookie.gc.DeletionLog), bounded: honoured again
+# after a restart. Also the cookie's cluster's.
+GC_RECENT_FILE = "gc-recent.bin"
+_GC_FILES = (GC_STATE_FILE, GC_STATE_FILE + ".tmp", GC_RECENT_FILE, GC_RECENT_FILE + ".tmp")
 
 
 def _abs(paths) -> list[str]:
@@ -152,7 +156,7 @@ def _has_data(directory: str) -> bool:
     try:
         # The default pid and log files live in the first ledger directory too.
         return any(name not in ("lost+found", COOKIE_FILE, "bookie.pid", "bookie.log",
-                                "bookie.pid.tmp", GC_STATE_FILE, GC_STATE_FILE + ".tmp")
+                                "bookie.pid.tmp", *_GC_FILES)
                    for name in os.listdir(directory))
     except FileNotFoundError:
         return False
@@ -281,7 +285,7 @@ def wipe(conf: Config) -> list[str]:
             continue
         for name in os.listdir(d):
             if name.startswith("shard-") or name in (COOKIE_FILE, COOKIE_FILE + ".tmp",
-                                                     GC_STATE_FILE, GC_STATE_FILE + ".tmp"):
+                                                     *_GC_FILES):
                 p = os.path.join(d, name)
                 if os.path.isdir(p):
                     shutil.rmtree(p)

@@ -295,12 +295,12 @@ class BookKeeper:
         pw_digest, key = self._password_keys(pw)
         for _ in range(10 if ledger_id is None else 1):
             lid = self._next_ledger_id() if ledger_id is None else int(ledger_id)
-            md = LedgerMetadata(ledger_id=lid, ensemble_size=ensemble_size,
-                                write_quorum_size=write_quorum_size,
-                                ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
-                                digest_type=digest_type,
-                                password_digest=pw_digest, master_key=key,
-                                ctime=time.time(), custom_metadata=custom)
+            md = LedgerMetadata.new(ledger_id=lid, ensemble_size=ensemble_size,
+                                    write_quorum_size=write_quorum_size,
+                                    ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
+                                    digest_type=digest_type,
+                                    password_digest=pw_digest, master_key=key,
+                                    ctime=time.time(), custom_metadata=custom)
             try:
                 version = self._store.create_ledger(md)
                 break

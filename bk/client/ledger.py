@@ -90,6 +90,7 @@ from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, Bo
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.metrics import client_metrics, observe_many
+from bk.park import parker
 from bk.retry import retry_cas
 
 log = logging.getLogger("bk.client")
@@ -198,26 +199,28 @@ class PendingAdd:
 class _Waiter:
     """Blocks a user thread until an add (or the last add of a batch) completes.
 
-    A bare lock taken at creation and released by the completion, not an Event
-    (a Condition, an RLock and one more lock per wait): one is made per
-    blocking add."""
+    The thread parks on its own eventfd (:mod:`bk.park`), which the I/O thread
+    writes with the GIL released; not an Event (a Condition, an RLock and one
+    more lock per wait) nor a Lock (whose release wakes the thread under the
+    GIL): one is made per blocking add."""
 
-    __slots__ = ("lock", "entry_id", "error")
+    __slots__ = ("parker", "done", "entry_id", "error")
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.lock.acquire()
+        self.parker = parker()
+        self.done = False
         self.entry_id = None
         self.error = None
 
     def __call__(self, exc, entry_id):
         self.error = exc
         self.entry_id = entry_id
-        self.lock.release()
+        self.done = True
+        self.parker.unpark()
 
     def wait(self):
-        while not self.lock.acquire(timeout=1.0):
-            pass
+        while not self.done:
+            self.parker.park()
         if self.error is not None:
             raise self.error
         return self.entry_id
@@ -1154,6 +1157,9 @@ class LedgerHandle:
             self._lac = op.entry_id
             self._length = op.length
             n += 1
+            # counted before its callback: a blocking add's thread, woken by it,
+            # may close at once, and close waits until every add is counted
+            self._completed += 1
             cb = op.cb
             if cb is not None:
                 try:
@@ -1166,7 +1172,6 @@ class LedgerHandle:
             popped = True
         if n:
             observe_many(self._m_add_ok, lats)
-            self._completed += n
         if (n or popped) and self._waiting:
             with self._cond:
                 self._cond.notify_all()
@@ -1444,6 +1449,8 @@ class LedgerHandle:
     # --- close -------------------------------------------------------------------------
     def _drain(self, timeout):
         """Wait until every submitted add completed (acknowledged or failed)."""
+        if self._submitted == self._completed:
+            return True             # a blocking writer's close: nothing to wait for
         deadline = time.monotonic() + timeout
         with self._cond:
             self._waiting += 1
@@ -1462,6 +1469,8 @@ class LedgerHandle:
         its whole write set, or the bookies that did not were replaced (and the
         entries resent) and no ensemble change is running: a closed ledger cannot
         change its ensembles any more."""
+        if not self._unconfirmed and not self._state.changing:
+            return
         deadline = time.monotonic() + timeout
         with self._cond:
             while (self._unconfirmed or self._state.changing) and not self._state.broken:

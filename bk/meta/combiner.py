@@ -35,20 +35,22 @@ import threading
 import time
 from typing import Callable
 
+from bk.park import parker
+
 
 class _Write:
-    __slots__ = ("key", "compare", "put", "alone", "done", "lead", "result", "error")
+    __slots__ = ("key", "compare", "put", "alone", "parker", "woken", "lead", "result",
+                 "error")
 
     def __init__(self, key, compare, put, alone):
         self.key = key
         self.compare = compare        # the txn comparison of this write
         self.put = put                # its put op
         self.alone = alone            # () -> version: the write sent by itself
-        # released once, when the write is done or it is to lead: a bare lock, not
-        # an Event (a Condition, an RLock and another lock per wait; one is made per
-        # ledger create and close)
-        self.done = threading.Lock()
-        self.done.acquire()
+        # A queued write's thread parks (bk.park: woken outside the GIL) until
+        # ``woken``, when the write is done or it is to lead.
+        self.parker = None
+        self.woken = False
         self.lead = False             # woken to send the next batch, not with a result
         self.result = None
         self.error: BaseException | None = None
@@ -78,12 +80,14 @@ class TxnCombiner:
         w = _Write(key, compare, put, alone)
         with self._lock:
             if self._busy:
+                w.parker = parker()
                 self._queue.append(w)
             else:
                 self._busy = True
                 w.lead = True
         if not w.lead:
-            w.done.acquire()
+            while not w.woken:
+                w.parker.park()
         if w.lead:
             self._lead(w)
         if w.error is not None:
@@ -112,13 +116,17 @@ class TxnCombiner:
                     nxt = self._queue.pop(0)
                     nxt.lead = True
                     self._queue.insert(0, nxt)
-                    nxt.done.release()
+                    nxt.woken = True
                 else:
+                    nxt = None
                     self._busy = False
+            if nxt is not None:
+                nxt.parker.unpark()         # outside the lock: it takes it at once
             for w in batch:
                 if w is not me:
                     w.lead = False
-                    w.done.release()
+                    w.woken = True
+                    w.parker.unpark()
 
     def _run(self, batch: list[_Write]) -> None:
         self._last = len(batch)

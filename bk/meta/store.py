@@ -231,7 +231,13 @@ def _request_ops(c, ops) -> list:
 
 
 def _put_op(key: bytes, value: bytes):
-    return _RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value))
+    # fields set on the op's own sub-message: a PutRequest built apart and passed
+    # in is copied into it (a third of the cost, twice per ledger)
+    op = _RequestOp()
+    put = op.request_put
+    put.key = key
+    put.value = value
+    return op
 
 
 def _created_never(key: bytes):

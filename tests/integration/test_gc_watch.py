@@ -185,3 +185,49 @@ def test_a_write_after_the_deletion_to_a_bookie_that_held_nothing_is_refused(clu
         late.start()
         assert not held(late, lid)
         assert held(late, kept.ledger_id) == set(range(5))
+
+
+def test_a_deletion_applied_just_before_a_kill_is_still_refused_after_the_restart(
+        cluster_factory):
+    """The moment that matters: a bookie verified a deletion of a ledger it holds
+    nothing of and its remembered revision moved past it (the watch will not send
+    it again), then it is killed -9. It restarts with no GC round due for an hour:
+    the deletion, read back from gc-recent.bin, reaches the shard as soon as it is
+    ready, so the zombie's entries are refused at once, as before the kill. A full
+    round (SIGUSR1) then checks it again and keeps it; the other ledgers are
+    untouched."""
+    c = cluster_factory(2, conf_overrides=QUIET)
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lh = client.create_ledger(1, 1, 1, password=PW)
+        lh.add_entries([b"d0", b"d1"])
+        holder = c.bookie(lh.metadata.last_ensemble[0])
+        late = next(b for b in c.bookies if b is not holder)
+        kept = closed_ledger(client, [b"k%d" % i for i in range(5)], 2, 2, 2, password=PW)
+        lid = lh.ledger_id
+        wait_until(lambda: remembered_on_disk(late) > 0, what="a first round remembered")
+        client.delete_ledger(lid)
+        deleted_at = c.store.revision()
+        wait_until(lambda: remembered_on_disk(late) >= deleted_at,
+                   what="the deletion applied and the revision past it")
+        late.kill(signal.SIGKILL)
+        late.write_conf(gcWaitTime=3_600_000)
+        late.start()
+
+        def late_add():
+            with BookieConnection(late.bookie_id,
+                                  shard=P.shard_of(lid, late.num_shards)) as conn:
+                return conn.call(P.add(conn.next_rid(), lid, 2, 1, master_key(PW), b"",
+                                       b"late"))[2]
+        assert late_add() == EFENCED                    # refused, as before the kill
+        assert gc_state(c, late).get("rounds", 0) == 0  # by the replay, not by a round
+        assert not held(late, lid)
+        os.kill(late.pid, signal.SIGUSR1)               # a full round checks it again
+
+        def a_round_done():
+            st = gc_state(c, late)
+            return st.get("rounds", 0) >= 1 and st["candidates"] == 0
+        wait_until(a_round_done, what="a full GC round after the restart")
+        assert gc_state(c, late)["recentDeletions"] >= 1
+        assert late_add() == EFENCED
+        assert not held(late, lid)
+        assert held(late, kept) == set(range(5))

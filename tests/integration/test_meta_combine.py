@@ -2,7 +2,10 @@
 the semantics of each write alone: every create or CAS gets the answer it would
 have had by itself, and an etcd killed mid-batch loses nothing it acknowledged."""
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -194,3 +197,74 @@ def test_etcd_killed_mid_batch_of_closes_keeps_every_answer_exact(cluster_factor
                 LedgerState.CLOSED, 2, length[lh.ledger_id])
         rh = client.open_ledger_no_recovery(unknown[0].ledger_id, password=b"pw")
         assert [e.data.split(b"-")[1] for e in rh.read_entries(0, 2)] == [b"0", b"1", b"2"]
+
+
+def test_etcd_stopped_then_killed_under_full_ledger_churn_wakes_every_parked_thread(
+        cluster_factory):
+    """SIGSTOP etcd while 16 threads create, write and close ledgers through one
+    client: a leader's transaction hangs and the creates and closes behind it queue
+    up, their threads parked (bk.park). kill -9 the stopped etcd: every thread
+    returns (none stays parked), with its ledger either done or a MetadataError;
+    after the restart every acknowledged create exists with the metadata it was
+    given, every acknowledged close left its ledger CLOSED at entry 0, and an
+    unknown close, retried, closes it there."""
+    cluster = cluster_factory(3)
+    lock = threading.Lock()
+    done, open_handles, failed_creates = [], [], []
+    stop = threading.Event()
+    # a transaction hangs up to 20 s on the stopped etcd: long enough for every
+    # thread to block behind it whatever the machine's load
+    in_meta = [False] * 16          # thread i is in create_ledger or close
+    with cluster.client(timeout=3, metadataTimeoutMillis=20000) as client:
+        def churn(i):
+            while not stop.is_set():
+                in_meta[i] = True
+                try:
+                    lh = client.create_ledger(3, 2, 2, password=b"pw")
+                except MetadataError:
+                    with lock:
+                        failed_creates.append(1)
+                    return
+                in_meta[i] = False
+                lh.add_entry(b"payload-%d" % lh.ledger_id)
+                in_meta[i] = True
+                try:
+                    lh.close()
+                except MetadataError:
+                    with lock:
+                        open_handles.append(lh)
+                    return
+                in_meta[i] = False
+                with lock:
+                    done.append(lh)
+        # daemons: a thread left parked must fail this test, not hang the run
+        ts = [threading.Thread(target=churn, args=(i,), daemon=True) for i in range(16)]
+        for t in ts:
+            t.start()
+        wait_until(lambda: len(done) >= 200, timeout=60, what="ledgers under way")
+        os.kill(cluster.etcd.pid, signal.SIGSTOP)   # the txns in flight hang
+        # then every thread blocks on a create or close: one leads the hung
+        # transaction, the others are parked, queued or in its batch
+        wait_until(lambda: all(in_meta), timeout=15, what="every thread blocked on etcd")
+        stop.set()
+        cluster.etcd.kill()
+        deadline = time.monotonic() + 60
+        for t in ts:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in ts), "a thread stayed parked"
+        assert open_handles or failed_creates
+        cluster.etcd.start()
+        store = cluster.store
+        for lh in done:
+            m = store.read_ledger(lh.ledger_id)[0]
+            assert (m.state, m.last_entry_id, m.length) == (
+                LedgerState.CLOSED, 0, len(b"payload-%d" % lh.ledger_id))
+            assert m.ensembles == lh.metadata.ensembles and m.password_digest
+        for lh in open_handles:
+            m = store.read_ledger(lh.ledger_id)[0]
+            assert m.state in (LedgerState.OPEN, LedgerState.CLOSED), m
+            if m.state == LedgerState.CLOSED:
+                assert m.last_entry_id == 0
+            lh.close()                          # retries only the metadata write
+            m = store.read_ledger(lh.ledger_id)[0]
+            assert (m.state, m.last_entry_id) == (LedgerState.CLOSED, 0)

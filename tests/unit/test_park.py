@@ -1,0 +1,66 @@
+"""bk.park: a thread parks on its own eventfd until another thread unparks it."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from bk import park
+from bk.park import Parker, parker
+
+
+def test_a_parked_thread_wakes_once_its_condition_is_set():
+    got = []
+    ready = threading.Event()
+    done = [False]
+
+    def waiter():
+        p = parker()
+        got.append(p)
+        ready.set()
+        while not done[0]:
+            p.park()
+        got.append("woken")
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    ready.wait(10)
+    assert got[0] is not parker()           # one parker per thread
+    done[0] = True
+    got[0].unpark()
+    t.join(10)
+    assert not t.is_alive() and got[1] == "woken"
+
+
+def test_a_wake_before_the_park_is_not_lost_and_a_stale_one_only_returns_early():
+    p = Parker()
+    p.unpark()
+    p.park()                                 # returns at once: the wake was counted
+    p.unpark()
+    p.unpark()
+    p.park()                                 # both wakes read at once
+    p.park(timeout=0.05)                     # nothing left: times out
+
+
+def test_the_lock_fallback_behaves_the_same(monkeypatch):
+    monkeypatch.setattr(park, "_HAVE_EVENTFD", False)
+    p = Parker()
+    p.unpark()
+    p.unpark()                               # a second wake while one is pending: ignored
+    p.park()
+    p.park(timeout=0.05)
+
+
+def test_a_forked_child_gets_its_own_parker():
+    mine = parker()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                             # child: a different eventfd than the parent's
+        try:
+            os.write(w, b"1" if parker() is not mine else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.close(r)
+    os.waitpid(pid, 0)
