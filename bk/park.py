@@ -34,14 +34,18 @@ _HAVE_EVENTFD = hasattr(os, "eventfd")
 class Parker:
     """The wake-up channel of one thread: it parks, any thread unparks it."""
 
-    __slots__ = ("_fd", "_lock", "__weakref__")
+    __slots__ = ("_fd", "_lock", "_poll", "__weakref__")
 
     def __init__(self):
         if _HAVE_EVENTFD:
             self._fd = os.eventfd(0, os.EFD_CLOEXEC)
             self._lock = None
+            # poll, not select: a process with many sockets gives fds past FD_SETSIZE
+            self._poll = select.poll()
+            self._poll.register(self._fd, select.POLLIN)
         else:                                   # no eventfd: a lock, released to wake
             self._fd = -1
+            self._poll = None
             self._lock = threading.Lock()
             self._lock.acquire()
 
@@ -51,8 +55,7 @@ class Parker:
             self._lock.acquire(timeout=-1 if timeout is None else timeout)
             return
         if timeout is not None:
-            r, _, _ = select.select([self._fd], [], [], timeout)
-            if not r:
+            if not self._poll.poll(max(0, int(timeout * 1000 + 0.999))):
                 return
         os.eventfd_read(self._fd)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import threading
 
 from bk import park
@@ -64,3 +65,29 @@ def test_a_forked_child_gets_its_own_parker():
     assert os.read(r, 1) == b"1"
     os.close(r)
     os.waitpid(pid, 0)
+
+
+def test_a_timed_park_works_with_a_descriptor_past_fd_setsize():
+    # a client with many connections (or a Spark executor) has fds past 1024,
+    # where select.select() raises ValueError
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:                          # CI shells may keep the 1024 default
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    held = []
+    try:
+        while True:
+            fd = os.open(os.devnull, os.O_RDONLY)
+            held.append(fd)
+            if fd > 1100:
+                break
+        p = Parker()
+        assert p._fd > 1024
+        p.park(timeout=0.01)                 # times out, no ValueError
+        waker = threading.Timer(0.01, p.unpark)
+        waker.start()
+        p.park(timeout=30)                   # woken well before the deadline
+        waker.join()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
