@@ -1613,7 +1613,7 @@ class LedgerHandle:
             return out
         e = first
         nbytes = 0
-        ahead = None            # (end, batch) of the next window, begun before this one ended
+        ahead = None            # the next window (as _begin_window gives it), begun early
         while e <= last:
             if ahead is None:
                 end, batch, known = self._begin_window(e, last, out, nbytes)
