@@ -34,7 +34,8 @@ pacing keeps to two chunks of the flush (so the chunk is small: 256 KiB). Where 
 bytes does the pacing. That is how a flush the loop waits for is written.
 Any other flush (and compaction) is written *gently* (:class:`WritePacer`):
 in :data:`GENTLE_CHUNK` pieces, each ``fdatasync``'d at once, with a pause as
-long as that sync took after each. Why: the journal's ``fdatasync`` ends with a cache
+long as that sync took after each, and at most at a rate (twice the rate the
+flush's tail filled at). Why: the journal's ``fdatasync`` ends with a cache
 flush of the device, which waits for everything the flush wrote since the
 last one, not only for the writes in flight; started writeback alone (what
 ``sync_file_range`` gives) leaves megabytes in the device's cache for the
@@ -188,27 +189,30 @@ def decode_flat(buf: bytes, ledger: int, out: list, want=None) -> int:
 
 
 class WritePacer:
-    """Holds the writes of the flusher's jobs back: job number ``seq``, if
-    ``gentle``, is written gently (see the module docstring) until :meth:`hurry`
-    names it, from any thread (a loop that needs it done; a hurry may come
-    before the job starts). The writer sleeps in steps of at most
-    :data:`PACE_STEP` seconds, so a hurry is seen within one. There is no rate
-    cap: the pauses (as long as each piece's sync) are what keeps the journal's
-    syncs short; a cap on top measured no better (docs/performance.md)."""
+    """Holds the writes of the flusher's jobs back: job number ``seq`` is written
+    gently (see the module docstring) at most at ``rate`` bytes a second (0:
+    not paced at all) until :meth:`hurry` names it, from any thread (a loop
+    that needs it done; a hurry may come before the job starts). The writer
+    sleeps in steps of at most :data:`PACE_STEP` seconds, so a hurry is seen
+    within one."""
 
     def __init__(self, clock=time.monotonic, sleep=time.sleep):
         self._clock = clock
         self._sleep = sleep
+        self.rate = 0.0
         self.slept = 0.0              # seconds the current job was held back
-        self._gentle = False
         self._seq = 0
         self._hurried = 0             # jobs up to this number are not held back
+        self._t0 = 0.0
+        self._bytes = 0
 
-    def start(self, gentle: bool, seq: int) -> None:
-        """Job ``seq`` begins; ``gentle``: written gently until hurried."""
-        self._gentle = gentle
+    def start(self, rate: float, seq: int) -> None:
+        """Job ``seq`` begins, to be written at ``rate`` bytes/s."""
+        self.rate = rate
         self.slept = 0.0
         self._seq = seq
+        self._t0 = self._clock()
+        self._bytes = 0
 
     def hurry(self, upto: int) -> None:
         """Jobs numbered up to ``upto`` go as fast as they can from now on."""
@@ -217,14 +221,15 @@ class WritePacer:
 
     def gentle(self) -> bool:
         """Whether the current job is still to be written gently."""
-        return self._gentle and self._seq > self._hurried
+        return bool(self.rate) and self._seq > self._hurried
 
     def wrote(self, n: int, busy: float = 0.0) -> None:
-        """``n`` more bytes are on disk, which took the disk ``busy`` seconds: a
-        gentle job pauses as long again."""
-        if not self._gentle or busy <= 0:
+        """``n`` more bytes are on disk, which took the disk ``busy`` seconds: pause
+        as long again, and until the rate allows them."""
+        if not self.rate:
             return
-        until = self._clock() + busy
+        self._bytes += n
+        until = max(self._clock() + busy, self._t0 + self._bytes / self.rate)
         while self._seq > self._hurried:
             ahead = until - self._clock()
             if ahead <= 0:
@@ -320,6 +325,8 @@ class LogWriter:
         elif self._unsynced >= SYNC_STEP:
             os.fdatasync(self._fd)
             self._unsynced = 0
+        if pacer is not None:
+            pacer.wrote(self._written - start)
 
     def sync(self) -> None:
         """Everything appended so far is on disk (and the file's name, once)."""

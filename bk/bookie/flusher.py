@@ -28,7 +28,7 @@ A flush, on this thread:
    its runs point into the journal segment, which becomes an entry log too
    (see ``bk.bookie.entrylog``). Other ledgers are gathered entry by entry;
 3. ``fdatasync``s the entry log (its writeback was started chunk by chunk
-   on the way, or written gently: see ``bk.bookie.entrylog``,
+   on the way, and held to the job's ``rate``: see ``bk.bookie.entrylog``,
    :class:`~bk.bookie.entrylog.WritePacer`) and the journal segments the runs point
    into (the journal's last group before the mark may not be synced yet);
 4. commits in ONE LMDB transaction: the new runs, the ledger states, the
@@ -70,6 +70,12 @@ from bk.bookie.journal import _fsync_dir
 log = logging.getLogger("bk.flusher")
 
 _LEN = struct.Struct("<I")
+# Bytes/s a flush writes at least (it aims at twice the rate its tail filled at,
+# see ShardStorage._start_flush), and a compaction: fast enough that a flush of
+# a default write cache's half takes ~2 s, slow enough that the journal's syncs
+# on the same disk do not queue behind it (bk.bookie.entrylog, WritePacer).
+FLUSH_MIN_RATE = 16 << 20
+COMPACT_RATE = 64 << 20
 _OFF_MASK = 0xFFFFFFFF
 
 
@@ -78,9 +84,9 @@ class FlushJob:
     key, lac, last]}, ``mark``, ``regions`` [(seq, path, lo, hi)] of the journal
     to read (or ``views`` {seq: (buffer, base)} already in memory)."""
 
-    def __init__(self, tails, states, mark, regions=(), views=None, nbytes=0, gentle=False):
+    def __init__(self, tails, states, mark, regions=(), views=None, nbytes=0, rate=0.0):
         self.tails = tails
-        self.gentle = gentle             # written gently until hurried (WritePacer)
+        self.rate = rate                 # bytes/s the flush writes at (0: unpaced)
         self.states = states
         self.mark = mark
         self.regions = regions
@@ -147,7 +153,7 @@ class CompactJob:
         # journal segments from this log id on (the one holding the flushed mark and
         # later) are the journal's still: never compacted away
         self.keep_from = keep_from
-        self.gentle = True
+        self.rate = COMPACT_RATE
         self.error: BaseException | None = None
         self.stats: dict = {}
         self.removable: list[int] = []
@@ -203,7 +209,7 @@ class Flusher:
         self.writer = None
         self.pacer = WritePacer()        # the loop may hurry it from its own thread
         self.pending = 0
-        self._submitted = 0              # jobs numbered 1, 2, ... for the pacer
+        self._submitted = 0              # jobs numbered 1, 2, ... for the pacer                 # jobs submitted and not yet taken back
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -231,7 +237,7 @@ class Flusher:
             job = self._q.get()
             if job is None:
                 return
-            self.pacer.start(getattr(job, "gentle", False), job.seq)
+            self.pacer.start(getattr(job, "rate", 0.0), job.seq)
             try:
                 job.run(self)
             except BaseException as e:     # reported to the loop, which decides

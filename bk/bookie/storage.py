@@ -14,10 +14,10 @@ BookKeeper's DbLedgerStorage, with the journal as the write cache:
   the journal. The tail is bounded: at half of ``dbStorage_writeCacheMaxSizeMb``
   of journal (or ``flushIntervalBytes``, or ``flushInterval`` ms) it is
   swapped and flushed by the flusher thread (``bk.bookie.flusher``) while a
-  new tail takes the writes. The flush is written gently (small pieces, each
-  synced, then a pause as long as the sync: ``bk.bookie.entrylog.WritePacer``),
-  so its writeback does not crowd the journal's syncs on the same disk; once
-  the new tail is half full it goes at full speed, and if the new one fills too before the flush ends,
+  new tail takes the writes. The flush writes at twice the rate its tail
+  filled at (:func:`flush_rate`), so its writeback does not crowd the
+  journal's syncs on the same disk; once the new tail is half full it goes
+  at full speed, and if the new one fills too before the flush ends,
   :meth:`ShardStorage.maintain` waits for it (back-pressure).
 * **Entry logs** (``bk.bookie.entrylog``): a flush writes each ledger's
   entries sorted and together, so a catch-up reader reads sequentially; a
@@ -88,7 +88,7 @@ from collections import OrderedDict
 from bk.bookie import journal as J
 from bk.bookie.entrylog import JOURNAL_LOG, EntryLogError, EntryLogs, decode_flat, \
     decode_records, is_journal_log, journal_log_id
-from bk.bookie.flusher import CompactJob, FlushJob, Flusher, RemoveJob
+from bk.bookie.flusher import FLUSH_MIN_RATE, CompactJob, FlushJob, Flusher, RemoveJob
 from bk.bookie.index import Index
 from bk.bookie.journal import ADD_OVERHEAD, CorruptRecordError, Journal, JournalError, \
     RecordTooLargeError
@@ -110,6 +110,15 @@ PREFETCH_MAX_BYTES = 8 << 20        # how far past its answer a READ_RANGE start
 PREFETCH_LEDGERS = 1024             # ledgers whose prefetch position is remembered
 FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
 INDEX_TRIM_SECONDS = 1.0            # how often the index map's resident size is checked
+
+
+def flush_rate(nbytes: int, fill_seconds: float) -> float:
+    """Bytes/s to write a flush of ``nbytes`` at, whose tail took ``fill_seconds``
+    to fill: done in half that time (so it ends well before the next tail is
+    due), never slower than FLUSH_MIN_RATE."""
+    if fill_seconds <= 0:
+        return 0.0
+    return max(float(FLUSH_MIN_RATE), 2.0 * nbytes / fill_seconds)
 
 
 # --- tombstones of deleted ledgers ----------------------------------------------
@@ -1080,7 +1089,7 @@ class ShardStorage:
             if due >= self.flush_bytes or (due and now - self._last_swap >= self.flush_interval):
                 self._start_flush()
         elif due >= (self.write_cache_bytes - self.flush_bytes) // 2:
-            # the next tail filled half of its room while the flush is gentle:
+            # the next tail filled half of its room while the flush is paced:
             # write the rest at full speed before the loop has to wait for it
             self._flusher.hurry()
             if due >= self.write_cache_bytes - self.flush_bytes:
@@ -1114,7 +1123,8 @@ class ShardStorage:
                 regions.append((seq, j.segment_path(seq), lo, hi))
         states = {lid: self._ledgers[lid].row() for lid in self._dirty if lid in self._ledgers}
         nbytes = self._journal_bytes() - self._swap_at
-        job = FlushJob(self._wc, states, mark, regions=regions, nbytes=nbytes, gentle=True)
+        job = FlushJob(self._wc, states, mark, regions=regions, nbytes=nbytes,
+                       rate=flush_rate(nbytes, time.monotonic() - self._last_swap))
         if self._flusher.pending:
             self._flusher.hurry()              # a compaction must not hold this flush back
         self._flushing = self._wc
@@ -1184,7 +1194,7 @@ class ShardStorage:
     def _wait_flusher(self) -> None:
         fl = self._flusher
         if fl.pending:
-            fl.hurry()                       # the loop waits: no job is held back
+            fl.hurry()                       # the loop waits: no job is held to a rate
         while fl.pending:
             self._finish(fl.done.get())
 

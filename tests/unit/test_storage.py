@@ -12,7 +12,8 @@ from bk.bookie import flusher as F
 from bk.bookie import journal as J
 from bk.bookie.entrylog import HEADER_SIZE, JOURNAL_LOG, PACE_STEP, EntryLogs, WritePacer
 from bk.bookie import storage as S
-from bk.bookie.storage import ShardStorage
+from bk.bookie.flusher import FLUSH_MIN_RATE
+from bk.bookie.storage import ShardStorage, flush_rate
 from bk.errors import EBADREQ, EFENCED, EIO, ENOENTRY, ENOLEDGER, EOK, EUA
 from bk.testing import wait_until
 
@@ -1111,12 +1112,12 @@ class _Clock:
         self.t += s
 
 
-def test_a_gentle_job_pauses_in_bounded_steps():
+def test_a_paced_job_is_held_to_its_rate_in_bounded_steps():
     clock = _Clock()
     p = WritePacer(clock=clock, sleep=clock.sleep)
-    p.start(gentle=True, seq=1)
+    p.start(rate=1 << 20, seq=1)                 # 1 MiB/s
     for _ in range(8):
-        p.wrote(64 << 10, busy=0.25)             # a slow disk: 2 s of syncs in all
+        p.wrote(256 << 10)                       # 2 MiB in all
     assert clock.t - 100.0 == pytest.approx(2.0)
     assert p.slept == pytest.approx(2.0)
     assert max(clock.sleeps) <= PACE_STEP        # a hurry is seen within one step
@@ -1126,20 +1127,18 @@ def test_a_hurried_job_is_not_held_back_even_when_the_hurry_came_first():
     clock = _Clock()
     p = WritePacer(clock=clock, sleep=clock.sleep)
     p.hurry(upto=2)                              # the loop waits for jobs 1 and 2
-    p.start(gentle=True, seq=2)
-    assert not p.gentle()
-    p.wrote(4 << 20, busy=0.5)
+    p.start(rate=1 << 20, seq=2)
+    p.wrote(4 << 20)
     assert clock.sleeps == [] and p.slept == 0.0
-    p.start(gentle=True, seq=3)                  # a later job is gentle again
-    assert p.gentle()
-    p.wrote(64 << 10, busy=0.5)
-    assert p.slept == pytest.approx(0.5)
+    p.start(rate=1 << 20, seq=3)                 # a later job is paced again
+    p.wrote(1 << 20)
+    assert p.slept == pytest.approx(1.0)
 
 
 def test_a_gentle_job_pauses_as_long_as_the_disk_was_busy():
     clock = _Clock()
     p = WritePacer(clock=clock, sleep=clock.sleep)
-    p.start(gentle=True, seq=1)
+    p.start(rate=1 << 40, seq=1)                 # the rate alone would never hold it
     assert p.gentle()
     p.wrote(64 << 10, busy=0.004)
     assert p.slept == pytest.approx(0.004)
@@ -1155,7 +1154,7 @@ def test_a_gentle_log_writer_syncs_each_piece_and_a_hurried_one_does_not(tmp_pat
     logs = EntryLogs([str(tmp_path)], 1 << 30)
     w = logs.new_writer(p)
     try:
-        p.start(gentle=True, seq=1)
+        p.start(rate=1 << 40, seq=1)
         w.append_pieces([b"g" * (1 << 20)])
         assert w._synced_to == w._written == HEADER_SIZE + (1 << 20)   # all of it synced
         assert w._unsynced == 0
@@ -1171,29 +1170,32 @@ def test_a_gentle_log_writer_syncs_each_piece_and_a_hurried_one_does_not(tmp_pat
         logs.close()
 
 
-def test_a_job_that_is_not_gentle_never_sleeps():
+def test_an_unpaced_job_never_sleeps():
     clock = _Clock()
     p = WritePacer(clock=clock, sleep=clock.sleep)
-    p.start(gentle=False, seq=1)
-    assert not p.gentle()
-    p.wrote(64 << 20, busy=1.0)
+    p.start(rate=0.0, seq=1)
+    p.wrote(64 << 20)
     assert clock.sleeps == []
 
 
-def test_a_flush_the_loop_waits_for_is_not_held_back(tmp_path, monkeypatch):
-    """A flush started by the loop is gentle (here each piece's pause is made
-    endless: it would never end); the back-pressure wait and a checkpoint hurry
-    it, so every entry is flushed and read back, and the new tail's flush is
-    not held back either."""
+def test_a_flush_is_written_in_half_the_time_its_tail_took_to_fill():
+    assert flush_rate(256 << 20, 8.0) == 64 << 20              # busy: twice the fill rate
+    assert flush_rate(32 << 20, 60.0) == FLUSH_MIN_RATE        # idle: the floor
+    assert flush_rate(1 << 20, 0.0) == 0.0                     # no time measured: unpaced
+
+
+def test_a_flush_the_loop_waits_for_is_not_held_to_its_rate(tmp_path, monkeypatch):
+    """A flush started by the loop is paced (here at 1 byte/s: it would never
+    end); the back-pressure wait and a checkpoint hurry it, so every entry is
+    flushed and read back, and the new tail's flush is not paced either."""
+    monkeypatch.setattr(S, "FLUSH_MIN_RATE", 1)
     s = open_storage(tmp_path, flush_bytes=64 << 10, write_cache_bytes=1 << 20)
-    pacer = s._flusher.pacer
-    monkeypatch.setattr(pacer, "wrote", lambda n, busy=0.0, w=pacer.wrote: w(n, 1e6))
     try:
         for e in range(200):
             assert add(s, 7, e) == EOK
         s._journal.sync()
-        s._last_swap -= 1e6                       # the flush interval passed...
-        s.maintain()                              # ...starts a gentle flush
+        s._last_swap -= 1e6                       # a tail that took ~11 days to fill...
+        s.maintain()                              # ...starts a flush held to 1 byte/s
         assert s._flusher.pending == 1
         assert s._flushing is not None
         for e in range(200, 2000):                # the next tail fills: back-pressure
