@@ -16,7 +16,7 @@ The catch-up read alone (quick, repeatable): 100 ledgers of --catchup-entries
 through the client; prints MB/s, CPU us per entry of the client and of the
 shard worker, and the MB the worker read from disk:
 
-    python scripts/bench_scale.py --catchup-only --catchup-entries 3000
+    python scripts/bench_scale.py --catchup-only                      # 10 x 10,000 entries read
     python scripts/bench_scale.py --catchup-only --compare /tmp/bk-old --pairs 3
 
 --compare runs it alternately against another checkout's bk and this one
@@ -64,6 +64,8 @@ def _compare(a, conf_args) -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--catchup-only", "--json",
                    "--bk-path", path, "--catchup-entries", str(a.catchup_entries),
                    "--read-ledgers", str(a.read_ledgers), *conf_args]
+            if a.chunk:
+                cmd += ["--chunk", str(a.chunk)]
             if a.drop_all:
                 cmd.append("--drop-all")
             if a.dir:
@@ -90,12 +92,15 @@ def main():
     p.add_argument("--rate", type=int, default=30_000, help="adds/s of the latency measurement")
     p.add_argument("--rate-seconds", type=float, default=5.0)
     p.add_argument("--random-reads", type=int, default=2000)
-    p.add_argument("--catchup-entries", type=int, default=5000,
+    p.add_argument("--catchup-entries", type=int, default=10_000,
                    help="1 KiB entries per ledger of the 100 catch-up ledgers (0: skip)")
     p.add_argument("--catchup-only", action="store_true",
                    help="measure only the cold catch-up read (see above)")
     p.add_argument("--read-ledgers", type=int, default=10,
                    help="--catchup-only: ledgers read back, each cold")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="--catchup-only: entries per read_entries call (default: a "
+                   "ledger in one call)")
     p.add_argument("--drop-all", action="store_true",
                    help="--catchup-only: drop the whole page cache (root) instead of "
                    "evicting the bookie's files only")
@@ -114,7 +119,8 @@ def main():
         _compare(a, [x for kv in a.set for x in ("--set", kv)])
         return
     if a.catchup_only:
-        r = scale.bench_catchup(a.catchup_entries, a.read_ledgers, drop_all=a.drop_all,
+        r = scale.bench_catchup(a.catchup_entries, a.read_ledgers, chunk=a.chunk,
+                                drop_all=a.drop_all,
                                 base_dir=a.dir, conf=conf,
                                 report=lambda line: print(line, file=sys.stderr, flush=True))
         print(json.dumps(r) if a.json else scale.format_catchup(r))

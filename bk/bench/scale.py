@@ -16,7 +16,9 @@ it measures and prints:
 * cold-cache random reads: p50/p99 of single READs of random entries;
 * cold-cache catch-up read: MB/s of reading whole ledgers of 1 KiB entries
   through the client (``bk.BookKeeper``), ledgers written at the start
-  interleaved with 99 others (a different ledger at each step).
+  interleaved with 99 others (different ones at each step): 10 ledgers one
+  after another, each cold, each with one ``read_entries``; the aggregate
+  (opening each ledger included) and each ledger's rate.
 
 "Cold" means the page cache was dropped (``/proc/sys/vm/drop_caches``, as
 root, as CI runs); without root the figures are marked warm.
@@ -24,9 +26,11 @@ root, as CI runs); without root the figures are marked warm.
 :func:`bench_catchup` is the catch-up read alone, quick enough to repeat
 (``scripts/bench_scale.py --catchup-only``): 100 interleaved ledgers of 1 KiB
 entries are written through the client and pushed into entry logs, then some
-of them are read back cold, one at a time, reporting MB/s, CPU per entry of
-the client and of the shard worker (``/proc/<pid>/stat``) and the bytes the
-worker read from disk (``/proc/<pid>/io``). By default "cold" evicts only the
+of them are read back cold, one at a time (100 MB in all by default, so that
+a scheduling hiccup cannot move a sample by a fifth), reporting the aggregate
+and per-ledger MB/s, CPU per entry of the client and of the shard worker
+(``/proc/<pid>/task/*/schedstat``) and the bytes the worker read from disk
+(``/proc/<pid>/io``). By default "cold" evicts only the
 bookie's own files from the page cache (``posix_fadvise(DONTNEED)``), leaving
 other processes' caches alone.
 """
@@ -309,33 +313,62 @@ def _write_catchup_set(client, entries: int) -> list[int]:
     return ids
 
 
-def _catchup(client, ledger_ids: list[int]) -> dict:
+def _read_ledger(client, lid: int, chunk: int | None) -> tuple[int, int, float, float]:
+    """Open ``lid`` and read it whole (``read_entries`` of ``chunk`` entries,
+    None: the whole ledger in one call, which the client windows and pipelines
+    itself); ``(entries, bytes, open seconds, seconds in all)``."""
     t0 = time.perf_counter()
-    nbytes = 0
+    h = client.open_ledger(lid, password=b"scale")
+    t_open = time.perf_counter() - t0
+    last = h.last_add_confirmed
+    n = nbytes = 0
+    e = 0
+    while e <= last:
+        end = last if chunk is None else min(last, e + chunk - 1)
+        for ent in h.read_entries(e, end):
+            nbytes += len(ent.data)
+            n += 1
+        e = end + 1
+    h.close()
+    return n, nbytes, t_open, time.perf_counter() - t0
+
+
+def _catchup(client, ledger_ids: list[int], evict=None, chunk: int | None = None) -> dict:
+    """Read ``ledger_ids`` one after another, each cold (``evict()`` before it):
+    the aggregate MB/s (opening included) and each ledger's."""
+    nbytes = n = 0
+    wall = opens = evict_cpu = 0.0
+    per = []
     for lid in ledger_ids:
-        h = client.open_ledger(lid, password=b"scale")
-        last = h.last_add_confirmed
-        e = 0
-        while e <= last:
-            end = min(last, e + 4999)
-            for ent in h.read_entries(e, end):
-                nbytes += len(ent.data)
-            e = end + 1
-        h.close()
-    dt = time.perf_counter() - t0
-    return {"ledgers": len(ledger_ids), "mb": round(nbytes / 1e6, 1),
-            "mb_per_sec": round(nbytes / 1e6 / dt, 1)}
+        if evict is not None:
+            c0 = time.process_time()
+            evict()
+            evict_cpu += time.process_time() - c0
+        k, b, t_open, dt = _read_ledger(client, lid, chunk)
+        n += k
+        nbytes += b
+        wall += dt
+        opens += t_open
+        per.append(round(b / 1e6 / dt, 1))
+    return {"ledgers": len(ledger_ids), "entries": n, "mb": round(nbytes / 1e6, 1),
+            "mb_per_sec": round(nbytes / 1e6 / wall, 1), "seconds": round(wall, 3),
+            "open_ms_per_ledger": round(opens / max(1, len(ledger_ids)) * 1e3, 2),
+            "per_ledger_mb_per_sec": per, "evict_cpu_seconds": evict_cpu}
 
 
-def bench_catchup(entries: int = 3000, read_ledgers: int = 10, chunk: int = 5000,
+def bench_catchup(entries: int = 10_000, read_ledgers: int = 10, chunk: int | None = None,
                   drop_all: bool = False, base_dir: str | None = None, conf=None,
                   report=print) -> dict:
     """The cold catch-up read alone: 100 ledgers of ``entries`` 1 KiB entries
     written interleaved, flushed to entry logs, then ``read_ledgers`` of them
-    read whole through ``bk.BookKeeper`` (``read_entries`` of ``chunk``
-    entries), each after evicting the bookie's files from the page cache
-    (``drop_all``: the whole page cache, as root). Returns MB/s, CPU µs per
-    entry of the client and of the shard worker, and disk MB the worker read."""
+    read whole through ``bk.BookKeeper`` one after another, each after evicting
+    the bookie's files from the page cache (``drop_all``: the whole page cache,
+    as root), each with one ``read_entries`` (or of ``chunk`` entries). One
+    sample reads ``read_ledgers`` x ``entries`` KiB (100 MB by default), so
+    that a scheduling hiccup of tens of ms moves it by a few percent, not by a
+    fifth. Returns the aggregate MB/s (opening each ledger included), each
+    ledger's MB/s, CPU µs per entry of the client and of the shard worker, and
+    disk MB the worker read."""
     conf = dict(conf or {})
     with tempfile.TemporaryDirectory(prefix="bk-bench-catchup-", dir=base_dir) as d:
         with LocalCluster(num_bookies=1, base_dir=d, num_shards=1,
@@ -355,45 +388,40 @@ def bench_catchup(entries: int = 3000, read_ledgers: int = 10, chunk: int = 5000
                 report(f"  wrote {len(ids)} x {entries} x 1 KiB interleaved in "
                        f"{time.perf_counter() - t0:.1f}s")
             wpid = b.worker_pids()[0]
-            wall = ccpu = wcpu = 0.0
-            disk = nbytes = n = 0
+
+            def evict():
+                if not (drop_all and drop_caches()):
+                    evict_files(b.dir)
+
             with BookKeeper(cluster.metadata_uri) as client:
-                for lid in ids[:: max(1, len(ids) // read_ledgers)][:read_ledgers]:
-                    if not (drop_all and drop_caches()):
-                        evict_files(b.dir)
-                    r0, w0 = proc_read_bytes(wpid), proc_cpu(wpid)
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    h = client.open_ledger(lid, password=b"scale")
-                    last = h.last_add_confirmed
-                    e = 0
-                    while e <= last:
-                        end = min(last, e + chunk - 1)
-                        for ent in h.read_entries(e, end):
-                            nbytes += len(ent.data)
-                            n += 1
-                        e = end + 1
-                    h.close()
-                    wall += time.perf_counter() - t0
-                    ccpu += time.process_time() - c0
-                    wcpu += proc_cpu(wpid) - w0
-                    disk += proc_read_bytes(wpid) - r0
-            return {"ledgers": read_ledgers, "entries": n, "mb": round(nbytes / 1e6, 1),
-                    "mb_per_sec": round(nbytes / 1e6 / wall, 1),
-                    "client_us_per_entry": round(ccpu / n * 1e6, 2),
-                    "worker_us_per_entry": round(wcpu / n * 1e6, 2),
-                    "disk_mb": round(disk / 1e6, 1), "seconds": round(wall, 3)}
+                pick = ids[:: max(1, len(ids) // read_ledgers)][:read_ledgers]
+                # CPU over the whole sample; the eviction is the bench's own work
+                # (in this process), not the client's
+                r0, w0 = proc_read_bytes(wpid), proc_cpu(wpid)
+                c0 = time.process_time()
+                r = _catchup(client, pick, evict, chunk)
+                ccpu = time.process_time() - c0 - r["evict_cpu_seconds"]
+                wcpu = proc_cpu(wpid) - w0
+                disk = proc_read_bytes(wpid) - r0
+            n = r["entries"]
+            return dict(r, client_us_per_entry=round(ccpu / n * 1e6, 2),
+                        worker_us_per_entry=round(wcpu / n * 1e6, 2),
+                        disk_mb=round(disk / 1e6, 1))
 
 
 def format_catchup(r: dict) -> str:
+    per = r.get("per_ledger_mb_per_sec")
     return (f"cold catch-up: {r['mb_per_sec']} MB/s ({r['entries']:,} x 1 KiB from "
-            f"{r['ledgers']} ledgers in {r['seconds']}s) | CPU per entry: client "
-            f"{r['client_us_per_entry']} us, worker {r['worker_us_per_entry']} us | worker "
-            f"read {r['disk_mb']} MB from disk")
+            f"{r['ledgers']} ledgers in {r['seconds']}s"
+            + (f"; opening {r['open_ms_per_ledger']} ms a ledger; per ledger "
+               f"{min(per)}-{max(per)} MB/s" if per else "")
+            + f") | CPU per entry: client {r['client_us_per_entry']} us, worker "
+            f"{r['worker_us_per_entry']} us | worker read {r['disk_mb']} MB from disk")
 
 
 def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
                 rate: int = 30_000, rate_seconds: float = 5.0, random_reads: int = 2000,
-                catchup_entries: int = 5000, base_dir: str | None = None, conf=None,
+                catchup_entries: int = 10_000, base_dir: str | None = None, conf=None,
                 report=print) -> list[dict]:
     """Fill one bookie to each of ``steps`` entries and measure (see the module
     docstring); ``report`` gets a line per step and progress lines."""
@@ -431,10 +459,9 @@ def bench_scale(steps: list[int], entry_size: int = 100, ledgers: int = 1000,
                     catch = {}
                     if catchup_ids:
                         pick = catchup_ids[(k * 10) % len(catchup_ids):][:10]
-                        drop_caches()
                         client.close()
                         client = BookKeeper(cluster.metadata_uri)
-                        catch = _catchup(client, pick)
+                        catch = _catchup(client, pick, drop_caches)
                     # Memory after the step's reads (caches warm), the same point every step.
                     pid = b.worker_pids()[0]
                     mem = proc_memory(pid)

@@ -162,7 +162,8 @@ def decode_flat(buf: bytes, ledger: int, out: list, want=None) -> int:
     """READ_RANGE's decode of a run read with one pread: append ``entry, lac,
     digest, payload`` of each record of ``buf`` (whole records of ``ledger``;
     those whose entry id is in ``want``, if given) to the flat list ``out``,
-    digest and payload sliced straight from ``buf``; return the payload bytes
+    the digest sliced from ``buf``, the payload a memoryview of it (the answer's
+    encoding copies it once, from the read buffer); return the payload bytes
     appended. EntryLogError if a record fails its CRC or is not an ADD of
     ``ledger``."""
     mv = memoryview(buf)
@@ -177,7 +178,7 @@ def decode_flat(buf: bytes, ledger: int, out: list, want=None) -> int:
                 raise EntryLogError(f"bad record at offset {off} of an entry log read")
             if want is None or entry in want:
                 d = off + 35 + dlen
-                out += (entry, lac, buf[off + 35:d], buf[d:rend])
+                out += (entry, lac, buf[off + 35:d], mv[d:rend])
                 got += rend - d
             off = rend
     except struct.error:

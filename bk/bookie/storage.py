@@ -478,7 +478,7 @@ class ShardStorage:
         self._flushing_entries = 0
         self._cache = _ReadCache(read_cache_bytes)
         self.prefetch_bytes = min(read_cache_bytes, PREFETCH_MAX_BYTES)
-        self._ahead: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._ahead: OrderedDict[int, tuple[int, int, int]] = OrderedDict()
         self.checkpoints = 0
         self.replayed_records = 0
         self.last_flush: dict = {}
@@ -995,8 +995,13 @@ class ShardStorage:
         entry ``e`` on: the ``size`` bytes this READ_RANGE answers and
         ``prefetch_bytes`` more, skipping what an earlier one already started.
         The reads of a catch-up reader's next runs are then in flight, several
-        at once, while this answer is built and sent."""
+        at once, while this answer is built and sent. Until the reader passes
+        the middle of what was started, the index is not walked again (a walk
+        of 8 MiB of runs for every 256 KiB answer was ~0.3 µs per entry)."""
         ahead = self._ahead.pop(ledger, None)
+        if ahead is not None and ahead[0] <= e < ahead[2]:
+            self._ahead[ledger] = ahead          # far enough ahead still
+            return
         done_to = ahead[1] if ahead is not None and ahead[0] <= e <= ahead[1] else e
         want = size + self.prefetch_bytes
         seen = 0
@@ -1011,7 +1016,9 @@ class ShardStorage:
             end = run.last + 1
             if seen >= want:
                 break
-        self._ahead[ledger] = (e, max(end, done_to))
+        end = max(end, done_to)
+        # (first entry, end of what was started, where the next walk is due)
+        self._ahead[ledger] = (e, end, e + (end - e) // 2)
         if len(self._ahead) > PREFETCH_LEDGERS:
             self._ahead.popitem(last=False)
 

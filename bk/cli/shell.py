@@ -1556,7 +1556,7 @@ class _Size(click.ParamType):
 @click.option("--rate", default=30_000, show_default=True, type=click.IntRange(min=1),
               help="Adds/s of the latency measurement after each step.")
 @click.option("--rate-seconds", default=5.0, show_default=True, type=click.FloatRange(min=0.5))
-@click.option("--catchup-entries", default=5000, show_default=True,
+@click.option("--catchup-entries", default=10_000, show_default=True,
               type=click.IntRange(min=0), help="1 KiB entries of each of the 100 "
               "interleaved catch-up ledgers (0: no catch-up measurement).")
 @click.option("--catchup-only", is_flag=True,
@@ -1592,7 +1592,7 @@ def bench_scale_cmd(steps, entry_size, ledgers, rate, rate_seconds, catchup_entr
     Example:
       bkshell bench scale --steps 1M,10M
       bkshell bench scale --steps 1M,10M --entry-size 1024 --json
-      bkshell bench scale --catchup-only --catchup-entries 3000
+      bkshell bench scale --catchup-only
     """
     from bk.bench.scale import bench_catchup, bench_scale, format_catchup, parse_count
     from bk.config import SETTINGS

@@ -101,7 +101,7 @@ _unpack_rec = protocol.unpack_record_head
 _REC_HEAD = protocol.REC_HEAD
 _FRAME_OVERHEAD = 256          # header fields + digest of an ADD frame, generously
 _READ_WINDOW = 1000            # most single READs kept in flight by read_entries
-_RANGE_WINDOW = 10_000         # most entries read_entries has in flight as READ_RANGEs
+_RANGE_WINDOW = 10_000         # most entries of a read_entries window of READ_RANGEs (two in flight)
 _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
 # Bytes of entries one READ_RANGE asks for. Cold catch-up of 1 KiB entries, same
 # run, alternating (bench_scale --catchup-only pattern): 256 KiB requests 210-250
@@ -524,9 +524,6 @@ class _RangeRead:
         status = msg[2]
         if status == EOK and type(msg[4]) is int and msg[4] > self.first:
             nxt, entries = msg[4], msg[5]
-            ok: list = []
-            bad: list = []
-            self.h._digest.verify_flat(entries, ok, bad)
             batch = self.batch
             results = batch.results
             base = batch.first
@@ -535,19 +532,22 @@ class _RangeRead:
             top = min(self.last, nxt - 1)
             spec = self.spec
             wanted = range(first, top + 1, stride)
-            n = len(ok) // 3
-            if not spec and not bad and n == len(wanted) and n and ok[0] == first \
-                    and ok[-3] == wanted[-1] and ok[0::3] == list(wanted) \
-                    and results[first - base:top - base + 1:stride].count(None) == n:
-                # the common answer, every entry wanted once and in order: stored
-                # with slicing, no Python work per entry but its LedgerEntry
-                results[first - base:top - base + 1:stride] = \
-                    list(map(LedgerEntry, itertools.repeat(lid, n), ok[0::3], ok[1::3], ok[2::3]))
-                batch.done(n)
-                self.first = first + n * stride
-                if self.first <= self.last:
-                    self.start()
-                return
+            n = len(wanted)
+            if n and not spec and type(entries) is list and len(entries) == 4 * n:
+                # the common answer, every entry wanted once and in order: verified
+                # and made into LedgerEntry objects in one loop, stored by slicing
+                got = self.h._digest.verify_run(entries, first, stride, LedgerEntry)
+                if got is not None and \
+                        results[first - base:top - base + 1:stride].count(None) == n:
+                    results[first - base:top - base + 1:stride] = got
+                    batch.done(n)
+                    self.first = first + n * stride
+                    if self.first <= self.last:
+                        self.start()
+                    return
+            ok: list = []
+            bad: list = []
+            self.h._digest.verify_flat(entries, ok, bad)
             got = 0
             seen = 0
             for i in range(0, len(ok), 3):
@@ -1622,16 +1622,18 @@ class LedgerHandle:
             return out
         e = first
         nbytes = 0
+        ahead = None            # the next window (as _begin_window gives it), begun early
         while e <= last:
-            # The window is sized in bytes too, from the entries read so far.
-            hint = self._read_avg or self._entry_size_hint()
-            avg = nbytes // len(out) if out else (hint or _FIRST_ENTRY_GUESS)
-            cap = _RANGE_WINDOW if self._loop.batching else _READ_WINDOW
-            window = max(1, min(cap, self._read_window_bytes // max(1, avg)))
-            if not out and not hint:
-                window = min(window, _PROBE_ENTRIES)    # learn the entry size first
-            end = min(last, e + window - 1)
-            batch = self._start_reads(range(e, end + 1), avg)
+            if ahead is None:
+                end, batch, known = self._begin_window(e, last, out, nbytes)
+            else:
+                (end, batch, known), ahead = ahead, None
+            if known and end < last and self._loop.batching:
+                # The next window's READ_RANGEs go out now, so the bookies work on
+                # it while this thread takes this one's entries (no idle gap
+                # between windows); each window is half of readWindowBytes.
+                ahead = self._begin_window(end + 1, last, out, nbytes)
+            self._wait_reads(batch, e, end)
             results = batch.results
             if batch.failed:
                 for i, res in enumerate(results):
@@ -1652,6 +1654,19 @@ class LedgerHandle:
             self._read_avg = max(1, nbytes // len(out))
         return out
 
+    def _begin_window(self, e, last, out, nbytes):
+        """Start the reads of the window from entry ``e`` (up to ``last``), sized in
+        bytes from the entries read so far; ``(end, batch, size known)``."""
+        hint = self._read_avg or self._entry_size_hint()
+        avg = nbytes // len(out) if out else (hint or _FIRST_ENTRY_GUESS)
+        cap = _RANGE_WINDOW if self._loop.batching else _READ_WINDOW
+        window = max(1, min(cap, self._read_window_bytes // 2 // max(1, avg)))
+        known = bool(out or hint)
+        if not known:
+            window = min(window, _PROBE_ENTRIES)    # learn the entry size first
+        end = min(last, e + window - 1)
+        return end, self._begin_reads(range(e, end + 1), avg), known
+
     def _entry_size_hint(self) -> int:
         """The average entry size before this handle has read any: from the
         metadata of a closed ledger (its length over its entries), else from the
@@ -1667,9 +1682,9 @@ class LedgerHandle:
             return max(1, self._length // (self._length_entry + 1))
         return 0
 
-    def _start_reads(self, entry_ids, avg=_FIRST_ENTRY_GUESS):
-        """Read a window of consecutive entries (of about ``avg`` bytes); returns
-        its _ReadBatch, complete."""
+    def _begin_reads(self, entry_ids, avg=_FIRST_ENTRY_GUESS):
+        """Start reading a window of consecutive entries (of about ``avg`` bytes);
+        returns its _ReadBatch (see :meth:`_wait_reads`)."""
         md = self._md
         self._prepare_conns({b for _, ens in md.ensembles for b in ens})
         batch = _ReadBatch(len(entry_ids), entry_ids[0] if entry_ids else 0)
@@ -1683,11 +1698,14 @@ class LedgerHandle:
                            self._read_timeout)
                    for e in entry_ids]
             self._loop.call_soon(_start_all, ops)
+        return batch
+
+    def _wait_reads(self, batch, first, last):
+        """Wait until every read of ``batch`` (entries ``first..last``) ended."""
         # generous bound: every replica may time out in turn
         if not batch.event.wait(self._read_timeout * (self._qw + 1) + 5):
-            raise TimeoutError(f"read entries {entry_ids[0]}..{entry_ids[-1]} of ledger "
-                               f"{self._lid}: no answer")
-        return batch
+            raise TimeoutError(f"read entries {first}..{last} of ledger {self._lid}: "
+                               f"no answer")
 
     def _start_ranged(self, first, last, batch, avg, order):
         """Start the reads of ``first..last`` as READ_RANGEs (I/O thread): per

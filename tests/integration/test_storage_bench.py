@@ -16,6 +16,9 @@ def test_bench_scale_catchup_only_reads_every_entry(tmp_path):
     assert (out["ledgers"], out["entries"]) == (2, 80)
     assert out["mb"] == round(80 * 1024 / 1e6, 1) and out["mb_per_sec"] > 0
     assert out["worker_us_per_entry"] > 0 and out["client_us_per_entry"] > 0
+    # each ledger's rate is printed too: one per ledger read, each a real rate
+    assert len(out["per_ledger_mb_per_sec"]) == 2
+    assert all(x > 0 for x in out["per_ledger_mb_per_sec"])
 
 
 def test_bench_scale_catchup_only_needs_entries():

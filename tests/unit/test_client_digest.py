@@ -83,3 +83,48 @@ def test_password_digest_and_master_key():
     mk = D.master_key(b"secret")
     assert mk == D.master_key(b"secret") and mk != D.master_key(b"other")
     assert mk not in stored and len(mk) == 20
+
+
+def _answer(d, entries, payloads):
+    """A READ_RANGE answer's flat entries, signed by ``d``."""
+    flat, length = [], 0
+    for e, p in zip(entries, payloads):
+        length += len(p)
+        flat += (e, e - 1, d.sign(e, e - 1, length, p), p)
+    return flat
+
+
+def _made(ledger, entry, data, length):
+    return (ledger, entry, data, length)
+
+
+@pytest.mark.parametrize("dt", D.DIGEST_TYPES)
+def test_verify_run_makes_every_entry_of_a_good_answer(dt):
+    d = D.EntryDigest(7, dt, b"pw")
+    payloads = [b"a" * (i + 1) for i in range(6)]
+    flat = _answer(d, range(2, 14, 2), payloads)
+    got = d.verify_run(flat, 2, 2, _made)
+    lengths = [sum(map(len, payloads[:i + 1])) for i in range(6)]
+    assert got == [(7, e, p, n) for e, p, n in zip(range(2, 14, 2), payloads, lengths)]
+
+
+@pytest.mark.parametrize("dt", ["crc32", "crc32c", "mac"])
+@pytest.mark.parametrize("bad", ["payload", "order", "digest type", "short digest",
+                                 "payload type"])
+def test_verify_run_leaves_any_odd_answer_to_the_careful_path(dt, bad):
+    d = D.EntryDigest(7, dt, b"pw")
+    flat = _answer(d, range(4), [b"x", b"y", b"z", b"w"])
+    if bad == "payload":
+        flat[4 * 2 + 3] = b"Z"                     # entry 2's payload changed
+    elif bad == "order":
+        flat[4:8], flat[8:12] = flat[8:12], flat[4:8]
+    elif bad == "digest type":
+        flat[4 * 3 + 2] = "not bytes"
+    elif bad == "short digest":
+        flat[4 * 1 + 2] = flat[4 * 1 + 2][:-1]
+    else:
+        flat[4 * 3 + 3] = None
+    assert d.verify_run(flat, 0, 1, _made) is None
+    ok, errs = [], []
+    d.verify_flat(flat, ok, errs)                 # which says what is wrong
+    assert errs or ok[0::3] != [0, 1, 2, 3]

@@ -440,6 +440,54 @@ def catch_up(s, ledger, first, last, budget, stride=1, offset=0):
     return got
 
 
+def test_prefetch_asks_for_every_run_once_and_walks_the_index_seldom(tmp_path):
+    """A catch-up reader's READ_RANGEs have the disk start on every byte of the
+    ledger's runs before they are read, each byte once, and the index is walked
+    for that far less often than once a request."""
+    s = open_storage(tmp_path, flush_bytes=None, write_cache_bytes=2 << 20,
+                     log_size_limit=1 << 20, read_cache_bytes=64 << 10)
+    for e in range(0, 2000, 10):              # ten entries of each ledger at a time
+        for lid in (21, 22, 23):
+            for x in range(e, e + 10):
+                assert add(s, lid, x, n=200) == EOK
+        s.sync()
+        s.maintain()
+    s.checkpoint()
+    hinted = []
+    walks = 0
+    logs_prefetch, runs_from = s._logs.prefetch, s._index.runs_from
+
+    def prefetch(log_id, off, n):
+        hinted.append((log_id, off, n))
+        logs_prefetch(log_id, off, n)
+
+    def counted_runs_from(*a):
+        nonlocal walks
+        walks += 1
+        return runs_from(*a)
+    s._logs.prefetch = prefetch
+    s._index.runs_from = counted_runs_from
+    requests = 0
+    e = 0
+    read = set()
+    while e <= 1999:
+        status, nxt, got = s.read_range(22, e, 1999, 8 << 10)
+        assert status == EOK and got[0::4] == list(range(e, nxt))
+        read.update(got[0::4])
+        requests += 1
+        e = nxt
+    assert read == set(range(2000))
+    spans = sorted(hinted)
+    for (la, oa, na), (lb, ob, nb) in zip(spans, spans[1:]):
+        assert la != lb or oa + na <= ob, "a byte was hinted twice"
+    runs = s._index.runs_of(22)
+    need = sum(r.rel(r.count) for r in runs)
+    assert sum(n for _, _, n in hinted) == need      # every byte of every run
+    walks -= requests                             # one of each request's is its read
+    assert walks * 3 <= requests, (walks, requests)   # was one walk a request
+    s.close()
+
+
 def test_catch_up_over_many_runs_with_prefetch(tmp_path, monkeypatch):
     """A ledger written among others lies in many runs over several entry logs:
     successive READ_RANGEs (prefetching the next runs) return every entry once,
