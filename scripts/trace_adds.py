@@ -76,13 +76,13 @@ def patch_worker(m):
                                         "after_done": self._tr_done == self._tr_sel}
                 self._tr_pend.append((lid, eid))
 
-    def _start_sync(self):
+    def _start_sync(self, done=None):
         t = mono()
         group, self._tr_pend = self._tr_pend, []
         for k in group:
             self._tr[k]["sync0"] = t
         self._tr_groups.append(group)
-        return start_sync(self)
+        return start_sync(self, done)
 
     def _release(self, held):
         r = release(self, held)
@@ -92,15 +92,11 @@ def patch_worker(m):
                 self._tr[k]["released"] = t
         return r
 
-    def _sync_thread(self):
-        while True:
-            job = self._sync_q.get()
-            if job is None:
-                return
-            t0 = mono()
-            job.run()
-            self._tr_syncs.append((t0, mono() - t0, job.bytes))
-            os.write(self._sync_w, b"s")
+    def _run_sync(self, job):
+        t0 = mono()
+        job.run()
+        self._tr_syncs.append((t0, mono() - t0, job.bytes))
+        os.write(self._sync_w, b"s")
 
     def _on_sync_done(self):
         self._tr_done = self._tr_sel
@@ -119,7 +115,7 @@ def patch_worker(m):
             print("trace_adds: could not write the trace: %r" % (e,), file=sys.stderr)
         return drain(self)
     W._boot, W._add_batch, W._start_sync, W._release = _boot, _add_batch, _start_sync, _release
-    W._sync_thread, W._drain, W._on_sync_done = _sync_thread, _drain, _on_sync_done
+    W._run_sync, W._drain, W._on_sync_done = _run_sync, _drain, _on_sync_done
 
 
 def patch_client(cm, lm):

@@ -39,10 +39,23 @@ budget (at most half the frame limit).
 
 The sync itself runs on a second thread (``fdatasync`` releases the GIL), as
 BookKeeper's journal has its own sync thread: while group N is being made
-durable the loop already reads, appends and holds group N+1, which is
-committed as soon as N completes. Throughput is then bounded by the larger of
-CPU and disk time per group instead of their sum. At most one sync is in
-flight; its completion is signalled through a pipe the selector watches.
+durable the loop already reads, appends and holds group N+1. The commit is a
+pipeline: when N's sync completes (signalled through a pipe the selector
+watches), the loop first begins N+1's sync (one ``pwrite`` of its records, the
+job handed to the sync thread) and only then answers N, so that answering
+(with TLS: encrypting, then ``sendmsg`` to every connection) overlaps N+1's
+``fdatasync`` instead of adding to every cycle. Throughput is then bounded by
+the larger of CPU and disk time per group instead of their sum. What must hold:
+an answer leaves only after its own group's sync completed; a connection gets
+group N's answers before N+1's (one group is answered at a time, in order); a
+fence, a WRITE_LAC and a long poll's wake-up wait for their sync like an add;
+a failed sync (or write) answers nothing of its group nor of any later one
+(the worker exits and replays); ``_quiesce`` (checkpoint, GC, exit) waits for
+the sync in flight, syncs the rest and answers everything. A group that
+appended nothing, or any group with ``journalSyncData=false``, is answered at
+once (after the group before it). At most one sync is in flight: a second
+``fdatasync`` of the same file would wait for the first anyway, and a group
+begun later only grows.
 
 Storage (``bk.bookie.storage``) flushes the journal's tail into entry logs
 and the index on its own flusher thread; the loop only calls
