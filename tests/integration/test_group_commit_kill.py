@@ -34,8 +34,8 @@ HOOK = r'''
 import json, os, signal
 import bk.bookie.worker as m
 
-AT = int(os.environ["GC_TEST_STOP_AT"])
-OUT = os.environ["GC_TEST_OUT"]
+AT = int(os.environ.get("GC_TEST_STOP_AT", "0"))
+OUT = os.environ.get("GC_TEST_OUT")
 _answer = m.ShardWorker._answer
 _seen = [0]
 
@@ -61,7 +61,8 @@ def answer(self, done):
     return _answer(self, done)
 
 
-m.ShardWorker._answer = answer
+if AT:
+    m.ShardWorker._answer = answer
 '''
 
 
@@ -111,12 +112,17 @@ def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, 
         conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
         security = ClientSecurity.from_conf(Config.load(env={}, overrides={
             "tlsEnabled": True, "tlsTrustStore": ca.cert_path}))
+    pythonpath = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(hook_dir)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
     monkeypatch.setenv("GC_TEST_STOP_AT", str(STOP_AT))
     monkeypatch.setenv("GC_TEST_OUT", str(out))
     c = cluster_factory(1, num_shards=1, conf_overrides=conf)
     monkeypatch.delenv("GC_TEST_STOP_AT")        # the restart runs without the hook
+    if pythonpath is None:
+        monkeypatch.delenv("PYTHONPATH")
+    else:
+        monkeypatch.setenv("PYTHONPATH", pythonpath)
     b = c.bookies[0]
     lids = [(1 << 50) + 21 + i for i in range(3)]
     stop = threading.Event()
