@@ -20,7 +20,9 @@ with the machine's monotonic clock, which the processes share:
     released  its acknowledgement was sent (after that sync)
     c_read    the client's I/O thread read the acknowledgement
 
-and each group commit's ``fdatasync`` on its own. Then percentiles per hop.
+and each group commit's ``fdatasync`` on its own, and the disk's idle time
+between one group's sync and the next (while the loop answers the synced group
+and begins the next). Then percentiles per hop.
 
 A diagnostic: it wraps private methods of the worker and the client by name (in
 this process, and in the bookies through a ``sitecustomize`` module put first
@@ -76,13 +78,13 @@ def patch_worker(m):
                                         "after_done": self._tr_done == self._tr_sel}
                 self._tr_pend.append((lid, eid))
 
-    def _start_sync(self):
+    def _start_sync(self, *done):
         t = mono()
         group, self._tr_pend = self._tr_pend, []
         for k in group:
             self._tr[k]["sync0"] = t
         self._tr_groups.append(group)
-        return start_sync(self)
+        return start_sync(self, *done)
 
     def _release(self, held):
         r = release(self, held)
@@ -92,15 +94,18 @@ def patch_worker(m):
                 self._tr[k]["released"] = t
         return r
 
-    def _sync_thread(self):
+    def _run_sync(self, job):
+        t0 = mono()
+        job.run()
+        self._tr_syncs.append((t0, mono() - t0, job.bytes))
+        os.write(self._sync_w, b"s")
+
+    def _sync_thread(self):          # a worker of before _run_sync (to compare with it)
         while True:
             job = self._sync_q.get()
             if job is None:
                 return
-            t0 = mono()
-            job.run()
-            self._tr_syncs.append((t0, mono() - t0, job.bytes))
-            os.write(self._sync_w, b"s")
+            _run_sync(self, job)
 
     def _on_sync_done(self):
         self._tr_done = self._tr_sel
@@ -119,7 +124,11 @@ def patch_worker(m):
             print("trace_adds: could not write the trace: %r" % (e,), file=sys.stderr)
         return drain(self)
     W._boot, W._add_batch, W._start_sync, W._release = _boot, _add_batch, _start_sync, _release
-    W._sync_thread, W._drain, W._on_sync_done = _sync_thread, _drain, _on_sync_done
+    W._drain, W._on_sync_done = _drain, _on_sync_done
+    if hasattr(W, "_run_sync"):
+        W._run_sync = _run_sync
+    else:
+        W._sync_thread = _sync_thread
 
 
 def patch_client(cm, lm):
@@ -197,6 +206,7 @@ if OUT and __name__ == "sitecustomize":
     sys.meta_path.insert(0, _Finder())
 '''
 
+IDLE_GAP = 0.05    # s: syncs further apart than this had nothing to wait for
 HOPS = [("sub", "pick"), ("pick", "write0"), ("write0", "sent"), ("sent", "w_select"),
         ("w_select", "dispatched"), ("dispatched", "sync0"), ("sync0", "released"),
         ("released", "c_read")]
@@ -251,6 +261,7 @@ def main():
     # the cluster stopped: the bookies wrote their traces
     workers = {}
     syncs = collections.defaultdict(list)
+    idle = collections.defaultdict(list)
     answer = collections.defaultdict(list)
     for fn in os.listdir(d):
         if fn.startswith("w-"):
@@ -258,10 +269,16 @@ def main():
                 w = json.load(f)
             for lid, eid, v in w["adds"]:
                 workers[(w["bookie"], lid, eid)] = v
-            for t0, dt, nbytes in w["syncs"]:
+            end = None
+            for t0, dt, nbytes in sorted(w["syncs"]):
                 for s, e, name in windows:
                     if s <= t0 <= e:
                         syncs[name].append((dt, nbytes))
+                        # the disk idle between a group's sync and the next one's, when
+                        # they follow closely (a longer gap: no adds were held)
+                        if end is not None and t0 - end < IDLE_GAP:
+                            idle[name].append(t0 - end)
+                end = t0 + dt
             for t0, dt in w["answer"]:
                 for s, e, name in windows:
                     if s <= t0 <= e:
@@ -298,6 +315,10 @@ def main():
             print(f"  {'fdatasync of a group commit':40s} {pct([x for x, _ in s], .5):7.3f} "
                   f"{pct([x for x, _ in s], .9):7.3f} {pct([x for x, _ in s], .99):7.3f}"
                   f"   ({sorted(n for _, n in s)[len(s) // 2] / 1024:.0f} KiB per group, median)")
+        x = idle[name]
+        if x:
+            print(f"  {'the disk idle between syncs':40s} {pct(x, .5):7.3f} "
+                  f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
         x = answer[name]
         if x:
             print(f"  {'a synced group answered, the next begun':40s} {pct(x, .5):7.3f} "

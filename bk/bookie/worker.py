@@ -39,10 +39,23 @@ budget (at most half the frame limit).
 
 The sync itself runs on a second thread (``fdatasync`` releases the GIL), as
 BookKeeper's journal has its own sync thread: while group N is being made
-durable the loop already reads, appends and holds group N+1, which is
-committed as soon as N completes. Throughput is then bounded by the larger of
-CPU and disk time per group instead of their sum. At most one sync is in
-flight; its completion is signalled through a pipe the selector watches.
+durable the loop already reads, appends and holds group N+1. The commit is a
+pipeline: when N's sync completes (signalled through a pipe the selector
+watches), the loop first begins N+1's sync (one ``pwrite`` of its records, the
+job handed to the sync thread) and only then answers N, so that answering
+(with TLS: encrypting, then ``sendmsg`` to every connection) overlaps N+1's
+``fdatasync`` instead of adding to every cycle. Throughput is then bounded by
+the larger of CPU and disk time per group instead of their sum. What must hold:
+an answer leaves only after its own group's sync completed; a connection gets
+group N's answers before N+1's (one group is answered at a time, in order); a
+fence, a WRITE_LAC and a long poll's wake-up wait for their sync like an add;
+a failed sync (or write) answers nothing of its group nor of any later one
+(the worker exits and replays); ``_quiesce`` (checkpoint, GC, exit) waits for
+the sync in flight, syncs the rest and answers everything. A group that
+appended nothing, or any group with ``journalSyncData=false``, is answered at
+once (after the group before it). At most one sync is in flight: a second
+``fdatasync`` of the same file would wait for the first anyway, and a group
+begun later only grows.
 
 Storage (``bk.bookie.storage``) flushes the journal's tail into entry logs
 and the index on its own flusher thread; the loop only calls
@@ -104,6 +117,7 @@ import traceback
 
 from bk import protocol as P
 from bk.bookie import control, layout
+from bk.bookie.journal import JournalError
 from bk.bookie.storage import ShardStorage
 from bk.config import Config
 from bk.errors import (EAUTH, EBADREQ, EBADVERSION, EOK, EREADONLY, ESECURITY, ENOENTRY,
@@ -209,6 +223,7 @@ class ShardWorker:
         self.features = P.FEATURES if conf.frameBatching else 0
         self._group = None                           # (adds, failed, answers, first held)
         self._sync_t0 = 0.0
+        self._failed = False                         # a sync failed: nothing more is answered
         self._last_read_status = EOK
         self.tls = tls.ServerTLS(conf) if conf.tlsCertificatePath else None
         self.auth = auth.Authenticator(conf)
@@ -275,8 +290,7 @@ class ShardWorker:
         self._sync_r, self._sync_w = os.pipe()
         os.set_blocking(self._sync_r, False)
         self.sel.register(self._sync_r, selectors.EVENT_READ, "sync")
-        threading.Thread(target=self._sync_thread, name=f"bk-sync-{self.shard}",
-                         daemon=True).start()
+        self._start_sync_thread()
         control.send(self.ctrl, "ready", {"shard": self.shard, "pid": os.getpid()})
 
     def _on_term(self, signum, frame):
@@ -292,39 +306,71 @@ class ShardWorker:
             pass
 
     # --- group commit ------------------------------------------------------------
+    def _start_sync_thread(self):
+        threading.Thread(target=self._sync_thread, name=f"bk-sync-{self.shard}",
+                         daemon=True).start()
+
     def _sync_thread(self):
         while True:
             job = self._sync_q.get()
             if job is None:
                 return
-            job.run()
-            os.write(self._sync_w, b"s")
+            self._run_sync(job)
 
-    def _start_sync(self):
-        """Commit every held response's group: start one sync, or answer at once if
-        nothing needs one (e.g. only an already-fenced ledger was fenced)."""
-        job = self.storage.begin_sync()
+    def _run_sync(self, job):
+        """Run one group's sync (blocking) and tell the loop through the pipe."""
+        job.run()
+        os.write(self._sync_w, b"s")
+
+    def _start_sync(self, done=None):
+        """Commit the held group: begin its sync, then answer ``done`` (the group whose
+        sync has just completed, see :meth:`_on_sync_done`), so that the answering
+        overlaps this sync. A group that needs no sync (nothing appended, e.g. only
+        an already fenced ledger fenced; or journalSyncData=false) is answered at
+        once, after ``done``."""
+        try:
+            job = self.storage.begin_sync()
+        except JournalError:         # a failed write: the journal refuses everything now
+            self._failed = True
+            if done is not None:     # durable already
+                self._answer(done)
+            raise
         group = self._take_group(self.held)
-        if job is None:
-            self._release(self.held)
-            self.held = []
-            self._count_group(group, None)
-            return
-        self.sync_job = job
-        self._group = group
-        self._sync_t0 = time.monotonic()
-        self.inflight, self.held = self.held, []
-        if job.path is None:         # journalSyncData=false: nothing to wait for
-            self._end_sync()
-        else:
+        held, self.held = self.held, []
+        if job is not None and job.path is not None:
+            self.sync_job = job
+            self._group = group
+            self._sync_t0 = time.monotonic()
+            self.inflight = held
             self._sync_q.put(job)
+            if done is not None:
+                self._answer(done)
+            return
+        if done is not None:
+            self._answer(done)
+        if job is not None:          # journalSyncData=false: written out, nothing to wait for
+            self.storage.end_sync(job)
+        self._answer((held, group))
 
     def _end_sync(self):
+        """The sync in flight completed: its group ``(answers, counts)``, not answered
+        yet. JournalError (and nothing of that group or any later one is ever
+        answered) if the sync failed."""
         job, self.sync_job = self.sync_job, None
-        self.storage.end_sync(job)   # raises if the sync failed: nothing is answered
-        inflight, self.inflight = self.inflight, []
-        self._release(inflight)
-        self._count_group(self._group, None if job.path is None else self._sync_t0)
+        answers, self.inflight = self.inflight, []
+        try:
+            self.storage.end_sync(job)
+        except JournalError:
+            self._failed = True
+            raise
+        self.m.synced(time.monotonic() - self._sync_t0)
+        return answers, self._group
+
+    def _answer(self, done):
+        """Send a durable group's answers; then the long polls its LACs satisfy."""
+        answers, group = done
+        self._release(answers)
+        self._count_group(group)
         if self._waiters:
             self._wake_waiters(time.monotonic())
 
@@ -336,24 +382,23 @@ class ShardWorker:
         self._gen += 1          # later batched adds go into new group acknowledgements
         return group
 
-    def _count_group(self, group, sync_t0):
-        now = time.monotonic()
+    def _count_group(self, group):
         adds, failed, answers, first = group
-        if not answers:
-            return
-        if sync_t0 is not None:
-            self.m.synced(now - sync_t0)
-        self.m.add_group(adds, failed, answers, now - first)
+        if answers:
+            self.m.add_group(adds, failed, answers, time.monotonic() - first)
 
     def _on_sync_done(self):
         try:
             os.read(self._sync_r, 64)
         except BlockingIOError:
             return
-        if self.sync_job is not None:
-            self._end_sync()
-            if self.held:            # it gathered while the previous group synced
-                self._start_sync()
+        if self.sync_job is None:
+            return
+        done = self._end_sync()
+        if self.held:                # gathered while that sync ran: its sync begins first
+            self._start_sync(done)
+        else:
+            self._answer(done)
 
     def _wait_sync(self):
         """Block until the sync in flight (if any) completed and is answered."""
@@ -364,17 +409,23 @@ class ShardWorker:
             os.read(self._sync_r, 1)
         finally:
             os.set_blocking(self._sync_r, False)
-        self._end_sync()
+        self._answer(self._end_sync())
 
     def _quiesce(self):
-        """Make everything durable and answered: before checkpoints, GC and exit."""
+        """Make everything durable and answered: before checkpoints, GC and exit.
+        After a failed sync nothing more is answered (the held answers are dropped)."""
+        if self._failed:
+            self.held = []
+            return
         self._wait_sync()
         if self.storage.unsynced_bytes:
-            self.storage.sync()
+            try:
+                self.storage.sync()
+            except JournalError:
+                self._failed = True
+                raise
         held, self.held = self.held, []
-        group = self._take_group(held)
-        self._release(held)
-        self._count_group(group, None)
+        self._answer((held, self._take_group(held)))
 
     def _drain(self):
         if self.storage is None:

@@ -1,0 +1,162 @@
+"""kill -9 at the moment the pipelined group commit makes matter: a group's sync
+has completed, the next group's sync has begun, and the first group is not
+answered yet. The shard worker stops itself (SIGSTOP) at exactly that moment
+through a hook put first on the bookie's PYTHONPATH (``sitecustomize``, as
+scripts/trace_adds.py does); the test then kills the bookie with SIGKILL while it
+is stopped. Every entry acknowledged before the kill reads back after the
+restart, the stopped group's entries were not acknowledged, and they too read
+back (their sync had completed). Plaintext and TLS (the answers are encrypted on
+the path that now overlaps the next sync). Real etcd and bookie processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from bk import protocol as P
+from bk.errors import BKError, EOK
+from bk.rawclient import BookieConnection
+from bk.config import Config
+from bk.security import ClientSecurity, pki
+from bk.testing import wait_until
+
+from test_storage_crash import read_back
+
+PAYLOAD = bytes(range(256)) * 4          # 1 KiB
+KEY = b"g" * 20
+BATCH = 16
+STOP_AT = 300                            # the 300th answer given with the next sync in flight
+
+HOOK = r'''
+import json, os, signal
+import bk.bookie.worker as m
+
+AT = int(os.environ.get("GC_TEST_STOP_AT", "0"))
+OUT = os.environ.get("GC_TEST_OUT")
+_answer = m.ShardWorker._answer
+_seen = [0]
+
+
+def entries(answers):
+    out = []
+    for _conn, frame in answers:
+        if type(frame) is list:                  # a group acknowledgement: [rid, runs, errors]
+            runs = frame[1]
+            for i in range(0, len(runs), 3):
+                out += [[runs[i], e] for e in range(runs[i + 1], runs[i + 2] + 1)]
+    return out
+
+
+def answer(self, done):
+    if self.sync_job is not None and done[0]:    # the next group is syncing: the moment
+        _seen[0] += 1
+        if _seen[0] == AT:
+            with open(OUT + ".tmp", "w") as f:
+                json.dump({"pid": os.getpid(), "entries": entries(done[0])}, f)
+            os.rename(OUT + ".tmp", OUT)
+            os.kill(os.getpid(), signal.SIGSTOP)
+    return _answer(self, done)
+
+
+if AT:
+    m.ShardWorker._answer = answer
+'''
+
+
+def pump(b, lid, security, stop, acked):
+    """Batches of BATCH entries (window of 8 batches) until ``stop``; the entries
+    acknowledged with EOK go to ``acked``. A connection broken by the kill ends it."""
+    try:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards),
+                              security=security) as c:
+            eid = outstanding = 0
+            while not stop.is_set() or outstanding:
+                while outstanding < 8 and not stop.is_set():
+                    c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, [
+                        (lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]))
+                    eid += BATCH
+                    outstanding += 1
+                r = c.recv()
+                assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:3]
+                runs = r[3]
+                for i in range(0, len(runs), 3):
+                    acked += [(runs[i], e) for e in range(runs[i + 1], runs[i + 2] + 1)]
+                outstanding -= 1
+    except (OSError, BKError):
+        if not stop.is_set():
+            raise
+
+
+def process_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+@pytest.mark.parametrize("mode", ["plaintext", "tls"])
+def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, monkeypatch,
+                                                     mode):
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(HOOK)
+    out = tmp_path / "stopped.json"
+    conf, security = {}, ClientSecurity()
+    if mode == "tls":
+        ca = pki.make_ca(str(tmp_path / "ca"))
+        crt, key = ca.issue("bookie", ["127.0.0.1"])
+        conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
+        security = ClientSecurity.from_conf(Config.load(env={}, overrides={
+            "tlsEnabled": True, "tlsTrustStore": ca.cert_path}))
+    pythonpath = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
+    monkeypatch.setenv("GC_TEST_STOP_AT", str(STOP_AT))
+    monkeypatch.setenv("GC_TEST_OUT", str(out))
+    c = cluster_factory(1, num_shards=1, conf_overrides=conf)
+    monkeypatch.delenv("GC_TEST_STOP_AT")        # the restart runs without the hook
+    if pythonpath is None:
+        monkeypatch.delenv("PYTHONPATH")
+    else:
+        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    b = c.bookies[0]
+    lids = [(1 << 50) + 21 + i for i in range(3)]
+    stop = threading.Event()
+    acked: list[list] = [[] for _ in lids]
+    threads = [threading.Thread(target=pump, args=(b, lid, security, stop, acked[i]))
+               for i, lid in enumerate(lids)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: out.exists(), timeout=120, what="the worker stopping at the moment")
+        stopped = json.loads(out.read_text())
+        wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
+                   what="the worker stopped")
+        stop.set()
+        b.kill()                                 # SIGKILL while the worker is stopped there
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    done = set(map(tuple, stopped["entries"]))
+    assert done, "the stopped group held no batched entries"
+    got = {(lid, e) for per in acked for lid, e in per}
+    assert len(got) > STOP_AT
+    assert not done & got, "entries of the unanswered group were acknowledged"
+    b.start()
+    for lid, per in zip(lids, acked):
+        want = [e for _lid, e in per] + [e for l2, e in done if l2 == lid]
+        if want:
+            read_back(b, lid, want)
+    # and the bookie goes on taking adds of those ledgers after the restart
+    with BookieConnection(b.bookie_id, shard=0, security=security) as conn:
+        for lid, per in zip(lids, acked):
+            nxt = max([e for _l, e in per] + [e for l2, e in done if l2 == lid] + [-1]) + 1
+            r = conn.call(P.add(conn.next_rid(), lid, nxt, nxt - 1, KEY, b"", PAYLOAD))
+            assert r[2] == EOK, r
+

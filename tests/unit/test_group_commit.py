@@ -1,0 +1,285 @@
+"""The shard worker's pipelined group commit, step by step: a real worker on real
+storage in a temporary directory, real sockets (socketpairs) as its clients, and
+its syncs run when the test says (no sync thread), so that each moment of the
+pipeline can be looked at: the next group's sync begins before the group whose
+sync completed is answered; nothing is answered before its own sync; a failed
+sync answers nothing of its group nor of any later one; a connection's answers
+keep their order."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+
+import msgpack
+import pytest
+
+from bk import protocol as P
+from bk.bookie.journal import JournalError
+from bk.bookie.worker import ShardWorker
+from bk.config import Config
+from bk.errors import EOK
+
+KEY = b"k" * 20
+LID = 7
+
+
+class StepWorker(ShardWorker):
+    """A shard worker whose syncs the test runs (see :meth:`complete`)."""
+
+    def _start_sync_thread(self):
+        pass
+
+    def complete(self, fail_with: str | None = None):
+        """Run the sync in flight (its job, as the sync thread would) and hand the
+        completion to the worker, as its loop does."""
+        job = self._sync_q.get_nowait()
+        assert job is self.sync_job
+        if fail_with is not None:        # the segment is gone: the sync's open fails
+            job.path = fail_with
+        self._run_sync(job)
+        self._on_sync_done()
+
+
+@pytest.fixture
+def make_worker(tmp_path):
+    made = []
+
+    def make(**conf):
+        conf = Config.load(env={}, overrides={
+            "journalDirectories": str(tmp_path / "journal"),
+            "ledgerDirectories": str(tmp_path / "ledgers"),
+            "numShards": 1, "enableStatistics": True, **conf})
+        ctrl, arbiter = socket.socketpair()
+        w = StepWorker(conf, 0, 1, ctrl)
+        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+        saved = {s: signal.getsignal(s) for s in sigs}
+        switch = sys.getswitchinterval()
+        try:
+            w._boot()
+        finally:                         # the worker's process-wide settings: not ours
+            for s, h in saved.items():
+                signal.signal(s, h)
+            sys.setswitchinterval(switch)
+        made.append((w, arbiter))
+        return w
+
+    yield make
+    for w, arbiter in made:
+        if w.storage is not None:
+            w.storage.close()
+        arbiter.close()
+
+
+def tcp_pair():
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        ours = socket.create_connection(srv.getsockname())
+        theirs, _ = srv.accept()
+    for s in (ours, theirs):        # as the arbiter and the clients do: no Nagle delay
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return ours, theirs
+
+
+class Client:
+    """One client connection of the worker (TCP on the loopback), the worker's end
+    adopted as the arbiter hands it over."""
+
+    def __init__(self, w: StepWorker):
+        self.w = w
+        self.sock, theirs = tcp_pair()
+        self.sock.setblocking(False)
+        before = set(w.conns)
+        w._adopt(theirs.detach(), msgpack.packb(P.hello(1, 0), use_bin_type=True))
+        (self.conn,) = w.conns - before
+        self.fb = P.FrameBuffer(1 << 24)
+        self.rid = 10
+        hello = self.received()
+        assert [m[0] for m in hello] == [P.HELLO] and hello[0][2] == EOK
+
+    def send(self, *msgs):
+        """Send requests; the worker reads and dispatches them (one pass)."""
+        for m in msgs:
+            self.sock.sendall(m if type(m) is bytes else P.encode_frame(m))
+        self.w._on_readable(self.conn)
+
+    def add(self, *eids, lid=LID):
+        for eid in eids:
+            self.rid += 1
+            self.send(P.add(self.rid, lid, eid, eid - 1, KEY, b"", b"x%d" % eid))
+
+    def add_batch(self, eids, lid=LID):
+        self.rid += 1
+        self.send(P.encode_add_batch(self.rid, KEY, 0,
+                                     [(lid, e, e - 1, b"", b"y%d" % e) for e in eids]))
+
+    def received(self) -> list:
+        """Every answer the worker has sent so far (it sends synchronously)."""
+        while True:
+            try:
+                n = self.sock.recv_into(self.fb.recv_buffer(1 << 16), 1 << 16)
+            except BlockingIOError:
+                break
+            assert n, "the worker closed the connection"
+            self.fb.commit(n)
+        return list(self.fb.frames())
+
+    def acked(self) -> list:
+        """``(ledger, entry)`` of the EOK answers received now (single and grouped)."""
+        out = []
+        for m in self.received():
+            if m[0] == P.ADD:
+                assert m[2] == EOK, m
+                out.append((m[3], m[4]))
+            elif m[0] == P.ADD_BATCH:
+                assert m[4] == [], m
+                runs = m[3]
+                for i in range(0, len(runs), 3):
+                    out += [(runs[i], e) for e in range(runs[i + 1], runs[i + 2] + 1)]
+            else:
+                out.append(tuple(m[:3]))
+        return out
+
+
+def test_the_next_groups_sync_begins_before_the_synced_group_is_answered(make_worker):
+    w = make_worker()
+    c = Client(w)
+    seen = []
+    release = w._release
+
+    def watch(held):                      # what was in flight when a group was answered
+        seen.append((len(held), w.sync_job))
+        release(held)
+    w._release = watch
+
+    c.add(0, 1)
+    w._start_sync()
+    first = w.sync_job
+    assert first is not None and c.acked() == []          # syncing: nothing answered
+    c.add(2, 3, 4)                                        # the next group, held
+    assert c.acked() == [] and w._sync_q.qsize() == 1
+    w.complete()
+    # group 1 answered, and only after group 2's sync had been handed to the sync thread
+    assert c.acked() == [(LID, 0), (LID, 1)]
+    second = w.sync_job
+    assert second is not None and second is not first and second.end > first.end
+    assert seen == [(2, second)]
+    assert w._sync_q.qsize() == 1 and w.held == []
+    w.complete()
+    assert c.acked() == [(LID, 2), (LID, 3), (LID, 4)]
+    assert w.sync_job is None and seen[-1] == (3, None)   # nothing held: nothing begun
+    assert w.storage._journal._synced == w.storage._journal._off   # all of it durable
+
+
+def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker, tmp_path):
+    w = make_worker()
+    c = Client(w)
+    c.add(0)
+    w._start_sync()
+    c.add(1)
+    w.complete()                          # group 1 durable and answered, group 2 syncing
+    assert c.acked() == [(LID, 0)]
+    c.add(2)                              # group 3, held behind group 2
+    with pytest.raises(JournalError):
+        w.complete(fail_with=str(tmp_path / "no-such-segment"))
+    assert c.acked() == [] and w.sync_job is None
+    w._quiesce()                          # as the exit does: still nothing answered
+    assert c.acked() == [] and w.held == []
+    c.add(3)                              # the journal refuses; its answer is held
+    w._quiesce()
+    assert c.acked() == []
+
+
+def test_a_failed_first_sync_leaves_the_held_group_unanswered(make_worker, tmp_path):
+    w = make_worker()
+    c = Client(w)
+    c.add(0)
+    w._start_sync()
+    c.add(1)
+    with pytest.raises(JournalError):
+        w.complete(fail_with=str(tmp_path / "gone"))
+    w._drain()                            # the worker's exit path: no answer, closed
+    assert c.fb.pending == 0
+    c.sock.setblocking(True)
+    data = c.sock.recv(1 << 16)
+    assert data == b""                    # closed with nothing sent
+
+
+def test_group_acknowledgements_of_a_connection_keep_their_order(make_worker):
+    w = make_worker()
+    a, b = Client(w), Client(w)
+    a.add_batch(range(0, 10))
+    b.add_batch(range(0, 5), lid=LID + 1)
+    w._start_sync()
+    a.add_batch(range(10, 20))
+    a.add_batch(range(20, 25))            # same group: the same acknowledgement
+    b.add(5, lid=LID + 1)
+    assert a.received() == [] and b.received() == []
+    w.complete()
+    got = a.received()
+    assert [(m[0], m[3]) for m in got] == [(P.ADD_BATCH, [LID, 0, 9])]
+    assert [(m[0], m[3]) for m in b.received()] == [(P.ADD_BATCH, [LID + 1, 0, 4])]
+    w.complete()
+    got = a.received()
+    assert [(m[0], m[3]) for m in got] == [(P.ADD_BATCH, [LID, 10, 24])]
+    assert b.acked() == [(LID + 1, 5)]
+
+
+def test_a_group_that_needs_no_sync_is_answered_after_the_one_before(make_worker):
+    """A second fence of a ledger fenced by the group in flight appends nothing, so
+    its group begins no sync: it is still answered after the first fence, once that
+    one's sync completed."""
+    w = make_worker()
+    c = Client(w)
+    c.add(0)
+    w._start_sync()
+    w.complete()
+    assert c.acked() == [(LID, 0)]
+    c.send(P.read_lac(21, LID, fence=True, master_key=KEY))
+    w._start_sync()
+    assert w.sync_job is not None and c.received() == []
+    c.send(P.read_lac(22, LID, fence=True, master_key=KEY))
+    assert c.received() == []             # the ledger is fenced, but not durably yet
+    w.complete()
+    got = c.received()
+    assert [(m[0], m[1], m[2]) for m in got] == [(P.READ_LAC, 21, EOK), (P.READ_LAC, 22, EOK)]
+    assert w.sync_job is None
+
+
+def test_long_polls_wake_after_the_sync_of_the_lac(make_worker):
+    w = make_worker()
+    c, tail = Client(w), Client(w)
+    c.add(0, 1)
+    w._start_sync()
+    w.complete()
+    c.received()
+    tail.send(P.read(31, LID, 1, long_poll=True, previous_lac=0, timeout_ms=60_000))
+    assert tail.received() == []
+    c.add(2)                              # carries LAC 1: the tailer's entry is confirmed
+    w._start_sync()
+    assert tail.received() == []          # not before that sync
+    w.complete()
+    got = tail.received()
+    assert [(m[0], m[1], m[2], m[4], m[7]) for m in got] == [(P.READ, 31, EOK, 1, b"x1")]
+
+
+def test_quiesce_makes_everything_durable_and_answered_in_order(make_worker):
+    w = make_worker()
+    c = Client(w)
+    c.add(0)
+    w._start_sync()
+    c.add(1, 2)
+    w._run_sync(w._sync_q.get_nowait())   # completed, the loop not told yet
+    w._quiesce()                          # takes that completion, syncs the rest
+    assert c.acked() == [(LID, 0), (LID, 1), (LID, 2)]
+    assert w.sync_job is None and w.held == []
+    assert w.storage.unsynced_bytes == 0
+
+
+def test_without_sync_data_answers_at_once(make_worker):
+    w = make_worker(journalSyncData=False)
+    c = Client(w)
+    c.add(0, 1)
+    w._start_sync()
+    assert w.sync_job is None and w._sync_q.empty()
+    assert c.acked() == [(LID, 0), (LID, 1)]
