@@ -3,7 +3,8 @@ supervises, registers in etcd, watches the disks and drives garbage collection.
 
 Theory of operation
 -------------------
-``Arbiter.run`` checks the cookie, binds the bookie port, writes the pid file,
+``Arbiter.run`` binds the bookie port, checks the cookie (creating it on a new
+bookie: only once the port is its own), writes the pid file,
 forks one :class:`~bk.bookie.worker.ShardWorker` per shard and waits until each
 has replayed its journal; only then does it register the bookie (a key bound to
 an etcd lease), so a client never sees a bookie that cannot serve.
@@ -201,6 +202,10 @@ class Arbiter:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        # Bind before the cookie check: a bookie that cannot have its port must leave
+        # no cookie behind (on a fresh bookie the check creates it), or the cluster
+        # would know a bookie that never ran and audit it as lost.
+        self._bind()
         try:
             self.store = MetadataStore(conf.metadataServiceUri,
                                        timeout=conf.metadataTimeoutMillis / 1000.0,
@@ -215,7 +220,6 @@ class Arbiter:
             raise BookieExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None
         except MetadataError as e:
             raise BookieExit(EXIT_METADATA, str(e)) from None
-        self._bind()
         self._write_pid_file()
         self.metrics = M.BookieMetrics(self.num_shards)
         self.registry = M.bookie_registry(self.metrics)
