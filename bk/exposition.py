@@ -149,6 +149,11 @@ def observe_many(hist, values) -> None:
     latencies of all the entries one acknowledgement completed at once."""
     if not values:
         return
+    if len(values) == 1:            # one entry per acknowledgement: a blocking add's case
+        v = values[0]
+        hist._sum.inc(v)
+        hist._buckets[bisect_left(hist._upper_bounds, v)].inc(1)
+        return
     bounds = hist._upper_bounds
     counts = [0] * len(bounds)
     for v in values:
