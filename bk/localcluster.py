@@ -35,6 +35,7 @@ import weakref
 
 from bk.config import SETTINGS
 from bk.errors import BKError
+from bk.exitcodes import EXIT_BIND
 from bk.meta.etcd_server import EtcdServer, enable_auth
 from bk.meta.store import MetadataStore
 from bk.security import auth, pki
@@ -77,6 +78,9 @@ class BookieProcess:
         self.conf_file = os.path.join(self.dir, "bk_server.conf")
         self.log_file = os.path.join(self.dir, "bookie.log")
         self.store = store
+        # settings (bookiePort, httpServerPort) whose port free_port() picked: another
+        # may be picked if someone else takes it before the bookie binds it
+        self.picked_ports: set = set()
         self.proc: subprocess.Popen | None = None
         self.last_exit: int | None = None
         os.makedirs(self.dir, exist_ok=True)
@@ -161,6 +165,23 @@ class BookieProcess:
         if sig == signal.SIGKILL:
             self.last_exit = self.proc.wait(30)
             _wait_group_gone(self.proc.pid)
+
+    def repick_ports(self) -> bool:
+        """After an exit with EXIT_BIND: new free ports for the picked ports it failed
+        to bind, so that the next start may succeed; False if it has none to change.
+        The bookie port changes (hence the bookie id) only while the bookie has no
+        cookie, which the bookie creates only once it holds its port."""
+        why = _tail(self.log_file, 3)
+        if "cannot bind httpServerPort" in why and "httpServerPort" in self.picked_ports:
+            self.write_conf(httpServerPort=free_port())
+            return True
+        if ("cannot bind" in why and "bookiePort" in self.picked_ports
+                and self.store is not None and self.store.read_cookie(self.bookie_id)[0] is None):
+            self.port = free_port()
+            self.bookie_id = f"{self.address}:{self.port}"
+            self.write_conf()
+            return True
+        return False
 
     def restart(self, timeout: float = 60.0) -> "BookieProcess":
         self.stop()
@@ -367,7 +388,20 @@ class LocalCluster:
         for b in new:
             b.start(wait=False)
         for b in new:
-            b.wait_registered()
+            self._wait_started(b)
+
+    @staticmethod
+    def _wait_started(b: BookieProcess, attempts: int = 3) -> None:
+        """Wait until a new bookie registers; started again on other ports while it
+        exits because a port free_port() picked for it was taken meanwhile (by any
+        process on the machine: a port is free only until someone binds it)."""
+        for attempt in range(attempts):
+            try:
+                return b.wait_registered()
+            except BKError:
+                if attempt + 1 == attempts or b.last_exit != EXIT_BIND or not b.repick_ports():
+                    raise
+            b.start(wait=False)
 
     def _new_bookie(self, **overrides) -> BookieProcess:
         i = self._next
@@ -375,26 +409,38 @@ class LocalCluster:
         directory = os.path.join(self.base_dir, f"bookie-{i}")
         # A bookie restarted on its old directory keeps its port, hence its id and cookie.
         port = _port_in_conf(os.path.join(directory, "bk_server.conf"))
+        picked = set()
         if port is None:
-            port = self.base_port + i if self.base_port else free_port()
+            if self.base_port:
+                port = self.base_port + i
+            else:
+                port = free_port()
+                picked.add("bookiePort")
         conf = self._security_settings("bookie") if self.secure else {}
         conf.update(self.conf_overrides)
         if self.http_port is not None:
             http = _port_in_conf(os.path.join(directory, "bk_server.conf"), "httpServerPort")
             if http is None:
-                http = self.http_port + i if self.http_port else free_port()
+                if self.http_port:
+                    http = self.http_port + i
+                else:
+                    http = free_port()
+                    picked.add("httpServerPort")
             conf.update(httpServerEnabled=True, httpServerPort=http)
             if self.secure:
                 conf.setdefault("httpServerTlsEnable", True)
         conf.update(overrides)
         b = BookieProcess(self.metadata_uri, directory, port,
                           self.num_shards, conf, store=self.store)
+        b.picked_ports = picked - set(overrides)
         self.bookies.append(b)
         return b
 
     def add_bookie(self, **overrides) -> BookieProcess:
         """Start one more bookie (overrides: configuration keys for it alone)."""
-        return self._new_bookie(**overrides).start()
+        b = self._new_bookie(**overrides).start(wait=False)
+        self._wait_started(b)
+        return b
 
     def bookie(self, bookie_id: str) -> BookieProcess:
         for b in self.bookies:

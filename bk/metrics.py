@@ -25,8 +25,11 @@ Names follow BookKeeper where the concept exists (``bookie_journal_JOURNAL_SYNC`
 latencies are histograms in seconds. Counters are exposed with the
 ``_total`` suffix of the Prometheus text format.
 
-Client metrics live in a registry of their own, :func:`client_registry`, that
-an application exposes as it likes (``prometheus_client.generate_latest``).
+This module is plain Python: a bookie that serves no HTTP never loads
+prometheus_client. :mod:`bk.exposition` turns these numbers into Prometheus
+metric families, and holds the client's metrics (prometheus_client histograms
+and counters in a registry of their own, :func:`bk.exposition.client_registry`,
+that an application exposes as it likes).
 """
 
 from __future__ import annotations
@@ -34,10 +37,6 @@ from __future__ import annotations
 import threading
 from bisect import bisect_left
 from dataclasses import dataclass
-
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
 
 from bk.errors import status_name
 
@@ -319,8 +318,8 @@ def _merge(into: dict, snap: dict) -> None:
 
 
 class BookieMetrics:
-    """The arbiter's view: the sum over shard workers plus its own numbers, as a
-    prometheus_client collector (the HTTP thread collects, the loop updates)."""
+    """The arbiter's view: the sum over shard workers plus its own numbers (the loop
+    updates; the HTTP thread reads them through :mod:`bk.exposition`)."""
 
     def __init__(self, num_shards: int):
         self.lock = threading.Lock()
@@ -383,61 +382,10 @@ class BookieMetrics:
                             dst[tuple(labels)] = dst.get(tuple(labels), 0) + value
             return out
 
-    def collect(self):
-        totals = self.totals()
-        for m in SHARD_METRICS:
-            series = totals.get(m.name, {})
-            if m.kind == HISTOGRAM:
-                fam = HistogramMetricFamily(m.name, m.help, labels=m.labels)
-                if m.labels == ("success",):       # both outcomes always present
-                    for v in ("true", "false"):
-                        series.setdefault((v,), [[0] * (len(m.buckets) + 1), 0.0])
-                elif not series:
-                    series[()] = [[0] * (len(m.buckets) + 1), 0.0]
-                for labels, (counts, total) in sorted(series.items()):
-                    acc, buckets = 0, []
-                    for bound, c in zip(list(m.buckets) + [float("inf")], counts):
-                        acc += c
-                        buckets.append((_le(bound), acc))
-                    fam.add_metric(list(labels), buckets, total)
-            else:
-                cls = CounterMetricFamily if m.kind == COUNTER else GaugeMetricFamily
-                fam = cls(m.name, m.help, labels=m.labels)
-                if not m.labels and not series:
-                    series = {(): 0}
-                for labels, value in sorted(series.items()):
-                    fam.add_metric(list(labels), value)
-            yield fam
-        with self.lock:
-            disk = dict(self.disk)
-            yield _gauge(SERVER_STATUS, 0 if self.readonly else 1)
-            yield _gauge(DISK_USAGE, disk.get("usage", 0.0))
-            yield _gauge(DISK_FREE, disk.get("free", 0))
-            fam = CounterMetricFamily(WORKER_RESTARTS.name, WORKER_RESTARTS.help,
-                                      labels=["shard"])
-            for i, n in enumerate(self.restarts):
-                fam.add_metric([str(i)], n)
-            yield fam
-            fam = GaugeMetricFamily(SHARD_UP.name, SHARD_UP.help, labels=["shard"])
-            for i, n in enumerate(self.up):
-                fam.add_metric([str(i)], n)
-            yield fam
-            for m, v in ((CONNECTIONS_ACCEPTED, self.accepted), (GC_RUNS, self.gc_runs),
-                         (DELETED_LEDGERS, self.deleted_ledgers),
-                         (COMPACTED_SEGMENTS, self.compacted_segments),
-                         (RECLAIMED_BYTES, self.reclaimed_bytes)):
-                yield CounterMetricFamily(m.name, m.help, value=v)
-        if self.metadata_db_size is not None:
-            yield CounterMetricFamily(METADATA_COMPACTIONS.name, METADATA_COMPACTIONS.help,
-                                      value=self.metadata_compactions)
-            yield _gauge(METADATA_DB_SIZE, self.metadata_db_size)
-        if self.autorecovery is not None:
-            yield from self.autorecovery.collect()
-
 
 class AutoRecoveryMetrics:
     """The numbers of one process's auto-recovery (a bookie's, or ``bookie
-    autorecovery``'s), as a prometheus_client collector. Its threads set the
+    autorecovery``'s), exposed by :mod:`bk.exposition`. Its threads set the
     attributes; the under-replicated gauges are served only while it is the
     auditor (``under_replicated`` is None otherwise), the placement gauge only
     once it ran a placement check as the auditor."""
@@ -449,98 +397,3 @@ class AutoRecoveryMetrics:
         self.not_adhering: int | None = None   # set by the auditor's placement check
         self.replicated_entries = 0
         self.replicated_bytes = 0
-
-    def collect(self):
-        if self.under_replicated is not None:
-            yield _gauge(UNDER_REPLICATED, self.under_replicated)
-            yield _gauge(UNDER_REPLICATED_AGE, self.under_replicated_age)
-        if self.not_adhering is not None:
-            yield _gauge(NOT_ADHERING, self.not_adhering)
-        yield _gauge(AUDITOR_ELECTED, self.auditor)
-        yield CounterMetricFamily(REPLICATED_ENTRIES.name, REPLICATED_ENTRIES.help,
-                                  value=self.replicated_entries)
-        yield CounterMetricFamily(REPLICATED_BYTES.name, REPLICATED_BYTES.help,
-                                  value=self.replicated_bytes)
-
-
-def _le(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(float(bound))
-
-
-def _gauge(m: Metric, value) -> GaugeMetricFamily:
-    return GaugeMetricFamily(m.name, m.help, value=value)
-
-
-def registry_of(collector) -> CollectorRegistry:
-    """A registry serving one collector (a BookieMetrics or an AutoRecoveryMetrics)."""
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(collector)
-    return reg
-
-
-bookie_registry = registry_of
-
-
-# --- client --------------------------------------------------------------------------
-class ClientMetrics:
-    """The metrics of one client process, in their own registry."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.add = Histogram(CLIENT_ADD.name, CLIENT_ADD.help, CLIENT_ADD.labels,
-                             buckets=CLIENT_ADD.buckets, registry=r)
-        self.add_ok = self.add.labels("true")
-        self.add_fail = self.add.labels("false")
-        self.read = Histogram(CLIENT_READ.name, CLIENT_READ.help, CLIENT_READ.labels,
-                              buckets=CLIENT_READ.buckets, registry=r)
-        self.read_ok = self.read.labels("true")
-        self.read_fail = self.read.labels("false")
-        self.ensemble_changes = Counter(CLIENT_ENSEMBLE_CHANGES.name,
-                                        CLIENT_ENSEMBLE_CHANGES.help, registry=r)
-        self.recoveries = Counter(CLIENT_RECOVERIES.name, CLIENT_RECOVERIES.help,
-                                  CLIENT_RECOVERIES.labels, registry=r)
-        self.bookie_errors = Counter(CLIENT_BOOKIE_ERRORS.name, CLIENT_BOOKIE_ERRORS.help,
-                                     CLIENT_BOOKIE_ERRORS.labels, registry=r)
-        self.speculative_reads = Counter(CLIENT_SPECULATIVE_READS.name,
-                                         CLIENT_SPECULATIVE_READS.help, registry=r)
-
-
-def observe_many(hist, values) -> None:
-    """``hist.observe(v)`` for every v of ``values`` (a prometheus_client Histogram
-    child), with one update per bucket: the client's add path observes the
-    latencies of all the entries one acknowledgement completed at once."""
-    if not values:
-        return
-    if len(values) == 1:            # one entry per acknowledgement: a blocking add's case
-        v = values[0]
-        hist._sum.inc(v)
-        hist._buckets[bisect_left(hist._upper_bounds, v)].inc(1)
-        return
-    bounds = hist._upper_bounds
-    counts = [0] * len(bounds)
-    for v in values:
-        counts[bisect_left(bounds, v)] += 1
-    hist._sum.inc(sum(values))
-    buckets = hist._buckets
-    for i, n in enumerate(counts):
-        if n:
-            buckets[i].inc(n)
-
-
-_client: ClientMetrics | None = None
-_client_lock = threading.Lock()
-
-
-def client_metrics() -> ClientMetrics:
-    """The process's client metrics (shared by every BookKeeper client in it)."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            _client = ClientMetrics()
-        return _client
-
-
-def client_registry() -> CollectorRegistry:
-    """The registry of the client metrics, for an application to expose."""
-    return client_metrics().registry

@@ -11,6 +11,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# bk's bytecode, compiled once here: the suite starts hundreds of Python processes
+# (every bookie start, bkshell runs), and where PYTHONDONTWRITEBYTECODE is set (as on
+# CI) each would otherwise compile bk from source, ~0.2 CPU-s a bookie start (an
+# editable install writes no bytecode). Stale files are recompiled (mtime check).
+.venv/bin/python -m compileall -q bk
 workers=${BK_TEST_WORKERS:-3}
 if [ "$workers" = 0 ]; then
   parallel=()

@@ -21,7 +21,7 @@ LOCAL_SPARK_MODULES = {"tests/integration/test_spark.py",
                        "tests/integration/test_security_spark.py"}
 
 # Fixtures that start a cluster (etcd and bookie processes) for one test.
-OWN_CLUSTER = {"cluster", "cluster_factory", "secure_cluster"}
+OWN_CLUSTER = {"cluster", "cluster_factory"}
 
 
 class ModuleScheduling(LoadScopeScheduling):

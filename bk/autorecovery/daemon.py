@@ -24,9 +24,10 @@ from bk.autorecovery.service import AutoRecovery
 from bk.autorecovery.status import status as autorecovery_status
 from bk.errors import BKError
 from bk.exitcodes import EXIT_BIND, EXIT_CONFIG, EXIT_METADATA, EXIT_OK
+from bk.exposition import registry_of
 from bk.http import HttpServer, heartbeat, json_reply, metrics_view
 from bk.meta.store import MetadataStore
-from bk.metrics import AutoRecoveryMetrics, registry_of
+from bk.metrics import AutoRecoveryMetrics
 from bk.security import http_security
 from bk.security.etcd import EtcdCredentials
 

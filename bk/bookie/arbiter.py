@@ -3,7 +3,8 @@ supervises, registers in etcd, watches the disks and drives garbage collection.
 
 Theory of operation
 -------------------
-``Arbiter.run`` checks the cookie, binds the bookie port, writes the pid file,
+``Arbiter.run`` binds the bookie port, checks the cookie (creating it on a new
+bookie: only once the port is its own), writes the pid file,
 forks one :class:`~bk.bookie.worker.ShardWorker` per shard and waits until each
 has replayed its journal; only then does it register the bookie (a key bound to
 an etcd lease), so a client never sees a bookie that cannot serve.
@@ -59,7 +60,6 @@ from bk import metrics as M
 from bk import protocol as P
 from bk.autorecovery.checker import claim_overreplicated
 from bk.bookie import control, layout
-from bk.bookie import http as bookie_http
 from bk.bookie.gc import GarbageCollector, remembered_deletions
 from bk.config import Config
 from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
@@ -68,7 +68,6 @@ from bk.errors import (BKError, ClusterIdentityError, ConfigError, CookieMismatc
                        MetadataError, ProtocolError)
 from bk.exitcodes import (EXIT_BIND, EXIT_COOKIE, EXIT_CONFIG, EXIT_ERROR, EXIT_METADATA,
                           EXIT_OK, EXIT_WORKER_BOOT)
-from bk.http import HttpServer
 from bk.meta.compactor import Compactor
 from bk.meta.racks import check_rack, set_rack_if_absent
 from bk.meta.store import MetadataStore
@@ -126,13 +125,18 @@ class Arbiter:
     """``autorecovery``: the class of the auto-recovery this bookie hosts with
     ``autoRecoveryDaemonEnabled`` (:class:`bk.autorecovery.service.AutoRecovery`,
     made as ``autorecovery(conf, bookie_id, metrics)`` and started once the bookie
-    is registered; ``bookie start`` passes it). The caller hands it in so that a
-    bookie without auto-recovery never loads the client stack it copies with."""
+    is registered); ``views``: the HTTP views it serves with ``httpServerEnabled``
+    (the module :mod:`bk.bookie.http`). ``bookie start`` passes them, so that a bookie
+    without auto-recovery never loads the client stack it copies with, and one
+    without HTTP never loads prometheus_client and http.server."""
 
-    def __init__(self, conf: Config, on_ready=None, autorecovery=None):
+    def __init__(self, conf: Config, on_ready=None, autorecovery=None, views=None):
         if conf.autoRecoveryDaemonEnabled and autorecovery is None:
             raise ValueError("autoRecoveryDaemonEnabled is set: pass the auto-recovery to host")
+        if conf.httpServerEnabled and views is None:
+            raise ValueError("httpServerEnabled is set: pass the HTTP views (bk.bookie.http)")
         self.conf = conf
+        self._views = views
         self.on_ready = on_ready          # called once the bookie serves (daemon hand-off)
         self._make_autorecovery = autorecovery
         self.workers: list[_Worker] = []
@@ -159,7 +163,6 @@ class Arbiter:
         self.last_overrep: dict[int, dict] = {}      # shard -> what its last scan found
         self.dropped: dict[int, threading.Event] = {}  # shard -> gc_drop answered
         self.metrics: M.BookieMetrics | None = None
-        self.registry = None
         self.http = None
         self.security = None            # ClientSecurity towards other bookies
         self.http_port = 0
@@ -202,6 +205,10 @@ class Arbiter:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        # Bind before the cookie check: a bookie that cannot have its port must leave
+        # no cookie behind (on a fresh bookie the check creates it), or the cluster
+        # would know a bookie that never ran and audit it as lost.
+        self._bind()
         try:
             self.store = MetadataStore(conf.metadataServiceUri,
                                        timeout=conf.metadataTimeoutMillis / 1000.0,
@@ -216,10 +223,8 @@ class Arbiter:
             raise BookieExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None
         except MetadataError as e:
             raise BookieExit(EXIT_METADATA, str(e)) from None
-        self._bind()
         self._write_pid_file()
         self.metrics = M.BookieMetrics(self.num_shards)
-        self.registry = M.bookie_registry(self.metrics)
         self._bind_http()
         self.workers = [_Worker(i) for i in range(self.num_shards)]
         for w in self.workers:
@@ -351,8 +356,7 @@ class Arbiter:
         if not self.conf.httpServerEnabled:
             return
         try:
-            self.http = HttpServer(bookie_http.routes(self), self.conf.bind_address,
-                                   self.conf.httpServerPort, **http_security(self.conf))
+            self.http = self._views.server(self)
         except OSError as e:
             raise BookieExit(EXIT_BIND, f"cannot bind httpServerPort {self.conf.bind_address}:"
                                         f"{self.conf.httpServerPort}: {e.strerror}") from None
@@ -557,6 +561,10 @@ class Arbiter:
         self._spawn(w)
 
     def _on_control(self, w: _Worker):
+        if w.ctrl is None:
+            # reaped earlier in this same batch of events (SIGCHLD came first): its
+            # channel is closed and what it said last was read then
+            return
         try:
             msg, fds = control.recv(w.ctrl)
         except (BlockingIOError, InterruptedError, socket.timeout):

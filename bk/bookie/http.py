@@ -1,5 +1,9 @@
 """The bookie's HTTP views (``httpServerEnabled``), served by the arbiter.
 
+``bookie start`` loads this module only when the bookie serves HTTP and hands it
+to the arbiter (with prometheus_client and http.server behind it, ~0.1 CPU-s of
+imports a bookie without HTTP does not pay).
+
 :func:`routes` builds the route table that :class:`bk.http.HttpServer` serves
 on a thread of the arbiter. The views read the arbiter's state and
 :class:`bk.metrics.BookieMetrics` (under that object's lock) and never touch a
@@ -20,13 +24,23 @@ from bk import metrics as M
 from bk import protocol as P
 from bk.autorecovery.status import status as autorecovery_status
 from bk.bookie import layout
-from bk.http import heartbeat, json_reply, metrics_view
+from bk.exposition import registry_of
+from bk.http import HttpServer, heartbeat, json_reply, metrics_view
+from bk.security import http_security
+
+def server(arbiter) -> HttpServer:
+    """The HTTP server of ``arbiter``'s bookie, bound to httpServerPort (OSError if
+    it cannot be) and not yet serving."""
+    conf = arbiter.conf
+    return HttpServer(routes(arbiter), conf.bind_address, conf.httpServerPort,
+                      **http_security(conf))
+
 
 def routes(arbiter) -> dict:
     """The route table of a bookie whose arbiter is ``arbiter``."""
     return {
         "/heartbeat": heartbeat,
-        "/metrics": metrics_view(arbiter.registry, lambda: refresh_metrics(arbiter)),
+        "/metrics": metrics_view(registry_of(arbiter.metrics), lambda: refresh_metrics(arbiter)),
         "/api/v1/bookie/info": lambda: json_reply(info(arbiter)),
         "/api/v1/bookie/state": lambda: json_reply(state(arbiter)),
         "/api/v1/autorecovery/status": lambda: json_reply(

@@ -139,10 +139,12 @@ def start(conf_file, settings, daemon, **flags):
     if pid:
         fail(PROG, f"bookie already running with pid {pid} (pid file {conf.pid_file})")
     from bk.bookie.arbiter import Arbiter
-    hosted = None
+    hosted = views = None
     if conf.autoRecoveryDaemonEnabled:     # only then is the client stack loaded
         from bk.autorecovery.service import AutoRecovery
         hosted = AutoRecovery
+    if conf.httpServerEnabled:             # only then prometheus_client and http.server
+        from bk.bookie import http as views
 
     if daemon:
         log_file = conf.logFile or os.path.join(os.path.abspath(conf.ledgerDirectories[0]),
@@ -171,14 +173,14 @@ def start(conf_file, settings, daemon, **flags):
             pipe.write(f"ok {os.getpid()}\n" if err is None else f"{err}\n")
             pipe.close()
 
-        arbiter = Arbiter(conf, on_ready=ready, autorecovery=hosted)
+        arbiter = Arbiter(conf, on_ready=ready, autorecovery=hosted, views=views)
         code = arbiter.run()
         if not pipe.closed:
             pipe.write(arbiter.exit_message or f"bookie exited with code {code}")
             pipe.close()
         os._exit(code)
     setup_logging(conf.logLevel, conf.logFile or None)
-    arbiter = Arbiter(conf, autorecovery=hosted)
+    arbiter = Arbiter(conf, autorecovery=hosted, views=views)
     code = arbiter.run()
     if code:
         click.echo(f"{PROG}: error: {arbiter.exit_message or f'bookie exited with code {code}'}",

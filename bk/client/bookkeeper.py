@@ -25,7 +25,7 @@ from bk.log.writer import CONF_KEYS, SHAPE_KEYS, LogWriter
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.racks import all_racks
 from bk.meta.store import LIST_PAGE, MetadataStore
-from bk.metrics import client_registry
+from bk.exposition import client_registry
 from bk.security import ClientSecurity
 from bk.security.etcd import EtcdCredentials
 from bk import protocol

@@ -88,8 +88,8 @@ from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, Bo
                        NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
+from bk.exposition import client_metrics, observe_many
 from bk.meta.ledger import LedgerMetadata, LedgerState
-from bk.metrics import client_metrics, observe_many
 from bk.park import parker
 from bk.retry import retry_cas
 

@@ -44,7 +44,7 @@ import threading
 import time
 
 from bk import protocol
-from bk.metrics import client_metrics
+from bk.exposition import client_metrics
 from bk.client import digest as _digest
 from bk.client.ledger import LedgerHandle
 from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerRecoveryError,

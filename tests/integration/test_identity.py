@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 
 import pytest
 
 import bk
+from bk import localcluster
 from bk import protocol as P
 from bk.errors import ClusterNotFormattedError, EOK, ENOLEDGER
 from bk.bookie.layout import COOKIE_FILE
@@ -141,3 +143,29 @@ def test_running_bookie_does_not_join_a_cluster_reformatted_under_it(cluster_fac
                what="the refusal to re-register in the log")
     assert b.bookie_id not in c.store.all_bookies()
     assert c.store.read_cookie(b.bookie_id)[0] is None
+
+
+def test_a_bookie_that_cannot_bind_leaves_no_cookie_and_gets_another_port(cluster_factory,
+                                                                           monkeypatch):
+    """A port picked free can be taken before the bookie binds it: the bookie binds
+    before it creates its cookie, so it exits leaving none (the cluster would audit a
+    bookie that never ran as lost), and the local cluster starts it on another port."""
+    c = cluster_factory(0)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    picks = iter([port])
+    real = localcluster.free_port
+    monkeypatch.setattr(localcluster, "free_port", lambda host="127.0.0.1": next(picks, None)
+                        or real(host))
+    try:
+        b = c.add_bookie()
+    finally:
+        taken.close()
+    assert b.alive and b.port != port
+    with open(b.log_file, errors="replace") as f:
+        assert f"cannot bind 127.0.0.1:{port}" in f.read()
+    assert c.store.read_cookie(f"127.0.0.1:{port}")[0] is None
+    assert c.store.read_cookie(b.bookie_id)[0] is not None
+    assert c.store.list_bookies() == [b.bookie_id]

@@ -228,7 +228,7 @@ def test_statistics_off_counts_nothing(cluster_factory):
 
 def test_client_metrics_count_adds_and_reads(cluster_factory):
     from bk import BookKeeper
-    from bk.metrics import client_registry
+    from bk.exposition import client_registry
 
     c = cluster_factory(3)
     reg = client_registry()
@@ -265,7 +265,7 @@ def test_localcluster_serves_and_prints_one_metrics_url_per_bookie(tmp_path):
 
 def test_client_metrics_count_ensemble_changes_bookie_errors_and_recoveries(cluster_factory):
     from bk import BookKeeper
-    from bk.metrics import client_registry
+    from bk.exposition import client_registry
 
     c = cluster_factory(4)
     reg = client_registry()

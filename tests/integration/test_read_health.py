@@ -5,7 +5,7 @@ import signal
 import threading
 
 import bk
-from bk.metrics import client_metrics
+from bk.exposition import client_metrics
 from bk.testing import wait_until
 
 

@@ -51,9 +51,11 @@ def _assert_no_secret_in_logs(c):
             assert s not in text, f"a secret leaked into {path}"
 
 
-@pytest.fixture
-def secure_cluster(tmp_path):
-    c = LocalCluster(num_bookies=4, base_dir=str(tmp_path / "secure"), num_shards=1,
+@pytest.fixture(scope="module")
+def secure_cluster(tmp_path_factory):
+    """One secure cluster for the module: the first two tests disturb nothing (each
+    makes its own ledgers), the third, the last to use it, kills a bookie."""
+    c = LocalCluster(num_bookies=4, base_dir=str(tmp_path_factory.mktemp("secure")), num_shards=1,
                      secure=True, conf_overrides={
                          "autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 1})
     c.start()

@@ -4,11 +4,12 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bk import metrics as M
+from bk.exposition import registry_of
 from bk.errors import ENOENTRY
 
 
 def samples(bm):
-    text = generate_latest(M.bookie_registry(bm)).decode()
+    text = generate_latest(registry_of(bm)).decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -1,3 +1,4 @@
+from bk import util
 from bk.util import free_port
 
 
@@ -6,3 +7,12 @@ def test_free_port_never_hands_out_a_port_twice():
     # one local cluster given the same port made one fail at start.
     ports = [free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)
+
+
+def test_free_port_picks_below_the_ephemeral_range():
+    # where outgoing connections never take their local port: none can take the port
+    # between its pick and the bind of the server it is for
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    assert util._pick_range() == (util._PICK_FLOOR, low)
+    assert all(util._PICK_FLOOR <= free_port() < low for _ in range(50))
