@@ -6,9 +6,11 @@ traceback is only shown with ``BK_DEBUG=1``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 
 import click
@@ -37,6 +39,35 @@ def setup_logging(level: str = "INFO", log_file: str | None = None) -> None:
     # gRPC and friends are chatty at INFO.
     for noisy in ("grpc", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class Interrupted:
+    """Set by the first Ctrl-C inside :func:`until_interrupted`."""
+
+    def __init__(self):
+        self.set = False
+
+
+@contextlib.contextmanager
+def until_interrupted():
+    """Run a follow loop that ends on Ctrl-C: the first SIGINT only sets the flag
+    the loop polls, the second interrupts as usual.
+
+    Why not catch KeyboardInterrupt: it is raised wherever the main thread happens
+    to be, e.g. inside the client between taking a lock and the ``try`` that
+    releases it, and the close that follows then waits on that lock forever."""
+    flag = Interrupted()
+    before = signal.getsignal(signal.SIGINT)
+
+    def first(signum, frame):
+        flag.set = True
+        signal.signal(signal.SIGINT, before)     # a second Ctrl-C is a plain interrupt
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def fail(prog: str, message: str, code: int = 1):

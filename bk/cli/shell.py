@@ -15,7 +15,7 @@ import time
 
 import click
 
-from bk.cli.common import fail, one_line_errors, setup_logging
+from bk.cli.common import fail, one_line_errors, setup_logging, until_interrupted
 
 PROG = "bkshell"
 ENV_URI = "BK_METADATA_URI"
@@ -1159,12 +1159,11 @@ def tail(c, name, start, earliest, fmt, as_json):
     with c.client() as cl:
         r = cl.open_log_reader(name, start=where)
         try:
-            while True:
-                for rec in r.read_batch(1000, timeout=1.0):
-                    _record_out(rec, fmt, as_json)
-                sys.stdout.flush()
-        except KeyboardInterrupt:
-            pass                      # Ctrl-C is how tail ends: not an error
+            with until_interrupted() as stop:   # Ctrl-C is how tail ends: not an error
+                while not stop.set:
+                    for rec in r.read_batch(1000, timeout=1.0):
+                        _record_out(rec, fmt, as_json)
+                    sys.stdout.flush()
         finally:
             r.close()
 
