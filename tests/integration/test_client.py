@@ -801,6 +801,13 @@ def test_close_during_an_etcd_outage_can_be_retried(cluster_factory):
             lh.add_entry(b"late")
         cluster.etcd.start()
         assert cluster.store.read_ledger(lh.ledger_id)[0].state == LedgerState.OPEN
+
+        def client_reaches_etcd():               # its gRPC channel reconnects on its own
+            try:                                 # schedule (seconds on a loaded machine)
+                return client.ledger_metadata(lh.ledger_id).state == LedgerState.OPEN
+            except MetadataError:
+                return False
+        wait_until(client_reaches_etcd, timeout=30, what="the client to reach etcd again")
         lh.close()                               # retries only the metadata write
         md = cluster.store.read_ledger(lh.ledger_id)[0]
         assert (md.state, md.last_entry_id, md.length) == (
