@@ -608,21 +608,8 @@ class ShardStorage:
         st = self._admit(ledger, entry, master_key, recovery)
         if type(st) is int:
             return st
-        try:
-            pos = self._append_add(ledger, entry, lac, digest, payload)
-        except RecordTooLargeError as e:
-            log.warning("add entry %d of ledger %d refused: %s", entry, ledger, e)
-            return EBADREQ
-        except (JournalError, OSError) as e:
-            log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
-            return EIO
-        self._tail_put(ledger, entry, pos, self._journal.position)
-        if lac > st.lac:
-            st.lac = lac
-        if entry > st.last:
-            st.last = entry
-        self._dirty.add(ledger)
-        return EOK
+        return self._appended(st, ledger, entry, lac, self._append_add,
+                              ledger, entry, lac, digest, payload)
 
     def add_batch(self, recs: list, records, master_key: bytes, recovery: bool,
                   acked: list, errors: list) -> int:
@@ -712,8 +699,14 @@ class ShardStorage:
         st = self._admit(ledger, entry, master_key, recovery)
         if type(st) is int:
             return st
+        return self._appended(st, ledger, entry, lac, self._journal.append_add_body,
+                              src, start, end)
+
+    def _appended(self, st, ledger, entry, lac, append, *args) -> int:
+        """Append an admitted entry with ``append(*args)`` (the journal position) and
+        account for it: EOK, or EBADREQ (too large) / EIO (the journal failed)."""
         try:
-            pos = self._journal.append_add_body(src, start, end)
+            pos = append(*args)
         except RecordTooLargeError as e:
             log.warning("add entry %d of ledger %d refused: %s", entry, ledger, e)
             return EBADREQ

@@ -139,6 +139,14 @@ def test_a_reformatted_cluster_never_makes_the_watch_drop_data(cluster_factory):
         assert "garbage collection skipped, nothing deleted" in f.read()
 
 
+def on_one_of_two(c, client):
+    """A ledger written on one bookie of two: (its handle, that bookie, the other)."""
+    lh = client.create_ledger(1, 1, 1, password=PW)
+    lh.add_entries([b"d0", b"d1"])
+    holder = c.bookie(lh.metadata.last_ensemble[0])
+    return lh, holder, next(b for b in c.bookies if b is not holder)
+
+
 def test_a_write_after_the_deletion_to_a_bookie_that_held_nothing_is_refused(cluster_factory):
     """A bookie applies a deletion it learned from the watch while it holds nothing of
     the ledger. Entries of that ledger arriving afterwards (a zombie writer after an
@@ -148,10 +156,7 @@ def test_a_write_after_the_deletion_to_a_bookie_that_held_nothing_is_refused(clu
     and the bookie's other ledgers are untouched."""
     c = cluster_factory(2, conf_overrides=QUIET)
     with bk.BookKeeper(c.metadata_uri) as client:
-        lh = client.create_ledger(1, 1, 1, password=PW)
-        lh.add_entries([b"d0", b"d1"])
-        holder = c.bookie(lh.metadata.last_ensemble[0])
-        late = next(b for b in c.bookies if b is not holder)
+        lh, holder, late = on_one_of_two(c, client)
         while True:                      # a live ledger on the other bookie
             kept = client.create_ledger(1, 1, 1, password=PW)
             if kept.metadata.last_ensemble == [late.bookie_id]:
@@ -198,10 +203,7 @@ def test_a_deletion_applied_just_before_a_kill_is_still_refused_after_the_restar
     untouched."""
     c = cluster_factory(2, conf_overrides=QUIET)
     with bk.BookKeeper(c.metadata_uri) as client:
-        lh = client.create_ledger(1, 1, 1, password=PW)
-        lh.add_entries([b"d0", b"d1"])
-        holder = c.bookie(lh.metadata.last_ensemble[0])
-        late = next(b for b in c.bookies if b is not holder)
+        lh, holder, late = on_one_of_two(c, client)
         kept = closed_ledger(client, [b"k%d" % i for i in range(5)], 2, 2, 2, password=PW)
         lid = lh.ledger_id
         wait_until(lambda: remembered_on_disk(late) > 0, what="a first round remembered")

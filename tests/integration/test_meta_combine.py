@@ -54,6 +54,18 @@ def _in_threads(n, fn, *args):
     return out
 
 
+def close_again(store, lh, last_entry: int):
+    """A handle whose close failed (etcd away) closed again: its metadata was either
+    still OPEN or already CLOSED at ``last_entry`` (the txn landed before the
+    answer was lost); the close retries only the metadata write. Returns the
+    metadata after it."""
+    m = store.read_ledger(lh.ledger_id)[0]
+    assert m.state in (LedgerState.OPEN, LedgerState.CLOSED), m
+    if m.state == LedgerState.CLOSED:
+        assert m.last_entry_id == last_entry
+    lh.close()
+    return store.read_ledger(lh.ledger_id)[0]
+
 def test_concurrent_creates_share_transactions_each_with_its_own_answer(store):
     ids = list(store.reserve_ledger_ids())[:200]
     taken = set(ids[::7])                       # these exist already
@@ -187,12 +199,7 @@ def test_etcd_killed_mid_batch_of_closes_keeps_every_answer_exact(cluster_factor
             assert (m.state, m.last_entry_id, m.length) == (
                 LedgerState.CLOSED, 2, length[lh.ledger_id])
         for lh in unknown:
-            m = store.read_ledger(lh.ledger_id)[0]
-            assert m.state in (LedgerState.OPEN, LedgerState.CLOSED), m
-            if m.state == LedgerState.CLOSED:
-                assert m.last_entry_id == 2
-            lh.close()                          # retries only the metadata write
-            m = store.read_ledger(lh.ledger_id)[0]
+            m = close_again(store, lh, last_entry=2)
             assert (m.state, m.last_entry_id, m.length) == (
                 LedgerState.CLOSED, 2, length[lh.ledger_id])
         rh = client.open_ledger_no_recovery(unknown[0].ledger_id, password=b"pw")
@@ -261,10 +268,5 @@ def test_etcd_stopped_then_killed_under_full_ledger_churn_wakes_every_parked_thr
                 LedgerState.CLOSED, 0, len(b"payload-%d" % lh.ledger_id))
             assert m.ensembles == lh.metadata.ensembles and m.password_digest
         for lh in open_handles:
-            m = store.read_ledger(lh.ledger_id)[0]
-            assert m.state in (LedgerState.OPEN, LedgerState.CLOSED), m
-            if m.state == LedgerState.CLOSED:
-                assert m.last_entry_id == 0
-            lh.close()                          # retries only the metadata write
-            m = store.read_ledger(lh.ledger_id)[0]
+            m = close_again(store, lh, last_entry=0)
             assert (m.state, m.last_entry_id) == (LedgerState.CLOSED, 0)
