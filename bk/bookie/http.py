@@ -28,6 +28,7 @@ from bk.exposition import registry_of
 from bk.http import HttpServer, heartbeat, json_reply, metrics_view
 from bk.security import http_security
 
+
 def server(arbiter) -> HttpServer:
     """The HTTP server of ``arbiter``'s bookie, bound to httpServerPort (OSError if
     it cannot be) and not yet serving."""
