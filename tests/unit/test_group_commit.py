@@ -171,12 +171,19 @@ def test_the_next_groups_sync_begins_before_the_synced_group_is_answered(make_wo
     assert w.storage._journal._synced == w.storage._journal._off   # all of it durable
 
 
-def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker, tmp_path):
+
+def one_syncing_one_held(make_worker):
+    """A worker whose group of entry 0 is syncing (not yet complete) and whose
+    next group, entry 1, is held; and its client."""
     w = make_worker()
     c = Client(w)
     c.add(0)
     w._start_sync()
     c.add(1)
+    return w, c
+
+def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker, tmp_path):
+    w, c = one_syncing_one_held(make_worker)
     w.complete()                          # group 1 durable and answered, group 2 syncing
     assert c.acked() == [(LID, 0)]
     c.add(2)                              # group 3, held behind group 2
@@ -191,11 +198,7 @@ def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker, tmp_p
 
 
 def test_a_failed_first_sync_leaves_the_held_group_unanswered(make_worker, tmp_path):
-    w = make_worker()
-    c = Client(w)
-    c.add(0)
-    w._start_sync()
-    c.add(1)
+    w, c = one_syncing_one_held(make_worker)
     with pytest.raises(JournalError):
         w.complete(fail_with=str(tmp_path / "gone"))
     w._drain()                            # the worker's exit path: no answer, closed
