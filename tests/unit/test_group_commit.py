@@ -182,6 +182,7 @@ def one_syncing_one_held(make_worker):
     c.add(1)
     return w, c
 
+
 def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker, tmp_path):
     w, c = one_syncing_one_held(make_worker)
     w.complete()                          # group 1 durable and answered, group 2 syncing
