@@ -192,12 +192,14 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
                 created: list[int] = []
                 etcd = _tree(cluster.etcd.pid)
                 for target in steps:
-                    c0, e0 = _own_cpu(), _cpu_seconds(etcd)
+                    bookies = [p for b in cluster.bookies if b.alive for p in _tree(b.pid)]
+                    c0, e0, b0 = _own_cpu(), _cpu_seconds(etcd), _cpu_seconds(bookies)
                     rate = create_close(client, target - held, threads, out=created)
                     per = 1e6 / (target - held)
                     row = {"ledgers": target, "create_close_per_s": round(rate),
                            "client_cpu_us": round((_own_cpu() - c0) * per),
-                           "etcd_cpu_us": round((_cpu_seconds(etcd) - e0) * per)}
+                           "etcd_cpu_us": round((_cpu_seconds(etcd) - e0) * per),
+                           "bookies_cpu_us": round((_cpu_seconds(bookies) - b0) * per)}
                     held = target
                     if compare and not out["compare"]:
                         n = min(2000, max(200, held // 10))
@@ -277,7 +279,7 @@ def format_row(row: dict) -> str:
     parts = [head, f"create+close {row['create_close_per_s']}/s"]
     if "client_cpu_us" in row:
         parts.append(f"CPU per ledger: client {row['client_cpu_us']} us, "
-                     f"etcd {row['etcd_cpu_us']} us")
+                     f"etcd {row['etcd_cpu_us']} us, bookies {row.get('bookies_cpu_us', '?')} us")
     if "list_s" in row:
         old = [f"{k} {row[f'list_{k}_s']}s" for k in ("pages", "sorted")
                if f"list_{k}_s" in row]
