@@ -99,37 +99,6 @@ def test_concurrent_creates_share_transactions_each_with_its_own_answer(store):
     assert store._combiner.batches > before      # some transactions carried several
 
 
-def test_a_leader_under_load_waits_for_as_many_writes_as_last_time_then_sends_them_together(
-        store):
-    """Under load (the previous transaction carried 4 writes) the leader waits for
-    company: the write that makes it 4 again wakes it (linger is an hour here, so
-    only that wake can end the wait), and the 4 creates land in one transaction,
-    each with its own answer (the same revision)."""
-    comb = store._combiner
-    comb.linger = 3600.0
-    ids = list(store.reserve_ledger_ids())[:4]
-    out: dict = {}
-
-    def create(lid):
-        out[lid] = store.create_ledger(md(lid))
-    comb._last = 4                              # as if the last transaction carried 4
-    leader = threading.Thread(target=create, args=(ids[0],), daemon=True)
-    leader.start()
-    wait_until(lambda: comb._gathering is not None, what="the leader waiting for company")
-    others = [threading.Thread(target=create, args=(lid,), daemon=True) for lid in ids[1:]]
-    before = comb.batches
-    for t in others:
-        t.start()
-    wait_until(lambda: len(out) == 4, what="the leader woken by its company, all created")
-    assert comb.batches == before + 1 and comb._last == 4
-    assert len(set(out.values())) == 1          # one transaction's revision
-    for lid, version in out.items():
-        assert store.read_ledger(lid)[1] == version
-    comb._last = 1                              # no load: the next write goes at once
-    lid = list(store.reserve_ledger_ids())[0]
-    assert store.create_ledger(md(lid)) == store.read_ledger(lid)[1]
-
-
 def test_concurrent_cas_writes_win_or_lose_alone(store):
     ids = list(store.reserve_ledger_ids())[:64]
     versions = {lid: store.create_ledger(md(lid)) for lid in ids}
