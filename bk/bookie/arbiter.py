@@ -398,7 +398,7 @@ class Arbiter:
         self.sel.register(a_end, selectors.EVENT_READ, w)
         log.debug("forked shard %d as pid %d", w.shard, w.pid)
 
-    def _fork(self, w: _Worker, a_end, w_end, deleted: list[int]):
+    def _fork(self, w: _Worker, a_end, w_end, deleted):
         pid = os.fork()
         if pid == 0:   # child: never returns
             try:

@@ -250,10 +250,14 @@ class ShardDeletions:
             while total > self.limit and len(rounds) > 1:
                 total -= len(rounds.pop(0)[1])
 
-    def of(self, shard: int) -> list[int]:
-        """The ids ``shard`` must refuse late entries of, now."""
+    def of(self, shard: int) -> array:
+        """The ids ``shard`` must refuse late entries of, now (8 bytes each: the fork
+        copies them, the arbiter keeps no list of ints)."""
+        out = array("q")
         with self._lock:
-            return [lid for _, ids in self._expired(shard) for lid in ids]
+            for _, ids in self._expired(shard):
+                out.extend(ids)
+        return out
 
     def _expired(self, shard: int) -> list:
         now = time.time()
