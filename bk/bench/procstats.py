@@ -1,0 +1,94 @@
+"""CPU, context switches and machine load of a benchmark's processes, per entry.
+
+A diagnostic for ``scripts/bench_writes.py --proc``: :func:`snapshot` reads
+``/proc`` for this process and every descendant (etcd, bookie arbiters and their
+shard workers), per thread; :func:`per_entry` turns two snapshots into CPU
+microseconds and voluntary / involuntary context switches per entry for each
+kind of process, and the machine's CPU utilisation in between. Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _threads(pid: int) -> dict:
+    """tid -> [cpu seconds, voluntary, involuntary] of one process's threads."""
+    out = {}
+    base = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{base}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            vol = inv = 0
+            with open(f"{base}/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        vol = int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches"):
+                        inv = int(line.split()[1])
+        except OSError:
+            continue
+        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv]
+    return out
+
+
+def _kind(p: psutil.Process, me: int) -> str:
+    """client (this process), etcd, arbiter (a bookie's master) or worker (a shard
+    worker: forked by its arbiter, so it has the same command line)."""
+    if p.pid == me:
+        return "client"
+    try:
+        cmd = p.cmdline()
+        parent = p.parent()
+        pcmd = parent.cmdline() if parent is not None else []
+    except psutil.Error:
+        return "other"
+    if cmd and os.path.basename(cmd[0]).startswith("etcd"):
+        return "etcd"
+    if "bk.cli.bookie" in cmd:
+        return "worker" if pcmd == cmd else "arbiter"
+    return "other"
+
+
+def snapshot() -> dict:
+    """Per-thread counters of this process and its descendants, and /proc/stat."""
+    me = os.getpid()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    procs = {}
+    for p in [psutil.Process(me)] + psutil.Process(me).children(recursive=True):
+        kind = _kind(p, me)
+        for tid, v in _threads(p.pid).items():
+            label = names.get(tid, "other") if kind == "client" else (
+                "main" if tid == p.pid else "thread")
+            procs[(p.pid, tid)] = (kind, label, v)
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    return {"threads": procs, "busy": sum(cpu) - cpu[3] - cpu[4], "total": sum(cpu)}
+
+
+def per_entry(before: dict, after: dict, entries: int) -> dict:
+    """CPU us and context switches (voluntary, involuntary) per entry by
+    ``kind/thread``, and the machine's busy share of its CPUs between the two."""
+    rows = {}
+    for key, (kind, label, v) in after["threads"].items():
+        old = before["threads"].get(key, (kind, label, [0.0, 0, 0]))[2]
+        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0])
+        for i in range(3):
+            r[i] += v[i] - old[i]
+    n = max(1, entries)
+    res = {k: {"cpu_us": round(c * 1e6 / n, 1), "vcs": round(vc / n, 3),
+               "ics": round(ic / n, 3)} for k, (c, vc, ic) in sorted(rows.items())}
+    total = after["total"] - before["total"]
+    return {"per_entry": res,
+            "cpu_us_total": round(sum(c for c, _, _ in rows.values()) * 1e6 / n, 1),
+            "machine_busy": round((after["busy"] - before["busy"]) / max(1, total), 3)}
