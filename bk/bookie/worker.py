@@ -45,7 +45,13 @@ watches), the loop first begins N+1's sync (one ``pwrite`` of its records, the
 job handed to the sync thread) and only then answers N, so that answering
 (with TLS: encrypting, then ``sendmsg`` to every connection) overlaps N+1's
 ``fdatasync`` instead of adding to every cycle. Throughput is then bounded by
-the larger of CPU and disk time per group instead of their sum. What must hold:
+the larger of CPU and disk time per group instead of their sum. So that
+beginning N+1 does not hold N's answers back by its ``pwrite`` (which can
+stall when the kernel throttles dirty pages), a pass that ends with a sync in
+flight and at least EARLY_WRITE_BYTES staged writes them out at once (no
+sync): by the time N's sync completes, most of N+1 is already in the page
+cache. Written early is not durable: N+1's answers still wait for its own
+sync. What must hold:
 an answer leaves only after its own group's sync completed; a connection gets
 group N's answers before N+1's (one group is answered at a time, in order); a
 fence, a WRITE_LAC and a long poll's wake-up wait for their sync like an add;
