@@ -677,14 +677,8 @@ class Journal:
 
     def write_out(self) -> None:
         """pwrite every staged record (no sync): another thread may then read them
-        from the segment files (a flush does), or a sync begun later has less to
-        write."""
+        from the segment files (a flush does)."""
         self._write_out()
-
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes of records appended but not written out yet (in the staging buffer)."""
-        return self._off - self._wbase
 
     def segment_view(self, seq: int):
         """The read mapping of a segment (for an offline conversion of the whole

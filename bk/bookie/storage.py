@@ -784,14 +784,6 @@ class ShardStorage:
     def unsynced_bytes(self) -> int:
         return self._journal._unsynced
 
-    @property
-    def staged_bytes(self) -> int:
-        return self._journal.staged_bytes
-
-    def write_out(self) -> None:
-        """pwrite the journal's staged records now (no sync; JournalError if it fails)."""
-        self._journal.write_out()
-
     def _new_ledger(self, ledger: int, master_key: bytes):
         try:
             self._journal.append(J.MASTER_KEY, ledger, master_key)

@@ -45,13 +45,7 @@ watches), the loop first begins N+1's sync (one ``pwrite`` of its records, the
 job handed to the sync thread) and only then answers N, so that answering
 (with TLS: encrypting, then ``sendmsg`` to every connection) overlaps N+1's
 ``fdatasync`` instead of adding to every cycle. Throughput is then bounded by
-the larger of CPU and disk time per group instead of their sum. So that
-beginning N+1 does not hold N's answers back by its ``pwrite`` (which can
-stall when the kernel throttles dirty pages), a pass that ends with a sync in
-flight and at least EARLY_WRITE_BYTES staged writes them out at once (no
-sync): by the time N's sync completes, most of N+1 is already in the page
-cache. Written early is not durable: N+1's answers still wait for its own
-sync. What must hold:
+the larger of CPU and disk time per group instead of their sum. What must hold:
 an answer leaves only after its own group's sync completed; a connection gets
 group N's answers before N+1's (one group is answered at a time, in order); a
 fence, a WRITE_LAC and a long poll's wake-up wait for their sync like an add;
@@ -147,10 +141,6 @@ HEARTBEAT_INTERVAL = 1.0
 # flusher thread; the loop keeps serving).
 COMPACT_ROUND_BYTES = 256 << 20
 SWITCH_INTERVAL = 0.0002
-# While a sync is in flight, a pass that leaves at least this many bytes of records
-# staged writes them out (pwrite, no sync) instead of leaving them all to the
-# next sync's begin, which the synced group's answers wait for (see _write_early).
-EARLY_WRITE_BYTES = 16 * 1024
 HANDSHAKE_TIMEOUT = 10.0     # TLS handshake and AUTH of a new connection, at most
 # the connection states besides READY (0): waiting for the TLS handshake, for AUTH
 _READY, _HANDSHAKE, _AUTH = 0, 1, 2
@@ -410,17 +400,6 @@ class ShardWorker:
         else:
             self._answer(done)
 
-    def _write_early(self):
-        """While a sync is in flight: pwrite the next group's records now, so that
-        when that sync completes, beginning the next one (which answering the synced
-        group waits for) has little left to write. A failed write fails the worker
-        as a failed sync does (nothing more is answered)."""
-        try:
-            self.storage.write_out()
-        except JournalError:
-            self._failed = True
-            raise
-
     def _wait_sync(self):
         """Block until the sync in flight (if any) completed and is answered."""
         if self.sync_job is None:
@@ -509,8 +488,6 @@ class ShardWorker:
                     self._start_sync()
             elif self._waiters:
                 self._wake_waiters(time.monotonic())
-            if self.sync_job is not None and storage.staged_bytes >= EARLY_WRITE_BYTES:
-                self._write_early()
             now = time.monotonic()
             if now >= next_hb:
                 next_hb = now + HEARTBEAT_INTERVAL

@@ -1,20 +1,12 @@
-"""kill -9 at the moments the pipelined group commit makes matter:
-
-- ``answer``: a group's sync has completed, the next group's sync has begun,
-  and the first group is not answered yet;
-- ``early``: a sync is in flight and the loop has just written the next group's
-  records out early (pwrite, no sync, ``ShardWorker._write_early``); that group
-  is held, not answered.
-
-The shard worker stops itself (SIGSTOP) at exactly that moment through a hook
-put first on the bookie's PYTHONPATH (``sitecustomize``, as
-scripts/trace_adds.py does); the test then kills the bookie with SIGKILL while
-it is stopped. Every entry acknowledged before the kill reads back after the
+"""kill -9 at the moment the pipelined group commit makes matter: a group's sync
+has completed, the next group's sync has begun, and the first group is not
+answered yet. The shard worker stops itself (SIGSTOP) at exactly that moment
+through a hook put first on the bookie's PYTHONPATH (``sitecustomize``, as
+scripts/trace_adds.py does); the test then kills the bookie with SIGKILL while it
+is stopped. Every entry acknowledged before the kill reads back after the
 restart, the stopped group's entries were not acknowledged, and they too read
-back (their sync had completed; or, written early, they were in the page
-cache, which a killed process does not lose: whole records, replayed). Plaintext
-and TLS (the answers are encrypted on the path that overlaps the next sync).
-Real etcd and bookie processes."""
+back (their sync had completed). Plaintext and TLS (the answers are encrypted on
+the path that now overlaps the next sync). Real etcd and bookie processes."""
 
 from __future__ import annotations
 
@@ -44,17 +36,8 @@ import bk.bookie.worker as m
 
 AT = int(os.environ.get("GC_TEST_STOP_AT", "0"))
 OUT = os.environ.get("GC_TEST_OUT")
-MOMENT = os.environ.get("GC_TEST_MOMENT", "answer")
 _answer = m.ShardWorker._answer
-_write_early = m.ShardWorker._write_early
 _seen = [0]
-
-
-def stop_here(held):
-    with open(OUT + ".tmp", "w") as f:
-        json.dump({"pid": os.getpid(), "entries": entries(held)}, f)
-    os.rename(OUT + ".tmp", OUT)
-    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def entries(answers):
@@ -71,22 +54,15 @@ def answer(self, done):
     if self.sync_job is not None and done[0]:    # the next group is syncing: the moment
         _seen[0] += 1
         if _seen[0] == AT:
-            stop_here(done[0])
+            with open(OUT + ".tmp", "w") as f:
+                json.dump({"pid": os.getpid(), "entries": entries(done[0])}, f)
+            os.rename(OUT + ".tmp", OUT)
+            os.kill(os.getpid(), signal.SIGSTOP)
     return _answer(self, done)
 
 
-def write_early(self):
-    _write_early(self)
-    if self.sync_job is not None and entries(self.held):   # written, held, unsynced
-        _seen[0] += 1
-        if _seen[0] == AT:
-            stop_here(self.held)
-
-
-if AT and MOMENT == "answer":
+if AT:
     m.ShardWorker._answer = answer
-elif AT:
-    m.ShardWorker._write_early = write_early
 '''
 
 
@@ -122,10 +98,9 @@ def process_state(pid: int) -> str:
         return "gone"
 
 
-@pytest.mark.parametrize("moment,mode", [("answer", "plaintext"), ("answer", "tls"),
-                                         ("early", "plaintext")])
+@pytest.mark.parametrize("mode", ["plaintext", "tls"])
 def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, monkeypatch,
-                                                     moment, mode):
+                                                     mode):
     hook_dir = tmp_path / "hook"
     hook_dir.mkdir()
     (hook_dir / "sitecustomize.py").write_text(HOOK)
@@ -142,7 +117,6 @@ def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, 
         [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
     monkeypatch.setenv("GC_TEST_STOP_AT", str(STOP_AT))
     monkeypatch.setenv("GC_TEST_OUT", str(out))
-    monkeypatch.setenv("GC_TEST_MOMENT", moment)
     c = cluster_factory(1, num_shards=1, conf_overrides=conf)
     monkeypatch.delenv("GC_TEST_STOP_AT")        # the restart runs without the hook
     if pythonpath is None:
