@@ -3,8 +3,10 @@
 A diagnostic for ``scripts/bench_writes.py --proc``: :func:`snapshot` reads
 ``/proc`` for this process and every descendant (etcd, bookie arbiters and their
 shard workers), per thread; :func:`per_entry` turns two snapshots into CPU
-microseconds and voluntary / involuntary context switches per entry for each
-kind of process, and the machine's CPU utilisation in between. Linux only.
+microseconds, voluntary / involuntary context switches and read / write
+syscalls per entry for each kind of process and thread (entries per ``recv`` or
+per ``sendmsg`` are the inverse), and the machine's CPU utilisation in
+between. Linux only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _threads(pid: int) -> dict:
-    """tid -> [cpu seconds, voluntary, involuntary] of one process's threads."""
+    """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls]
+    of one process's threads (reads: read, recv*, pread; writes: write, send*,
+    pwrite; from /proc/PID/task/TID/io, 0 where it cannot be read)."""
     out = {}
     base = f"/proc/{pid}/task"
     try:
@@ -38,7 +42,17 @@ def _threads(pid: int) -> dict:
                         inv = int(line.split()[1])
         except OSError:
             continue
-        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv]
+        rd = wr = 0
+        try:
+            with open(f"{base}/{tid}/io") as f:
+                for line in f:
+                    if line.startswith("syscr"):
+                        rd = int(line.split()[1])
+                    elif line.startswith("syscw"):
+                        wr = int(line.split()[1])
+        except OSError:
+            pass
+        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv, rd, wr]
     return out
 
 
@@ -77,18 +91,20 @@ def snapshot() -> dict:
 
 
 def per_entry(before: dict, after: dict, entries: int) -> dict:
-    """CPU us and context switches (voluntary, involuntary) per entry by
-    ``kind/thread``, and the machine's busy share of its CPUs between the two."""
+    """CPU us, context switches (voluntary, involuntary) and read / write
+    syscalls per entry by ``kind/thread``, and the machine's busy share of its
+    CPUs between the two."""
     rows = {}
     for key, (kind, label, v) in after["threads"].items():
-        old = before["threads"].get(key, (kind, label, [0.0, 0, 0]))[2]
-        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0])
-        for i in range(3):
+        old = before["threads"].get(key, (kind, label, [0.0, 0, 0, 0, 0]))[2]
+        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0, 0, 0])
+        for i in range(5):
             r[i] += v[i] - old[i]
     n = max(1, entries)
     res = {k: {"cpu_us": round(c * 1e6 / n, 1), "vcs": round(vc / n, 3),
-               "ics": round(ic / n, 3)} for k, (c, vc, ic) in sorted(rows.items())}
+               "ics": round(ic / n, 3), "rd": round(rd / n, 3), "wr": round(wr / n, 3)}
+           for k, (c, vc, ic, rd, wr) in sorted(rows.items())}
     total = after["total"] - before["total"]
     return {"per_entry": res,
-            "cpu_us_total": round(sum(c for c, _, _ in rows.values()) * 1e6 / n, 1),
+            "cpu_us_total": round(sum(r[0] for r in rows.values()) * 1e6 / n, 1),
             "machine_busy": round((after["busy"] - before["busy"]) / max(1, total), 3)}
