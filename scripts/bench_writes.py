@@ -40,8 +40,9 @@ def main():
                         "alternating --rounds times, and the ratio")
     p.add_argument("--rounds", type=int, default=2, help="pairs of runs with --tls")
     p.add_argument("--proc", action="store_true",
-                   help="CPU us and context switches per entry of every process and thread "
-                        "(client, bookie arbiters and shard workers, etcd)")
+                   help="CPU us, context switches and file read/write syscalls per entry of "
+                        "every process and thread (client, bookie arbiters and shard "
+                        "workers, etcd)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     tls_conf, tls_client = {}, {}
@@ -131,7 +132,7 @@ def show(res):
             pr = res["proc"]
             print(f"  CPU {pr['cpu_us_total']} us/entry in all, machine busy "
                   f"{pr['machine_busy']:.0%}; per entry: cpu us, voluntary/involuntary "
-                  f"context switches, read/write syscalls:")
+                  f"context switches, read/write(pwrite) syscalls:")
             for k, v in pr["per_entry"].items():
                 if v["cpu_us"] >= 0.5 or v["vcs"] + v["ics"] >= 0.01:
                     print(f"    {k:<22} {v['cpu_us']:7.1f}  {v['vcs']:.3f}/{v['ics']:.3f}  "

@@ -3,10 +3,12 @@
 A diagnostic for ``scripts/bench_writes.py --proc``: :func:`snapshot` reads
 ``/proc`` for this process and every descendant (etcd, bookie arbiters and their
 shard workers), per thread; :func:`per_entry` turns two snapshots into CPU
-microseconds, voluntary / involuntary context switches and read / write
-syscalls per entry for each kind of process and thread (entries per ``recv`` or
-per ``sendmsg`` are the inverse), and the machine's CPU utilisation in
-between. Linux only.
+microseconds, voluntary / involuntary context switches and file read / write
+syscalls per entry for each kind of process and thread, and the machine's CPU
+utilisation in between. The syscalls are the kernel's ``syscr``/``syscw``:
+``read``/``pread``/``write``/``pwrite`` (a shard worker's journal ``pwrite`` per
+group commit and its sync pipe), not the sockets' ``recv*``/``sendmsg`` (use
+``strace -c`` for those). Linux only.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def _threads(pid: int) -> dict:
     """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls]
-    of one process's threads (reads: read, recv*, pread; writes: write, send*,
-    pwrite; from /proc/PID/task/TID/io, 0 where it cannot be read)."""
+    of one process's threads (read/pread, write/pwrite: /proc/PID/task/TID/io,
+    0 where it cannot be read)."""
     out = {}
     base = f"/proc/{pid}/task"
     try:
@@ -91,7 +93,7 @@ def snapshot() -> dict:
 
 
 def per_entry(before: dict, after: dict, entries: int) -> dict:
-    """CPU us, context switches (voluntary, involuntary) and read / write
+    """CPU us, context switches (voluntary, involuntary) and file read / write
     syscalls per entry by ``kind/thread``, and the machine's busy share of its
     CPUs between the two."""
     rows = {}
