@@ -1,4 +1,4 @@
-"""One shard of a bookie: a single-threaded ``selectors`` loop with group commit.
+"""One shard of a bookie: a single-threaded epoll loop with group commit.
 
 Theory of operation
 -------------------
@@ -30,6 +30,13 @@ occurred). When the group's sync completes, that is ONE frame per connection
 for every batched entry of the group. Single ADDs keep their own answers, so a
 client that never sends ADD_BATCH sees the protocol as before; HELLO's answer
 announces the features (``frameBatching``).
+
+What a pass costs when the load is many lone adds (a ledger per add, as
+ledger create + one entry + close makes it) is fixed per pass and per new
+ledger, not per byte: the loop polls epoll itself (:class:`_Poller`, no
+``selectors`` key per ready socket), storage's ``maintain`` skips its checks
+until a flush or trim can be due, and a ledger's first add has its own path
+in storage (its MASTER_KEY record, state and tail made in one step).
 
 Input is received with ``recv_into`` the connection's reusable FrameBuffer and
 decoded in place; a connection's held answers go out with one ``sendmsg`` of
