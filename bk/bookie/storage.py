@@ -620,12 +620,12 @@ class ShardStorage:
         if lac > -1:
             st.lac = lac
         st.last = entry
-        t = self._wc.get(ledger)
-        if t is None:                # (a dropped ledger keeps its state: never here)
-            self._wc[ledger] = _Tail(entry, pos, self._journal.position)
-            self._wc_entries += 1
+        end = self._journal.position
+        if ledger in self._wc:       # a tail without state: not expected (a deletion
+            self._tail_put(ledger, entry, pos, end)     # drops both), taken as it is
         else:
-            self._tail_put(ledger, entry, pos, self._journal.position)
+            self._wc[ledger] = _Tail(entry, pos, end)
+            self._wc_entries += 1
         return EOK
 
     def _tail_put(self, ledger: int, entry: int, pos: int, end: int) -> None:
