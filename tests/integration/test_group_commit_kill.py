@@ -105,11 +105,12 @@ def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, 
     hook_dir.mkdir()
     (hook_dir / "sitecustomize.py").write_text(HOOK)
     out = tmp_path / "stopped.json"
-    conf, security = {}, ClientSecurity()
+    # the raw ledgers have no metadata: GC must not drop them while the test waits
+    conf, security = {"gcWaitTime": 3_600_000}, ClientSecurity()
     if mode == "tls":
         ca = pki.make_ca(str(tmp_path / "ca"))
         crt, key = ca.issue("bookie", ["127.0.0.1"])
-        conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
+        conf.update(tlsCertificatePath=crt, tlsKeyStore=key, tlsRequired=False)
         security = ClientSecurity.from_conf(Config.load(env={}, overrides={
             "tlsEnabled": True, "tlsTrustStore": ca.cert_path}))
     pythonpath = os.environ.get("PYTHONPATH")
