@@ -40,6 +40,7 @@ from bk.meta.etcd_server import EtcdServer, enable_auth
 from bk.meta.store import MetadataStore
 from bk.security import auth, pki
 from bk.security.etcd import EtcdCredentials
+from bk.security.tokens import create_token
 from bk.util import free_port
 
 _live: "weakref.WeakSet[BookieProcess]" = weakref.WeakSet()
@@ -302,7 +303,7 @@ class LocalCluster:
         auth.write_secret_key(self._sec("token.key"), auth.create_secret_key())
         key = auth.read_secret_key(self._sec("token.key"))
         for role in ("bookie", "client", "admin", "reader"):
-            _write_secret(self._sec(f"{role}.token"), auth.create_token(key, role))
+            _write_secret(self._sec(f"{role}.token"), create_token(key, role))
         for name in ("etcd-root", "etcd-bk", "etcd-reader"):
             _write_secret(self._sec(f"{name}.password"), secrets.token_urlsafe(24))
 

@@ -1781,8 +1781,9 @@ def tokens_create(secret_key_file, subject, expiry_time):
     """Print a token for role SUBJECT (give it to the client as authToken or in a file
     named by authTokenFile)."""
     from bk.security import auth
+    from bk.security.tokens import create_token
     key = auth.read_secret_key(secret_key_file, "--secret-key-file")
-    click.echo(auth.create_token(key, subject, expiry_time))
+    click.echo(create_token(key, subject, expiry_time))
 
 
 @tokens.command("show")
@@ -1791,8 +1792,8 @@ def tokens_create(secret_key_file, subject, expiry_time):
 def tokens_show(token):
     """What a token claims (subject, id, expiry, signing key id); its signature is
     NOT checked."""
-    from bk.security import auth
-    _json_out(auth.describe_token(token))
+    from bk.security.tokens import describe_token
+    _json_out(describe_token(token))
 
 
 @tokens.command("revoke")
@@ -1807,13 +1808,14 @@ def tokens_revoke(revocation_file, token, token_file, subject):
     """Add a token (or every token of a role) to a revocation file; bookies refuse it
     from its next connection once they loaded the file, and close its open ones."""
     from bk.security import auth
+    from bk.security.tokens import token_id, unverified_claims
     if sum(x is not None for x in (token, token_file, subject)) != 1:
         fail(PROG, "give one of --token, --token-file, --subject", 2)
     if token_file:
         with open(token_file, encoding="utf-8") as f:
             token = f.read().strip()
     if token is not None:
-        kind, value = "jti", auth.token_id(token, auth.unverified_claims(token))
+        kind, value = "jti", token_id(token, unverified_claims(token))
     else:
         kind, value = "sub", subject
     added = auth.add_revocation(revocation_file, kind, value)
