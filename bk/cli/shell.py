@@ -1241,16 +1241,21 @@ def checkledgers(c, master, partitions, as_json):
     if master.startswith("local"):
         # Local Python workers: this interpreter (with bk and its dependencies).
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # Run in a process that has a session already (the command called in-process,
+    # from a notebook or a test): the check runs on that one and leaves it running.
+    ours = SparkSession.getActiveSession() is None
     spark = (SparkSession.builder.master(master).appName("bkshell checkledgers")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .getOrCreate())
     try:
-        spark.sparkContext.setLogLevel("ERROR")
+        if ours:             # (a session of the caller's keeps its log level)
+            spark.sparkContext.setLogLevel("ERROR")
         from bk.security import client_settings
         rows = [r.asDict() for r in bk.spark.check_ledgers(
             spark, uri, partitions, security=client_settings(c.conf)).collect()]
     finally:
-        spark.stop()
+        if ours:
+            spark.stop()
     rows.sort(key=lambda r: (r["ledger_id"], r["entry_id"], r["bookie"]))
     if as_json:
         _json_out({"problems": len(rows), "rows": rows})
