@@ -129,6 +129,12 @@ def shell_ok(*args, env: dict | None = None):
     return r
 
 
+def shell_json(*args, env: dict | None = None):
+    """:func:`shell_ok` of a ``--json`` command: its output, parsed (quick enough to
+    poll in a wait, where :func:`bkshell_ok` would start a Python process a try)."""
+    return json.loads(shell_ok(*args, env=env).stdout)
+
+
 def shell_err(*args, code: int | None = None, env: dict | None = None) -> str:
     """:func:`shell` that must fail (with exit ``code`` if given) without a traceback:
     its stderr."""
