@@ -66,7 +66,8 @@ def production_settings() -> dict:
 # thread and opens no connection) and forks each bookie from itself: the child
 # makes a session of its own, points stdout and stderr at the bookie's log, takes
 # the caller's environment and directory and runs ``bookie ARGS`` as
-# ``python -m bk.cli.bookie ARGS`` would. The bookie is a child of the launcher,
+# ``python -m bk.cli.bookie ARGS`` would (one launcher for each environment bookies
+# are started with). The bookie is a child of the launcher,
 # which reports each child's exit status: :class:`_LaunchedProcess` offers the
 # Popen calls BookieProcess makes (pid, poll, wait, send_signal, returncode).
 
@@ -174,21 +175,31 @@ class _LaunchedProcess:
 
 
 class _Launcher:
-    """The launcher process of this test process (started on first use)."""
+    """A launcher process of this test process, started on first use for each
+    environment a bookie is started with: what the interpreter does at its start
+    (PYTHONPATH, sitecustomize: a test's hook) and what modules read when they are
+    imported is the launcher's, so it is the bookie's environment too. Launchers
+    are kept: one that exits leaves the exit statuses of its children unknown."""
 
-    _instance = None
-    _instance_lock = threading.Lock()
+    MAX = 4                         # environments; beyond, bookies are started anew
+    _launchers: dict = {}
+    _launchers_lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> "_Launcher":
-        with cls._instance_lock:
-            if cls._instance is None or cls._instance.proc.poll() is not None:
-                cls._instance = cls()
-            return cls._instance
+    def get(cls, env: dict) -> "_Launcher | None":
+        key = tuple(sorted(env.items()))
+        with cls._launchers_lock:
+            launcher = cls._launchers.get(key)
+            if launcher is None or launcher.proc.poll() is not None:
+                if launcher is None and len(cls._launchers) >= cls.MAX:
+                    return None
+                launcher = cls._launchers[key] = cls(env)
+            return launcher
 
-    def __init__(self):
+    def __init__(self, env: dict):
+        self.env = env
         self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=localcluster._child_env())
+                                     stdout=subprocess.PIPE, env=env)
         self.cond = threading.Condition()
         self._children: dict[int, _LaunchedProcess] = {}
         self._spawned: list[_LaunchedProcess] = []
@@ -216,8 +227,7 @@ class _Launcher:
             self.cond.notify_all()
 
     def spawn(self, args: list, log_file: str) -> _LaunchedProcess:
-        req = {"args": args, "log": log_file, "cwd": os.getcwd(),
-               "env": localcluster._child_env()}
+        req = {"args": args, "log": log_file, "cwd": os.getcwd(), "env": self.env}
         with self._lock:
             with self.cond:
                 self._spawned.clear()
@@ -234,9 +244,10 @@ class _ForkedBookie(localcluster.BookieProcess):
     command prefix, is started as its own process)."""
 
     def _spawn(self, args: list):
-        if self.command_prefix:
+        launcher = None if self.command_prefix else _Launcher.get(localcluster._child_env())
+        if launcher is None:
             return super()._spawn(args)
-        return _Launcher.get().spawn(args, self.log_file)
+        return launcher.spawn(args, self.log_file)
 
 
 class LocalCluster(localcluster.LocalCluster):
