@@ -9,6 +9,7 @@ defragmentation), etcd's RSS, and the CPU etcd and the bookies burn idle.
     scripts/bench_metadata.py --ledgers 100000 --json
     scripts/bench_metadata.py --steps 30000,100000 --set gcWaitTime=5000
     scripts/bench_metadata.py --listing-only --ledgers 300000   # listing alone
+    scripts/bench_metadata.py --breakdown 10000   # where one ledger's CPU goes
 """
 
 import argparse
@@ -18,7 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bk.bench.metadata import bench_listing, bench_metadata, format_row  # noqa: E402
+from bk.bench.metadata import (bench_breakdown, bench_listing, bench_metadata,  # noqa: E402
+                               format_row)
 from bk.meta.store import LIST_PAGE  # noqa: E402
 
 
@@ -38,8 +40,24 @@ def main():
     ap.add_argument("--listing-only", action="store_true",
                     help="only time listing --ledgers ids (an etcd alone, keys put directly): "
                          "by id windows of 1,000 and of 10,000 ids, and by plain pages")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
+                    help="only: CPU per ledger by process and thread, the client's GC and "
+                         "etcd's counters, over N ledgers created and closed")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.breakdown:
+        r = bench_breakdown(a.breakdown, threads=a.threads, base_dir=a.dir)
+        if a.json:
+            print(json.dumps(r, indent=1))
+            return
+        print(f"{r['ledgers']} ledgers from {r['threads']} threads: "
+              f"{r['create_close_per_s']}/s")
+        for k, v in sorted(r["cpu_us_per_ledger"].items(), key=lambda kv: -kv[1]):
+            print(f"  CPU per ledger {k}: {v} us")
+        print(f"  client cyclic GC collections per ledger: {r['gc_collections_per_ledger']}")
+        for k, v in r["etcd_per_ledger"].items():
+            print(f"  etcd per ledger {k}: {v}")
+        return
     if a.listing_only:
         r = bench_listing(a.ledgers, base_dir=a.dir, progress=lambda r: None)
         p = LIST_PAGE

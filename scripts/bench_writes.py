@@ -39,6 +39,10 @@ def main():
                    help="local bookies offer TLS (not required): plaintext, then TLS, "
                         "alternating --rounds times, and the ratio")
     p.add_argument("--rounds", type=int, default=2, help="pairs of runs with --tls")
+    p.add_argument("--proc", action="store_true",
+                   help="CPU us, context switches and file read/write syscalls per entry of "
+                        "every process and thread (client, bookie arbiters and shard "
+                        "workers, etcd)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     tls_conf, tls_client = {}, {}
@@ -55,7 +59,7 @@ def main():
         if a.tls:
             kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum,
                       ack_quorum=a.ack_quorum, entry_size=a.entry_size, duration=a.duration,
-                      window=a.window, ledgers=a.ledgers, rate=a.rate)
+                      window=a.window, ledgers=a.ledgers, rate=a.rate, proc=a.proc)
             runs = [bench_writes(uri, **kw, **extra) for _ in range(a.rounds)
                     for extra in ({}, tls_client)]
             return {"plaintext": runs[0::2], "tls": runs[1::2],
@@ -69,7 +73,7 @@ def main():
                                   rate=a.rate)
         kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum, ack_quorum=a.ack_quorum,
                   entry_size=a.entry_size, duration=a.duration, window=a.window,
-                  ledgers=a.ledgers, rate=a.rate)
+                  ledgers=a.ledgers, rate=a.rate, proc=a.proc)
         if a.profile:
             import cProfile
             import threading
@@ -124,6 +128,15 @@ def show(res):
               f"client CPU {res['client_cpu_us_per_entry']} us/entry")
         print(f"latency ms: p50={lat['p50']} p95={lat['p95']} p99={lat['p99']} "
               f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
+        if "proc" in res:
+            pr = res["proc"]
+            print(f"  CPU {pr['cpu_us_total']} us/entry in all, machine busy "
+                  f"{pr['machine_busy']:.0%}; per entry: cpu us, voluntary/involuntary "
+                  f"context switches, read/write(pwrite) syscalls:")
+            for k, v in pr["per_entry"].items():
+                if v["cpu_us"] >= 0.5 or v["vcs"] + v["ics"] >= 0.01:
+                    print(f"    {k:<22} {v['cpu_us']:7.1f}  {v['vcs']:.3f}/{v['ics']:.3f}  "
+                          f"{v['rd']:.3f}/{v['wr']:.3f}")
 
 
 if __name__ == "__main__":

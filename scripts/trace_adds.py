@@ -58,8 +58,16 @@ def patch_worker(m):
     def _boot(self):
         boot(self)
         self._tr, self._tr_pend, self._tr_groups, self._tr_syncs = {}, [], [], []
-        self._tr_answer = []
+        self._tr_answer, self._tr_begin = [], []
         self._tr_sel = self._tr_done = 0.0
+        begin = self.storage.begin_sync
+
+        def begin_sync():
+            t0 = mono()
+            job = begin()
+            self._tr_begin.append((t0, mono() - t0, self._tr_done == self._tr_sel))
+            return job
+        self.storage.begin_sync = begin_sync
         inner = self.sel.select
 
         def select(timeout=None):
@@ -118,7 +126,7 @@ def patch_worker(m):
         try:
             with open(os.path.join(OUT, "w-%d.json" % os.getpid()), "w") as f:
                 json.dump({"bookie": self.bookie_id, "syncs": self._tr_syncs,
-                           "answer": self._tr_answer,
+                           "answer": self._tr_answer, "begin": self._tr_begin,
                            "adds": [[k[0], k[1], v] for k, v in self._tr.items()]}, f)
         except Exception as e:
             print("trace_adds: could not write the trace: %r" % (e,), file=sys.stderr)
@@ -263,6 +271,7 @@ def main():
     syncs = collections.defaultdict(list)
     idle = collections.defaultdict(list)
     answer = collections.defaultdict(list)
+    begin = collections.defaultdict(list)
     for fn in os.listdir(d):
         if fn.startswith("w-"):
             with open(os.path.join(d, fn)) as f:
@@ -279,6 +288,10 @@ def main():
                         if end is not None and t0 - end < IDLE_GAP:
                             idle[name].append(t0 - end)
                 end = t0 + dt
+            for t0, dt, _ in w.get("begin", ()):
+                for s, e, name in windows:
+                    if s <= t0 <= e:
+                        begin[name].append(dt)
             for t0, dt in w["answer"]:
                 for s, e, name in windows:
                     if s <= t0 <= e:
@@ -318,6 +331,10 @@ def main():
         x = idle[name]
         if x:
             print(f"  {'the disk idle between syncs':40s} {pct(x, .5):7.3f} "
+                  f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
+        x = begin[name]
+        if x:
+            print(f"  {'a sync begun (its pwrite)':40s} {pct(x, .5):7.3f} "
                   f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
         x = answer[name]
         if x:

@@ -16,14 +16,23 @@ concurrent writes sharing them (:mod:`bk.meta.combiner`), a combiner whose
 leader sends at once instead of lingering for company under load (rate, and
 client and etcd CPU per ledger) and listings by plain pages (each page visits
 every remaining key on etcd 3.5), with or without asking etcd to sort them.
+
+:func:`bench_breakdown` says where the CPU of one created and closed ledger
+goes: the client by thread and its cyclic GC, each bookie process by thread
+(a shard worker's loop is its main thread), etcd, and etcd's own counters of
+what it was asked (its ``/metrics``).
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import re
 import resource
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -192,12 +201,14 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, thr
                 created: list[int] = []
                 etcd = _tree(cluster.etcd.pid)
                 for target in steps:
-                    c0, e0 = _own_cpu(), _cpu_seconds(etcd)
+                    bookies = [p for b in cluster.bookies if b.alive for p in _tree(b.pid)]
+                    c0, e0, b0 = _own_cpu(), _cpu_seconds(etcd), _cpu_seconds(bookies)
                     rate = create_close(client, target - held, threads, out=created)
                     per = 1e6 / (target - held)
                     row = {"ledgers": target, "create_close_per_s": round(rate),
                            "client_cpu_us": round((_own_cpu() - c0) * per),
-                           "etcd_cpu_us": round((_cpu_seconds(etcd) - e0) * per)}
+                           "etcd_cpu_us": round((_cpu_seconds(etcd) - e0) * per),
+                           "bookies_cpu_us": round((_cpu_seconds(bookies) - b0) * per)}
                     held = target
                     if compare and not out["compare"]:
                         n = min(2000, max(200, held // 10))
@@ -277,7 +288,7 @@ def format_row(row: dict) -> str:
     parts = [head, f"create+close {row['create_close_per_s']}/s"]
     if "client_cpu_us" in row:
         parts.append(f"CPU per ledger: client {row['client_cpu_us']} us, "
-                     f"etcd {row['etcd_cpu_us']} us")
+                     f"etcd {row['etcd_cpu_us']} us, bookies {row.get('bookies_cpu_us', '?')} us")
     if "list_s" in row:
         old = [f"{k} {row[f'list_{k}_s']}s" for k in ("pages", "sorted")
                if f"list_{k}_s" in row]
@@ -345,3 +356,105 @@ def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> 
         progress(out)
         store.close()
         return out
+
+
+_HZ = os.sysconf("SC_CLK_TCK")
+_ETCD_COUNTERS = re.compile(
+    r'^(grpc_server_handled_total)\{[^}]*grpc_method="(\w+)"[^}]*\} (\S+)$|'
+    r'^(etcd_network_client_grpc_received_bytes_total|etcd_network_client_grpc_sent_bytes_total|'
+    r'etcd_mvcc_put_total|etcd_mvcc_range_total|etcd_disk_wal_fsync_duration_seconds_count)'
+    r'(?:\{[^}]*\})? (\S+)$')
+
+
+def _threads_cpu(pid: int) -> dict:
+    """{thread id: (name, CPU seconds)} of one process."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        rest = tail.split()
+        out[int(tid)] = (head.split("(", 1)[1], (int(rest[11]) + int(rest[12])) / _HZ)
+    return out
+
+
+def _etcd_counters(url: str) -> dict:
+    out: dict = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            m = _ETCD_COUNTERS.match(line)
+            if m is None:
+                continue
+            key, value = ((f"{m.group(2)} calls", m.group(3)) if m.group(1)
+                          else (m.group(4), m.group(5)))
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
+                    shards: int = 2, warmup: int = 1_000, base_dir: str | None = None) -> dict:
+    """CPU per created and closed ledger by process and thread, the client's cyclic
+    GC (collections and their CPU, from ``gc.callbacks``: observed, not tuned) and
+    etcd's counters per ledger, over ``ledgers`` after ``warmup``."""
+    collections_ = [0, 0.0]
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.thread_time()
+        else:
+            collections_[0] += 1
+            collections_[1] += time.thread_time() - started[0]
+    with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
+        with LocalCluster(num_bookies=bookies, base_dir=d, num_shards=shards,
+                          conf_overrides={"autoRecoveryDaemonEnabled": True}) as cluster:
+            client = BookKeeper(cluster.metadata_uri)
+            try:
+                create_close(client, warmup, threads)
+                roles = {os.getpid(): "client"}
+                for p in _tree(cluster.etcd.pid):
+                    roles[p.pid] = "etcd"
+                for b in cluster.bookies:
+                    for p in _tree(b.pid):
+                        roles[p.pid] = "arbiter" if p.pid == b.pid else "shard worker"
+                before = {pid: _threads_cpu(pid) for pid in roles}
+                url = cluster.etcd.client_url
+                e0, c0 = _etcd_counters(url), _own_cpu()
+                gc.callbacks.append(on_gc)
+                try:
+                    rate = create_close(client, ledgers, threads)
+                finally:
+                    gc.callbacks.remove(on_gc)
+                client_cpu = _own_cpu() - c0
+                after = {pid: _threads_cpu(pid) for pid in roles}
+                e1 = _etcd_counters(url)
+                names = {t.native_id: t.name for t in threading.enumerate()}
+            finally:
+                client.close()
+    per = 1e6 / ledgers
+    us: dict = {"client": client_cpu * per,
+                "client: the calling threads (gone)": client_cpu * per}
+    for pid, role in roles.items():
+        for tid, (comm, cpu) in after[pid].items():
+            spent = (cpu - before[pid].get(tid, ("", 0.0))[1]) * per
+            if role == "client":
+                us["client: the calling threads (gone)"] -= spent
+                key = f"client thread {names.get(tid, comm)}"
+            elif role == "shard worker":
+                key = "shard workers: " + ("loop" if tid == pid else "other threads")
+            else:
+                key = role
+            if role != "client" or spent >= 1:
+                us[key] = us.get(key, 0.0) + spent
+    us["client: cyclic GC"] = collections_[1] * per
+    return {"ledgers": ledgers, "threads": threads, "create_close_per_s": round(rate),
+            "cpu_us_per_ledger": {k: round(v, 1) for k, v in us.items()},
+            "gc_collections_per_ledger": round(collections_[0] / ledgers, 4),
+            "etcd_per_ledger": {k: round((e1[k] - e0.get(k, 0.0)) / ledgers, 3)
+                                for k in sorted(e1) if e1[k] != e0.get(k, 0.0)}}

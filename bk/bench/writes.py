@@ -13,6 +13,7 @@ import collections
 import threading
 import time
 
+from bk.bench import procstats
 from bk.client.bookkeeper import BookKeeper
 from bk.errors import BKError
 
@@ -60,13 +61,16 @@ def percentile(sorted_values, p):
 
 
 def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024, duration=10.0,
-                 window=1000, ledgers=1, rate=None, warmup=1.0, client=None, **conf) -> dict:
+                 window=1000, ledgers=1, rate=None, warmup=1.0, client=None, proc=False,
+                 **conf) -> dict:
     """Write for ``duration`` s; return throughput and latency percentiles.
 
     ``window``: most adds outstanding over all ledgers (BookKeeper's throttle).
     ``rate``: if given, submit at this many entries/s (open loop, still bounded
     by ``window``) to measure latency under a fixed load. The first ``warmup``
-    seconds are not measured.
+    seconds are not measured. ``proc``: also CPU and context switches per entry
+    of this process and its children (bookies, etcd) over the measured time
+    (:mod:`bk.bench.procstats`).
     """
     own = client is None
     if own:
@@ -94,6 +98,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
                 break
             if marks is None and now >= t_measure:
                 marks = (now, b.acked, [len(s.lat) for s in stats], time.process_time())
+                snap0 = procstats.snapshot() if proc else None
             if b.error is not None:
                 raise b.error
             if sent - b.acked >= window:
@@ -123,6 +128,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
         t_stop = pc()
         cpu_stop = time.process_time()
         acked_at_stop = b.acked
+        snap1 = procstats.snapshot() if proc and marks is not None else None
         # drain
         deadline = time.monotonic() + 30
         while b.acked < sent and time.monotonic() < deadline:
@@ -138,7 +144,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             except BKError:
                 pass
         rate_measured = count / elapsed if elapsed > 0 else 0.0
-        return {
+        res = {
             "entries": count,
             "seconds": round(elapsed, 3),
             "entries_per_sec": round(rate_measured, 1),
@@ -154,6 +160,9 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             "entry_size": entry_size, "window": window, "ledgers": ledgers, "rate": rate,
             "batching": bool(client.conf.frameBatching),
         }
+        if snap1 is not None:
+            res["proc"] = procstats.per_entry(snap0, snap1, count)
+        return res
     finally:
         if own:
             client.close()

@@ -60,7 +60,7 @@ from bk import metrics as M
 from bk import protocol as P
 from bk.autorecovery.checker import claim_overreplicated
 from bk.bookie import control, layout
-from bk.bookie.gc import GarbageCollector, remembered_deletions
+from bk.bookie.gc import GarbageCollector, ShardDeletions
 from bk.config import Config
 from bk.bookie.journal import ADD_OVERHEAD, HEADER_SIZE
 from bk.bookie.worker import ShardWorker
@@ -157,7 +157,7 @@ class Arbiter:
         self.gc_forced = False                 # a full round asked for (SIGUSR1) meanwhile
         self.gc_running = False
         self.gc_pending: set[int] = set()      # shards whose GC round is not done
-        self.gc_replayed: set[int] = set()     # shards yet to answer the deletions replayed at start
+        self.handed: ShardDeletions | None = None   # the deletions a shard gets with its fork
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
         self.last_overrep: dict[int, dict] = {}      # shard -> what its last scan found
@@ -226,16 +226,15 @@ class Arbiter:
         self._write_pid_file()
         self.metrics = M.BookieMetrics(self.num_shards)
         self._bind_http()
+        # the shards forgot the deletions they refused late entries of before this
+        # start: each gets its own with its fork (_spawn)
+        self.handed = ShardDeletions.remembered(conf, self.instance_id,
+                                                os.path.abspath(conf.ledgerDirectories[0]),
+                                                self.num_shards)
         self.workers = [_Worker(i) for i in range(self.num_shards)]
         for w in self.workers:
             self._spawn(w)
         self._wait_ready()
-        # the shards forgot the deletions they refused late entries of: tell them now
-        for shard, ids in remembered_deletions(conf, self.instance_id,
-                                               os.path.abspath(conf.ledgerDirectories[0]),
-                                               self.num_shards).items():
-            self.gc_replayed.add(shard)    # its gc_done is not a round's (one channel: FIFO)
-            self._gc_send(shard, ids)
         space = layout.disk_space(conf)
         self.readonly = self._over_threshold(space["usage"])
         if self.readonly:
@@ -389,6 +388,17 @@ class Arbiter:
 
     def _spawn(self, w: _Worker):
         a_end, w_end = control.pair()
+        # Under w.lock until the new channel is w.ctrl: a round's deletions for this
+        # shard (_gc_send) are then either among those the fork carries or sent on
+        # the new channel, ahead of any connection handed over.
+        with w.lock:
+            self._fork(w, a_end, w_end, self.handed.of(w.shard))
+        a_end.setblocking(True)
+        a_end.settimeout(5.0)
+        self.sel.register(a_end, selectors.EVENT_READ, w)
+        log.debug("forked shard %d as pid %d", w.shard, w.pid)
+
+    def _fork(self, w: _Worker, a_end, w_end, deleted):
         pid = os.fork()
         if pid == 0:   # child: never returns
             try:
@@ -404,7 +414,7 @@ class Arbiter:
                         s.close()
                 os.close(self._wake_r)
                 os.close(self._wake_w)
-                ShardWorker(self.conf, w.shard, self.num_shards, w_end).run()
+                ShardWorker(self.conf, w.shard, self.num_shards, w_end, deleted=deleted).run()
             finally:
                 os._exit(EXIT_ERROR)
         w_end.close()
@@ -413,10 +423,6 @@ class Arbiter:
         w.ready = False
         w.replaying = False
         w.last_hb = time.monotonic()
-        a_end.setblocking(True)
-        a_end.settimeout(5.0)
-        self.sel.register(a_end, selectors.EVENT_READ, w)
-        log.debug("forked shard %d as pid %d", w.shard, pid)
 
     def _wait_ready(self):
         # A worker replaying a long journal reports progress ("replay"), which counts
@@ -527,8 +533,9 @@ class Arbiter:
             self.sel.unregister(w.ctrl)
         except (KeyError, ValueError):
             pass
-        w.ctrl.close()
-        w.ctrl = None
+        with w.lock:                    # the metadata thread may be sending on it
+            w.ctrl.close()
+            w.ctrl = None
         w.pid = 0
         if self.stopping:
             return
@@ -556,7 +563,6 @@ class Arbiter:
         ev = self.dropped.get(w.shard)
         if ev is not None:              # its gc_drop will never be answered
             ev.set()
-        self.gc_replayed.discard(w.shard)
         self._gc_shard_done(w.shard)
         self._spawn(w)
 
@@ -615,9 +621,6 @@ class Arbiter:
             ev.set()
 
     def handle_gc_done(self, w: _Worker, stats):
-        if w.shard in self.gc_replayed:
-            self.gc_replayed.discard(w.shard)
-            return
         self.gc_results[w.shard] = stats
         self._gc_shard_done(w.shard)
 
@@ -895,10 +898,12 @@ class Arbiter:
     def _gc_send(self, shard: int, dead: list[int]):
         w = self.workers[shard]
         threshold = self.conf.compactionThreshold
-        if w.ctrl is None:
-            return
         try:
             with w.lock:
+                # first: a shard forked from now on (respawned) gets them with its fork
+                self.handed.add(shard, dead)
+                if w.ctrl is None:
+                    return
                 if not dead:
                     control.send(w.ctrl, "gc_delete", [], True, threshold)
                 for i in range(0, len(dead), control.CHUNK):

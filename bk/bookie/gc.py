@@ -36,11 +36,13 @@ they would create the ledger anew and stay until the next full reconcile.
 The shards forget those on a restart, and the remembered revision has by then
 moved past the deletions, so the watch does not send them again: the
 :class:`DeletionLog` (``gc-recent.bin``, written before the revision advances)
-keeps the verified deletions of the last reconcile interval, bounded. At start
-the arbiter hands them to the shards as soon as they are ready
-(:func:`remembered_deletions`), and they are candidates of the first round
-again (checked absent once more), so a deletion seen just before a restart is
-still honoured after it.
+keeps the verified deletions of the last reconcile interval, bounded. The
+arbiter keeps them, and every deletion a round tells a shard since, per shard
+(:class:`ShardDeletions`), and hands a shard its own with the fork that starts
+it, at start or when it is respawned after it died: the shard applies them
+before it serves its first request. They are also candidates of the first
+round again (checked absent once more), so a deletion seen just before a
+restart is still honoured after it.
 
 Safety does not rest on the watch: an event only nominates a ledger; the
 decision is always "absent at a revision at which the cluster was verified to
@@ -205,18 +207,62 @@ class DeletionLog:
         os.replace(tmp, self.path)
 
 
-def remembered_deletions(conf, instance_id: str, state_dir: str, num_shards: int) -> dict:
-    """The deletions verified in the last reconcile interval before this start, per
-    shard (:class:`DeletionLog`): the arbiter hands them to its shards as soon as
-    they are ready, before the first GC round (``gcWaitTime`` later) checks them
-    again. They were verified absent at a revision of this cluster, whose ids
-    are never reused: the shards knew them before the restart."""
-    log_ = DeletionLog(os.path.join(state_dir, GC_RECENT_FILE), instance_id,
-                       float(conf.gcFullReconcileIntervalSeconds)).load()
-    out: dict[int, list[int]] = {}
-    for lid in sorted(log_.ids()):
-        out.setdefault(P.shard_of(lid, num_shards), []).append(lid)
-    return out
+class ShardDeletions:
+    """The verified deletions each shard was told (or is being told) within the
+    last ``keep`` seconds, by shard, at most ``limit`` ids a shard (the oldest
+    rounds go first). A shard forked anew (at start, or respawned after it died)
+    forgot them: it gets its own with the fork and applies them before it serves
+    anything, so there is no moment at which a zombie writer's add to one of them
+    is accepted. Expiries are wall clock, like :class:`DeletionLog`'s, whose rounds
+    are the first ones. Thread-safe: rounds add on the arbiter's metadata thread,
+    spawns read on its loop."""
+
+    def __init__(self, keep: float, num_shards: int, limit: int = 1_000_000):
+        self.keep = keep
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._rounds: list[list[tuple[float, array]]] = [[] for _ in range(num_shards)]
+
+    @classmethod
+    def remembered(cls, conf, instance_id: str, state_dir: str,
+                   num_shards: int) -> "ShardDeletions":
+        """Those of the last reconcile interval before this start (``gc-recent.bin``):
+        verified absent at a revision of this cluster, whose ids are never reused."""
+        dlog = DeletionLog(os.path.join(state_dir, GC_RECENT_FILE), instance_id,
+                           float(conf.gcFullReconcileIntervalSeconds)).load()
+        out = cls(dlog.keep, num_shards)
+        for expiry, ids in dlog.rounds:
+            per: dict[int, array] = {}
+            for lid in ids:                       # sorted: each shard's part stays sorted
+                per.setdefault(P.shard_of(lid, num_shards), array("q")).append(lid)
+            for shard, part in per.items():
+                out._rounds[shard].append((expiry, part))
+        return out
+
+    def add(self, shard: int, ids) -> None:
+        ids = array("q", sorted(set(ids)))
+        if not ids:
+            return
+        with self._lock:
+            rounds = self._expired(shard)
+            rounds.append((time.time() + self.keep, ids))
+            total = sum(len(r[1]) for r in rounds)
+            while total > self.limit and len(rounds) > 1:
+                total -= len(rounds.pop(0)[1])
+
+    def of(self, shard: int) -> array:
+        """The ids ``shard`` must refuse late entries of, now (8 bytes each: the fork
+        copies them, the arbiter keeps no list of ints)."""
+        out = array("q")
+        with self._lock:
+            for _, ids in self._expired(shard):
+                out.extend(ids)
+        return out
+
+    def _expired(self, shard: int) -> list:
+        now = time.time()
+        rounds = self._rounds[shard] = [r for r in self._rounds[shard] if r[0] > now]
+        return rounds
 
 
 class GcRound:

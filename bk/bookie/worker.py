@@ -184,8 +184,10 @@ class _Conn:
 class ShardWorker:
     """Serves one shard until stopped; :meth:`run` never returns (it exits)."""
 
-    def __init__(self, conf: Config, shard: int, num_shards: int, ctrl: socket.socket):
+    def __init__(self, conf: Config, shard: int, num_shards: int, ctrl: socket.socket,
+                 deleted=()):
         self.conf = conf
+        self.deleted = deleted     # verified deletions it must know before serving (gc.py)
         self.shard = shard
         self.num_shards = num_shards
         self.ctrl = ctrl
@@ -281,6 +283,10 @@ class ShardWorker:
             log_size_limit=conf.logSizeLimit,
             recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds,
             index_cache_bytes=conf.dbStorage_rocksDB_blockCacheSize)
+        if self.deleted:
+            # a zombie writer's add to one of these must be refused from the first request
+            self.storage.delete_ledgers(self.deleted)
+            self.deleted = ()
         stats = self.storage.stats()
         log.info("shard %d ready in %.2fs: %s ledgers", self.shard,
                  time.monotonic() - t0, stats.get("ledgers"))

@@ -87,7 +87,7 @@ class EntryDigest:
     """
 
     __slots__ = ("ledger_id", "digest_type", "_sum_len", "_checksum", "mac_unchecked", "sign",
-                 "verify_flat", "verify_run", "_crc")
+                 "_crc")
 
     def __init__(self, ledger_id: int, digest_type: str, password: bytes | None = b""):
         check_digest_type(digest_type)
@@ -143,12 +143,24 @@ class EntryDigest:
             self._sum_len = 0
         self._checksum = checksum
         self.sign = sign
-        self.verify_flat = self._verify_flat_crc if digest_type in ("crc32c", "crc32") \
-            else self._verify_flat_each
-        self.verify_run = self._verify_run_crc if digest_type in ("crc32c", "crc32") \
-            else self._verify_run_each
+        # no bound method of self is kept on self: that cycle would leave every
+        # ledger handle's digest to the cyclic GC instead of its reference count
+        self._crc = None
         if digest_type in ("crc32c", "crc32"):
             self._crc = _crc32c.crc32c if digest_type == "crc32c" else zlib.crc32
+
+    def verify_flat(self, entries: list, ok: list, bad: list) -> None:
+        """See :meth:`_verify_flat_each`."""
+        if self._crc is not None:
+            self._verify_flat_crc(entries, ok, bad)
+        else:
+            self._verify_flat_each(entries, ok, bad)
+
+    def verify_run(self, entries: list, first: int, stride: int, make) -> list | None:
+        """See :meth:`_verify_run_each`."""
+        if self._crc is not None:
+            return self._verify_run_crc(entries, first, stride, make)
+        return self._verify_run_each(entries, first, stride, make)
 
     @property
     def size(self) -> int:

@@ -23,15 +23,19 @@ QUIET = {"gcWaitTime": 300, "httpServerEnabled": True, "httpServerPort": 0}
 _ports: dict = {}
 
 
-def gc_state(cluster, b) -> dict:
-    """What the bookie's GC reports (bk.bookie.gc state, over its HTTP info)."""
+def bookie_info(cluster, b) -> dict:
+    """The bookie's HTTP info (its GC state, its shards' pids)."""
     key = (b.bookie_id, b.pid)
     if key not in _ports:
         _ports[key] = cluster.store.bookie_info(b.bookie_id)["httpPort"]
     port = _ports[key]
-    info = json.loads(urllib.request.urlopen(
+    return json.loads(urllib.request.urlopen(
         f"http://127.0.0.1:{port}/api/v1/bookie/info", timeout=5).read())
-    return info["gc"] or {}
+
+
+def gc_state(cluster, b) -> dict:
+    """What the bookie's GC reports (bk.bookie.gc state, over its HTTP info)."""
+    return bookie_info(cluster, b)["gc"] or {}
 
 
 def remembered_on_disk(b) -> int:
@@ -45,6 +49,14 @@ def remembered_on_disk(b) -> int:
 def held(b, lid) -> set[int]:
     """Entry ids of ``lid`` on bookie ``b`` (asked directly: it may be unregistered)."""
     return entries_held(None, b.bookie_id, lid, num_shards=b.num_shards)
+
+
+def add_to(b, lid, entry, recovery=False) -> int:
+    """The status of an ADD of ``entry`` of ``lid`` sent straight to bookie ``b``
+    (as a zombie writer, a re-replication or a recovery write-back sends it)."""
+    with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as conn:
+        return conn.call(P.add(conn.next_rid(), lid, entry, entry - 1, master_key(PW), b"",
+                               b"late", recovery=recovery))[2]
 
 
 def ledger(client):
@@ -173,14 +185,8 @@ def test_a_write_after_the_deletion_to_a_bookie_that_held_nothing_is_refused(clu
             wait_until(lambda: remembered_on_disk(b) >= deleted_at,
                        what=f"{b.bookie_id} applied the deletion")
         assert not held(holder, lid) and not held(late, lid)
-
-        def late_add(entry, recovery):
-            with BookieConnection(late.bookie_id,
-                                  shard=P.shard_of(lid, late.num_shards)) as conn:
-                return conn.call(P.add(conn.next_rid(), lid, entry, entry - 1,
-                                       master_key(PW), b"", b"late", recovery=recovery))[2]
-        assert late_add(2, recovery=False) == EFENCED       # a zombie writer's add
-        assert late_add(0, recovery=True) == EFENCED        # a write-back, a re-replication
+        assert add_to(late, lid, 2) == EFENCED                  # a zombie writer's add
+        assert add_to(late, lid, 0, recovery=True) == EFENCED   # a write-back, a re-replication
         with BookieConnection(late.bookie_id, shard=P.shard_of(lid, late.num_shards)) as conn:
             fence = conn.call(P.read_lac(conn.next_rid(), lid, fence=True,
                                          master_key=master_key(PW)))
@@ -214,13 +220,7 @@ def test_a_deletion_applied_just_before_a_kill_is_still_refused_after_the_restar
         late.kill(signal.SIGKILL)
         late.write_conf(gcWaitTime=3_600_000)
         late.start()
-
-        def late_add():
-            with BookieConnection(late.bookie_id,
-                                  shard=P.shard_of(lid, late.num_shards)) as conn:
-                return conn.call(P.add(conn.next_rid(), lid, 2, 1, master_key(PW), b"",
-                                       b"late"))[2]
-        assert late_add() == EFENCED                    # refused, as before the kill
+        assert add_to(late, lid, 2) == EFENCED          # refused, as before the kill
         assert gc_state(c, late).get("rounds", 0) == 0  # by the replay, not by a round
         assert not held(late, lid)
         os.kill(late.pid, signal.SIGUSR1)               # a full round checks it again
@@ -230,6 +230,42 @@ def test_a_deletion_applied_just_before_a_kill_is_still_refused_after_the_restar
             return st.get("rounds", 0) >= 1 and st["candidates"] == 0
         wait_until(a_round_done, what="a full GC round after the restart")
         assert gc_state(c, late)["recentDeletions"] >= 1
-        assert late_add() == EFENCED
+        assert add_to(late, lid, 2) == EFENCED
         assert not held(late, lid)
+        assert held(late, kept) == set(range(5))
+
+
+def test_a_respawned_shard_refuses_a_deletion_applied_just_before_it_died(cluster_factory):
+    """The moment that matters for a shard alone: it applied a deletion of a ledger
+    its bookie holds nothing of, the round is over (no round sends it again), and
+    the shard is killed -9. The arbiter respawns it, and the deletion comes with the
+    fork: the zombie writer's add is refused from the shard's first request, as a
+    write-back's is; the arbiter, its other shard and the other ledgers carry on."""
+    c = cluster_factory(2, conf_overrides=QUIET)
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lh, holder, late = on_one_of_two(c, client)
+        kept = closed_ledger(client, [b"k%d" % i for i in range(5)], 2, 2, 2, password=PW)
+        lid = lh.ledger_id
+        shard = P.shard_of(lid, late.num_shards)
+        wait_until(lambda: remembered_on_disk(late) > 0, what="a first round remembered")
+        client.delete_ledger(lid)
+        deleted_at = c.store.revision()
+        wait_until(lambda: remembered_on_disk(late) >= deleted_at,
+                   what="the deletion applied and the revision past it")
+        assert add_to(late, lid, 2) == EFENCED
+        shards = {s["shard"]: s for s in bookie_info(c, late)["shards"]}
+        os.kill(shards[shard]["pid"], signal.SIGKILL)
+
+        def respawned():
+            now = {s["shard"]: s for s in bookie_info(c, late)["shards"]}
+            return (now[shard]["pid"] not in (0, shards[shard]["pid"]) and now[shard]["ready"]
+                    and now[shard]["restarts"] == shards[shard]["restarts"] + 1)
+        wait_until(respawned, what=f"shard {shard} respawned")
+        assert add_to(late, lid, 2) == EFENCED                  # the zombie writer's add
+        assert add_to(late, lid, 0, recovery=True) == EFENCED   # a write-back's
+        assert not held(late, lid)
+        info = bookie_info(c, late)
+        assert info["pid"] == late.pid
+        assert all(s["pid"] == shards[s["shard"]]["pid"] for s in info["shards"]
+                   if s["shard"] != shard)
         assert held(late, kept) == set(range(5))

@@ -2,10 +2,12 @@
 the semantics of each write alone: every create or CAS gets the answer it would
 have had by itself, and an etcd killed mid-batch loses nothing it acknowledged."""
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -270,3 +272,36 @@ def test_etcd_stopped_then_killed_under_full_ledger_churn_wakes_every_parked_thr
         for lh in open_handles:
             m = close_again(store, lh, last_entry=0)
             assert (m.state, m.last_entry_id) == (LedgerState.CLOSED, 0)
+
+
+def test_a_created_written_and_closed_handle_dies_by_its_reference_count(cluster_factory):
+    """What one ledger leaves behind once its handle is dropped: nothing for the
+    cyclic garbage collector (a reference cycle per ledger makes a process creating
+    thousands of ledgers a second run full collections over its whole heap). With
+    the collector off, the handle and its digest are freed as the last reference
+    goes (the client's I/O thread lets go of it within a tick: it holds the last
+    task it ran, and the handle's ticker until the next tick); the ledger is
+    closed at its entry in etcd."""
+    cluster = cluster_factory(3)
+
+    def one_ledger():
+        lh = client.create_ledger(3, 2, 2, password=b"pw")
+        lh.add_entry(b"x" * 100)
+        lh.close()
+        return lh
+    with cluster.client() as client:
+        one_ledger()                    # connections made
+        gc.collect()
+        gc.disable()
+        try:
+            lh = one_ledger()
+            lid = lh.ledger_id
+            handle, digest_sign = weakref.ref(lh), weakref.ref(lh._digest.sign)
+            del lh
+            one_ledger()
+            wait_until(lambda: handle() is None and digest_sign() is None,
+                       what="the handle and its digest freed with the collector off")
+        finally:
+            gc.enable()
+        md = client._store.read_ledger(lid)[0]
+        assert md.state == LedgerState.CLOSED and md.last_entry_id == 0

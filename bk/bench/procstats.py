@@ -1,0 +1,112 @@
+"""CPU, context switches and machine load of a benchmark's processes, per entry.
+
+A diagnostic for ``scripts/bench_writes.py --proc``: :func:`snapshot` reads
+``/proc`` for this process and every descendant (etcd, bookie arbiters and their
+shard workers), per thread; :func:`per_entry` turns two snapshots into CPU
+microseconds, voluntary / involuntary context switches and file read / write
+syscalls per entry for each kind of process and thread, and the machine's CPU
+utilisation in between. The syscalls are the kernel's ``syscr``/``syscw``:
+``read``/``pread``/``write``/``pwrite`` (a shard worker's journal ``pwrite`` per
+group commit and its sync pipe), not the sockets' ``recv*``/``sendmsg`` (use
+``strace -c`` for those). Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import psutil
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _threads(pid: int) -> dict:
+    """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls]
+    of one process's threads (read/pread, write/pwrite: /proc/PID/task/TID/io,
+    0 where it cannot be read)."""
+    out = {}
+    base = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{base}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            vol = inv = 0
+            with open(f"{base}/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        vol = int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches"):
+                        inv = int(line.split()[1])
+        except OSError:
+            continue
+        rd = wr = 0
+        try:
+            with open(f"{base}/{tid}/io") as f:
+                for line in f:
+                    if line.startswith("syscr"):
+                        rd = int(line.split()[1])
+                    elif line.startswith("syscw"):
+                        wr = int(line.split()[1])
+        except OSError:
+            pass
+        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv, rd, wr]
+    return out
+
+
+def _kind(p: psutil.Process, me: int) -> str:
+    """client (this process), etcd, arbiter (a bookie's master) or worker (a shard
+    worker: forked by its arbiter, so it has the same command line)."""
+    if p.pid == me:
+        return "client"
+    try:
+        cmd = p.cmdline()
+        parent = p.parent()
+        pcmd = parent.cmdline() if parent is not None else []
+    except psutil.Error:
+        return "other"
+    if cmd and os.path.basename(cmd[0]).startswith("etcd"):
+        return "etcd"
+    if "bk.cli.bookie" in cmd:
+        return "worker" if pcmd == cmd else "arbiter"
+    return "other"
+
+
+def snapshot() -> dict:
+    """Per-thread counters of this process and its descendants, and /proc/stat."""
+    me = os.getpid()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    procs = {}
+    for p in [psutil.Process(me)] + psutil.Process(me).children(recursive=True):
+        kind = _kind(p, me)
+        for tid, v in _threads(p.pid).items():
+            label = names.get(tid, "other") if kind == "client" else (
+                "main" if tid == p.pid else "thread")
+            procs[(p.pid, tid)] = (kind, label, v)
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    return {"threads": procs, "busy": sum(cpu) - cpu[3] - cpu[4], "total": sum(cpu)}
+
+
+def per_entry(before: dict, after: dict, entries: int) -> dict:
+    """CPU us, context switches (voluntary, involuntary) and file read / write
+    syscalls per entry by ``kind/thread``, and the machine's busy share of its
+    CPUs between the two."""
+    rows = {}
+    for key, (kind, label, v) in after["threads"].items():
+        old = before["threads"].get(key, (kind, label, [0.0, 0, 0, 0, 0]))[2]
+        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0, 0, 0])
+        for i in range(5):
+            r[i] += v[i] - old[i]
+    n = max(1, entries)
+    res = {k: {"cpu_us": round(c * 1e6 / n, 1), "vcs": round(vc / n, 3),
+               "ics": round(ic / n, 3), "rd": round(rd / n, 3), "wr": round(wr / n, 3)}
+           for k, (c, vc, ic, rd, wr) in sorted(rows.items())}
+    total = after["total"] - before["total"]
+    return {"per_entry": res,
+            "cpu_us_total": round(sum(r[0] for r in rows.values()) * 1e6 / n, 1),
+            "machine_busy": round((after["busy"] - before["busy"]) / max(1, total), 3)}
