@@ -103,6 +103,8 @@ TAIL_GAP = 1 << 16
 # An ADD may open a gap of at most this many entry ids past a ledger's last entry.
 MAX_ENTRY_GAP = 1 << 24
 _FILL = array("q", [-1]) * 4096
+_ONE = array("q", [0])             # a first entry's position, and its span (see _Tail)
+_ONE_SPAN = array("q", [0, 1, 0, 0])
 SPAN_MIN_ENTRIES = 4               # see _Tail.spans
 _NO_POS = -1
 READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this much
@@ -273,11 +275,21 @@ class _Tail:
 
     __slots__ = ("base", "pos", "extra", "spans")
 
-    def __init__(self, base: int):
+    def __init__(self, base: int, pos: int = _NO_POS, end: int = 0):
+        """Empty, or (``pos``) holding entry ``base`` at ``pos`` .. ``end``: a
+        ledger's first entry in one step (with one entry a ledger, every add)."""
         self.base = base
-        self.pos = array("q")
         self.extra = None          # {entry: position} for entries far from the array
-        self.spans = array("q")
+        if pos < 0:
+            self.pos = array("q")
+            self.spans = array("q")
+        else:                      # (copying a template: half the cost of array(...))
+            self.pos = pa = _ONE[:]
+            pa[0] = pos
+            self.spans = sp = _ONE_SPAN[:]
+            sp[0] = base
+            sp[2] = pos
+            sp[3] = end
 
     def note(self, entry: int, pos: int, end: int, count: int = 1) -> None:
         """``count`` entries from ``entry`` were appended to the journal, back to
@@ -496,6 +508,8 @@ class ShardStorage:
         self._index_resident = 0
         self.index_trims = 0                     # checks that found it over and dropped it
         self._next_trim = 0.0
+        self._calm_until = 0.0                   # see maintain and _calm
+        self._calm_bytes = 0
         self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
         self._gone = RecentDeletions(recent_deletions_seconds)
         self._journal = Journal(journal_dir, segment_size, sync_data)
@@ -570,20 +584,12 @@ class ShardStorage:
                 self._logs.remove(log_id)
 
     # --- writes ---------------------------------------------------------------
-    def _admit(self, ledger: int, entry: int, master_key: bytes, recovery):
-        """The ledger's state if an ADD of ``entry`` may go in, else the status that
-        refuses it: the one place of the rules (tombstone, ownership, master key,
+    def _admit(self, st: _Ledger, ledger: int, entry: int, master_key: bytes, recovery):
+        """``st`` if an ADD of ``entry`` to a ledger with state ``st`` may go in, else
+        the status that refuses it: with :meth:`_first_add` (a ledger without
+        state), the one place of the rules (tombstone, ownership, master key,
         fence) for single and batched adds."""
-        st = self._ledgers.get(ledger)
-        if st is None:
-            if self.is_deleted(ledger):  # deleted: its old writer must never get in again
-                return EFENCED
-            if entry < 0 or not self._owned(ledger):
-                return EBADREQ
-            st = self._new_ledger(ledger, master_key)
-            if st is None:
-                return EIO
-        elif st.key != master_key:
+        if st.key != master_key:
             status = self._key_mismatch(ledger, st, master_key)
             if status != EOK:
                 return status
@@ -592,6 +598,35 @@ class ShardStorage:
         if entry < 0 or (st.last >= 0 and entry - st.last > MAX_ENTRY_GAP):
             return EBADREQ
         return st
+
+    def _first_add(self, ledger: int, entry: int, lac: int, master_key: bytes, append,
+                   *args) -> int:
+        """An ADD to a ledger this shard has no state of (with one entry a ledger,
+        every add): refused if the ledger was deleted (EFENCED) or is not this
+        shard's (EBADREQ); else its MASTER_KEY record, its state, then the entry
+        (``append(*args)``) and its tail, each made with its first values."""
+        if ledger in self._tomb or ledger in self._gone:
+            return EFENCED           # deleted: its old writer must never get in again
+        if entry < 0:
+            return EBADREQ
+        if self._owns is not None and not self._owns(ledger):
+            return self._misrouted(ledger)
+        st = self._new_ledger(ledger, master_key)
+        if st is None:
+            return EIO
+        pos = self._append_entry(ledger, entry, append, args)
+        if pos < 0:
+            return -pos
+        if lac > -1:
+            st.lac = lac
+        st.last = entry
+        end = self._journal.position
+        if ledger in self._wc:       # a tail without state: not expected (a deletion
+            self._tail_put(ledger, entry, pos, end)     # drops both), taken as it is
+        else:
+            self._wc[ledger] = _Tail(entry, pos, end)
+            self._wc_entries += 1
+        return EOK
 
     def _tail_put(self, ledger: int, entry: int, pos: int, end: int) -> None:
         t = self._wc.get(ledger)
@@ -605,7 +640,11 @@ class ShardStorage:
                   payload: bytes, recovery: bool) -> int:
         """Append one entry. EOK; EUA (wrong key); EFENCED (fenced, not a recovery add);
         EBADREQ (negative or absurdly far entry id, larger than a segment); EIO."""
-        st = self._admit(ledger, entry, master_key, recovery)
+        st = self._ledgers.get(ledger)
+        if st is None:
+            return self._first_add(ledger, entry, lac, master_key, self._append_add,
+                                   ledger, entry, lac, digest, payload)
+        st = self._admit(st, ledger, entry, master_key, recovery)
         if type(st) is int:
             return st
         return self._appended(st, ledger, entry, lac, self._append_add,
@@ -681,7 +720,7 @@ class ShardStorage:
                         acked += (lid, eid, last)
                 i = j
                 continue
-            status = self._add_slow(lid, eid, lac, master_key, recovery, src, start, end)
+            status = self._add_slow(st, lid, eid, lac, master_key, recovery, src, start, end)
             if status == EOK:
                 if acked and acked[-1] == eid - 1 and acked[-3] == lid:
                     acked[-1] = eid
@@ -693,26 +732,36 @@ class ShardStorage:
             i += 1
         return failed
 
-    def _add_slow(self, ledger, entry, lac, master_key, recovery, src, start, end) -> int:
+    def _add_slow(self, st, ledger, entry, lac, master_key, recovery, src, start, end) -> int:
         """:meth:`add_entry` for a record body of an ADD_BATCH (every case but the
         next entry of a ledger in the tail)."""
-        st = self._admit(ledger, entry, master_key, recovery)
+        append = self._journal.append_add_body
+        if st is None:
+            return self._first_add(ledger, entry, lac, master_key, append, src, start, end)
+        st = self._admit(st, ledger, entry, master_key, recovery)
         if type(st) is int:
             return st
-        return self._appended(st, ledger, entry, lac, self._journal.append_add_body,
-                              src, start, end)
+        return self._appended(st, ledger, entry, lac, append, src, start, end)
+
+    def _append_entry(self, ledger: int, entry: int, append, args) -> int:
+        """``append(*args)``: the journal position of the entry's record, or the
+        negated status that refuses it (positions are never negative): EBADREQ
+        (too large) or EIO (the journal failed)."""
+        try:
+            return append(*args)
+        except RecordTooLargeError as e:
+            log.warning("add entry %d of ledger %d refused: %s", entry, ledger, e)
+            return -EBADREQ
+        except (JournalError, OSError) as e:
+            log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
+            return -EIO
 
     def _appended(self, st, ledger, entry, lac, append, *args) -> int:
         """Append an admitted entry with ``append(*args)`` (the journal position) and
         account for it: EOK, or EBADREQ (too large) / EIO (the journal failed)."""
-        try:
-            pos = append(*args)
-        except RecordTooLargeError as e:
-            log.warning("add entry %d of ledger %d refused: %s", entry, ledger, e)
-            return EBADREQ
-        except (JournalError, OSError) as e:
-            log.error("add entry %d of ledger %d failed: %s", entry, ledger, e)
-            return EIO
+        pos = self._append_entry(ledger, entry, append, args)
+        if pos < 0:
+            return -pos
         self._tail_put(ledger, entry, pos, self._journal.position)
         if lac > st.lac:
             st.lac = lac
@@ -798,9 +847,14 @@ class ShardStorage:
     def _owned(self, ledger: int) -> bool:
         if self._owns is None or self._owns(ledger):
             return True
+        self._misrouted(ledger)
+        return False
+
+    @staticmethod
+    def _misrouted(ledger: int) -> int:
         log.warning("refused a request for ledger %d: another shard owns it (misrouted)",
                     ledger)
-        return False
+        return EBADREQ
 
     def _key_mismatch(self, ledger: int, st: _Ledger, master_key: bytes) -> int:
         """The key presented differs from the ledger's: EUA, unless the ledger has no
@@ -1067,20 +1121,28 @@ class ShardStorage:
     def maintain(self, now: float | None = None) -> None:
         """Called by the shard's loop on every pass: take back finished flusher
         jobs, start a flush when the tail is due, and wait for the one in flight
-        when the new tail filled too (back-pressure)."""
+        when the new tail filled too (back-pressure). Most passes find nothing
+        due: with no flusher job out, that is two comparisons (see _calm)."""
         fl = self._flusher
+        now = time.monotonic() if now is None else now
+        if now < self._calm_until and not fl.pending:
+            j = self._journal
+            if j.synced_bytes + j._unsynced < self._calm_bytes:
+                return
         while fl.pending and not fl.done.empty():
             self._finish(fl.done.get())
-        now = time.monotonic() if now is None else now
         if now >= self._next_trim:
             self._next_trim = now + INDEX_TRIM_SECONDS
             self._trim_index()
         due = self._journal_bytes() - self._swap_at
         if self._flushing is None:
             if self._flush_failed is not None and now - self._last_swap < FLUSH_RETRY_SECONDS:
+                self._calm(now, due)
                 return                # the journal keeps it all meanwhile
             if due >= self.flush_bytes or (due and now - self._last_swap >= self.flush_interval):
                 self._start_flush()
+            elif not fl.pending:
+                self._calm(now, due)
         elif due >= (self.write_cache_bytes - self.flush_bytes) // 2:
             # the next tail filled half of its room while the flush is paced:
             # write the rest at full speed before the loop has to wait for it
@@ -1089,6 +1151,24 @@ class ShardStorage:
                 log.warning("%s: the write cache is full while a flush runs; waiting for it",
                             self.index_dir)
                 self._wait_flusher()
+
+    def _calm(self, now: float, due: int) -> None:
+        """No flush is due and no flusher job is out: until when (and below how many
+        journal bytes) :meth:`maintain` has nothing to do, so that it need not look
+        again before. Earliest of: the next index trim, a failed flush's retry, the
+        flush interval (once the tail holds anything: a first byte past an expired
+        interval makes the next pass look) and the tail's size limit."""
+        until = self._next_trim
+        limit = self._swap_at + self.flush_bytes
+        if self._flush_failed is not None:
+            until = min(until, self._last_swap + FLUSH_RETRY_SECONDS)
+        interval_at = self._last_swap + self.flush_interval
+        if now < interval_at:
+            until = min(until, interval_at)
+        elif not due:
+            limit = self._swap_at + 1
+        self._calm_until = until
+        self._calm_bytes = limit
 
     def _trim_index(self) -> None:
         """Keep the index's mapped pages under ``index_cache_bytes``: RSS bounded
@@ -1127,6 +1207,7 @@ class ShardStorage:
         self._dirty = set()
         self._swap_at = self._journal_bytes()
         self._last_swap = time.monotonic()
+        self._calm_until = 0.0
         self._flusher.submit(job)
 
     def _finish(self, job) -> None:
