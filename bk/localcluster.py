@@ -40,6 +40,7 @@ from bk.meta.etcd_server import EtcdServer, enable_auth
 from bk.meta.store import MetadataStore
 from bk.security import auth, pki
 from bk.security.etcd import EtcdCredentials
+from bk.security.tokens import create_token
 from bk.util import free_port
 
 _live: "weakref.WeakSet[BookieProcess]" = weakref.WeakSet()
@@ -116,17 +117,20 @@ class BookieProcess:
     def start(self, timeout: float = 60.0, wait: bool = True) -> "BookieProcess":
         if self.alive:
             raise BKError(f"bookie {self.bookie_id} is already running")
-        log = open(self.log_file, "ab")
-        self.proc = subprocess.Popen(
-            [*self.command_prefix, sys.executable, "-m", "bk.cli.bookie", "start",
-             "--conf", self.conf_file],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=_child_env())
-        log.close()
+        self.proc = self._spawn(["start", "--conf", self.conf_file])
         _live.add(self)
         if wait:
             self.wait_registered(timeout)
         return self
+
+    def _spawn(self, args: list):
+        """``bookie ARGS`` as a child in a session of its own, its output appended to
+        the log: its Popen."""
+        with open(self.log_file, "ab") as log:
+            return subprocess.Popen(
+                [*self.command_prefix, sys.executable, "-m", "bk.cli.bookie", *args],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=_child_env())
 
     def wait_registered(self, timeout: float = 60.0) -> None:
         """Block until this bookie is registered in etcd (it then serves)."""
@@ -252,6 +256,8 @@ class LocalCluster:
     Bookies run with the registry's (production) defaults plus ``conf_overrides``;
     ``bk.testing.LocalCluster`` adds settings that keep tests quick."""
 
+    bookie_class = BookieProcess        # what runs each bookie
+
     def __init__(self, num_bookies: int = 3, base_dir: str | None = None, num_shards: int = 2,
                  base_port: int = 0, etcd_port: int = 0, conf_overrides: dict | None = None,
                  prefix: str = "ledgers", http_port: int | None = None,
@@ -302,7 +308,7 @@ class LocalCluster:
         auth.write_secret_key(self._sec("token.key"), auth.create_secret_key())
         key = auth.read_secret_key(self._sec("token.key"))
         for role in ("bookie", "client", "admin", "reader"):
-            _write_secret(self._sec(f"{role}.token"), auth.create_token(key, role))
+            _write_secret(self._sec(f"{role}.token"), create_token(key, role))
         for name in ("etcd-root", "etcd-bk", "etcd-reader"):
             _write_secret(self._sec(f"{name}.password"), secrets.token_urlsafe(24))
 
@@ -430,8 +436,8 @@ class LocalCluster:
             if self.secure:
                 conf.setdefault("httpServerTlsEnable", True)
         conf.update(overrides)
-        b = BookieProcess(self.metadata_uri, directory, port,
-                          self.num_shards, conf, store=self.store)
+        b = self.bookie_class(self.metadata_uri, directory, port,
+                              self.num_shards, conf, store=self.store)
         b.picked_ports = picked - set(overrides)
         self.bookies.append(b)
         return b

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,7 +31,7 @@ from bk import protocol as P
 from bk.config import SETTINGS
 from bk.cli.shell import cli as _shell_cli
 from bk.client.bookkeeper import BookKeeper
-from bk.errors import EOK
+from bk.errors import EOK, BKError
 from bk.localcluster import BookieProcess  # noqa: F401  (re-exported for tests)
 from bk.rawclient import BookieConnection  # noqa: F401  (re-exported for tests)
 
@@ -57,9 +58,204 @@ def production_settings() -> dict:
     return {k: SETTINGS[k].default for k in TEST_DEFAULTS}
 
 
+# --- bookies forked from a warm process -------------------------------------------
+#
+# A bookie start is mostly Python importing bk's bookie modules, gRPC and the etcd
+# client (~0.25 CPU-s), and the suite starts some 400 bookies. So a test process
+# starts one helper, the launcher, which imports those modules once (it starts no
+# thread and opens no connection) and forks each bookie from itself: the child
+# makes a session of its own, points stdout and stderr at the bookie's log, takes
+# the caller's environment and directory and runs ``bookie ARGS`` as
+# ``python -m bk.cli.bookie ARGS`` would (one launcher for each environment bookies
+# are started with). The bookie is a child of the launcher,
+# which reports each child's exit status: :class:`_LaunchedProcess` offers the
+# Popen calls BookieProcess makes (pid, poll, wait, send_signal, returncode).
+
+_LAUNCHER = r"""
+import json, os, selectors, signal, sys, traceback
+import bk.cli.bookie, bk.bookie.arbiter, bk.bookie.worker, bk.bookie.http
+import bk.autorecovery.service
+replies = os.dup(1)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)
+signal.signal(signal.SIGCHLD, lambda *a: None)
+def say(msg):
+    os.write(replies, (json.dumps(msg) + "\n").encode())
+def run(req):
+    os.setsid()
+    # the signal handling a fresh interpreter has (SIGPIPE stays ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    sel.close()
+    log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    for fd in (log, replies, wake_r, wake_w):
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    sys.argv = ["bookie", *req["args"]]
+    code = 1
+    try:
+        bk.cli.bookie.main(args=req["args"], prog_name="bookie")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+sel = selectors.DefaultSelector()
+sel.register(0, selectors.EVENT_READ)
+sel.register(wake_r, selectors.EVENT_READ)
+pending = b""
+while True:
+    for key, _ in sel.select():
+        if key.fd == wake_r:
+            os.read(wake_r, 4096)
+            continue
+        data = os.read(0, 65536)
+        if not data:
+            sys.exit(0)
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                run(json.loads(line))
+            say({"spawned": pid})
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        say({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+"""
+
+
+class _LaunchedProcess:
+    """A bookie forked by the launcher: the Popen calls BookieProcess makes."""
+
+    def __init__(self, launcher: "_Launcher", pid: int):
+        self._launcher = launcher
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._launcher.cond:
+            if not self._launcher.cond.wait_for(lambda: self.returncode is not None, timeout):
+                raise subprocess.TimeoutExpired(f"bookie pid {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Launcher:
+    """A launcher process of this test process, started on first use for each
+    environment a bookie is started with: what the interpreter does at its start
+    (PYTHONPATH, sitecustomize: a test's hook) and what modules read when they are
+    imported is the launcher's, so it is the bookie's environment too. Launchers
+    are kept: one that exits leaves the exit statuses of its children unknown."""
+
+    MAX = 4                         # environments; beyond, bookies are started anew
+    _launchers: dict = {}
+    _launchers_lock = threading.Lock()
+
+    @classmethod
+    def get(cls, env: dict) -> "_Launcher | None":
+        key = tuple(sorted(env.items()))
+        with cls._launchers_lock:
+            launcher = cls._launchers.get(key)
+            if launcher is None or launcher.proc.poll() is not None:
+                if launcher is None and len(cls._launchers) >= cls.MAX:
+                    return None
+                launcher = cls._launchers[key] = cls(env)
+            return launcher
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.cond = threading.Condition()
+        self._children: dict[int, _LaunchedProcess] = {}
+        self._spawned: list[_LaunchedProcess] = []
+        self._lock = threading.Lock()             # one spawn request at a time
+        threading.Thread(target=self._read, name="bk-test-launcher", daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.cond:
+                if "spawned" in msg:
+                    child = _LaunchedProcess(self, msg["spawned"])
+                    self._children[child.pid] = child
+                    self._spawned.append(child)
+                else:
+                    child = self._children.pop(msg["exited"], None)
+                    if child is not None:
+                        child.returncode = msg["code"]
+                self.cond.notify_all()
+        with self.cond:                 # the launcher is gone: so are its reports
+            for child in self._children.values():
+                if child.returncode is None:
+                    child.returncode = -signal.SIGKILL
+            self._children.clear()
+            self.cond.notify_all()
+
+    def spawn(self, args: list, log_file: str) -> _LaunchedProcess:
+        req = {"args": args, "log": log_file, "cwd": os.getcwd(), "env": self.env}
+        with self._lock:
+            with self.cond:
+                self._spawned.clear()
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+            with self.cond:
+                if not self.cond.wait_for(lambda: self._spawned, 30):
+                    raise BKError("the bookie launcher did not answer")
+                return self._spawned.pop()
+
+
+class _ForkedBookie(localcluster.BookieProcess):
+    """A bookie forked from the launcher (one run in a network namespace, with a
+    command prefix, is started as its own process)."""
+
+    def _spawn(self, args: list):
+        launcher = None if self.command_prefix else _Launcher.get(localcluster._child_env())
+        if launcher is None:
+            return super()._spawn(args)
+        return launcher.spawn(args, self.log_file)
+
+
 class LocalCluster(localcluster.LocalCluster):
     """:class:`bk.localcluster.LocalCluster` with :data:`TEST_DEFAULTS` under the
-    caller's ``conf_overrides``, and etcd run with :data:`TEST_ETCD_ARGS`."""
+    caller's ``conf_overrides``, etcd run with :data:`TEST_ETCD_ARGS`, and bookies
+    forked from a process that imported their modules already."""
+
+    bookie_class = _ForkedBookie
 
     def __init__(self, *args, conf_overrides: dict | None = None, **kw):
         super().__init__(*args, conf_overrides={**TEST_DEFAULTS, **(conf_overrides or {})}, **kw)
@@ -127,6 +323,12 @@ def shell_ok(*args, env: dict | None = None):
     r = shell(*args, env=env)
     assert r.exit_code == 0, f"bkshell {args}: exit {r.exit_code}\n{r.stdout}\n{r.stderr}"
     return r
+
+
+def shell_json(*args, env: dict | None = None):
+    """:func:`shell_ok` of a ``--json`` command: its output, parsed (quick enough to
+    poll in a wait, where :func:`bkshell_ok` would start a Python process a try)."""
+    return json.loads(shell_ok(*args, env=env).stdout)
 
 
 def shell_err(*args, code: int | None = None, env: dict | None = None) -> str:
@@ -214,8 +416,11 @@ def require_java() -> None:
 # JVM options for the short-lived Spark JVMs of tests: the quick (C1) compiler only
 # and one GC thread. A JVM started for a few small jobs spends much of its CPU in
 # the optimising compiler and parallel GC; with these it used about 40% less CPU
-# (26 -> 15 s for a session and a few jobs, measured on a 2-core machine).
-SPARK_TEST_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+# (26 -> 15 s for a session and a few jobs, measured on a 2-core machine). And no
+# bytecode verification of the classes loaded from jars (Spark's own, trusted):
+# a session and two small jobs went from ~17.5 to ~15 CPU-s (2 alternating pairs).
+SPARK_TEST_JAVA_OPTIONS = ("-XX:TieredStopAtLevel=1 -XX:+UseSerialGC "
+                           "-XX:+UnlockDiagnosticVMOptions -XX:-BytecodeVerificationRemote")
 
 
 def local_spark(app_name: str, **conf):

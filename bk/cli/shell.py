@@ -1241,16 +1241,21 @@ def checkledgers(c, master, partitions, as_json):
     if master.startswith("local"):
         # Local Python workers: this interpreter (with bk and its dependencies).
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # Run in a process that has a session already (the command called in-process,
+    # from a notebook or a test): the check runs on that one and leaves it running.
+    ours = SparkSession.getActiveSession() is None
     spark = (SparkSession.builder.master(master).appName("bkshell checkledgers")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .getOrCreate())
     try:
-        spark.sparkContext.setLogLevel("ERROR")
+        if ours:             # (a session of the caller's keeps its log level)
+            spark.sparkContext.setLogLevel("ERROR")
         from bk.security import client_settings
         rows = [r.asDict() for r in bk.spark.check_ledgers(
             spark, uri, partitions, security=client_settings(c.conf)).collect()]
     finally:
-        spark.stop()
+        if ours:
+            spark.stop()
     rows.sort(key=lambda r: (r["ledger_id"], r["entry_id"], r["bookie"]))
     if as_json:
         _json_out({"problems": len(rows), "rows": rows})
@@ -1781,8 +1786,9 @@ def tokens_create(secret_key_file, subject, expiry_time):
     """Print a token for role SUBJECT (give it to the client as authToken or in a file
     named by authTokenFile)."""
     from bk.security import auth
+    from bk.security.tokens import create_token
     key = auth.read_secret_key(secret_key_file, "--secret-key-file")
-    click.echo(auth.create_token(key, subject, expiry_time))
+    click.echo(create_token(key, subject, expiry_time))
 
 
 @tokens.command("show")
@@ -1791,8 +1797,8 @@ def tokens_create(secret_key_file, subject, expiry_time):
 def tokens_show(token):
     """What a token claims (subject, id, expiry, signing key id); its signature is
     NOT checked."""
-    from bk.security import auth
-    _json_out(auth.describe_token(token))
+    from bk.security.tokens import describe_token
+    _json_out(describe_token(token))
 
 
 @tokens.command("revoke")
@@ -1807,13 +1813,14 @@ def tokens_revoke(revocation_file, token, token_file, subject):
     """Add a token (or every token of a role) to a revocation file; bookies refuse it
     from its next connection once they loaded the file, and close its open ones."""
     from bk.security import auth
+    from bk.security.tokens import token_id, unverified_claims
     if sum(x is not None for x in (token, token_file, subject)) != 1:
         fail(PROG, "give one of --token, --token-file, --subject", 2)
     if token_file:
         with open(token_file, encoding="utf-8") as f:
             token = f.read().strip()
     if token is not None:
-        kind, value = "jti", auth.token_id(token, auth.unverified_claims(token))
+        kind, value = "jti", token_id(token, unverified_claims(token))
     else:
         kind, value = "sub", subject
     added = auth.add_revocation(revocation_file, kind, value)

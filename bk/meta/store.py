@@ -1331,6 +1331,14 @@ class BookieRegistration:
                                  "lease", lambda c: c.lease(self.ttl))
         return lease.id
 
+    def _kept(self, lease_id: int) -> int:
+        """``lease_id`` refreshed, or a new lease if it expired already."""
+        answers = self.store._call(f"refresh the lease of bookie {self.bookie_id}", "lease",
+                                   lambda c: list(c.refresh_lease(lease_id)))
+        if answers and answers[0].TTL > 0:
+            return lease_id
+        return self._grant()
+
     def _revoke(self, lease_id: int) -> None:
         self.store._call(f"revoke the lease of bookie {self.bookie_id}", "lease",
                          lambda c: c.revoke_lease(lease_id))
@@ -1411,6 +1419,9 @@ class BookieRegistration:
                         log.info("bookie %s is still registered (lease %x, %ss left); "
                                  "waiting for the old registration to expire",
                                  self.bookie_id, holder, remaining)
+                # The wait (the old lease's remaining TTL plus etcd's revocation delay)
+                # can outlast our own lease: keep it alive meanwhile.
+                lease_id = self._kept(lease_id)
                 time.sleep(0.25)
         except BaseException:
             try:

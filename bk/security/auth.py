@@ -19,6 +19,12 @@ files are looked at every ``tokenFilesRefreshDurationSeconds`` and loaded
 again when they changed, without a restart: a token signed by a removed key or
 revoked is refused at its next connection, and :meth:`Authenticator.recheck`
 tells a bookie which open connections to close.
+
+The JWT machinery (PyJWT, and the cryptography package it loads: ~65 ms of CPU
+at every process start) lives in :mod:`bk.security.tokens`, which
+:class:`Authenticator` loads by name only with ``authProvider=token`` (the
+provider picks its verifier module, as BookKeeper's configuration names an
+auth provider's class): a bookie without token auth never imports it.
 """
 
 from __future__ import annotations
@@ -26,13 +32,10 @@ from __future__ import annotations
 import base64
 import collections
 import hashlib
+import importlib
 import logging
 import os
 import threading
-import time
-import uuid
-
-import jwt
 
 from bk import protocol as P
 from bk.errors import AuthError, ConfigError
@@ -41,7 +44,8 @@ from bk.security.watch import FileWatch
 log = logging.getLogger("bk.security")
 
 PROVIDERS = ("none", "token", "tls")
-ALGORITHM = "HS256"
+# The module that verifies a provider's credentials, imported when it is configured.
+VERIFIERS = {"token": "bk.security.tokens"}
 # What a read-only role may send (and never with the fence flag).
 READ_ONLY_OPS = frozenset({P.READ, P.READ_RANGE, P.READ_LAC, P.GET_BOOKIE_INFO,
                            P.GET_LIST_OF_ENTRIES, P.PING, P.AUTH})
@@ -101,91 +105,6 @@ def read_secret_keys(path: str, key_name: str = "tokenSecretKeyFile") -> list:
 def read_secret_key(path: str, key_name: str = "tokenSecretKeyFile") -> bytes:
     """The signing key (the first) of a key file."""
     return read_secret_keys(path, key_name)[0]
-
-
-def create_token(key: bytes, subject: str, expiry_seconds: float | None = None) -> str:
-    """A token for role ``subject``, expiring after ``expiry_seconds`` (None: never)."""
-    if not subject:
-        raise ConfigError("a token needs a subject (the role)")
-    claims = {"sub": subject, "iat": int(time.time()), "jti": uuid.uuid4().hex}
-    if expiry_seconds is not None:
-        claims["exp"] = int(time.time() + expiry_seconds)
-    return jwt.encode(claims, key, algorithm=ALGORITHM, headers={"kid": key_id(key)})
-
-
-def token_id(token: str, claims: dict) -> str:
-    """A token's id: its ``jti``, or a digest of the token for one made without it."""
-    jti = claims.get("jti")
-    if type(jti) is str and jti:
-        return jti
-    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()[:32]
-
-
-def unverified_claims(token: str) -> dict:
-    """The claims of a token, its signature NOT checked (for revoking and showing)."""
-    try:
-        return jwt.decode(token, options={"verify_signature": False})
-    except jwt.InvalidTokenError as e:
-        raise ConfigError(f"not a token: {type(e).__name__}") from None
-
-
-def describe_token(token: str) -> dict:
-    """Subject, id, signing key id, issue and expiry times of a token (unverified)."""
-    claims = unverified_claims(token)
-    return {"sub": claims.get("sub"), "jti": token_id(token, claims),
-            "kid": jwt.get_unverified_header(token).get("kid"),
-            "iat": claims.get("iat"), "exp": claims.get("exp")}
-
-
-def _decode(keys, token):
-    """``(claims, kid)`` of a token that verifies with one of ``keys`` (bytes, or a
-    list or {kid: key}); AuthError with the reason otherwise."""
-    if not token:
-        raise AuthError("no token presented (authToken / authTokenFile)")
-    if type(token) is not str:
-        raise AuthError("the token is not a string")
-    if type(keys) is bytes:
-        keys = [keys]
-    if type(keys) is not dict:
-        keys = {key_id(k): k for k in keys}
-    try:
-        kid = jwt.get_unverified_header(token).get("kid")
-    except jwt.InvalidTokenError as e:
-        raise AuthError(f"the token is invalid: {type(e).__name__}") from None
-    if kid is not None:
-        if kid not in keys:
-            raise AuthError("the token's signature does not verify: its key is not (or no "
-                            "longer) one of this bookie's keys (tokenSecretKeyFile)")
-        candidates = [(kid, keys[kid])]
-    else:
-        candidates = list(keys.items())
-    for i, (kid, key) in enumerate(candidates):
-        try:
-            return jwt.decode(token, key, algorithms=[ALGORITHM],
-                              options={"require": ["sub"]}), kid
-        except jwt.ExpiredSignatureError:
-            raise AuthError("the token has expired") from None
-        except jwt.InvalidSignatureError:
-            if i == len(candidates) - 1:
-                raise AuthError("the token's signature does not verify (another secret "
-                                "key)") from None
-        except jwt.InvalidTokenError as e:
-            raise AuthError(f"the token is invalid: {type(e).__name__}") from None
-    raise AuthError("no key to verify the token with")
-
-
-def verify_token(keys, token) -> str:
-    """The subject (role) of a valid token; AuthError with the reason otherwise.
-    ``keys``: a key, or several (any of them may have signed it)."""
-    claims, _kid = _decode(keys, token)
-    return _subject(claims)
-
-
-def _subject(claims: dict) -> str:
-    sub = claims.get("sub")
-    if type(sub) is not str or not sub:
-        raise AuthError("the token has no subject")
-    return sub
 
 
 def looks_like_token(text: str) -> bool:
@@ -299,6 +218,8 @@ class Authenticator:
         self._watch = None
         self._lock = threading.Lock()
         self.generation = 0                  # loads of the token files so far
+        self._tokens = (importlib.import_module(VERIFIERS[self.provider])
+                        if self.provider in VERIFIERS else None)
         if self.provider == "token":
             if not self._key_file:
                 raise ConfigError("authProvider=token needs tokenSecretKeyFile")
@@ -359,8 +280,9 @@ class Authenticator:
             return None
         if self.provider == "token":
             self.refresh()
-            claims, kid = _decode(self.keys, token)
-            ident = Identity(_subject(claims), token_id(token, claims), kid)
+            tokens = self._tokens
+            claims, kid = tokens.decode(self.keys, token)
+            ident = Identity(tokens.subject(claims), tokens.token_id(token, claims), kid)
             why = self.refused(ident)
             if why:
                 raise AuthError(why)

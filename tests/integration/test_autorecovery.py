@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bk
 from bk.meta import underreplication as UR
-from bk.testing import bkshell_ok, closed_ledger, wait_until
+from bk.testing import bkshell_ok, closed_ledger, shell_json, wait_until
 
 PW = b"ar"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 0}
@@ -67,8 +67,8 @@ def test_delay_back_in_time_then_triggeraudit(cluster_factory):
         lids = [closed_ledger(client, [b"x%d" % e for e in range(20)], password=PW)
                 for _ in range(4)]
         ensembles = {lid: client.ledger_metadata(lid).ensembles for lid in lids}
-        wait_until(lambda: bkshell_ok(c.metadata_uri, "whoisauditor", "--json")["auditor"],
-                   what="an auditor elected")
+        wait_until(lambda: shell_json("--metadata", c.metadata_uri, "whoisauditor",
+                                      "--json")["auditor"], what="an auditor elected")
         auditor = bkshell_ok(c.metadata_uri, "whoisauditor", "--json")["auditor"]
         victim = next(b for b in c.bookies if b.bookie_id != auditor and
                       any(b.bookie_id in ens for e in ensembles.values() for _, ens in e))
@@ -107,7 +107,7 @@ def test_ledger_without_a_surviving_replica_is_reported_not_retried(cluster_fact
         holder.kill()
 
         def reported():
-            rows = bkshell_ok(c.metadata_uri, "listunderreplicated", "--json")
+            rows = shell_json("--metadata", c.metadata_uri, "listunderreplicated", "--json")
             return rows and rows[0].get("error")
         wait_until(reported, timeout=60, what="the failure reported")
         row = bkshell_ok(c.metadata_uri, "listunderreplicated", "--json")[0]

@@ -14,6 +14,7 @@ import pytest
 from bk import protocol as P
 from bk.errors import (EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, EREADONLY, EUA,
                        BookieUnavailableError)
+from bk.meta.store import MetadataStore
 from bk.testing import BookieConnection, bookie_localcluster, wait_until
 
 KEY = b"k" * 20
@@ -186,6 +187,38 @@ def test_kill9_then_restart_keeps_acknowledged_adds_and_fences(cluster):
                 assert r[2] == EOK and r[7] == acked[(lid, eid)]
             assert add(c, lid, 200, b"more")[2] == (EFENCED if lid == 51 else EOK)
             assert add(c, lid, 200, b"more", key=OTHER)[2] == EUA
+
+
+def _log(b) -> str:
+    with open(b.log_file, errors="replace") as f:
+        return f.read()
+
+
+def test_restart_right_after_kill9_outwaits_the_old_registration(cluster_factory):
+    # The new process finds the killed one's registration and waits for its lease to
+    # expire: its remaining TTL plus etcd's revocation delay, here longer than the new
+    # process's own lease lives (the old lease gets one last keepalive, as from a
+    # holder that sent it as it died). It keeps its own lease alive meanwhile: it
+    # used to fail with "requested lease not found" (or register on a lease about
+    # to expire).
+    ttl = 2
+    c = cluster_factory(1, conf_overrides={"registrationTtlSeconds": ttl})
+    b = c.bookies[0]
+    key = c.store._key(MetadataStore._bookie_rel(b.bookie_id, False))
+    etcd = c.store._client()
+    old_lease = etcd.get_response(key).kvs[0].lease
+    b.kill()
+    b.start(wait=False)
+    wait_until(lambda: "waiting for the old registration to expire" in _log(b),
+               what="the new process waiting for the old registration")
+    list(etcd.refresh_lease(old_lease))       # now it outlives the new process's first lease
+    b.wait_registered()
+    # and it stays registered past the TTL of that first lease (kept alive, not lost)
+    until = time.monotonic() + ttl + 1
+    while time.monotonic() < until:
+        info = c.store.bookie_info(b.bookie_id)
+        assert info is not None and info["pid"] == b.pid, info
+        time.sleep(0.1)
 
 
 def test_kill9_of_one_shard_worker(cluster):

@@ -1,7 +1,7 @@
 """TLS and identities on the bookie protocol, with real bookie processes.
 
 Certificates come from trustme (a throwaway CA per test module); tokens from
-bk.security.auth, as `bkshell tokens` makes them.
+bk.security.tokens, as `bkshell tokens` makes them.
 """
 
 import glob
@@ -17,6 +17,7 @@ from bk import protocol as P
 from bk.errors import EAUTH, EOK, AuthError, ConfigError, SecurityError
 from bk.rawclient import BookieConnection
 from bk.security import ClientSecurity, auth, tls
+from bk.security.tokens import create_token, verify_token
 from bk.config import Config
 from bk.testing import LocalCluster, wait_until
 
@@ -62,7 +63,7 @@ def secure(tmp_path_factory):
     secret = os.path.join(root, "secret.key")
     auth.write_secret_key(secret, auth.create_secret_key())
     k = auth.read_secret_key(secret)
-    tokens = {r: auth.create_token(k, r) for r in ("bookie", "app", "reader", "stranger")}
+    tokens = {r: create_token(k, r) for r in ("bookie", "app", "reader", "stranger")}
     conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsTrustStore": pki.trust,
             "tlsEnabled": True, "authProvider": "token", "tokenSecretKeyFile": secret,
             "superUserRoles": "bookie", "clientRoles": "app", "readOnlyRoles": "reader",
@@ -123,8 +124,8 @@ def test_tokens_wrong_key_expired_missing_and_unknown_role_are_refused(secure, t
     b = secure.bookies[1].bookie_id
     other_key = auth.create_secret_key()
     cases = {
-        "signature does not verify": auth.create_token(other_key, "app"),
-        "expired": auth.create_token(auth.read_secret_key(secure.secret), "app", -10),
+        "signature does not verify": create_token(other_key, "app"),
+        "expired": create_token(auth.read_secret_key(secure.secret), "app", -10),
         "no token": None,
         "in none of": secure.tokens["stranger"],
     }
@@ -251,7 +252,7 @@ def test_bkshell_tokens_make_a_key_and_tokens_a_bookie_accepts(secure, tmp_path)
               "--expiry-time", "60")
     assert r.returncode == 0
     token = r.stdout.strip()
-    assert auth.verify_token(auth.read_secret_key(key), token) == "app"
+    assert verify_token(auth.read_secret_key(key), token) == "app"
     # a token made with the cluster's key by the command is accepted by the bookies
     r = shell("tokens", "create", "--secret-key-file", secure.secret, "--subject", "app")
     with BookieConnection(secure.bookies[2].bookie_id, 0,
@@ -285,7 +286,7 @@ def test_https_admin_views_need_a_super_user_token(cluster_factory, tmp_path, au
     secret = str(tmp_path / "secret.key")
     auth.write_secret_key(secret, auth.create_secret_key())
     k = auth.read_secret_key(secret)
-    admin, app = auth.create_token(k, "admin"), auth.create_token(k, "app")
+    admin, app = create_token(k, "admin"), create_token(k, "app")
     port = free_port()
     c = cluster_factory(0)
     c.add_bookie(tlsCertificatePath=crt, tlsKeyStore=key, httpServerEnabled=True,
@@ -445,7 +446,7 @@ def test_autorecovery_daemon_serves_https_admin_views_to_super_users(cluster_fac
     secret = str(tmp_path / "secret.key")
     auth.write_secret_key(secret, auth.create_secret_key())
     k = auth.read_secret_key(secret)
-    admin, app = auth.create_token(k, "admin"), auth.create_token(k, "app")
+    admin, app = create_token(k, "admin"), create_token(k, "app")
     c = cluster_factory(1)
     port = free_port()
     settings = {"httpServerEnabled": "true", "httpServerPort": port,
@@ -511,11 +512,11 @@ def test_auth_failures_metric_counts_exactly_the_refusals(cluster_factory, tmp_p
     for _ in range(2):                                            # tls_required
         with pytest.raises(SecurityError, match="requires TLS"):
             BookieConnection(b.bookie_id, 0)
-    for token in (None, auth.create_token(k, "app", -5),          # auth
-                  auth.create_token(auth.create_secret_key(), "app")):
+    for token in (None, create_token(k, "app", -5),          # auth
+                  create_token(auth.create_secret_key(), "app")):
         with pytest.raises(AuthError):
             BookieConnection(b.bookie_id, 1, security=client_security(pki.trust, token=token))
-    reader = auth.create_token(k, "reader")
+    reader = create_token(k, "reader")
     with BookieConnection(b.bookie_id, 0, security=client_security(pki.trust,
                                                                  token=reader)) as conn:
         for eid in range(4):                                      # op

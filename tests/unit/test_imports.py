@@ -49,6 +49,22 @@ def test_a_bookie_loads_prometheus_and_http_only_when_it_serves_http():
     assert {"prometheus_client", "http.server"} <= loaded_after("import bk.bookie.http")
 
 
+def test_a_bookie_loads_the_jwt_machinery_only_with_token_auth():
+    # PyJWT and cryptography: ~65 ms of CPU at every bookie start. The arbiter and
+    # shard workers check connections with bk.security.auth; it loads the verifier
+    # module (bk.security.tokens) by name only for authProvider=token.
+    start = ("import bk.cli.bookie, bk.bookie.arbiter, bk.bookie.worker; "
+             "from bk.config import Config; from bk.security import auth; ")
+    mods = loaded_after(start + "auth.Authenticator(Config.load(None, {}))")
+    assert not {m for m in mods if m.split(".")[0] in ("jwt", "cryptography")
+                or m == "bk.security.tokens"}
+    mods = loaded_after(start + "import os, tempfile; k = tempfile.mktemp(); "
+                        "auth.write_secret_key(k, auth.create_secret_key()); "
+                        "auth.Authenticator(Config.load(None, {'authProvider': 'token', "
+                        "'tokenSecretKeyFile': k, 'clientRoles': 'app'})); os.unlink(k)")
+    assert {"jwt", "bk.security.tokens"} <= mods
+
+
 # Packages whose functions may import bk modules: the CLI defers its imports so that
 # `bkshell --help` stays quick. Everything else imports at the top: an import
 # inside a function is for an optional dependency (pyspark), never to hide an

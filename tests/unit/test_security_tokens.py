@@ -10,6 +10,7 @@ from bk.config import Config
 from bk.errors import AuthError, ConfigError
 from bk.security import ClientSecurity, auth, pki, tls
 from bk.security.etcd import EtcdCredentials
+from bk.security.tokens import create_token, verify_token
 
 from test_tls_stream import stream_pair
 
@@ -28,15 +29,15 @@ def key_file(tmp_path):
 def test_tokens_carry_the_role_and_are_refused_with_a_reason(key_file):
     key = auth.read_secret_key(key_file)
     assert os.stat(key_file).st_mode & 0o777 == 0o600
-    assert auth.verify_token(key, auth.create_token(key, "app", 60)) == "app"
+    assert verify_token(key, create_token(key, "app", 60)) == "app"
     with pytest.raises(AuthError, match="expired"):
-        auth.verify_token(key, auth.create_token(key, "app", -1))
+        verify_token(key, create_token(key, "app", -1))
     with pytest.raises(AuthError, match="signature"):
-        auth.verify_token(auth.create_secret_key(), auth.create_token(key, "app"))
+        verify_token(auth.create_secret_key(), create_token(key, "app"))
     with pytest.raises(AuthError, match="no token"):
-        auth.verify_token(key, None)
+        verify_token(key, None)
     with pytest.raises(AuthError, match="invalid"):
-        auth.verify_token(key, "a.b.c")
+        verify_token(key, "a.b.c")
 
 
 def test_roles_map_to_op_sets_once(key_file):
@@ -44,9 +45,9 @@ def test_roles_map_to_op_sets_once(key_file):
                                 superUserRoles="admin", clientRoles="app",
                                 readOnlyRoles="dash"))
     key = auth.read_secret_key(key_file)
-    assert a.identify(auth.create_token(key, "dash"), None) == "dash"
+    assert a.identify(create_token(key, "dash"), None) == "dash"
     with pytest.raises(AuthError, match="in none of"):
-        a.identify(auth.create_token(key, "nobody"), None)
+        a.identify(create_token(key, "nobody"), None)
     assert a.grant("admin") == (None, True) and a.grant("app") == (None, True)
     ops, may_fence = a.grant("dash")
     assert not may_fence and P.READ in ops and P.ADD not in ops and P.ADD_BATCH not in ops
@@ -79,7 +80,7 @@ def test_http_guard_401_403_and_open_paths(key_file):
              clientRoles="app")
     key = auth.read_secret_key(key_file)
     g = auth.HttpGuard(c)
-    admin, app = auth.create_token(key, "admin"), auth.create_token(key, "app")
+    admin, app = create_token(key, "admin"), create_token(key, "app")
     assert g.check("/heartbeat", None, None) is None
     assert g.check("/metrics", None, None) is None
     assert g.check("/api/v1/bookie/info", None, None)[0] == 401
@@ -94,7 +95,7 @@ def test_secrets_stay_out_of_reprs(tmp_path, key_file):
     pw.write_text("correct horse\n")
     creds = EtcdCredentials.from_conf(conf(etcdUser="bk", etcdPasswordFile=str(pw)))
     assert creds.password == "correct horse" and "correct horse" not in repr(creds)
-    token = auth.create_token(auth.read_secret_key(key_file), "app")
+    token = create_token(auth.read_secret_key(key_file), "app")
     assert token not in repr(ClientSecurity(None, token))
     assert token not in repr(conf(authToken=token))
     with pytest.raises(ConfigError, match="etcdPasswordFile"):
@@ -139,7 +140,7 @@ def test_key_rotation_several_keys_verify_the_first_signs(key_file, tmp_path):
     assert auth.read_secret_key(key_file) == new
     a = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
                                 clientRoles="app", tokenFilesRefreshDurationSeconds=0))
-    t_old, t_new = auth.create_token(old, "app"), auth.create_token(new, "app")
+    t_old, t_new = create_token(old, "app"), create_token(new, "app")
     ident = a.authenticate(t_old, None)
     assert ident.role == "app" and ident.key_id == auth.key_id(old)
     assert a.authenticate(t_new, None).key_id == auth.key_id(new)
@@ -173,8 +174,8 @@ def test_refresh_picks_up_a_removed_key_and_revocations(key_file, tmp_path):
     a = auth.Authenticator(conf(authProvider="token", tokenSecretKeyFile=key_file,
                                 tokenRevocationFile=revoked, clientRoles="app,batch",
                                 tokenFilesRefreshDurationSeconds=1))
-    t_old, t_new, t_batch = (auth.create_token(old, "app"), auth.create_token(new, "app"),
-                             auth.create_token(new, "batch"))
+    t_old, t_new, t_batch = (create_token(old, "app"), create_token(new, "app"),
+                             create_token(new, "batch"))
     ids = {t: a.authenticate(t, None) for t in (t_old, t_new, t_batch)}
     assert not a.refresh()                     # nothing changed
     auth.write_secret_keys(key_file, [new])
@@ -192,7 +193,7 @@ def test_refresh_picks_up_a_removed_key_and_revocations(key_file, tmp_path):
     _bump(revoked)
     assert a.refresh(time.monotonic() + 4)
     with pytest.raises(AuthError, match="role 'batch' were revoked"):
-        a.authenticate(auth.create_token(new, "batch"), None)
+        a.authenticate(create_token(new, "batch"), None)
     # a half-written file keeps what was loaded, and is retried
     with open(revoked, "a") as f:
         f.write("nonsense\n")
@@ -206,7 +207,7 @@ def test_refresh_picks_up_a_removed_key_and_revocations(key_file, tmp_path):
 def test_client_token_file_is_read_again_when_it_changes(key_file, tmp_path):
     key = auth.read_secret_key(key_file)
     path = tmp_path / "app.token"
-    first, second = auth.create_token(key, "app"), auth.create_token(key, "app")
+    first, second = create_token(key, "app"), create_token(key, "app")
     path.write_text(first + "\n")
     sec = ClientSecurity.from_conf(conf(authTokenFile=str(path)))
     assert sec.token == first
