@@ -6,6 +6,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -208,10 +209,29 @@ def test_restart_right_after_kill9_outwaits_the_old_registration(cluster_factory
     etcd = c.store._client()
     old_lease = etcd.get_response(key).kvs[0].lease
     b.kill()
-    b.start(wait=False)
-    wait_until(lambda: "waiting for the old registration to expire" in _log(b),
-               what="the new process waiting for the old registration")
-    list(etcd.refresh_lease(old_lease))       # now it outlives the new process's first lease
+    # The dying holder's lease is kept alive (from here, not from the killed process)
+    # until the new process has found it and waited longer than its own first lease
+    # lives: however slowly the new process starts, it finds the old registration.
+    stop = threading.Event()
+
+    def keep_old_lease():
+        while not stop.is_set():
+            list(etcd.refresh_lease(old_lease))
+            stop.wait(0.3)
+
+    keeper = threading.Thread(target=keep_old_lease, daemon=True)
+    keeper.start()
+    try:
+        b.start(wait=False)
+        wait_until(lambda: "waiting for the old registration to expire" in _log(b),
+                   what="the new process waiting for the old registration")
+        until = time.monotonic() + ttl + 1
+        while time.monotonic() < until:       # still waiting, past its first lease's TTL
+            assert b.alive, _log(b)[-2000:]
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        keeper.join(5)
     b.wait_registered()
     # and it stays registered past the TTL of that first lease (kept alive, not lost)
     until = time.monotonic() + ttl + 1
