@@ -21,6 +21,17 @@ import psutil
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _counters(path: str, names: tuple) -> list:
+    """The values of ``name: value`` lines of a /proc file, in the order of
+    ``names`` (0 for a name it lacks)."""
+    found = {}
+    with open(path) as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            found[name] = value
+    return [int(found[n].split()[0]) if n in found else 0 for n in names]
+
+
 def _threads(pid: int) -> dict:
     """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls]
     of one process's threads (read/pread, write/pwrite: /proc/PID/task/TID/io,
@@ -35,25 +46,14 @@ def _threads(pid: int) -> dict:
         try:
             with open(f"{base}/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            vol = inv = 0
-            with open(f"{base}/{tid}/status") as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches"):
-                        vol = int(line.split()[1])
-                    elif line.startswith("nonvoluntary_ctxt_switches"):
-                        inv = int(line.split()[1])
+            vol, inv = _counters(f"{base}/{tid}/status",
+                                 ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
         except OSError:
             continue
-        rd = wr = 0
         try:
-            with open(f"{base}/{tid}/io") as f:
-                for line in f:
-                    if line.startswith("syscr"):
-                        rd = int(line.split()[1])
-                    elif line.startswith("syscw"):
-                        wr = int(line.split()[1])
+            rd, wr = _counters(f"{base}/{tid}/io", ("syscr", "syscw"))
         except OSError:
-            pass
+            rd = wr = 0
         out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv, rd, wr]
     return out
 
