@@ -605,12 +605,10 @@ class ShardStorage:
         every add): refused if the ledger was deleted (EFENCED) or is not this
         shard's (EBADREQ); else its MASTER_KEY record, its state, then the entry
         (``append(*args)``) and its tail, each made with its first values."""
-        if ledger in self._tomb or ledger in self._gone:
+        if self.is_deleted(ledger):
             return EFENCED           # deleted: its old writer must never get in again
-        if entry < 0:
+        if entry < 0 or not self._owned(ledger):
             return EBADREQ
-        if self._owns is not None and not self._owns(ledger):
-            return self._misrouted(ledger)
         st = self._new_ledger(ledger, master_key)
         if st is None:
             return EIO
@@ -847,14 +845,9 @@ class ShardStorage:
     def _owned(self, ledger: int) -> bool:
         if self._owns is None or self._owns(ledger):
             return True
-        self._misrouted(ledger)
-        return False
-
-    @staticmethod
-    def _misrouted(ledger: int) -> int:
         log.warning("refused a request for ledger %d: another shard owns it (misrouted)",
                     ledger)
-        return EBADREQ
+        return False
 
     def _key_mismatch(self, ledger: int, st: _Ledger, master_key: bytes) -> int:
         """The key presented differs from the ledger's: EUA, unless the ledger has no
