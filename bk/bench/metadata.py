@@ -384,6 +384,30 @@ def _threads_cpu(pid: int) -> dict:
     return out
 
 
+def _switches(pid: int) -> int:
+    """Context switches (voluntary and not) of the live threads of one process."""
+    n = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return n
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if "ctxt_switches:" in line:
+                        n += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return n
+
+
+def _own_switches() -> int:
+    # all of this process's threads, those that ended included
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_nvcsw + r.ru_nivcsw
+
+
 def _etcd_counters(url: str) -> dict:
     out: dict = {}
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
@@ -424,6 +448,9 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
                     for p in _tree(b.pid):
                         roles[p.pid] = "arbiter" if p.pid == b.pid else "shard worker"
                 before = {pid: _threads_cpu(pid) for pid in roles}
+                sw0 = {pid: _switches(pid) for pid in roles if pid != os.getpid()}
+                sw0[os.getpid()] = _own_switches()
+                direct0 = getattr(client._io, "direct_runs", 0)
                 url = cluster.etcd.client_url
                 e0, c0 = _etcd_counters(url), _own_cpu()
                 gc.callbacks.append(on_gc)
@@ -433,6 +460,11 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
                     gc.callbacks.remove(on_gc)
                 client_cpu = _own_cpu() - c0
                 after = {pid: _threads_cpu(pid) for pid in roles}
+                direct = getattr(client._io, "direct_runs", 0) - direct0
+                switches: dict = {}
+                for pid, role in roles.items():
+                    n = (_own_switches() if pid == os.getpid() else _switches(pid)) - sw0[pid]
+                    switches[role] = switches.get(role, 0) + n
                 e1 = _etcd_counters(url)
                 names = {t.native_id: t.name for t in threading.enumerate()}
             finally:
@@ -456,5 +488,7 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
     return {"ledgers": ledgers, "threads": threads, "create_close_per_s": round(rate),
             "cpu_us_per_ledger": {k: round(v, 1) for k, v in us.items()},
             "gc_collections_per_ledger": round(collections_[0] / ledgers, 4),
+            "switches_per_ledger": {k: round(v / ledgers, 2) for k, v in switches.items()},
+            "direct_adds_per_ledger": round(direct / ledgers, 3),
             "etcd_per_ledger": {k: round((e1[k] - e0.get(k, 0.0)) / ledgers, 3)
                                 for k in sorted(e1) if e1[k] != e0.get(k, 0.0)}}
