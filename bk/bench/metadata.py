@@ -421,7 +421,7 @@ def _etcd_counters(url: str) -> dict:
     return out
 
 
-def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
+def bench_breakdown(ledgers: int = 10_000, threads: int = 64, bookies: int = 3,
                     shards: int = 2, warmup: int = 1_000, base_dir: str | None = None) -> dict:
     """CPU per created and closed ledger by process and thread, the client's cyclic
     GC (collections and their CPU, from ``gc.callbacks``: observed, not tuned) and
