@@ -61,8 +61,6 @@ def main():
         print(f"  client cyclic GC collections per ledger: {r['gc_collections_per_ledger']}")
         for k, v in r["switches_per_ledger"].items():
             print(f"  context switches per ledger {k}: {v}")
-        print(f"  adds written by the calling thread (not the I/O thread) per ledger: "
-              f"{r['direct_adds_per_ledger']}")
         for k, v in r["etcd_per_ledger"].items():
             print(f"  etcd per ledger {k}: {v}")
         return

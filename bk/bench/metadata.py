@@ -450,7 +450,6 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 64, bookies: int = 3,
                 before = {pid: _threads_cpu(pid) for pid in roles}
                 sw0 = {pid: _switches(pid) for pid in roles if pid != os.getpid()}
                 sw0[os.getpid()] = _own_switches()
-                direct0 = getattr(client._io, "direct_runs", 0)
                 url = cluster.etcd.client_url
                 e0, c0 = _etcd_counters(url), _own_cpu()
                 gc.callbacks.append(on_gc)
@@ -460,7 +459,6 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 64, bookies: int = 3,
                     gc.callbacks.remove(on_gc)
                 client_cpu = _own_cpu() - c0
                 after = {pid: _threads_cpu(pid) for pid in roles}
-                direct = getattr(client._io, "direct_runs", 0) - direct0
                 switches: dict = {}
                 for pid, role in roles.items():
                     n = (_own_switches() if pid == os.getpid() else _switches(pid)) - sw0[pid]
@@ -489,6 +487,5 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 64, bookies: int = 3,
             "cpu_us_per_ledger": {k: round(v, 1) for k, v in us.items()},
             "gc_collections_per_ledger": round(collections_[0] / ledgers, 4),
             "switches_per_ledger": {k: round(v / ledgers, 2) for k, v in switches.items()},
-            "direct_adds_per_ledger": round(direct / ledgers, 3),
             "etcd_per_ledger": {k: round((e1[k] - e0.get(k, 0.0)) / ledgers, 3)
                                 for k in sorted(e1) if e1[k] != e0.get(k, 0.0)}}

@@ -3,29 +3,12 @@
 Theory of operation
 -------------------
 :class:`IOLoop` owns a ``selectors`` loop over every bookie connection of one
-:class:`bk.BookKeeper`. Other threads hand work to the loop with
-:meth:`IOLoop.call_soon` (a deque plus a wake-up socketpair that is only
-written when the loop is asleep) and the loop runs it. Everything that reacts
-to replies (acknowledging adds, retrying reads on the next replica, starting
-ensemble changes) therefore runs on this one thread and needs no locks.
-
-The loop's state (connections, write handles' write state) is guarded by one
-lock, ``_run_lock``, which the I/O thread holds all the time except while it
-waits in ``select``. A caller whose add is the only one in flight of its
-handle does not wake the I/O thread to send it (a wake-up and a switch to
-that thread per add, the largest hand-off of a created-and-closed ledger): if
-it gets the lock without waiting (:meth:`IOLoop.run_here`), the I/O thread is
-idle and the caller runs the same code the I/O thread would, on its own
-thread: the handle's drain and each connection's write, frames after whatever
-the connection still had queued, so a connection's frames (and its TLS
-records) stay in order and never interleave. If the lock is taken it hands
-the add over as before; adds behind others in flight always go through the
-I/O thread, which sends many per write. The I/O thread keeps everything else:
-reading and acknowledging, the remainder a socket did not take (its write
-interest is set as usual), timeouts, connection set-up. A send that fails in
-a caller is failed on the I/O thread (``_send_failed``): failing runs
-handlers and user callbacks, which must not run on, nor block, a caller
-holding the loop.
+:class:`bk.BookKeeper`. Other threads never touch a socket: they hand work to
+the loop with :meth:`IOLoop.call_soon` (a deque plus a wake-up socketpair that
+is only written when the loop is asleep) and the loop runs it. Everything that
+reacts to replies (acknowledging adds, retrying reads on the next replica,
+starting ensemble changes) therefore runs on this one thread and needs no
+locks.
 
 A :class:`Connection` is one TCP stream to one shard of one bookie. It
 pipelines: every request has a request id, ``inflight`` maps it to the request
@@ -240,8 +223,7 @@ class DeadConnection:
 
 
 class Connection:
-    """One pipelined stream to one shard of one bookie (used under the loop's
-    ``_run_lock``: on the I/O thread, or a caller's :meth:`IOLoop.run_here`)."""
+    """One pipelined stream to one shard of one bookie (used on the I/O thread only)."""
 
     __slots__ = ("loop", "bookie_id", "shard", "addr", "state", "sock", "inflight",
                  "queued", "out", "wq", "fb", "dirty", "num_shards", "down_until",
@@ -679,8 +661,8 @@ class Connection:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
-                self._send_failed(BookieUnavailableError(
-                    f"send to bookie {self.bookie_id} failed: {e.strerror or e}"))
+                self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
+                                                  f"{e.strerror or e}"))
                 return
             k = len(chunk)
             if n == sum(map(len, chunk)):      # all taken (the usual case): no Python loop
@@ -713,8 +695,8 @@ class Connection:
                 q.clear()
             left = t.flush()
         except OSError as e:
-            self._send_failed(BookieUnavailableError(
-                f"send to bookie {self.bookie_id} failed: {tls.reason(e)}"))
+            self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
+                                              f"{tls.reason(e)}"))
             return
         self._want(bool(left))
 
@@ -759,18 +741,6 @@ class Connection:
             q.append(records)
 
     # --- failure ------------------------------------------------------------------
-    def _send_failed(self, exc):
-        if self.loop._direct:
-            # a caller's direct write: failing runs handlers (and user callbacks),
-            # which belong on the I/O thread; until then the socket stays as it is
-            self.loop._defer(self._fail_if, self.sock, exc)
-        else:
-            self._fail(exc)
-
-    def _fail_if(self, sock, exc):
-        if sock is not None and self.sock is sock:
-            self._fail(exc)
-
     def _fail(self, exc, fast=False):
         """Close the socket and fail every outstanding request with ``exc``."""
         if self.state in _SETUP and not fast:
@@ -843,7 +813,6 @@ class IOLoop:
         self.health = None        # a bk.client.health.BookieHealth, told of failures
         self.rids = itertools.count(1)
         self.generation = 0
-        self.direct_runs = 0      # work run_here did on a caller's thread (stats, tests)
         self._forked = False
         self._lock = threading.Lock()
         self._thread = None
@@ -860,10 +829,6 @@ class IOLoop:
         self.scratch = None      # what TLS connections read before decrypting (made once)
         self._sleeping = False
         self._stopping = False
-        # Held by whichever thread does the I/O thread's work: the I/O thread itself,
-        # except while it waits in select, or a caller writing directly (run_here).
-        self._run_lock = threading.Lock()
-        self._direct = False     # a caller, not the I/O thread, holds _run_lock
         self._conns: dict[tuple, Connection] = {}
         self._dirty: list[Connection] = []
         self._connecting: set[Connection] = set()
@@ -913,50 +878,6 @@ class IOLoop:
             raise self._death_error()
         if self._stopping:
             raise BookieUnavailableError("the client is closed")
-        self._submit.append((fn, args))
-        if self._sleeping:
-            self._wake()
-
-    def run_here(self, fn):
-        """Run ``fn()`` on the calling thread in place of the I/O thread, if that
-        thread is idle right now (waiting in select), then write what it queued;
-        returns what ``fn`` returned, or False if it did not run (the I/O thread is
-        busy: hand the work over with :meth:`call_soon`). ``fn`` must not block
-        nor run user callbacks; a connection that breaks meanwhile is failed
-        later, on the I/O thread (see the module doc)."""
-        if self._thread is None or self._forked or self._dead is not None:
-            return False
-        lock = self._run_lock
-        if not lock.acquire(False):
-            return False
-        try:
-            if self._stopping or self._dead is not None:
-                return False
-            short = self._tickers or self._timeouts or self._connecting
-            self.now = time.monotonic()
-            self._direct = True
-            try:
-                done = fn()
-                dirty = self._dirty
-                if dirty:
-                    self._dirty = []
-                    for conn in dirty:
-                        conn.dirty = False
-                        if conn.state == READY:
-                            conn._write()
-            finally:
-                self._direct = False
-            if done:
-                self.direct_runs += 1
-            if not short and self._sleeping and (self._tickers or self._timeouts
-                                                 or self._connecting):
-                self._wake()        # its select needs a shorter timeout now
-            return done
-        finally:
-            lock.release()
-
-    def _defer(self, fn, *args):
-        # from a caller's direct write (run_here): the I/O thread runs fn
         self._submit.append((fn, args))
         if self._sleeping:
             self._wake()
@@ -1060,8 +981,6 @@ class IOLoop:
         submit = self._submit
         wake_r = self._wake_r
         next_tick = 0.0
-        lock = self._run_lock
-        lock.acquire()
         try:
             while not self._stopping:
                 # how long may we sleep?
@@ -1074,11 +993,7 @@ class IOLoop:
                     self._sleeping = True
                     if submit:
                         timeout = 0
-                lock.release()
-                try:
-                    events = sel.select(timeout)
-                finally:
-                    lock.acquire()
+                events = sel.select(timeout)
                 self._sleeping = False
                 self.now = now = time.monotonic()
                 for key, mask in events:
@@ -1123,7 +1038,6 @@ class IOLoop:
             self._die(e)
             raise
         finally:
-            lock.release()
             try:
                 sel.close()
             except Exception:

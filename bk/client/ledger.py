@@ -81,7 +81,7 @@ import weakref
 
 from bk import protocol
 from bk.client import digest as _digest
-from bk.client.connection import READY, Call, DeadConnection, record_segments
+from bk.client.connection import Call, DeadConnection, record_segments
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, NoSuchEntryError,
@@ -999,13 +999,6 @@ class LedgerHandle:
             self._pushed_length = length
             self._submitted += 1
             if not self._flush_armed:
-                # The only add in flight of this handle, and the I/O thread idle: this
-                # thread writes it (no wake-up of the I/O thread, no switch to it).
-                # Adds that follow others in flight go through the I/O thread,
-                # which sends them many per write.
-                if self._submitted - self._completed == 1 \
-                        and self._loop.run_here(self._io_direct):
-                    return
                 self._flush_armed = True
                 self._loop.call_soon(self._io_flush)
 
@@ -1025,22 +1018,6 @@ class LedgerHandle:
         if n:
             pop = ob.popleft
             self._io_send([pop() for _ in range(n)])
-
-    def _io_direct(self):
-        # run_here, under self._lock: send the outbox from the calling thread if
-        # nothing can need the I/O thread's care (a change, a failure, a connection
-        # being set up): False hands it over instead.
-        if self._state is not WriterState.OPEN:
-            return False
-        for conn in self._ens_conns:
-            if conn.state != READY:
-                return False
-        ob = self._outbox
-        n = len(ob)
-        if n:
-            pop = ob.popleft
-            self._io_send([pop() for _ in range(n)])
-        return True
 
     def _not_on_io_thread(self, what):
         if threading.current_thread() is self._loop._thread:

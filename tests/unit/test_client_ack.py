@@ -28,9 +28,6 @@ class FakeLoop:
     def call_soon(self, fn, *args):
         self.q.append((fn, args))
 
-    def run_here(self, fn):
-        return False            # the "I/O thread" (run()) does all the writing here
-
     def call_later(self, delay, fn, *args):
         self.timers.append((self.now + delay, fn, args))
 
