@@ -421,6 +421,37 @@ def _etcd_counters(url: str) -> dict:
     return out
 
 
+def bench_threads(counts: list[int], rounds: int = 4, ledgers: int = 3_000,
+                  bookies: int = 3, shards: int = 2, base_dir: str | None = None,
+                  progress=None) -> dict:
+    """Create+close rate, client CPU and context switches per ledger for each
+    thread count of ``counts``, alternating them ``rounds`` times in one client
+    process against one cluster (so the VM's drifts hit every count alike).
+    ``progress(count, row)`` after each run."""
+    runs: dict = {n: [] for n in counts}
+    with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
+        with LocalCluster(num_bookies=bookies, base_dir=d, num_shards=shards,
+                          conf_overrides={"autoRecoveryDaemonEnabled": True}) as cluster:
+            client = BookKeeper(cluster.metadata_uri)
+            try:
+                create_close(client, 1_000, max(counts))      # warm-up
+                for _ in range(rounds):
+                    for n in counts:
+                        c0, s0 = _own_cpu(), _own_switches()
+                        rate = create_close(client, ledgers, n)
+                        row = {"create_close_per_s": round(rate),
+                               "client_us_per_ledger": round((_own_cpu() - c0) * 1e6 / ledgers, 1),
+                               "client_switches_per_ledger":
+                                   round((_own_switches() - s0) / ledgers, 2)}
+                        runs[n].append(row)
+                        if progress is not None:
+                            progress(n, row)
+            finally:
+                client.close()
+    return {"ledgers_per_run": ledgers, "rounds": rounds,
+            "runs": {str(n): v for n, v in runs.items()}}
+
+
 def bench_breakdown(ledgers: int = 10_000, threads: int = 64, bookies: int = 3,
                     shards: int = 2, warmup: int = 1_000, base_dir: str | None = None) -> dict:
     """CPU per created and closed ledger by process and thread, the client's cyclic
