@@ -31,8 +31,8 @@ def main():
     ap.add_argument("--ledgers", type=int, default=1_000_000)
     ap.add_argument("--steps", default=None, help="comma-separated ledger counts")
     # 64: the client's hand-offs (a shared etcd txn, an I/O thread wake-up) carry
-    # more ledgers each than at 32 (~1.25x the rate, ~0.86x the client's CPU per
-    # ledger, 4 alternating pairs; docs/performance.md, metadata at scale)
+    # more ledgers each than at 32: more ledgers/s and less client CPU per ledger
+    # (docs/performance.md, metadata at scale; --compare-threads 32,64)
     ap.add_argument("--threads", type=int, default=64,
                     help="client threads creating and closing ledgers (default 64)")
     ap.add_argument("--churn", type=int, default=None)

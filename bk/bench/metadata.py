@@ -425,8 +425,9 @@ def bench_threads(counts: list[int], rounds: int = 4, ledgers: int = 3_000,
                   bookies: int = 3, shards: int = 2, base_dir: str | None = None,
                   progress=None) -> dict:
     """Create+close rate, client CPU and context switches per ledger for each
-    thread count of ``counts``, alternating them ``rounds`` times in one client
-    process against one cluster (so the VM's drifts hit every count alike).
+    thread count of ``counts``, alternating them ``rounds`` times (every other
+    round in reverse order) in one client process against one cluster (so the
+    VM's drifts hit every count alike).
     ``progress(count, row)`` after each run."""
     runs: dict = {n: [] for n in counts}
     with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
@@ -435,8 +436,10 @@ def bench_threads(counts: list[int], rounds: int = 4, ledgers: int = 3_000,
             client = BookKeeper(cluster.metadata_uri)
             try:
                 create_close(client, 1_000, max(counts))      # warm-up
-                for _ in range(rounds):
-                    for n in counts:
+                for i in range(rounds):
+                    # every other round in reverse (ABBA): a run's place in the round
+                    # (what ran just before it) favours no count
+                    for n in (counts if i % 2 == 0 else counts[::-1]):
                         c0, s0 = _own_cpu(), _own_switches()
                         rate = create_close(client, ledgers, n)
                         row = {"create_close_per_s": round(rate),
