@@ -10,6 +10,7 @@ defragmentation), etcd's RSS, and the CPU etcd and the bookies burn idle.
     scripts/bench_metadata.py --steps 30000,100000 --set gcWaitTime=5000
     scripts/bench_metadata.py --listing-only --ledgers 300000   # listing alone
     scripts/bench_metadata.py --breakdown 10000   # where one ledger's CPU goes
+    scripts/bench_metadata.py --compare-threads 32,64 --rounds 4   # rate by thread count
 """
 
 import argparse
@@ -20,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bk.bench.metadata import (bench_breakdown, bench_listing, bench_metadata,  # noqa: E402
-                               format_row)
+                               bench_threads, format_row)
 from bk.meta.store import LIST_PAGE  # noqa: E402
 
 
@@ -29,7 +30,11 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ledgers", type=int, default=1_000_000)
     ap.add_argument("--steps", default=None, help="comma-separated ledger counts")
-    ap.add_argument("--threads", type=int, default=32)
+    # 64: the client's hand-offs (a shared etcd txn, an I/O thread wake-up) carry
+    # more ledgers each than at 32: more ledgers/s and less client CPU per ledger
+    # (docs/performance.md, metadata at scale; --compare-threads 32,64)
+    ap.add_argument("--threads", type=int, default=64,
+                    help="client threads creating and closing ledgers (default 64)")
     ap.add_argument("--churn", type=int, default=None)
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     ap.add_argument("--no-compare", action="store_true",
@@ -43,8 +48,31 @@ def main():
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
                     help="only: CPU per ledger by process and thread, the client's GC and "
                          "etcd's counters, over N ledgers created and closed")
+    ap.add_argument("--compare-threads", default=None, metavar="N,M,...",
+                    help="only: create+close runs of --round-ledgers ledgers from each of "
+                         "these thread counts, alternating, in one client process")
+    ap.add_argument("--rounds", type=int, default=4, help="with --compare-threads")
+    ap.add_argument("--round-ledgers", type=int, default=3000, help="with --compare-threads")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.compare_threads:
+        counts = [int(x) for x in a.compare_threads.split(",")]
+        r = bench_threads(counts, rounds=a.rounds, ledgers=a.round_ledgers, base_dir=a.dir,
+                          progress=None if a.json else lambda n, row: print(
+                              f"{n} threads: {row['create_close_per_s']}/s, client "
+                              f"{row['client_us_per_ledger']} us and "
+                              f"{row['client_switches_per_ledger']} context switches per ledger",
+                              flush=True))
+        if a.json:
+            print(json.dumps(r, indent=1))
+            return
+        for n in counts:
+            rows = r["runs"][str(n)]
+            mean = {k: sum(x[k] for x in rows) / len(rows) for k in rows[0]}
+            print(f"{n} threads, mean of {len(rows)}: {mean['create_close_per_s']:.0f}/s, "
+                  f"client {mean['client_us_per_ledger']:.0f} us and "
+                  f"{mean['client_switches_per_ledger']:.2f} switches per ledger")
+        return
     if a.breakdown:
         r = bench_breakdown(a.breakdown, threads=a.threads, base_dir=a.dir)
         if a.json:
@@ -55,6 +83,8 @@ def main():
         for k, v in sorted(r["cpu_us_per_ledger"].items(), key=lambda kv: -kv[1]):
             print(f"  CPU per ledger {k}: {v} us")
         print(f"  client cyclic GC collections per ledger: {r['gc_collections_per_ledger']}")
+        for k, v in r["switches_per_ledger"].items():
+            print(f"  context switches per ledger {k}: {v}")
         for k, v in r["etcd_per_ledger"].items():
             print(f"  etcd per ledger {k}: {v}")
         return

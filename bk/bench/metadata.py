@@ -384,6 +384,30 @@ def _threads_cpu(pid: int) -> dict:
     return out
 
 
+def _switches(pid: int) -> int:
+    """Context switches (voluntary and not) of the live threads of one process."""
+    n = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return n
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if "ctxt_switches:" in line:
+                        n += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return n
+
+
+def _own_switches() -> int:
+    # all of this process's threads, those that ended included
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_nvcsw + r.ru_nivcsw
+
+
 def _etcd_counters(url: str) -> dict:
     out: dict = {}
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
@@ -397,7 +421,41 @@ def _etcd_counters(url: str) -> dict:
     return out
 
 
-def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
+def bench_threads(counts: list[int], rounds: int = 4, ledgers: int = 3_000,
+                  bookies: int = 3, shards: int = 2, base_dir: str | None = None,
+                  progress=None) -> dict:
+    """Create+close rate, client CPU and context switches per ledger for each
+    thread count of ``counts``, alternating them ``rounds`` times (every other
+    round in reverse order) in one client process against one cluster (so the
+    VM's drifts hit every count alike).
+    ``progress(count, row)`` after each run."""
+    runs: dict = {n: [] for n in counts}
+    with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
+        with LocalCluster(num_bookies=bookies, base_dir=d, num_shards=shards,
+                          conf_overrides={"autoRecoveryDaemonEnabled": True}) as cluster:
+            client = BookKeeper(cluster.metadata_uri)
+            try:
+                create_close(client, 1_000, max(counts))      # warm-up
+                for i in range(rounds):
+                    # every other round in reverse (ABBA): a run's place in the round
+                    # (what ran just before it) favours no count
+                    for n in (counts if i % 2 == 0 else counts[::-1]):
+                        c0, s0 = _own_cpu(), _own_switches()
+                        rate = create_close(client, ledgers, n)
+                        row = {"create_close_per_s": round(rate),
+                               "client_us_per_ledger": round((_own_cpu() - c0) * 1e6 / ledgers, 1),
+                               "client_switches_per_ledger":
+                                   round((_own_switches() - s0) / ledgers, 2)}
+                        runs[n].append(row)
+                        if progress is not None:
+                            progress(n, row)
+            finally:
+                client.close()
+    return {"ledgers_per_run": ledgers, "rounds": rounds,
+            "runs": {str(n): v for n, v in runs.items()}}
+
+
+def bench_breakdown(ledgers: int = 10_000, threads: int = 64, bookies: int = 3,
                     shards: int = 2, warmup: int = 1_000, base_dir: str | None = None) -> dict:
     """CPU per created and closed ledger by process and thread, the client's cyclic
     GC (collections and their CPU, from ``gc.callbacks``: observed, not tuned) and
@@ -424,6 +482,8 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
                     for p in _tree(b.pid):
                         roles[p.pid] = "arbiter" if p.pid == b.pid else "shard worker"
                 before = {pid: _threads_cpu(pid) for pid in roles}
+                sw0 = {pid: _switches(pid) for pid in roles if pid != os.getpid()}
+                sw0[os.getpid()] = _own_switches()
                 url = cluster.etcd.client_url
                 e0, c0 = _etcd_counters(url), _own_cpu()
                 gc.callbacks.append(on_gc)
@@ -433,6 +493,10 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
                     gc.callbacks.remove(on_gc)
                 client_cpu = _own_cpu() - c0
                 after = {pid: _threads_cpu(pid) for pid in roles}
+                switches: dict = {}
+                for pid, role in roles.items():
+                    n = (_own_switches() if pid == os.getpid() else _switches(pid)) - sw0[pid]
+                    switches[role] = switches.get(role, 0) + n
                 e1 = _etcd_counters(url)
                 names = {t.native_id: t.name for t in threading.enumerate()}
             finally:
@@ -456,5 +520,6 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = 32, bookies: int = 3,
     return {"ledgers": ledgers, "threads": threads, "create_close_per_s": round(rate),
             "cpu_us_per_ledger": {k: round(v, 1) for k, v in us.items()},
             "gc_collections_per_ledger": round(collections_[0] / ledgers, 4),
+            "switches_per_ledger": {k: round(v / ledgers, 2) for k, v in switches.items()},
             "etcd_per_ledger": {k: round((e1[k] - e0.get(k, 0.0)) / ledgers, 3)
                                 for k in sorted(e1) if e1[k] != e0.get(k, 0.0)}}
