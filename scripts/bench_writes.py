@@ -130,13 +130,14 @@ def show(res):
               f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
         if "proc" in res:
             pr = res["proc"]
-            print(f"  CPU {pr['cpu_us_total']} us/entry in all, machine busy "
-                  f"{pr['machine_busy']:.0%}; per entry: cpu us, voluntary/involuntary "
-                  f"context switches, read/write(pwrite) syscalls:")
+            print(f"  CPU {pr['cpu_us_total']} us/entry in all, run-queue wait "
+                  f"{pr['wait_us_total']} us/entry, machine busy {pr['machine_busy']:.0%}; "
+                  f"per entry: cpu us, run-queue wait us, voluntary/involuntary context "
+                  f"switches, read/write(pwrite) syscalls:")
             for k, v in pr["per_entry"].items():
                 if v["cpu_us"] >= 0.5 or v["vcs"] + v["ics"] >= 0.01:
-                    print(f"    {k:<22} {v['cpu_us']:7.1f}  {v['vcs']:.3f}/{v['ics']:.3f}  "
-                          f"{v['rd']:.3f}/{v['wr']:.3f}")
+                    print(f"    {k:<22} {v['cpu_us']:7.1f} {v['wait_us']:7.1f}  "
+                          f"{v['vcs']:.3f}/{v['ics']:.3f}  {v['rd']:.3f}/{v['wr']:.3f}")
 
 
 if __name__ == "__main__":

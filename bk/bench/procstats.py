@@ -33,9 +33,10 @@ def _counters(path: str, names: tuple) -> list:
 
 
 def _threads(pid: int) -> dict:
-    """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls]
-    of one process's threads (read/pread, write/pwrite: /proc/PID/task/TID/io,
-    0 where it cannot be read)."""
+    """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls,
+    run-queue wait seconds] of one process's threads (read/pread, write/pwrite:
+    /proc/PID/task/TID/io; the wait: schedstat's second field, the time it was
+    runnable but not running; 0 where it cannot be read)."""
     out = {}
     base = f"/proc/{pid}/task"
     try:
@@ -54,7 +55,12 @@ def _threads(pid: int) -> dict:
             rd, wr = _counters(f"{base}/{tid}/io", ("syscr", "syscw"))
         except OSError:
             rd = wr = 0
-        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv, rd, wr]
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                wait = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            wait = 0.0
+        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv, rd, wr, wait]
     return out
 
 
@@ -93,20 +99,22 @@ def snapshot() -> dict:
 
 
 def per_entry(before: dict, after: dict, entries: int) -> dict:
-    """CPU us, context switches (voluntary, involuntary) and file read / write
-    syscalls per entry by ``kind/thread``, and the machine's busy share of its
-    CPUs between the two."""
+    """CPU us, context switches (voluntary, involuntary), file read / write
+    syscalls and run-queue wait us (runnable, no core free) per entry by
+    ``kind/thread``, and the machine's busy share of its CPUs between the two."""
     rows = {}
     for key, (kind, label, v) in after["threads"].items():
-        old = before["threads"].get(key, (kind, label, [0.0, 0, 0, 0, 0]))[2]
-        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0, 0, 0])
-        for i in range(5):
+        old = before["threads"].get(key, (kind, label, [0.0, 0, 0, 0, 0, 0.0]))[2]
+        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0, 0, 0, 0.0])
+        for i in range(6):
             r[i] += v[i] - old[i]
     n = max(1, entries)
     res = {k: {"cpu_us": round(c * 1e6 / n, 1), "vcs": round(vc / n, 3),
-               "ics": round(ic / n, 3), "rd": round(rd / n, 3), "wr": round(wr / n, 3)}
-           for k, (c, vc, ic, rd, wr) in sorted(rows.items())}
+               "ics": round(ic / n, 3), "rd": round(rd / n, 3), "wr": round(wr / n, 3),
+               "wait_us": round(w * 1e6 / n, 1)}
+           for k, (c, vc, ic, rd, wr, w) in sorted(rows.items())}
     total = after["total"] - before["total"]
     return {"per_entry": res,
             "cpu_us_total": round(sum(r[0] for r in rows.values()) * 1e6 / n, 1),
+            "wait_us_total": round(sum(r[5] for r in rows.values()) * 1e6 / n, 1),
             "machine_busy": round((after["busy"] - before["busy"]) / max(1, total), 3)}
