@@ -154,6 +154,14 @@ class SchedRecord:
         time.sleep(0.2)
         return self._proc.poll() is None
 
+    def cancel(self) -> None:
+        """Stop recording and throw the recording away."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
     def stop(self, snap: dict, t0: float = 0.0, t1: float = float("inf")) -> dict | None:
         """Stop recording; ``{kind/label: {"n", "p50", "p90", "p99", "p999", "max"}}``
         (delays in ms, ``n`` switch-ins between the ``time.monotonic()`` instants

@@ -73,15 +73,16 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
     (:mod:`bk.bench.procstats`). ``sched``: also each thread's scheduling delay
     per wake-up, as percentiles (``perf sched``; needs perf and root).
     """
-    rec = procstats.SchedRecord() if sched else None
-    delays = None
-    if rec is not None and not rec.start():
-        rec = None
     own = client is None
     if own:
         conf.setdefault("throttle", max(window, 1))
         client = BookKeeper(uri, **conf)
+    rec = delays = None
     try:
+        if sched:                   # recording through the warm-up
+            rec = procstats.SchedRecord()
+            if not rec.start():
+                rec = None
         handles = [client.create_ledger(ensemble, write_quorum, ack_quorum,
                                         digest_type="crc32c", password=b"bench")
                    for _ in range(ledgers)]
@@ -176,8 +177,8 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             res["sched_delay_ms"] = delays
         return res
     finally:
-        if rec is not None:
-            rec.stop({"threads": {}})
+        if rec is not None:         # the run failed before it was measured
+            rec.cancel()
         if own:
             client.close()
 
