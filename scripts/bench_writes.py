@@ -43,6 +43,10 @@ def main():
                    help="CPU us, context switches and file read/write syscalls per entry of "
                         "every process and thread (client, bookie arbiters and shard "
                         "workers, etcd)")
+    p.add_argument("--sched", action="store_true",
+                   help="each thread's scheduling delay per wake-up (runnable, waiting for a "
+                        "core), as percentiles: perf sched over the measured time (needs "
+                        "perf and root)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     tls_conf, tls_client = {}, {}
@@ -59,7 +63,8 @@ def main():
         if a.tls:
             kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum,
                       ack_quorum=a.ack_quorum, entry_size=a.entry_size, duration=a.duration,
-                      window=a.window, ledgers=a.ledgers, rate=a.rate, proc=a.proc)
+                      window=a.window, ledgers=a.ledgers, rate=a.rate, proc=a.proc,
+                      sched=a.sched)
             runs = [bench_writes(uri, **kw, **extra) for _ in range(a.rounds)
                     for extra in ({}, tls_client)]
             return {"plaintext": runs[0::2], "tls": runs[1::2],
@@ -73,7 +78,7 @@ def main():
                                   rate=a.rate)
         kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum, ack_quorum=a.ack_quorum,
                   entry_size=a.entry_size, duration=a.duration, window=a.window,
-                  ledgers=a.ledgers, rate=a.rate, proc=a.proc)
+                  ledgers=a.ledgers, rate=a.rate, proc=a.proc, sched=a.sched)
         if a.profile:
             import cProfile
             import threading
@@ -130,13 +135,22 @@ def show(res):
               f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
         if "proc" in res:
             pr = res["proc"]
-            print(f"  CPU {pr['cpu_us_total']} us/entry in all, machine busy "
-                  f"{pr['machine_busy']:.0%}; per entry: cpu us, voluntary/involuntary "
-                  f"context switches, read/write(pwrite) syscalls:")
+            print(f"  CPU {pr['cpu_us_total']} us/entry in all, run-queue wait "
+                  f"{pr['wait_us_total']} us/entry, machine busy {pr['machine_busy']:.0%}; "
+                  f"per entry: cpu us, run-queue wait us, voluntary/involuntary context "
+                  f"switches, read/write(pwrite) syscalls:")
             for k, v in pr["per_entry"].items():
                 if v["cpu_us"] >= 0.5 or v["vcs"] + v["ics"] >= 0.01:
-                    print(f"    {k:<22} {v['cpu_us']:7.1f}  {v['vcs']:.3f}/{v['ics']:.3f}  "
-                          f"{v['rd']:.3f}/{v['wr']:.3f}")
+                    print(f"    {k:<22} {v['cpu_us']:7.1f} {v['wait_us']:7.1f}  "
+                          f"{v['vcs']:.3f}/{v['ics']:.3f}  {v['rd']:.3f}/{v['wr']:.3f}")
+        if "sched_delay_ms" in res:
+            n = max(1, res["entries"])
+            print("  scheduling delay after a wake-up, ms: wake-ups per entry, p50 / p90 / "
+                  "p99 / p99.9 / max")
+            for k, v in res["sched_delay_ms"].items():
+                if v["n"] >= 100:
+                    print(f"    {k[:22]:<22} {v['n'] / n:6.3f}  {v['p50']:.3f} / {v['p90']:.3f} / "
+                          f"{v['p99']:.3f} / {v['p999']:.3f} / {v['max']:.3f}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def patch_worker(m):
     def _boot(self):
         boot(self)
         self._tr, self._tr_pend, self._tr_groups, self._tr_syncs = {}, [], [], []
-        self._tr_answer, self._tr_begin = [], []
+        self._tr_answer, self._tr_begin, self._tr_jobs = [], [], {}
         self._tr_sel = self._tr_done = 0.0
         begin = self.storage.begin_sync
 
@@ -68,13 +68,20 @@ def patch_worker(m):
             self._tr_begin.append((t0, mono() - t0, self._tr_done == self._tr_sel))
             return job
         self.storage.begin_sync = begin_sync
-        inner = self.sel.select
+        worker = self
 
-        def select(timeout=None):
-            r = inner(timeout)
-            self._tr_sel = mono()
-            return r
-        self.sel.select = select
+        class Sel:                # the poller has __slots__: wrap it, not its method
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def select(self, timeout=None):
+                r = self.inner.select(timeout)
+                worker._tr_sel = mono()
+                return r
+        self.sel = Sel(self.sel)
 
     def _add_batch(self, conn, msg):
         add_batch(self, conn, msg)
@@ -105,7 +112,9 @@ def patch_worker(m):
     def _run_sync(self, job):
         t0 = mono()
         job.run()
-        self._tr_syncs.append((t0, mono() - t0, job.bytes))
+        t1 = mono()
+        self._tr_syncs.append((t0, t1 - t0, job.bytes))
+        self._tr_jobs[id(job)] = (t0, t1)
         os.write(self._sync_w, b"s")
 
     def _sync_thread(self):          # a worker of before _run_sync (to compare with it)
@@ -118,6 +127,11 @@ def patch_worker(m):
     def _on_sync_done(self):
         self._tr_done = self._tr_sel
         t0 = mono()
+        job = self.sync_job
+        ts = self._tr_jobs.pop(id(job), None) if job is not None else None
+        if ts is not None and self._tr_groups:
+            for k in self._tr_groups[0]:
+                self._tr[k].update(s_run0=ts[0], s_end=ts[1], l_sel=self._tr_sel, l_done=t0)
         r = sync_done(self)
         self._tr_answer.append((t0, mono() - t0))
         return r
@@ -218,6 +232,13 @@ IDLE_GAP = 0.05    # s: syncs further apart than this had nothing to wait for
 HOPS = [("sub", "pick"), ("pick", "write0"), ("write0", "sent"), ("sent", "w_select"),
         ("w_select", "dispatched"), ("dispatched", "sync0"), ("sync0", "released"),
         ("released", "c_read")]
+# sync0 -> released in detail (groups committed through the sync thread): the
+# pwrite and the hand-off to the sync thread; its fdatasync; its wake-up of the
+# loop through the pipe (until the loop's select returned); the rest of that pass
+# before it got to the pipe; beginning the next group and answering this one.
+SYNC_HOPS = [("sync0", "s_run0"), ("s_run0", "s_end"), ("s_end", "l_sel"),
+             ("l_sel", "l_done"), ("l_done", "released")]
+SLOW = 0.01        # the slowest 1% of adds, hop by hop
 
 
 def pct(xs, p):
@@ -297,11 +318,17 @@ def main():
                     if s <= t0 <= e:
                         answer[name].append(dt)
     hops = collections.defaultdict(lambda: collections.defaultdict(list))
+    # per mode: (latency, {hop: seconds}) of each add through the bookie whose
+    # acknowledgement completed it (the 2nd), for the slowest-1% table
+    whole = collections.defaultdict(list)
     for (lid, eid), c in ev.items():
         if "pick" not in c or len(c["c_read"]) < 2:
             continue
-        h = hops["TLS" if c.get("tls") else "plaintext"]
-        h["the add (to its 2nd acknowledgement)"].append(sorted(c["c_read"].values())[1] - c["sub"])
+        mode = "TLS" if c.get("tls") else "plaintext"
+        h = hops[mode]
+        second = sorted(c["c_read"].items(), key=lambda kv: kv[1])[1][0]
+        total = c["c_read"][second] - c["sub"]
+        h["the add (to its 2nd acknowledgement)"].append(total)
         h["sub -> pick"].append(c["pick"] - c["sub"])
         for b in c["sent"]:
             w = workers.get((b, lid, eid))
@@ -311,9 +338,17 @@ def main():
                      c_read=c["c_read"][b])
             for x, y in HOPS[1:]:
                 h[f"{x} -> {y}"].append(t[y] - t[x])
+            if "s_end" in t:
+                for x, y in SYNC_HOPS:
+                    h[f"  {x} -> {y}"].append(t[y] - t[x])
             h["a sync was in flight at dispatch (share)"].append(float(w["in_flight"]))
             h["read in the pass that saw a sync end, after it (share)"].append(
                 float(w["after_done"]))
+            if b == second:
+                parts = {f"{x} -> {y}": t[y] - t[x] for x, y in HOPS}
+                if "s_end" in t:
+                    parts.update({f"  {x} -> {y}": t[y] - t[x] for x, y in SYNC_HOPS})
+                whole[mode].append((total, parts))
     shutil.rmtree(d, ignore_errors=True)     # the bookies' data: hundreds of MB a run
     for name, _ in modes:
         h = hops[name]
@@ -340,6 +375,29 @@ def main():
         if x:
             print(f"  {'a synced group answered, the next begun':40s} {pct(x, .5):7.3f} "
                   f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
+        slow_table(name, whole[name])
+
+
+def slow_table(name, adds):
+    """Mean ms per hop of the slowest 1% of adds beside all of them, and how often
+    each hop was the largest of a slow add."""
+    if len(adds) < 100:
+        return
+    adds.sort(key=lambda a: a[0])
+    slow = adds[-max(1, int(len(adds) * SLOW)):]
+    print(f"\n{name}: the slowest {SLOW:.0%} ({len(slow)} adds, from "
+          f"{slow[0][0] * 1000:.2f} ms), through the bookie of the 2nd acknowledgement; "
+          f"ms mean (all adds) / mean (slowest) / largest hop of a slow add (share)")
+    keys = [f"{x} -> {y}" for x, y in HOPS] + [f"  {x} -> {y}" for x, y in SYNC_HOPS]
+    top = collections.Counter(max((k for k in p if not k.startswith(" ")), key=p.get)
+                              for _, p in slow)
+
+    def mean(rows, k):
+        xs = [p[k] for _, p in rows if k in p]
+        return sum(xs) / len(xs) * 1000 if xs else float("nan")
+    for k in keys:
+        print(f"  {k:40s} {mean(adds, k):7.3f} {mean(slow, k):7.3f}   "
+              f"{top.get(k, 0) / len(slow):.2f}")
 
 
 if __name__ == "__main__":

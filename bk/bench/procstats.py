@@ -9,12 +9,21 @@ utilisation in between. The syscalls are the kernel's ``syscr``/``syscw``:
 ``read``/``pread``/``write``/``pwrite`` (a shard worker's journal ``pwrite`` per
 group commit and its sync pipe), not the sockets' ``recv*``/``sendmsg`` (use
 ``strace -c`` for those). Linux only.
+
+The run-queue wait is schedstat's: time a thread was runnable without a core
+(a mean per entry); :class:`SchedRecord` gives its distribution per wake-up
+(``perf sched``), which is what an add's tail is made of on a busy machine.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import tempfile
 import threading
+import time
 
 import psutil
 
@@ -33,9 +42,10 @@ def _counters(path: str, names: tuple) -> list:
 
 
 def _threads(pid: int) -> dict:
-    """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls]
-    of one process's threads (read/pread, write/pwrite: /proc/PID/task/TID/io,
-    0 where it cannot be read)."""
+    """tid -> [cpu seconds, voluntary, involuntary, read syscalls, write syscalls,
+    run-queue wait seconds] of one process's threads (read/pread, write/pwrite:
+    /proc/PID/task/TID/io; the wait: schedstat's second field, the time it was
+    runnable but not running; 0 where it cannot be read)."""
     out = {}
     base = f"/proc/{pid}/task"
     try:
@@ -54,7 +64,12 @@ def _threads(pid: int) -> dict:
             rd, wr = _counters(f"{base}/{tid}/io", ("syscr", "syscw"))
         except OSError:
             rd = wr = 0
-        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv, rd, wr]
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                wait = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            wait = 0.0
+        out[int(tid)] = [(int(fields[11]) + int(fields[12])) / _TICK, vol, inv, rd, wr, wait]
     return out
 
 
@@ -93,20 +108,99 @@ def snapshot() -> dict:
 
 
 def per_entry(before: dict, after: dict, entries: int) -> dict:
-    """CPU us, context switches (voluntary, involuntary) and file read / write
-    syscalls per entry by ``kind/thread``, and the machine's busy share of its
-    CPUs between the two."""
+    """CPU us, context switches (voluntary, involuntary), file read / write
+    syscalls and run-queue wait us (runnable, no core free) per entry by
+    ``kind/thread``, and the machine's busy share of its CPUs between the two."""
     rows = {}
     for key, (kind, label, v) in after["threads"].items():
-        old = before["threads"].get(key, (kind, label, [0.0, 0, 0, 0, 0]))[2]
-        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0, 0, 0])
-        for i in range(5):
+        old = before["threads"].get(key, (kind, label, [0.0, 0, 0, 0, 0, 0.0]))[2]
+        r = rows.setdefault(f"{kind}/{label}", [0.0, 0, 0, 0, 0, 0.0])
+        for i in range(6):
             r[i] += v[i] - old[i]
     n = max(1, entries)
     res = {k: {"cpu_us": round(c * 1e6 / n, 1), "vcs": round(vc / n, 3),
-               "ics": round(ic / n, 3), "rd": round(rd / n, 3), "wr": round(wr / n, 3)}
-           for k, (c, vc, ic, rd, wr) in sorted(rows.items())}
+               "ics": round(ic / n, 3), "rd": round(rd / n, 3), "wr": round(wr / n, 3),
+               "wait_us": round(w * 1e6 / n, 1)}
+           for k, (c, vc, ic, rd, wr, w) in sorted(rows.items())}
     total = after["total"] - before["total"]
     return {"per_entry": res,
             "cpu_us_total": round(sum(r[0] for r in rows.values()) * 1e6 / n, 1),
+            "wait_us_total": round(sum(r[5] for r in rows.values()) * 1e6 / n, 1),
             "machine_busy": round((after["busy"] - before["busy"]) / max(1, total), 3)}
+
+
+class SchedRecord:
+    """``perf sched record -a`` over a measured interval, then each thread kind's
+    *scheduling delay* after a wake-up (how long it was runnable before it got a
+    core), as percentiles: the tail that :func:`per_entry`'s mean wait hides.
+    Needs ``perf`` and the right to trace the scheduler (root); :meth:`start`
+    returns False without them. Threads are labelled as in :func:`snapshot`
+    (kind/label of the snapshot taken at :meth:`stop`), others are left out."""
+
+    def __init__(self):
+        self._dir = None
+        self._proc = None
+
+    def start(self) -> bool:
+        perf = shutil.which("perf")
+        if perf is None:
+            return False
+        self._dir = tempfile.mkdtemp(prefix="bk-sched-")
+        # the monotonic clock: its timestamps compare with time.monotonic()
+        self._proc = subprocess.Popen(
+            [perf, "sched", "record", "-a", "-k", "CLOCK_MONOTONIC",
+             "-o", os.path.join(self._dir, "perf.data")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.2)
+        return self._proc.poll() is None
+
+    def cancel(self) -> None:
+        """Stop recording and throw the recording away."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def stop(self, snap: dict, t0: float = 0.0, t1: float = float("inf")) -> dict | None:
+        """Stop recording; ``{kind/label: {"n", "p50", "p90", "p99", "p999", "max"}}``
+        (delays in ms, ``n`` switch-ins between the ``time.monotonic()`` instants
+        ``t0`` and ``t1``) for the threads of ``snap``."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return None
+        try:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+            out = subprocess.run(["perf", "sched", "timehist", "-i",
+                                  os.path.join(self._dir, "perf.data")],
+                                 capture_output=True, text=True, timeout=300).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        names = {tid: f"{kind}/{label}" for (_, tid), (kind, label, _) in snap["threads"].items()}
+        delays = {}
+        # time  cpu  task[tid/pid]  wait  sch-delay  run
+        for line in out.splitlines():
+            f = line.split()
+            if len(f) < 6 or not f[2].endswith("]") or "[" not in f[2]:
+                continue
+            try:
+                t = float(f[0])
+                tid = int(f[2].rsplit("[", 1)[1][:-1].split("/")[0])
+                delay = float(f[4])
+            except ValueError:
+                continue
+            if not t0 <= t <= t1:
+                continue
+            name = names.get(tid)
+            if name is not None:
+                delays.setdefault(name, []).append(delay)
+        res = {}
+        for name, xs in sorted(delays.items()):
+            xs.sort()
+            n = len(xs)
+            res[name] = {"n": n, "p50": xs[n // 2], "p90": xs[int(n * 0.9)],
+                         "p99": xs[int(n * 0.99)], "p999": xs[int(n * 0.999)], "max": xs[-1]}
+        return res

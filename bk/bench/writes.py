@@ -62,7 +62,7 @@ def percentile(sorted_values, p):
 
 def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024, duration=10.0,
                  window=1000, ledgers=1, rate=None, warmup=1.0, client=None, proc=False,
-                 **conf) -> dict:
+                 sched=False, **conf) -> dict:
     """Write for ``duration`` s; return throughput and latency percentiles.
 
     ``window``: most adds outstanding over all ledgers (BookKeeper's throttle).
@@ -70,13 +70,19 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
     by ``window``) to measure latency under a fixed load. The first ``warmup``
     seconds are not measured. ``proc``: also CPU and context switches per entry
     of this process and its children (bookies, etcd) over the measured time
-    (:mod:`bk.bench.procstats`).
+    (:mod:`bk.bench.procstats`). ``sched``: also each thread's scheduling delay
+    per wake-up, as percentiles (``perf sched``; needs perf and root).
     """
     own = client is None
     if own:
         conf.setdefault("throttle", max(window, 1))
         client = BookKeeper(uri, **conf)
+    rec = delays = None
     try:
+        if sched:                   # recording through the warm-up
+            rec = procstats.SchedRecord()
+            if not rec.start():
+                rec = None
         handles = [client.create_ledger(ensemble, write_quorum, ack_quorum,
                                         digest_type="crc32c", password=b"bench")
                    for _ in range(ledgers)]
@@ -99,6 +105,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             if marks is None and now >= t_measure:
                 marks = (now, b.acked, [len(s.lat) for s in stats], time.process_time())
                 snap0 = procstats.snapshot() if proc else None
+                mono0 = time.monotonic()
             if b.error is not None:
                 raise b.error
             if sent - b.acked >= window:
@@ -128,7 +135,11 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
         t_stop = pc()
         cpu_stop = time.process_time()
         acked_at_stop = b.acked
+        mono1 = time.monotonic()
         snap1 = procstats.snapshot() if proc and marks is not None else None
+        if rec is not None:
+            delays = rec.stop(snap1 or procstats.snapshot(), mono0 if marks else 0.0, mono1)
+            rec = None
         # drain
         deadline = time.monotonic() + 30
         while b.acked < sent and time.monotonic() < deadline:
@@ -162,8 +173,12 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
         }
         if snap1 is not None:
             res["proc"] = procstats.per_entry(snap0, snap1, count)
+        if sched and delays is not None:
+            res["sched_delay_ms"] = delays
         return res
     finally:
+        if rec is not None:         # the run failed before it was measured
+            rec.cancel()
         if own:
             client.close()
 
