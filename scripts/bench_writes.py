@@ -136,7 +136,8 @@ def show(res):
         if "proc" in res:
             pr = res["proc"]
             print(f"  CPU {pr['cpu_us_total']} us/entry in all, run-queue wait "
-                  f"{pr['wait_us_total']} us/entry, machine busy {pr['machine_busy']:.0%}; "
+                  f"{pr['wait_us_total']} us/entry, machine busy {pr['machine_busy']:.0%} (other "
+                  f"processes {pr.get('others_busy', 0):.0%}); "
                   f"per entry: cpu us, run-queue wait us, voluntary/involuntary context "
                   f"switches, read/write(pwrite) syscalls:")
             for k, v in pr["per_entry"].items():

@@ -110,7 +110,9 @@ def snapshot() -> dict:
 def per_entry(before: dict, after: dict, entries: int) -> dict:
     """CPU us, context switches (voluntary, involuntary), file read / write
     syscalls and run-queue wait us (runnable, no core free) per entry by
-    ``kind/thread``, and the machine's busy share of its CPUs between the two."""
+    ``kind/thread``, and the machine's busy share of its CPUs between the two:
+    in all, and by processes other than these (other work: the run was not
+    quiet)."""
     rows = {}
     for key, (kind, label, v) in after["threads"].items():
         old = before["threads"].get(key, (kind, label, [0.0, 0, 0, 0, 0, 0.0]))[2]
@@ -123,10 +125,15 @@ def per_entry(before: dict, after: dict, entries: int) -> dict:
                "wait_us": round(w * 1e6 / n, 1)}
            for k, (c, vc, ic, rd, wr, w) in sorted(rows.items())}
     total = after["total"] - before["total"]
+    busy = after["busy"] - before["busy"]
+    # what processes outside the benchmark used: whether the run was quiet, measured
+    # (/proc/stat counts all CPUs, in ticks; ours is the threads' CPU in seconds)
+    ours = sum(r[0] for r in rows.values()) * _TICK
     return {"per_entry": res,
             "cpu_us_total": round(sum(r[0] for r in rows.values()) * 1e6 / n, 1),
             "wait_us_total": round(sum(r[5] for r in rows.values()) * 1e6 / n, 1),
-            "machine_busy": round((after["busy"] - before["busy"]) / max(1, total), 3)}
+            "machine_busy": round(busy / max(1, total), 3),
+            "others_busy": round(max(0.0, busy - ours) / max(1, total), 3)}
 
 
 class SchedRecord:

@@ -50,6 +50,7 @@ def test_cpu_of_a_named_thread_and_a_child_per_entry():
     assert "other/main" in res["per_entry"]            # the child, neither bookie nor etcd
     assert 0.0 < res["machine_busy"] <= 1.0
     assert io["wait_us"] >= 0.0 and res["wait_us_total"] >= io["wait_us"]
+    assert 0.0 <= res["others_busy"] <= res["machine_busy"]
 
 
 _PINNED = """
@@ -140,3 +141,45 @@ def test_sched_record_sees_the_delays_of_two_processes_sharing_one_cpu(tmp_path)
     row = res["other/main"]            # the two children
     assert row["n"] >= 100, res         # 150 naps each at least
     assert row["max"] > 0.0 and row["p50"] <= row["p99"] <= row["max"], row
+
+
+_ORPHAN = """
+import os, sys, time
+if os.fork():
+    os._exit(0)                  # the grandchild burns, reparented away from the test
+with open(sys.argv[1], "w") as f:
+    f.write(str(os.getpid()))
+end = time.thread_time() + 0.4
+while time.thread_time() < end:
+    pass
+time.sleep(30)
+"""
+
+
+def test_others_busy_counts_a_process_outside_the_benchmark(tmp_path):
+    """A process that is not a descendant burning 0.4 s of CPU shows in
+    ``others_busy`` (the machine's other work), not in the benchmark's rows."""
+    pidfile = tmp_path / "pid"
+    before = procstats.snapshot()
+    subprocess.run([sys.executable, "-c", _ORPHAN, str(pidfile)], check=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    pid = int(pidfile.read_text())
+    try:
+        while True:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            # ticks lag the burner's own clock: 0.4 s may read 0.39 until it exits
+            if (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") >= 0.35:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        after = procstats.snapshot()
+    finally:
+        os.kill(pid, 9)
+    assert all(k[0] != pid for k in after["threads"])
+    res = procstats.per_entry(before, after, 1000)
+    seconds = res["others_busy"] * (after["total"] - before["total"]) / os.sysconf("SC_CLK_TCK")
+    assert seconds >= 0.3, res          # 0.35 s or more burnt (clock ticks: +-10 ms)
