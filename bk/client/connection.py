@@ -104,6 +104,7 @@ _FAIL_FAST_SEC = 0.1
 _IOV = 1000                    # buffers per sendmsg (IOV_MAX is 1024)
 BATCH_BYTES = 1 << 20          # records per ADD_BATCH frame, at most (and the frame limit)
 BATCH_ENTRIES = 1000
+_TURN = 1 << 16                # plaintext bytes a TLS connection encrypts per turn of a pass
 _ADD_BATCH = protocol.ADD_BATCH
 _ADD = protocol.ADD
 _NONES = itertools.repeat(None)
@@ -643,7 +644,9 @@ class Connection:
             return
         self._write()
 
-    def _write(self):
+    def _write(self, turn=0):
+        """Send what is queued. With ``turn`` (TLS, the loop's pass) encrypt and send
+        about that many bytes only; True if plaintext is left for another turn."""
         q = self.wq
         if self.out:
             q.extend(self.out)
@@ -652,8 +655,7 @@ class Connection:
             self._encode_adds(q)
         sock = self.sock
         if self.tls is not None:
-            self._write_tls(q)
-            return
+            return self._write_tls(q, turn)
         while q:
             chunk = q[:_IOV] if len(q) > _IOV else q
             try:
@@ -684,21 +686,38 @@ class Connection:
             self._wants_write = wants
             self.loop.sel.modify(self.sock, _EV_RW if wants else _EV_R, self)
 
-    def _write_tls(self, q):
-        """Encrypt the buffers of ``q`` (all of them, at once: records of 16 KiB) and
-        send the ciphertext with one sendmsg; what the socket does not take waits in
-        the stream's backlog."""
+    def _write_tls(self, q, turn):
+        """Encrypt the buffers of ``q`` (records of 16 KiB) and send the ciphertext
+        with one sendmsg; what the socket does not take waits in the stream's
+        backlog. With ``turn``: only the first buffers of ``q`` worth about ``turn``
+        bytes, and True if more is left and the socket took everything (another turn
+        is worth it); a full socket waits for its write event instead."""
         t = self.tls
+        more = False
         try:
             if q:
-                t.encrypt(q)
-                q.clear()
+                if turn:
+                    k = n = 0
+                    while k < len(q) and n < turn:
+                        n += len(q[k])
+                        k += 1
+                    if k < len(q):
+                        t.encrypt(q[:k])
+                        del q[:k]
+                        more = True
+                    else:
+                        t.encrypt(q)
+                        q.clear()
+                else:
+                    t.encrypt(q)
+                    q.clear()
             left = t.flush()
         except OSError as e:
             self._fail(BookieUnavailableError(f"send to bookie {self.bookie_id} failed: "
                                               f"{tls.reason(e)}"))
-            return
+            return False
         self._want(bool(left))
+        return more and not left
 
     def _encode_adds(self, q):
         """Turn the queued adds into ADD_BATCH frames (or single ADDs for a bookie
@@ -1029,10 +1048,7 @@ class IOLoop:
                 dirty = self._dirty
                 if dirty:
                     self._dirty = []
-                    for conn in dirty:
-                        conn.dirty = False
-                        if conn.state == READY:
-                            conn._write()
+                    self._write_dirty(dirty)
         except BaseException as e:
             log.exception("bk I/O thread died")
             self._die(e)
@@ -1045,6 +1061,23 @@ class IOLoop:
             if self._stopping:
                 for sock in (self._wake_r, self._wake_w):
                     sock.close()
+
+    def _write_dirty(self, dirty):
+        """Write the connections of this pass, in the order they got work (the
+        oldest adds first). A TLS connection encrypts and sends ``_TURN`` bytes per
+        turn, then the next one has its turn: after a burst, the first frames reach
+        every bookie of a write quorum after one turn each, not after the whole
+        backlog of the connections before theirs was encrypted."""
+        more = []
+        for conn in dirty:
+            conn.dirty = False
+            if conn.state == READY and conn._write(_TURN):
+                more.append(conn)
+        while more:
+            dirty, more = more, []
+            for conn in dirty:
+                if conn.state == READY and conn._write(_TURN):
+                    more.append(conn)
 
     def _run_timers(self, now):
         timers = self._timers
