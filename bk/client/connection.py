@@ -644,9 +644,10 @@ class Connection:
             return
         self._write()
 
-    def _write(self, turn=0):
-        """Send what is queued. With ``turn`` (TLS, the loop's pass) encrypt and send
-        about that many bytes only; True if plaintext is left for another turn."""
+    def _write(self):
+        """Send what is queued. TLS in the loop's pass (``loop.turn`` set): encrypt
+        and send about ``loop.turn`` bytes only; True if plaintext is left for
+        another turn."""
         q = self.wq
         if self.out:
             q.extend(self.out)
@@ -655,7 +656,7 @@ class Connection:
             self._encode_adds(q)
         sock = self.sock
         if self.tls is not None:
-            return self._write_tls(q, turn)
+            return self._write_tls(q, self.loop.turn)
         while q:
             chunk = q[:_IOV] if len(q) > _IOV else q
             try:
@@ -859,6 +860,7 @@ class IOLoop:
         self._timer_seq = itertools.count()
         self._tickers: list = []
         self.now = time.monotonic()
+        self.turn = 0            # bytes per TLS turn while _write_dirty runs, else 0: all
         self.generation += 1
 
     # --- thread-safe API ---------------------------------------------------
@@ -1069,15 +1071,19 @@ class IOLoop:
         every bookie of a write quorum after one turn each, not after the whole
         backlog of the connections before theirs was encrypted."""
         more = []
-        for conn in dirty:
-            conn.dirty = False
-            if conn.state == READY and conn._write(_TURN):
-                more.append(conn)
-        while more:
-            dirty, more = more, []
+        self.turn = _TURN
+        try:
             for conn in dirty:
-                if conn.state == READY and conn._write(_TURN):
+                conn.dirty = False
+                if conn.state == READY and conn._write():
                     more.append(conn)
+            while more:
+                dirty, more = more, []
+                for conn in dirty:
+                    if conn.state == READY and conn._write():
+                        more.append(conn)
+        finally:
+            self.turn = 0
 
     def _run_timers(self, now):
         timers = self._timers
