@@ -116,6 +116,7 @@ import mmap
 import os
 import re
 import struct
+import time
 from typing import Iterator, NamedTuple
 
 from crc32c import crc32c
@@ -1009,7 +1010,7 @@ class SyncJob:
     file's dirty pages: the records the journal pwrote before handing the job over.
     """
 
-    __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error")
+    __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error", "seconds")
 
     def __init__(self, path, directory, seq, end, records, nbytes):
         self.path = path
@@ -1019,11 +1020,13 @@ class SyncJob:
         self.records = records
         self.bytes = nbytes
         self.error: BaseException | None = None
+        self.seconds = 0.0       # how long the disk took (run's own time, no hand-off)
 
     def run(self) -> None:
         """Blocking; safe on any thread. Never raises: failures land in ``error``."""
         if self.path is None:
             return
+        t0 = time.monotonic()
         try:
             fd = os.open(self.path, os.O_RDONLY)
             try:
@@ -1034,6 +1037,7 @@ class SyncJob:
                 _fsync_dir(self.directory)
         except OSError as e:
             self.error = e
+        self.seconds = time.monotonic() - t0
 
 
 def iter_records(journal_dir: str, start_mark=None) -> Iterator[Record]:

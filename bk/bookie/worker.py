@@ -149,6 +149,19 @@ HEARTBEAT_INTERVAL = 1.0
 # flusher thread; the loop keeps serving).
 COMPACT_ROUND_BYTES = 256 << 20
 SWITCH_INTERVAL = 0.0002
+# Inline group commit (see the theory of operation): a group is synced on the
+# loop's own thread, without the hand-off to the sync thread, when no sync is
+# in flight, it holds at most INLINE_MAX_ANSWERS answers and INLINE_MAX_BYTES
+# unsynced bytes, and recent syncs averaged under INLINE_MAX_SYNC seconds. On
+# this project's VM a pwrite + fdatasync of 200 B to 16 KiB took 45-106 us
+# (p50; p99 0.16-2 ms) while the hand-off (queue, GIL, pipe, epoll wake) cost
+# ~3 context switches and ~12 syscalls more per group; a bigger group (or a
+# disk whose syncs take milliseconds) keeps the pipeline, whose overlap of
+# one group's sync with the next group's reading and answering pays there.
+INLINE_MAX_ANSWERS = 8
+INLINE_MAX_BYTES = 16 * 1024
+INLINE_MAX_SYNC = 0.005
+SYNC_AVG_WEIGHT = 0.125      # of the newest sync in the moving average
 HANDSHAKE_TIMEOUT = 10.0     # TLS handshake and AUTH of a new connection, at most
 # the connection states besides READY (0): waiting for the TLS handshake, for AUTH
 _READY, _HANDSHAKE, _AUTH = 0, 1, 2
@@ -279,6 +292,7 @@ class ShardWorker:
         self.features = P.FEATURES if conf.frameBatching else 0
         self._group = None                           # (adds, failed, answers, first held)
         self._sync_t0 = 0.0
+        self._sync_avg = 0.0                         # recent syncs' duration (moving average)
         self._failed = False                         # a sync failed: nothing more is answered
         self._last_read_status = EOK
         self.tls = tls.ServerTLS(conf) if conf.tlsCertificatePath else None
@@ -385,9 +399,15 @@ class ShardWorker:
     def _start_sync(self, done=None):
         """Commit the held group: begin its sync, then answer ``done`` (the group whose
         sync has just completed, see :meth:`_on_sync_done`), so that the answering
-        overlaps this sync. A group that needs no sync (nothing appended, e.g. only
-        an already fenced ledger fenced; or journalSyncData=false) is answered at
-        once, after ``done``."""
+        overlaps this sync. A small group (see :meth:`_may_sync_inline`) is instead
+        synced on this thread and answered at once, after ``done``. A group that
+        needs no sync (nothing appended, e.g. only an already fenced ledger fenced;
+        or journalSyncData=false) is answered at once, after ``done``."""
+        if self._may_sync_inline():
+            if done is not None:     # durable already, and answered before the next group
+                self._answer(done)
+            self._sync_inline()
+            return
         try:
             job = self.storage.begin_sync()
         except JournalError:         # a failed write: the journal refuses everything now
@@ -412,6 +432,39 @@ class ShardWorker:
             self.storage.end_sync(job)
         self._answer((held, group))
 
+    def _may_sync_inline(self) -> bool:
+        """Whether the held group is small enough, and the disk quick enough lately,
+        to be synced on the loop's thread (only ever when no sync is in flight)."""
+        return (len(self.held) <= INLINE_MAX_ANSWERS
+                and self.storage.unsynced_bytes <= INLINE_MAX_BYTES
+                and self._sync_avg < INLINE_MAX_SYNC and self.conf.journalSyncData)
+
+    def _sync_inline(self):
+        """Sync the held group on this thread (one pwrite + fdatasync), then answer it.
+        If the write or the sync fails, nothing of it is answered (JournalError)."""
+        group = self._take_group(self.held)
+        held, self.held = self.held, []
+        if self.storage.unsynced_bytes:     # else nothing to wait for (e.g. a second fence)
+            self.inflight = held    # what the sync under way covers, as for the thread's
+            t0 = time.monotonic()
+            try:
+                self.storage.sync()
+            except JournalError:
+                self._failed = True
+                raise
+            finally:
+                self.inflight = []
+            t = time.monotonic() - t0
+            self._synced(t, t)
+        self._answer((held, group))
+
+    def _synced(self, latency: float, disk: float):
+        """A sync completed ``latency`` seconds after it began, the disk's part of it
+        ``disk`` (without the hand-off to and from the sync thread): its metric, and
+        the moving average of the disk's part that decides inline or pipelined."""
+        self.m.synced(latency)
+        self._sync_avg += (disk - self._sync_avg) * SYNC_AVG_WEIGHT
+
     def _end_sync(self):
         """The sync in flight completed: its group ``(answers, counts)``, not answered
         yet. JournalError (and nothing of that group or any later one is ever
@@ -423,7 +476,7 @@ class ShardWorker:
         except JournalError:
             self._failed = True
             raise
-        self.m.synced(time.monotonic() - self._sync_t0)
+        self._synced(time.monotonic() - self._sync_t0, job.seconds)
         return answers, self._group
 
     def _answer(self, done):
