@@ -64,6 +64,21 @@ once (after the group before it). At most one sync is in flight: a second
 ``fdatasync`` of the same file would wait for the first anyway, and a group
 begun later only grows.
 
+A small group is synced inline instead: when it is due, no sync is in flight
+(the group before it answered first), it holds few answers and bytes
+(INLINE_MAX_ANSWERS, INLINE_MAX_BYTES) and recent syncs were quick (a moving
+average of the disk's part of each sync below INLINE_MAX_SYNC), the loop
+itself pwrites and fdatasyncs it and answers it at once. That is the load of
+lone adds (a ledger per entry), where the hand-off to the sync thread and back
+(a queue wake, the GIL changing threads, a byte through the pipe, an epoll
+wake) cost more CPU and context switches than the sync itself; the loop reads
+nothing during the sync, which the bounds keep short. Every rule above holds
+the same: the answers leave after their own sync, after the group before
+them; a failed write or sync answers nothing (JournalError, the worker
+exits); ``_quiesce`` has nothing in flight to wait for. After a slow disk
+moment every group takes the sync thread until the average is low again, so
+that reading goes on during slow syncs.
+
 Storage (``bk.bookie.storage``) flushes the journal's tail into entry logs
 and the index on its own flusher thread; the loop only calls
 :meth:`ShardStorage.maintain` once a pass (which swaps the tail when it is
@@ -152,12 +167,15 @@ SWITCH_INTERVAL = 0.0002
 # Inline group commit (see the theory of operation): a group is synced on the
 # loop's own thread, without the hand-off to the sync thread, when no sync is
 # in flight, it holds at most INLINE_MAX_ANSWERS answers and INLINE_MAX_BYTES
-# unsynced bytes, and recent syncs averaged under INLINE_MAX_SYNC seconds. On
-# this project's VM a pwrite + fdatasync of 200 B to 16 KiB took 45-106 us
-# (p50; p99 0.16-2 ms) while the hand-off (queue, GIL, pipe, epoll wake) cost
-# ~3 context switches and ~12 syscalls more per group; a bigger group (or a
-# disk whose syncs take milliseconds) keeps the pipeline, whose overlap of
-# one group's sync with the next group's reading and answering pays there.
+# unsynced bytes, and the disk's part of recent syncs averaged under
+# INLINE_MAX_SYNC. Measured on the project's 2-core VM with lone adds: the
+# hand-off cost ~3 context switches, ~12 syscalls and ~25 us of CPU per group
+# (sync thread 20, the loop's wake the rest); a pwrite + fdatasync of 200 B to
+# 16 KiB took 45-106 us (p50) alone and 0.5-2.6 ms (p50) with six shards and
+# etcd syncing too. Bigger groups come with load, where the pipeline's overlap
+# of one group's sync with reading and answering the next pays; 5 ms is past
+# this disk's usual syncs and below a slow moment or a spinning disk's, when
+# reading should not stop for a sync.
 INLINE_MAX_ANSWERS = 8
 INLINE_MAX_BYTES = 16 * 1024
 INLINE_MAX_SYNC = 0.005

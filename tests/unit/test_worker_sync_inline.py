@@ -100,7 +100,8 @@ def test_a_slow_sync_sends_groups_to_the_thread_until_syncs_are_quick_again(inli
     c.add(0)
     w._start_sync()
     assert c.acked() == [(LID, 0)]                          # inline
-    w._synced(0.02, 0.02)                 # one slow disk moment (20 ms)
+    slow = 2 * W.INLINE_MAX_SYNC / W.SYNC_AVG_WEIGHT     # one slow disk moment (80 ms)
+    w._synced(slow, slow)
     threaded = 0
     eid = 1
     while True:
