@@ -310,7 +310,8 @@ class ShardWorker:
         self.features = P.FEATURES if conf.frameBatching else 0
         self._group = None                           # (adds, failed, answers, first held)
         self._sync_t0 = 0.0
-        self._sync_avg = 0.0                         # recent syncs' duration (moving average)
+        self._sync_avg = 0.0                         # the disk's part of recent syncs (average)
+        self._sync_data = conf.journalSyncData       # else no group is synced inline
         self._failed = False                         # a sync failed: nothing more is answered
         self._last_read_status = EOK
         self.tls = tls.ServerTLS(conf) if conf.tlsCertificatePath else None
@@ -453,9 +454,8 @@ class ShardWorker:
     def _may_sync_inline(self) -> bool:
         """Whether the held group is small enough, and the disk quick enough lately,
         to be synced on the loop's thread (only ever when no sync is in flight)."""
-        return (len(self.held) <= INLINE_MAX_ANSWERS
-                and self.storage.unsynced_bytes <= INLINE_MAX_BYTES
-                and self._sync_avg < INLINE_MAX_SYNC and self.conf.journalSyncData)
+        return (self._sync_avg < INLINE_MAX_SYNC and len(self.held) <= INLINE_MAX_ANSWERS
+                and self.storage.unsynced_bytes <= INLINE_MAX_BYTES and self._sync_data)
 
     def _sync_inline(self):
         """Sync the held group on this thread (one pwrite + fdatasync), then answer it.
