@@ -166,17 +166,17 @@ def test_kill9_during_an_inline_sync(cluster_factory, tmp_path, monkeypatch, whe
         for t in threads:
             t.join(30)
     assert not any(t.is_alive() for t in threads)
-    lost = [(lid, e) for lid, e in stopped["entries"]]
-    assert lost and all(e == 0 for _lid, e in lost), lost
+    unanswered = [(lid, e) for lid, e in stopped["entries"]]
+    assert unanswered and all(e == 0 for _lid, e in unanswered), unanswered
     ledgers = [lid for per in acked for lid in per]
     assert len(ledgers) >= STOP_AT
-    assert not {lid for lid, _e in lost} & set(ledgers), \
+    assert not {lid for lid, _e in unanswered} & set(ledgers), \
         "entries of the group stopped in its inline sync were acknowledged"
     if how == "stop":
         b.start()
     else:                                        # the arbiter restarts the worker: it replays
         wait_until(lambda: readable(b, ledgers[0]), timeout=60, what="the worker restarted")
-    want = ledgers + ([lid for lid, _e in lost] if when == "after" else [])
+    want = ledgers + ([lid for lid, _e in unanswered] if when == "after" else [])
     for lid in want:
         read_back(b, lid, [0], payload=PAYLOAD)
     # and the ledgers take their next entry after the restart
