@@ -66,9 +66,10 @@ begun later only grows.
 
 A small group is synced inline instead: when it is due, no sync is in flight
 (the group before it answered first), it holds few answers and bytes
-(INLINE_MAX_ANSWERS, INLINE_MAX_BYTES) and recent syncs were quick (a moving
-average of the disk's part of each sync below INLINE_MAX_SYNC), the loop
-itself pwrites and fdatasyncs it and answers it at once. That is the load of
+(INLINE_MAX_ANSWERS, INLINE_MAX_BYTES), recent syncs were quick (a moving
+average of the disk's part of each sync below INLINE_MAX_SYNC) and the loop
+has spare time (busy less than INLINE_MAX_LOAD of the last LOAD_WINDOW), the
+loop itself pwrites and fdatasyncs it and answers it at once. That is the load of
 lone adds (a ledger per entry), where the hand-off to the sync thread and back
 (a queue wake, the GIL changing threads, a byte through the pipe, an epoll
 wake) cost more CPU and context switches than the sync itself; the loop reads
@@ -180,6 +181,12 @@ INLINE_MAX_ANSWERS = 8
 INLINE_MAX_BYTES = 16 * 1024
 INLINE_MAX_SYNC = 0.005
 SYNC_AVG_WEIGHT = 0.125      # of the newest sync in the moving average
+# ... and only while the loop was busy (reading, appending, answering, syncing
+# inline) less than INLINE_MAX_LOAD of the last LOAD_WINDOW: a loop with spare
+# time absorbs a sync's wait, a busy one (one ledger's 30,000 entries/s on one
+# shard) would queue behind it, where the pipeline hides the sync instead.
+INLINE_MAX_LOAD = 0.25
+LOAD_WINDOW = 0.05
 HANDSHAKE_TIMEOUT = 10.0     # TLS handshake and AUTH of a new connection, at most
 # the connection states besides READY (0): waiting for the TLS handshake, for AUTH
 _READY, _HANDSHAKE, _AUTH = 0, 1, 2
@@ -312,6 +319,7 @@ class ShardWorker:
         self._sync_t0 = 0.0
         self._sync_avg = 0.0                         # the disk's part of recent syncs (average)
         self._sync_data = conf.journalSyncData       # else no group is synced inline
+        self._loop_load = 0.0                        # the loop's busy share, last window
         self._failed = False                         # a sync failed: nothing more is answered
         self._last_read_status = EOK
         self.tls = tls.ServerTLS(conf) if conf.tlsCertificatePath else None
@@ -454,7 +462,8 @@ class ShardWorker:
     def _may_sync_inline(self) -> bool:
         """Whether the held group is small enough, and the disk quick enough lately,
         to be synced on the loop's thread (only ever when no sync is in flight)."""
-        return (self._sync_avg < INLINE_MAX_SYNC and len(self.held) <= INLINE_MAX_ANSWERS
+        return (self._sync_avg < INLINE_MAX_SYNC and self._loop_load < INLINE_MAX_LOAD
+                and len(self.held) <= INLINE_MAX_ANSWERS
                 and self.storage.unsynced_bytes <= INLINE_MAX_BYTES and self._sync_data)
 
     def _sync_inline(self):
@@ -582,6 +591,7 @@ class ShardWorker:
         sel = self.sel
         storage = self.storage
         next_hb = 0.0
+        busy = idle = 0.0          # seconds of this load window (see _may_sync_inline)
         while not self.stopping:
             now = time.monotonic()
             if self.held and self.sync_job is None:
@@ -595,6 +605,8 @@ class ShardWorker:
             elif self._compacting is not None:
                 timeout = min(timeout, 0.05)
             events = sel.select(timeout)
+            woke = time.monotonic()
+            idle += woke - now
             for conn, mask in events:
                 if conn is None:
                     self._on_control()
@@ -619,6 +631,10 @@ class ShardWorker:
             elif self._waiters:
                 self._wake_waiters(time.monotonic())
             now = time.monotonic()
+            busy += now - woke
+            if busy + idle >= LOAD_WINDOW:
+                self._loop_load = busy / (busy + idle)
+                busy = idle = 0.0
             if now >= next_hb:
                 next_hb = now + HEARTBEAT_INTERVAL
                 if os.getppid() != self.ppid:

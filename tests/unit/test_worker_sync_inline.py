@@ -175,3 +175,20 @@ def test_without_sync_data_nothing_is_synced_inline(inline_worker):
     w._start_sync()
     assert c.acked() == [(LID, 0)] and w.sync_job is None and w._sync_q.empty()
     assert w._sync_avg == 0.0             # no sync ran at all
+
+
+def test_a_busy_loop_keeps_the_pipeline(inline_worker):
+    """A loop busy most of the last load window (one hot ledger at tens of thousands
+    of entries/s) would queue its work behind an inline sync: the thread syncs."""
+    w = inline_worker()
+    c = Client(w)
+    w._loop_load = W.INLINE_MAX_LOAD + 0.1
+    c.add(0)
+    w._start_sync()
+    assert w.sync_job is not None and c.acked() == []
+    w.complete()
+    assert c.acked() == [(LID, 0)]
+    w._loop_load = W.INLINE_MAX_LOAD / 2
+    c.add(1)
+    w._start_sync()
+    assert w.sync_job is None and c.acked() == [(LID, 1)]
