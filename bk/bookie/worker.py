@@ -64,8 +64,9 @@ once (after the group before it). At most one sync is in flight: a second
 ``fdatasync`` of the same file would wait for the first anyway, and a group
 begun later only grows.
 
-A small group is synced inline instead: when it is due, no sync is in flight
-(the group before it answered first), it holds few answers and bytes
+A small group is synced inline instead: when it is due while no sync was in
+flight (a group gathered during a sync keeps the pipeline: input goes on
+arriving, and reading it during the next sync pays), it holds few answers and bytes
 (INLINE_MAX_ANSWERS, INLINE_MAX_BYTES), recent syncs were quick (a moving
 average of the disk's part of each sync below INLINE_MAX_SYNC) and the loop
 has spare time (busy less than INLINE_MAX_LOAD of the last LOAD_WINDOW), the
@@ -430,13 +431,13 @@ class ShardWorker:
     def _start_sync(self, done=None):
         """Commit the held group: begin its sync, then answer ``done`` (the group whose
         sync has just completed, see :meth:`_on_sync_done`), so that the answering
-        overlaps this sync. A small group (see :meth:`_may_sync_inline`) is instead
-        synced on this thread and answered at once, after ``done``. A group that
-        needs no sync (nothing appended, e.g. only an already fenced ledger fenced;
-        or journalSyncData=false) is answered at once, after ``done``."""
-        if self._may_sync_inline():
-            if done is not None:     # durable already, and answered before the next group
-                self._answer(done)
+        overlaps this sync. A small group due while no sync was in flight (``done``
+        None; see :meth:`_may_sync_inline`) is instead synced on this thread and
+        answered at once; one gathered during a sync keeps the pipeline, since the
+        input goes on arriving. A group that needs no sync (nothing appended, e.g.
+        only an already fenced ledger fenced; or journalSyncData=false) is answered
+        at once, after ``done``."""
+        if done is None and self._may_sync_inline():
             self._sync_inline()
             return
         try:

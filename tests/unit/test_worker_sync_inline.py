@@ -3,7 +3,8 @@ flight, recent syncs quick: pwrite + fdatasync on the loop's thread, answered at
 once) and the pipelined sync thread, on a real worker with real storage and real
 sockets (tests/unit/test_group_commit.py's step worker, inline syncs on). Every
 rule of the group commit still holds on the inline path: answered only after its
-own sync, in order after the group before it, a failed sync answers nothing."""
+own sync, in order after the group before it, a failed sync answers nothing; and
+a group gathered while a sync ran keeps the pipeline."""
 
 from __future__ import annotations
 
@@ -65,19 +66,26 @@ def test_a_group_of_many_bytes_takes_the_sync_thread(inline_worker):
     assert c.acked() == [(LID, 0)]
 
 
-def test_a_small_group_held_behind_a_pipelined_sync_is_answered_after_it(inline_worker):
-    """The small group gathered while a big one synced on the thread: the big one is
-    answered first, then the small one is synced inline and answered."""
+def test_a_small_group_gathered_during_a_pipelined_sync_keeps_the_pipeline(inline_worker):
+    """Input that arrives while a sync runs goes on arriving: its group takes the
+    thread too (begun before the synced group is answered), however small."""
     w = inline_worker()
     c = Client(w)
     big = W.INLINE_MAX_ANSWERS + 1
     c.add(*range(big))
     w._start_sync()
+    first = w.sync_job
     c.add(big)                            # held while that sync runs
     assert c.acked() == []
     w.complete()
-    assert c.acked() == [(LID, e) for e in range(big + 1)]
-    assert w.sync_job is None and w._sync_q.empty() and durable(w)
+    assert c.acked() == [(LID, e) for e in range(big)]
+    assert w.sync_job is not None and w.sync_job is not first       # the small one syncing
+    w.complete()
+    assert c.acked() == [(LID, big)]
+    assert w.sync_job is None and durable(w)
+    c.add(big + 1)                        # due with nothing in flight: inline again
+    w._start_sync()
+    assert w.sync_job is None and c.acked() == [(LID, big + 1)]
 
 
 def test_a_big_group_held_behind_a_pipelined_sync_keeps_the_pipeline(inline_worker):
