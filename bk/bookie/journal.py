@@ -116,6 +116,7 @@ import mmap
 import os
 import re
 import struct
+import time
 from typing import Iterator, NamedTuple
 
 from crc32c import crc32c
@@ -149,6 +150,8 @@ _ADD_HDR = struct.Struct("<IIBqqqH")      # crc, length, type, ledger, entry, la
 ADD_OVERHEAD = _ADD_HDR.size              # record bytes of an ADD besides digest + payload
 _ADD_FIELDS = struct.Struct("<qqqH")
 _LEDGER_HDR = struct.Struct("<IIBq")      # FENCE, DELETE, DROP; prefix of MASTER_KEY
+_pack_ledger_hdr = _LEDGER_HDR.pack_into
+_MK_SIZE = _LEDGER_HDR.size
 _WLAC_HDR = struct.Struct("<IIBqq")
 _STATE_HDR = struct.Struct("<IIBqBqi")
 _Q = struct.Struct("<q")
@@ -783,6 +786,26 @@ class Journal:
         self._unsynced_records += 1
         return self._seqbase | off
 
+    def append_master_key(self, ledger: int, key: bytes) -> int:
+        """Append a ledger's MASTER_KEY record; return its position (hot path: a
+        ledger's first add makes one, and with a ledger per entry every add does)."""
+        n = _MK_SIZE + len(key)
+        off = self._off
+        i = off - self._wbase
+        if off + n > self._size or i + n > len(self._buf):
+            self._reserve(n)
+            off = self._off
+            i = off - self._wbase
+        buf = self._buf
+        end = i + n
+        _pack_ledger_hdr(buf, i, 0, n - 8, MASTER_KEY, ledger)
+        buf[i + _MK_SIZE:end] = key
+        _CRC.pack_into(buf, i, crc32c(self._bv[i + 4:end]))
+        self._off = off + n
+        self._unsynced += n
+        self._unsynced_records += 1
+        return self._seqbase | off
+
     def append(self, rtype: int, *fields) -> int:
         """Append one record of any type (fields as :func:`iter_records` decodes them)."""
         if rtype == ADD:
@@ -791,8 +814,7 @@ class Journal:
             (ledger,) = fields
             return self._append_raw(_LEDGER_HDR, (rtype, ledger))
         if rtype == MASTER_KEY:
-            ledger, key = fields
-            return self._append_raw(_LEDGER_HDR, (rtype, ledger), bytes(key))
+            return self.append_master_key(*fields)
         if rtype == WRITE_LAC:
             ledger, lac = fields
             return self._append_raw(_WLAC_HDR, (rtype, ledger, lac))
@@ -1009,7 +1031,7 @@ class SyncJob:
     file's dirty pages: the records the journal pwrote before handing the job over.
     """
 
-    __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error")
+    __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error", "seconds")
 
     def __init__(self, path, directory, seq, end, records, nbytes):
         self.path = path
@@ -1019,11 +1041,13 @@ class SyncJob:
         self.records = records
         self.bytes = nbytes
         self.error: BaseException | None = None
+        self.seconds = 0.0       # how long the disk took (run's own time, no hand-off)
 
     def run(self) -> None:
         """Blocking; safe on any thread. Never raises: failures land in ``error``."""
         if self.path is None:
             return
+        t0 = time.monotonic()
         try:
             fd = os.open(self.path, os.O_RDONLY)
             try:
@@ -1034,6 +1058,7 @@ class SyncJob:
                 _fsync_dir(self.directory)
         except OSError as e:
             self.error = e
+        self.seconds = time.monotonic() - t0
 
 
 def iter_records(journal_dir: str, start_mark=None) -> Iterator[Record]:

@@ -833,7 +833,7 @@ class ShardStorage:
 
     def _new_ledger(self, ledger: int, master_key: bytes):
         try:
-            self._journal.append(J.MASTER_KEY, ledger, master_key)
+            self._journal.append_master_key(ledger, master_key)
         except (JournalError, OSError) as e:
             log.error("recording the master key of ledger %d failed: %s", ledger, e)
             return None
@@ -855,7 +855,7 @@ class ShardStorage:
         if st.key is not None:
             return EUA
         try:
-            self._journal.append(J.MASTER_KEY, ledger, master_key)
+            self._journal.append_master_key(ledger, master_key)
         except (JournalError, OSError) as e:
             log.error("recording the master key of ledger %d failed: %s", ledger, e)
             return EIO

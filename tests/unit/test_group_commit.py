@@ -1,7 +1,8 @@
 """The shard worker's pipelined group commit, step by step: a real worker on real
 storage in a temporary directory, real sockets (socketpairs) as its clients, and
-its syncs run when the test says (no sync thread), so that each moment of the
-pipeline can be looked at: the next group's sync begins before the group whose
+its syncs run when the test says (no sync thread, and no inline sync of small
+groups: that choice has its own tests), so that each moment of the pipeline can
+be looked at: the next group's sync begins before the group whose
 sync completed is answered; nothing is answered before its own sync; a failed
 sync answers nothing of its group nor of any later one; a connection's answers
 keep their order."""
@@ -26,10 +27,17 @@ LID = 7
 
 
 class StepWorker(ShardWorker):
-    """A shard worker whose syncs the test runs (see :meth:`complete`)."""
+    """A shard worker whose syncs the test runs (see :meth:`complete`). Its groups
+    all take the pipelined sync unless ``inline`` is set: then a small group is
+    synced inline as in production (tests/unit/test_worker_sync_inline.py)."""
+
+    inline = False
 
     def _start_sync_thread(self):
         pass
+
+    def _may_sync_inline(self) -> bool:
+        return self.inline and super()._may_sync_inline()
 
     def complete(self, fail_with: str | None = None):
         """Run the sync in flight (its job, as the sync thread would) and hand the

@@ -1,0 +1,186 @@
+"""kill -9 at the moment an inline group commit makes matter: a small group's
+records are appended and its sync runs on the shard worker's own loop thread,
+its answers not yet sent. A hook put first on the bookie's PYTHONPATH
+(``sitecustomize``, as tests/integration/test_group_commit_kill.py does) stops
+the worker there, just before the sync or just after it returned, either with
+SIGSTOP (the test then kills the whole bookie with SIGKILL and starts it again)
+or with SIGKILL of the worker itself (its arbiter restarts it, which replays).
+The load is lone first adds (a new ledger per entry, one at a time per
+connection), the load whose groups are synced inline. Afterwards: the stopped
+group's entries were never acknowledged, every acknowledged entry reads back,
+and (the sync having completed) so do the stopped group's. Real etcd and bookie
+processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from bk import protocol as P
+from bk.errors import BKError, EOK
+from bk.rawclient import BookieConnection
+from bk.testing import wait_until
+
+from test_storage_crash import read_back
+
+KEY = b"i" * 20
+PAYLOAD = b"inline sync " * 8
+THREADS = 4
+STOP_AT = 100        # the 100th inline sync that covers answers
+
+HOOK = r'''
+import json, os, signal
+import bk.bookie.worker as m
+import bk.bookie.storage as s
+
+AT = int(os.environ.get("IS_TEST_STOP_AT", "0"))
+OUT = os.environ.get("IS_TEST_OUT", "")
+WHEN = os.environ.get("IS_TEST_WHEN", "")        # "before" or "after" the sync
+HOW = os.environ.get("IS_TEST_HOW", "")          # "stop" or "kill9"
+_sync_inline = m.ShardWorker._sync_inline
+_sync = s.ShardStorage.sync
+_worker = [None]
+_seen = [0]
+
+
+def entries(answers):
+    out = []
+    for _conn, frame in answers:
+        if type(frame) is list:                  # a group acknowledgement: [rid, runs, errors]
+            runs = frame[1]
+            for i in range(0, len(runs), 3):
+                out += [[runs[i], e] for e in range(runs[i + 1], runs[i + 2] + 1)]
+    return out
+
+
+def moment():
+    w = _worker[0]
+    if w is None or w.sync_job is not None or not w.inflight or os.path.exists(OUT):
+        return                                   # not an inline sync of answers; or done
+    _seen[0] += 1
+    if _seen[0] != AT:
+        return
+    with open(OUT + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "entries": entries(w.inflight)}, f)
+    os.rename(OUT + ".tmp", OUT)
+    os.kill(os.getpid(), signal.SIGSTOP if HOW == "stop" else signal.SIGKILL)
+
+
+def sync_inline(self):
+    _worker[0] = self
+    return _sync_inline(self)
+
+
+def sync(self):
+    if WHEN == "before":
+        moment()
+    _sync(self)
+    if WHEN == "after":
+        moment()
+
+
+if AT:
+    m.ShardWorker._sync_inline = sync_inline
+    s.ShardStorage.sync = sync
+'''
+
+
+def pump(b, base, done, acked):
+    """Ledgers ``base``, ``base + 1``, ...: one entry each, one at a time, until the
+    kill breaks the connection (``done()`` is true by then); the ledgers whose add
+    was acknowledged go to ``acked``."""
+    try:
+        with BookieConnection(b.bookie_id, shard=0) as c:
+            lid = base
+            while True:
+                c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0,
+                                              [(lid, 0, -1, b"", PAYLOAD)]))
+                r = c.recv()
+                assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:5]
+                assert r[3] == [lid, 0, 0], r[3]
+                acked.append(lid)
+                lid += 1
+    except (OSError, BKError):
+        if not done():
+            raise
+
+
+def process_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def readable(b, lid) -> bool:
+    try:
+        with BookieConnection(b.bookie_id, shard=0) as c:
+            return c.call(P.read_range(c.next_rid(), lid, 0, 0, 1 << 20))[2] == EOK
+    except (OSError, BKError):
+        return False
+
+
+@pytest.mark.parametrize("when,how", [("before", "stop"), ("after", "stop"),
+                                      ("before", "kill9"), ("after", "kill9")])
+def test_kill9_during_an_inline_sync(cluster_factory, tmp_path, monkeypatch, when, how):
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(HOOK)
+    out = tmp_path / "stopped.json"
+    pythonpath = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
+    for k, v in {"STOP_AT": STOP_AT, "OUT": out, "WHEN": when, "HOW": how}.items():
+        monkeypatch.setenv(f"IS_TEST_{k}", str(v))
+    # the raw ledgers have no metadata: GC must not drop them while the test waits
+    c = cluster_factory(1, num_shards=1, conf_overrides={"gcWaitTime": 3_600_000})
+    monkeypatch.delenv("IS_TEST_STOP_AT")        # a restarted bookie runs without the hook
+    if pythonpath is None:
+        monkeypatch.delenv("PYTHONPATH")
+    else:
+        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    b = c.bookies[0]
+    acked: list[list[int]] = [[] for _ in range(THREADS)]
+    threads = [threading.Thread(target=pump, args=(b, (1 << 51) + i * 1_000_000, out.exists,
+                                                   acked[i]))
+               for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(out.exists, timeout=120, what="the worker reaching the inline sync")
+        stopped = json.loads(out.read_text())
+        if how == "stop":
+            wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
+                       what="the worker stopped")
+            b.kill()                             # SIGKILL while the worker is stopped there
+        else:
+            wait_until(lambda: process_state(stopped["pid"]) in ("gone", "Z"), timeout=10,
+                       what="the worker killed")
+    finally:
+        if not out.exists():
+            b.kill()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    unanswered = [(lid, e) for lid, e in stopped["entries"]]
+    assert unanswered and all(e == 0 for _lid, e in unanswered), unanswered
+    ledgers = [lid for per in acked for lid in per]
+    assert len(ledgers) >= STOP_AT
+    assert not {lid for lid, _e in unanswered} & set(ledgers), \
+        "entries of the group stopped in its inline sync were acknowledged"
+    if how == "stop":
+        b.start()
+    else:                                        # the arbiter restarts the worker: it replays
+        wait_until(lambda: readable(b, ledgers[0]), timeout=60, what="the worker restarted")
+    want = ledgers + ([lid for lid, _e in unanswered] if when == "after" else [])
+    for lid in want:
+        read_back(b, lid, [0], payload=PAYLOAD)
+    # and the ledgers take their next entry after the restart
+    with BookieConnection(b.bookie_id, shard=0) as conn:
+        for lid in want[:10] + want[-10:]:
+            r = conn.call(P.add(conn.next_rid(), lid, 1, 0, KEY, b"", PAYLOAD))
+            assert r[2] == EOK, (lid, r[:3])
