@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bk.bench.metadata import (bench_breakdown, bench_listing, bench_metadata,  # noqa: E402
-                               bench_threads, format_row)
+from bk.bench.metadata import (THREADS, bench_breakdown, bench_listing,  # noqa: E402
+                               bench_metadata, bench_threads, format_row)
 from bk.meta.store import LIST_PAGE  # noqa: E402
 
 
@@ -33,8 +33,8 @@ def main():
     # 64: the client's hand-offs (a shared etcd txn, an I/O thread wake-up) carry
     # more ledgers each than at 32: more ledgers/s and less client CPU per ledger
     # (docs/performance.md, metadata at scale; --compare-threads 32,64)
-    ap.add_argument("--threads", type=int, default=64,
-                    help="client threads creating and closing ledgers (default 64)")
+    ap.add_argument("--threads", type=int, default=THREADS,
+                    help=f"client threads creating and closing ledgers (default {THREADS})")
     ap.add_argument("--churn", type=int, default=None)
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     ap.add_argument("--no-compare", action="store_true",

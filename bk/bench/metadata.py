@@ -43,6 +43,9 @@ from bk.meta.etcd_server import EtcdServer
 from bk.meta.store import LIST_PAGE, MetadataStore, ledger_key_name
 
 PAYLOAD = b"x" * 100
+# client threads creating and closing ledgers: 64 carried 1.46x the ledgers of 32
+# (docs/performance.md, "Hand-offs per ledger and the number of threads")
+THREADS = 64
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -181,7 +184,8 @@ def _steps(total: int) -> list[int]:
     return marks + [total]
 
 
-def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None, threads: int = 8,
+def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
+                   threads: int = THREADS,
                    bookies: int = 3, shards: int = 2, churn: int | None = None,
                    idle_seconds: float = 20.0, compare: bool = True, conf: dict | None = None,
                    base_dir: str | None = None, progress=print) -> dict:
@@ -455,7 +459,7 @@ def bench_threads(counts: list[int], rounds: int = 4, ledgers: int = 3_000,
             "runs": {str(n): v for n, v in runs.items()}}
 
 
-def bench_breakdown(ledgers: int = 10_000, threads: int = 64, bookies: int = 3,
+def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int = 3,
                     shards: int = 2, warmup: int = 1_000, base_dir: str | None = None) -> dict:
     """CPU per created and closed ledger by process and thread, the client's cyclic
     GC (collections and their CPU, from ``gc.callbacks``: observed, not tuned) and

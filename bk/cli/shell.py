@@ -1447,8 +1447,8 @@ def _bench_settings(settings) -> dict:
 @click.option("--ledgers", default=1_000_000, show_default=True, type=click.IntRange(min=100),
               help="Ledgers held at the last step (steps at 10k, 30k, 100k, ... below it).")
 @click.option("--steps", default=None, help="Comma-separated ledger counts instead.")
-@click.option("--threads", default=32, show_default=True, type=click.IntRange(min=1),
-              help="Client threads creating and closing ledgers.")
+@click.option("--threads", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Client threads creating and closing ledgers.")  # = bk.bench.metadata.THREADS
 @click.option("--churn", default=None, type=click.IntRange(min=0),
               help="Ledgers deleted and created again at the end (default: min(last "
                    "step, 100k)).")
