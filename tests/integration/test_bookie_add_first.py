@@ -21,9 +21,9 @@ THREADS = 4
 KILL_AFTER = 300                         # acknowledged first adds before the kill
 
 
-def pump(b, base, killing, acked):
+def pump(b, base, stopping, acked):
     """Ledgers ``base``, ``base + 1``, ...: one entry each, one at a time per shard
-    connection, until the kill breaks the connection (``killing`` is set just
+    connection, until the kill breaks the connection (``stopping()`` is true just
     before it); the ledgers whose add was acknowledged go to ``acked``."""
     conns = {}
     try:
@@ -39,7 +39,7 @@ def pump(b, base, killing, acked):
             acked.append(lid)
             lid += 1
     except (OSError, BKError):
-        if not killing.is_set():
+        if not stopping():
             raise
     finally:
         for c in conns.values():
@@ -51,7 +51,7 @@ def test_kill9_during_lone_first_adds_keeps_every_acknowledged_one(cluster_facto
     b = c.bookies[0]
     killing = threading.Event()
     acked: list[list[int]] = [[] for _ in range(THREADS)]
-    threads = [threading.Thread(target=pump, args=(b, (1 << 51) + i * 1_000_000, killing, acked[i]))
+    threads = [threading.Thread(target=pump, args=(b, (1 << 51) + i * 1_000_000, killing.is_set, acked[i]))
                for i in range(THREADS)]
     for t in threads:
         t.start()

@@ -19,9 +19,14 @@ pytestmark = pytest.mark.timeout(180)
 PW = b"threads"
 
 
-def _writers(client, n_threads, stop, acked, errors, per_thread=None, ensemble=(3, 2, 2)):
-    """Threads each writing blocking adds to a ledger of its own (one add in flight
-    per handle); ``acked[lid]`` lists (entry id, payload) as acknowledged."""
+ENTRY = 8 << 10          # a burst of 40 entries of 8 KiB: 320 KiB per connection
+
+
+def _writers(client, n_threads, stop, acked, errors, per_thread=None, ensemble=(3, 2, 2),
+             burst=0):
+    """Threads each writing to a ledger of its own: blocking adds (one in flight per
+    handle), or with ``burst`` bursts of that many ENTRY-sized add_entry_async, each
+    burst awaited; ``acked[lid]`` lists (entry id, payload) as acknowledged."""
     handles = []
 
     def run(k):
@@ -31,9 +36,17 @@ def _writers(client, n_threads, stop, acked, errors, per_thread=None, ensemble=(
             acked[lh.ledger_id] = got = []
             i = 0
             while not stop.is_set() and (per_thread is None or i < per_thread):
-                data = b"t%d-%d" % (k, i)
-                got.append((lh.add_entry(data), data))
-                i += 1
+                if burst:
+                    pending = []
+                    for _ in range(burst):
+                        data = (b"%d-%d-" % (k, i)).ljust(ENTRY, b"x")
+                        pending.append((lh.add_entry_async(data), data))
+                        i += 1
+                    got.extend((fut.result(30), data) for fut, data in pending)
+                else:
+                    data = b"t%d-%d" % (k, i)
+                    got.append((lh.add_entry(data), data))
+                    i += 1
             lh.close()
         except Exception as e:      # asserted by the caller
             errors.append(e)
@@ -130,38 +143,6 @@ def test_tls_blocking_adds_from_threads_sharing_connections(cluster_factory):
             assert len(client.ledger_metadata(lh.ledger_id).ensembles) == 1
         _check_ledgers(client, acked)
 
-ENTRY = 8 << 10          # 40 entries of 8 KiB per burst: 320 KiB per connection
-
-
-def _bursting_writers(client, n_threads, stop, acked, errors):
-    """Threads each adding bursts of 40 entries to a ledger of its own with
-    add_entry_async, then waiting for the burst; ``acked[lid]`` lists (entry id,
-    payload) in the order the futures resolved them."""
-    handles = []
-
-    def run(k):
-        try:
-            lh = client.create_ledger(3, 3, 2, password=PW)
-            handles.append(lh)
-            acked[lh.ledger_id] = got = []
-            i = 0
-            while not stop.is_set():
-                burst = []
-                for _ in range(40):
-                    data = (b"%d-%d-" % (k, i)).ljust(ENTRY, b"x")
-                    burst.append((lh.add_entry_async(data), data))
-                    i += 1
-                for fut, data in burst:
-                    got.append((fut.result(30), data))
-            lh.close()
-        except Exception as e:      # asserted by the caller
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(n_threads)]
-    for t in threads:
-        t.start()
-    return threads, handles
-
 
 def test_tls_bursts_from_threads_survive_a_bookie_killed(cluster_factory):
     # one shard per bookie: every thread's ledger shares the same TLS connections
@@ -169,7 +150,8 @@ def test_tls_bursts_from_threads_survive_a_bookie_killed(cluster_factory):
     with cluster.client(timeout=5, addEntryTimeoutSec=2, **cluster.client_settings()) as client:
         stop = threading.Event()
         acked, errors = {}, []
-        threads, handles = _bursting_writers(client, 4, stop, acked, errors)
+        threads, handles = _writers(client, 4, stop, acked, errors, ensemble=(3, 3, 2),
+                                    burst=40)
         wait_until(lambda: len(acked) == 4 and all(len(v) >= 80 for v in acked.values()),
                    60, "every writer acknowledged two bursts")
         victim = cluster.bookie(handles[0].metadata.last_ensemble[0])

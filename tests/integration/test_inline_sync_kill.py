@@ -24,10 +24,9 @@ from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
 from bk.testing import wait_until
 
+from test_bookie_add_first import KEY, PAYLOAD, pump
 from test_storage_crash import read_back
 
-KEY = b"i" * 20
-PAYLOAD = b"inline sync " * 8
 THREADS = 4
 STOP_AT = 100        # the 100th inline sync that covers answers
 
@@ -86,26 +85,6 @@ if AT:
     m.ShardWorker._sync_inline = sync_inline
     s.ShardStorage.sync = sync
 '''
-
-
-def pump(b, base, done, acked):
-    """Ledgers ``base``, ``base + 1``, ...: one entry each, one at a time, until the
-    kill breaks the connection (``done()`` is true by then); the ledgers whose add
-    was acknowledged go to ``acked``."""
-    try:
-        with BookieConnection(b.bookie_id, shard=0) as c:
-            lid = base
-            while True:
-                c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0,
-                                              [(lid, 0, -1, b"", PAYLOAD)]))
-                r = c.recv()
-                assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:5]
-                assert r[3] == [lid, 0, 0], r[3]
-                acked.append(lid)
-                lid += 1
-    except (OSError, BKError):
-        if not done():
-            raise
 
 
 def process_state(pid: int) -> str:
