@@ -47,8 +47,13 @@ def main():
                    help="each thread's scheduling delay per wake-up (runnable, waiting for a "
                         "core), as percentiles: perf sched over the measured time (needs "
                         "perf and root)")
+    p.add_argument("--gc", choices=("default", "collect", "freeze"), default="default",
+                   help="the bench process's GC policy once the client is up: Python's "
+                        "default, a full collection before each run, or that and "
+                        "gc.freeze() for the run (the library never changes it)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    gc_mode = None if a.gc == "default" else a.gc
     tls_conf, tls_client = {}, {}
     if a.tls:
         if a.uri:
@@ -64,7 +69,7 @@ def main():
             kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum,
                       ack_quorum=a.ack_quorum, entry_size=a.entry_size, duration=a.duration,
                       window=a.window, ledgers=a.ledgers, rate=a.rate, proc=a.proc,
-                      sched=a.sched)
+                      sched=a.sched, gc_mode=gc_mode)
             runs = [bench_writes(uri, **kw, **extra) for _ in range(a.rounds)
                     for extra in ({}, tls_client)]
             return {"plaintext": runs[0::2], "tls": runs[1::2],
@@ -78,7 +83,7 @@ def main():
                                   rate=a.rate)
         kw = dict(ensemble=a.ensemble, write_quorum=a.write_quorum, ack_quorum=a.ack_quorum,
                   entry_size=a.entry_size, duration=a.duration, window=a.window,
-                  ledgers=a.ledgers, rate=a.rate, proc=a.proc, sched=a.sched)
+                  ledgers=a.ledgers, rate=a.rate, proc=a.proc, sched=a.sched, gc_mode=gc_mode)
         if a.profile:
             import cProfile
             import threading
@@ -133,6 +138,10 @@ def show(res):
               f"client CPU {res['client_cpu_us_per_entry']} us/entry")
         print(f"latency ms: p50={lat['p50']} p95={lat['p95']} p99={lat['p99']} "
               f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
+        if "gc" in res:
+            print(f"  client cyclic GC ({res.get('gc_mode') or 'default'}): " + ", ".join(
+                f"gen{g} {v['per_sec']}/s (pause ms p50 {v['p50_ms']} p99 {v['p99_ms']} "
+                f"max {v['max_ms']})" for g, v in enumerate(res["gc"].values())))
         if "proc" in res:
             pr = res["proc"]
             print(f"  CPU {pr['cpu_us_total']} us/entry in all, run-queue wait "
