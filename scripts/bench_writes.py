@@ -58,7 +58,7 @@ def main():
                         "never changes a process's GC")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    gc_mode = None if a.gc == "default" else a.gc
+    gc_mode = a.gc
     tls_conf, tls_client = {}, {}
     if a.tls:
         if a.uri:
@@ -144,7 +144,7 @@ def show(res):
         print(f"latency ms: p50={lat['p50']} p95={lat['p95']} p99={lat['p99']} "
               f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
         if "gc" in res:
-            print(f"  client cyclic GC ({res.get('gc_mode') or 'default'}): " + ", ".join(
+            print(f"  client cyclic GC ({res['gc_mode']}): " + ", ".join(
                 f"gen{g} {v['per_sec']}/s (pause ms p50 {v['p50_ms']} p99 {v['p99_ms']} "
                 f"max {v['max_ms']})" for g, v in enumerate(res["gc"].values())))
         if "proc" in res:

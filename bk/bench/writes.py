@@ -92,7 +92,7 @@ def percentile(sorted_values, p):
 
 def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024, duration=10.0,
                  window=1000, ledgers=1, rate=None, warmup=1.0, client=None, proc=False,
-                 sched=False, gc_mode=None, **conf) -> dict:
+                 sched=False, gc_mode="collect", **conf) -> dict:
     """Write for ``duration`` s; return throughput and latency percentiles.
 
     ``window``: most adds outstanding over all ledgers (BookKeeper's throttle).
@@ -102,14 +102,17 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
     of this process and its children (bookies, etcd) over the measured time
     (:mod:`bk.bench.procstats`). ``sched``: also each thread's scheduling delay
     per wake-up, as percentiles (``perf sched``; needs perf and root).
-    ``gc_mode``: the bench process's (the application's) garbage-collection
-    policy, set once the client and its ledgers exist: None leaves Python's
-    default; "collect" runs a full collection then (so the debt of earlier runs'
-    clients is not paid inside this one's measured time); "freeze" also moves
-    every object alive then out of the collector's reach (``gc.freeze``) for the
-    run, as a long-running application may do. The library itself never changes
-    a process's GC policy: results say which mode they were measured in.
+    ``gc_mode``: what the bench process (the application) does about garbage
+    collection once the client and its ledgers exist: "collect" (the default)
+    runs a full collection then, so that the debt of building this run's client
+    (and of earlier runs') is not paid inside the measured time, as a
+    long-running application pays it once; "default" does nothing; "freeze"
+    also moves every object alive then out of the collector's reach
+    (``gc.freeze``) for the run. The library itself never changes a process's
+    GC policy; results say which mode they were measured in.
     """
+    if gc_mode not in ("default", "collect", "freeze"):
+        raise ValueError(f"gc_mode must be 'default', 'collect' or 'freeze', not {gc_mode!r}")
     own = client is None
     if own:
         conf.setdefault("throttle", max(window, 1))
@@ -127,12 +130,10 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
                    for _ in range(ledgers)]
         b = _Bench()
         stats = [_LedgerStats(b) for _ in handles]
-        if gc_mode in ("collect", "freeze"):
+        if gc_mode != "default":
             gc.collect()
             if gc_mode == "freeze":
                 gc.freeze()
-        elif gc_mode is not None:
-            raise ValueError(f"gc_mode must be None, 'collect' or 'freeze', not {gc_mode!r}")
         payload = bytes(entry_size)
         sent = 0
         t_start = time.perf_counter()
