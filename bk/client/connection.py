@@ -35,10 +35,8 @@ bookie, and the kernel gets one buffer per frame instead of two per entry.
 Otherwise (striped write sets, resends) each connection joins its own. The
 bookie answers a group commit with one group acknowledgement per connection
 (runs of entries, plus per-entry errors), which the loop applies entry by
-entry (a slot bit per op, no sets); once it has read every connection that
-was ready, it advances each handle they touched once (the answers of a write
-quorum's bookies that arrive together acknowledge their entries in one pass
-over the handle's pending adds, not one per bookie). Everything a write produces goes out with ``sendmsg`` of the buffers as
+entry (a slot bit per op, no sets) and then advances each handle it touched
+once. Everything a write produces goes out with ``sendmsg`` of the buffers as
 they are (at most ``_IOV`` per call), not joined again per connection; what
 the socket does not take waits in ``wq``. Replies are received
 with ``recv_into`` the connection's reusable :class:`protocol.FrameBuffer`
@@ -593,15 +591,12 @@ class Connection:
 
     def _on_add_ack(self, msg):
         """A group acknowledgement: confirm every entry of its runs (a slot bit and
-        a count per op) and hand its errors to their handles; the loop advances
-        each handle touched once the pass's reads are done."""
+        a count per op), hand its errors to their handles, then advance each
+        handle it touched once."""
         protocol.check_add_ack(msg)
         acked, errors = msg[3], msg[4]
         adds = self.adds
-        # advanced once the loop has read every connection that was ready: the
-        # acknowledgements of a write quorum's bookies read in one pass advance
-        # each handle once, not once per bookie
-        touched = self.loop._touched
+        touched = []
         h = None
         bit = 0
         for i in range(0, len(acked), 3):
@@ -617,7 +612,7 @@ class Connection:
                     op = self._take_add(d, op[0].entry_id, op)
                 if op.handle is not h:
                     h = op.handle
-                    touched.add(h)
+                    touched.append(h)
                     bit = h._ack_bits.get(self, 0)
                 if not bit or op.acked & bit:
                     continue
@@ -639,6 +634,13 @@ class Connection:
                 op.on_reply(self, [_ADD, msg[1], status, lid, e])
             except Exception:
                 log.exception("add reply handler failed for %r", op)
+        if len(touched) > 1:
+            touched = set(touched)
+        for h in touched:
+            try:
+                h._advance()
+            except Exception:
+                log.exception("advancing %r failed", h)
 
     def _on_writable(self):
         if self.state == CONNECTING:
@@ -837,7 +839,6 @@ class IOLoop:
         self._stopping = False
         self._conns: dict[tuple, Connection] = {}
         self._dirty: list[Connection] = []
-        self._touched: set = set()    # handles acknowledged by this pass's reads
         self._connecting: set[Connection] = set()
         # timeout value -> {rid: (deadline, conn)} in deadline order (see _track)
         self._timeouts: dict[float, collections.OrderedDict] = {}
@@ -1019,8 +1020,6 @@ class IOLoop:
                         conn._on_readable()
                     if mask & selectors.EVENT_WRITE and conn.sock is not None:
                         conn._on_writable()
-                if self._touched:
-                    self._advance_touched()
                 # work handed over by other threads (bounded, so replies keep flowing)
                 n = len(submit)
                 while n:
@@ -1054,14 +1053,6 @@ class IOLoop:
             if self._stopping:
                 for sock in (self._wake_r, self._wake_w):
                     sock.close()
-
-    def _advance_touched(self):
-        touched, self._touched = self._touched, set()
-        for h in touched:
-            try:
-                h._advance()
-            except Exception:
-                log.exception("advancing %r failed", h)
 
     def _run_timers(self, now):
         timers = self._timers

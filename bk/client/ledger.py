@@ -1139,40 +1139,39 @@ class LedgerHandle:
             return
         pending = self._pending
         qa = self._qa
+        n = 0
+        now = self._loop.now
+        lats = []
+        observe = lats.append
         qw = self._qw
         unconfirmed = self._unconfirmed
-        n = 0
-        if pending and pending[0].nacks >= qa:
-            # Every complete op from the head first, then the LAC, the length and the
-            # count once, then the callbacks: all of these ops are acknowledged
-            # before any callback runs (a blocking add's thread, woken by one, may
-            # close at once, and close waits until every add is counted).
-            done = []
-            take = done.append
-            popleft = pending.popleft
-            while pending and pending[0].nacks >= qa:
-                op = popleft()
-                op.done = True
-                take(op)
-                if op.nacks < qw:
-                    unconfirmed.append(op)
-            n = len(done)
+        while pending:
+            op = pending[0]
+            if op.nacks < qa:
+                break
+            pending.popleft()
+            op.done = True
+            if op.nacks < qw:
+                unconfirmed.append(op)
+            observe(now - op.t_sent)
             self._lac = op.entry_id
             self._length = op.length
-            self._completed += n
-            now = self._loop.now
-            observe_many(self._m_add_ok, [now - op.t_sent for op in done])
-            for op in done:
-                cb = op.cb
-                if cb is not None:
-                    try:
-                        cb(None, op.entry_id)
-                    except Exception:
-                        log.exception("add callback failed")
+            n += 1
+            # counted before its callback: a blocking add's thread, woken by it,
+            # may close at once, and close waits until every add is counted
+            self._completed += 1
+            cb = op.cb
+            if cb is not None:
+                try:
+                    cb(None, op.entry_id)
+                except Exception:
+                    log.exception("add callback failed")
         popped = False
         while unconfirmed and unconfirmed[0].nacks >= qw:
             unconfirmed.popleft()
             popped = True
+        if n:
+            observe_many(self._m_add_ok, lats)
         if (n or popped) and self._waiting:
             with self._cond:
                 self._cond.notify_all()
