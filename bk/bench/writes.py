@@ -10,6 +10,7 @@ times gives each acknowledgement its latency without a closure per entry.
 from __future__ import annotations
 
 import collections
+import gc
 import threading
 import time
 
@@ -53,6 +54,35 @@ class _Bench:
         self.error = None
 
 
+class GCWatch:
+    """The client process's cyclic garbage collections over a measured time (a
+    ``gc.callbacks`` hook): collections per generation and their pauses. A full
+    (generation 2) collection of a client holding many objects stops every
+    Python thread, the I/O thread included, for tens of milliseconds."""
+
+    def __init__(self):
+        self.pauses = ([], [], [])
+        self._t0 = 0.0
+        self.on = False
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.on:
+            self.pauses[info["generation"]].append(time.perf_counter() - self._t0)
+
+    def summary(self, seconds) -> dict:
+        """Per generation: collections per second, p50 / p99 / max pause in ms."""
+        out = {}
+        for gen, p in enumerate(self.pauses):
+            p = sorted(p)
+            out[f"gen{gen}"] = {"per_sec": round(len(p) / seconds, 1) if seconds else None,
+                                "p50_ms": round(percentile(p, 50) * 1e3, 3),
+                                "p99_ms": round(percentile(p, 99) * 1e3, 3),
+                                "max_ms": round(p[-1] * 1e3, 3) if p else None}
+        return out
+
+
 def percentile(sorted_values, p):
     if not sorted_values:
         return float("nan")
@@ -62,7 +92,7 @@ def percentile(sorted_values, p):
 
 def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024, duration=10.0,
                  window=1000, ledgers=1, rate=None, warmup=1.0, client=None, proc=False,
-                 sched=False, **conf) -> dict:
+                 sched=False, gc_mode="collect", **conf) -> dict:
     """Write for ``duration`` s; return throughput and latency percentiles.
 
     ``window``: most adds outstanding over all ledgers (BookKeeper's throttle).
@@ -72,12 +102,24 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
     of this process and its children (bookies, etcd) over the measured time
     (:mod:`bk.bench.procstats`). ``sched``: also each thread's scheduling delay
     per wake-up, as percentiles (``perf sched``; needs perf and root).
+    ``gc_mode``: what the bench process (the application) does about garbage
+    collection once the client and its ledgers exist: "collect" (the default)
+    runs a full collection then, so that the debt of building this run's client
+    (and of earlier runs') is not paid inside the measured time, as a
+    long-running application pays it once; "default" does nothing; "freeze"
+    also moves every object alive then out of the collector's reach
+    (``gc.freeze``) for the run. The library itself never changes a process's
+    GC policy; results say which mode they were measured in.
     """
+    if gc_mode not in ("default", "collect", "freeze"):
+        raise ValueError(f"gc_mode must be 'default', 'collect' or 'freeze', not {gc_mode!r}")
     own = client is None
     if own:
         conf.setdefault("throttle", max(window, 1))
         client = BookKeeper(uri, **conf)
     rec = delays = None
+    gcw = GCWatch()
+    gc.callbacks.append(gcw)
     try:
         if sched:                   # recording through the warm-up
             rec = procstats.SchedRecord()
@@ -88,6 +130,10 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
                    for _ in range(ledgers)]
         b = _Bench()
         stats = [_LedgerStats(b) for _ in handles]
+        if gc_mode != "default":
+            gc.collect()
+            if gc_mode == "freeze":
+                gc.freeze()
         payload = bytes(entry_size)
         sent = 0
         t_start = time.perf_counter()
@@ -104,6 +150,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
                 break
             if marks is None and now >= t_measure:
                 marks = (now, b.acked, [len(s.lat) for s in stats], time.process_time())
+                gcw.on = True
                 snap0 = procstats.snapshot() if proc else None
                 mono0 = time.monotonic()
             if b.error is not None:
@@ -133,6 +180,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             handles[k].add_entry_async(payload, st)
             sent += 1
         t_stop = pc()
+        gcw.on = False
         cpu_stop = time.process_time()
         acked_at_stop = b.acked
         mono1 = time.monotonic()
@@ -170,6 +218,8 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             "ensemble": ensemble, "write_quorum": write_quorum, "ack_quorum": ack_quorum,
             "entry_size": entry_size, "window": window, "ledgers": ledgers, "rate": rate,
             "batching": bool(client.conf.frameBatching),
+            # the client process's cyclic GC over the measured time
+            "gc": gcw.summary(elapsed), "gc_mode": gc_mode,
         }
         if snap1 is not None:
             res["proc"] = procstats.per_entry(snap0, snap1, count)
@@ -177,6 +227,9 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             res["sched_delay_ms"] = delays
         return res
     finally:
+        gc.callbacks.remove(gcw)
+        if gc_mode == "freeze":
+            gc.unfreeze()
         if rec is not None:         # the run failed before it was measured
             rec.cancel()
         if own:
