@@ -1,0 +1,78 @@
+"""What bk costs etcd besides ledger writes: candidates waiting in an election look
+twice a second (etcd's own count of Range calls), and a local cluster's etcd
+runs with half the machine's cores (GOMAXPROCS) unless the operator chose."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+
+from bk.localcluster import LocalCluster
+from bk.meta import EtcdServer, MetadataStore
+from bk.meta.etcd_server import colocated_env
+from bk.meta.recipes import Election
+from bk.testing import wait_until
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EtcdServer(str(tmp_path_factory.mktemp("etcd")), env={"GOMAXPROCS": "1"})
+    server.start()
+    yield server
+    server.stop()
+
+
+def _range_calls(etcd) -> float:
+    """etcd's count of the Range calls it answered (its /metrics)."""
+    n = 0.0
+    with urllib.request.urlopen(etcd.client_url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("grpc_server_handled_total") and 'grpc_method="Range"' in line:
+                n += float(line.rpartition(" ")[2])
+    return n
+
+
+def test_a_waiting_candidate_looks_twice_a_second_over_repeated_campaigns(etcd):
+    # The auditor and the compactor call campaign(timeout=1.0) in a loop to check for a
+    # stop. The back-off this replaced restarted at 20 ms with each call: ~7 looks a
+    # second per candidate, 5 per call of 0.2 s (50 here), where this makes <= 8.
+    with MetadataStore(etcd.uri("campaign")) as store:
+        leader = Election(store, "auditor", "bookie-1:3181", ttl=5)
+        waiting = Election(store, "auditor", "bookie-2:3181", ttl=5)
+        assert leader.campaign(timeout=5)
+        before, t0 = _range_calls(etcd), time.monotonic()
+        for _ in range(10):
+            assert not waiting.campaign(timeout=0.2)
+        looks = _range_calls(etcd) - before
+        elapsed = time.monotonic() - t0
+        # a slow machine makes fewer looks, never more: the bound holds at any speed
+        assert 1 <= looks <= elapsed / Election.LOOK_EVERY + 2, (looks, elapsed)
+        assert waiting.leader() == "bookie-1:3181" and not waiting.is_leader
+        epoch = leader.epoch
+        leader.resign()
+        # still takes over once the leader is gone
+        wait_until(lambda: waiting.campaign(timeout=0.2), timeout=10, what="the takeover")
+        assert waiting.epoch > epoch and waiting.leader() == "bookie-2:3181"
+        waiting.resign()
+
+
+def test_colocated_env_gives_etcd_half_the_cores_unless_the_operator_chose(monkeypatch):
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    assert colocated_env(cores=2) == {"GOMAXPROCS": "1"}
+    assert colocated_env(cores=1) == {"GOMAXPROCS": "1"}
+    assert colocated_env(cores=16) == {"GOMAXPROCS": "8"}
+    monkeypatch.setenv("GOMAXPROCS", "3")
+    assert colocated_env(cores=16) == {}          # etcd inherits the operator's 3
+
+
+def test_etcd_runs_with_the_environment_it_was_given(etcd, tmp_path, monkeypatch):
+    with open(f"/proc/{etcd.pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+    assert b"GOMAXPROCS=1" in env
+    with open(etcd.log_file) as f:
+        assert "--- bk: starting GOMAXPROCS=1 " in f.read()
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    local = LocalCluster(num_bookies=1, base_dir=str(tmp_path))._make_etcd(None)
+    assert local.env == colocated_env() and local.env["GOMAXPROCS"].isdigit()
