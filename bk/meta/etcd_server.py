@@ -30,7 +30,7 @@ it wakes another thread to look for work. A local cluster's etcd shares the
 machine with the bookies and the clients, and on a small one most of those
 wake-ups only steal a core from them. :func:`colocated_env` gives such an etcd
 half the cores (``GOMAXPROCS``); on the 2-core bench VM that cut etcd's CPU per
-created+closed ledger to 0.87x and its context switches to 0.69x
+created+closed ledger to 0.87x and its context switches to 0.74x
 (docs/performance.md, "What etcd's CPU per ledger is made of").
 """
 
