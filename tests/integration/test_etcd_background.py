@@ -1,9 +1,15 @@
 """What bk costs etcd besides ledger writes: candidates waiting in an election look
 twice a second (etcd's own count of Range calls), and a local cluster's etcd
-runs with half the machine's cores (GOMAXPROCS) unless the operator chose."""
+runs with half the machine's cores (GOMAXPROCS) unless the operator chose; a
+candidate still takes over from a leader killed -9 once its lease expires."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 import urllib.request
 
@@ -56,6 +62,48 @@ def test_a_waiting_candidate_looks_twice_a_second_over_repeated_campaigns(etcd):
         wait_until(lambda: waiting.campaign(timeout=0.2), timeout=10, what="the takeover")
         assert waiting.epoch > epoch and waiting.leader() == "bookie-2:3181"
         waiting.resign()
+
+
+LEADER = textwrap.dedent("""
+    import sys, time
+    from bk.meta import MetadataStore
+    from bk.meta.recipes import Election
+    store = MetadataStore(sys.argv[1])
+    e = Election(store, "compactor", "leader-process", ttl=2)
+    assert e.campaign(timeout=10)
+    print("epoch", e.epoch, flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def test_a_paced_candidate_takes_over_from_a_leader_killed_9(etcd):
+    # The candidate loops on campaign(timeout=1.0) as the compactor and the auditor do;
+    # the leader process is SIGKILLed: no resign, its key goes with its 2 s lease.
+    uri = etcd.uri("killed-leader")
+    p = subprocess.Popen([sys.executable, "-c", LEADER, uri], stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline().split()
+        assert line[0] == "epoch", line
+        old_epoch = int(line[1])
+        with MetadataStore(uri) as store:
+            candidate = Election(store, "compactor", "candidate", ttl=2)
+            assert not candidate.campaign(timeout=1.0)
+            assert candidate.leader() == "leader-process"
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+            before, t0 = _range_calls(etcd), time.monotonic()
+            wait_until(lambda: candidate.campaign(timeout=1.0), timeout=30,
+                       what="the candidate taking over")
+            looks, elapsed = _range_calls(etcd) - before, time.monotonic() - t0
+            assert candidate.is_leader and candidate.leader() == "candidate"
+            assert candidate.epoch > old_epoch
+            # paced while it waited for the lease to expire, yet it took over
+            assert looks <= elapsed / Election.LOOK_EVERY + 3, (looks, elapsed)
+            candidate.resign()
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_colocated_env_gives_etcd_half_the_cores_unless_the_operator_chose(monkeypatch):
