@@ -192,14 +192,18 @@ class Election:
     # compactor, per bookie) made 35 etcd reads/s (docs/performance.md, etcd's CPU).
     LOOK_EVERY = 0.5
 
-    def __init__(self, store, rel: str, identifier: str, ttl: int = 10):
+    def __init__(self, store, rel: str, identifier: str, ttl: int = 10,
+                 look_every: float | None = None):
+        """``look_every``: seconds between looks (``LOOK_EVERY`` unless given): a
+        leader whose work can wait (the compactor's) is replaced less eagerly."""
         self.identifier = identifier
         self.lock = LeaseLock(store, rel, {"id": identifier, "since": time.time()}, ttl)
+        self.look_every = self.LOOK_EVERY if look_every is None else float(look_every)
         self._next_look = 0.0            # time.monotonic() of the next try
 
     def campaign(self, timeout: float | None = None) -> bool:
         """Block until this candidate leads (False if ``timeout`` passed first). A
-        candidate looks every ``LOOK_EVERY`` seconds, also over repeated calls."""
+        candidate looks every ``look_every`` seconds, also over repeated calls."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             now = time.monotonic()
@@ -209,7 +213,7 @@ class Election:
                     time.sleep(max(0.0, deadline - now))
                     return False
                 time.sleep(wait)
-            self._next_look = time.monotonic() + self.LOOK_EVERY
+            self._next_look = time.monotonic() + self.look_every
             if self.lock.try_acquire():
                 return True
 

@@ -17,6 +17,7 @@ import pytest
 
 from bk.localcluster import LocalCluster
 from bk.meta import EtcdServer, MetadataStore
+from bk.meta.compactor import Compactor
 from bk.meta.etcd_server import colocated_env
 from bk.meta.recipes import Election
 from bk.testing import wait_until
@@ -104,6 +105,36 @@ def test_a_paced_candidate_takes_over_from_a_leader_killed_9(etcd):
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_waiting_compactor_looks_every_half_ttl(etcd):
+    # compactions every few minutes lose nothing to a leader that comes seconds late;
+    # each waiting bookie looked twice a second (and, a new Election per second, kept
+    # no pace), now every ttl/2
+    uri = etcd.uri("compactors")
+    with MetadataStore(uri) as a, MetadataStore(uri) as b:
+        a.format()
+        leader = Compactor(a, "a", interval=300, ttl=10).start()
+        waiting = None
+        try:
+            wait_until(lambda: leader.last is not None, timeout=10, what="a's first step")
+            waiting = Compactor(b, "b", interval=300, ttl=10).start()
+            wait_until(lambda: waiting._election is not None
+                       and waiting._election._next_look > 0, what="b's first look")
+            election = waiting._election
+            assert election.look_every == 5.0
+            first, before = election._next_look, _range_calls(etcd)
+            wait_until(lambda: election._next_look != first, timeout=30,
+                       what="b's second look")
+            # the second look (and the first, if its read was still on its way when
+            # the pace was set): twice a second, it was ~10 reads in these 5 s
+            assert _range_calls(etcd) - before <= 2
+            assert election._next_look - first >= election.look_every
+            assert leader.is_leader and not waiting.is_leader
+        finally:
+            for c in (leader, waiting):
+                if c is not None:
+                    c.stop()
 
 
 def test_colocated_env_gives_etcd_half_the_cores_unless_the_operator_chose(monkeypatch):
