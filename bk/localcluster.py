@@ -36,7 +36,7 @@ import weakref
 from bk.config import SETTINGS
 from bk.errors import BKError
 from bk.exitcodes import EXIT_BIND
-from bk.meta.etcd_server import EtcdServer, enable_auth
+from bk.meta.etcd_server import EtcdServer, colocated_env, enable_auth
 from bk.meta.store import MetadataStore
 from bk.security import auth, pki
 from bk.security.etcd import EtcdCredentials
@@ -387,7 +387,8 @@ class LocalCluster:
 
     def _make_etcd(self, tls: dict | None) -> EtcdServer:
         return EtcdServer(os.path.join(self.base_dir, "etcd"), client_port=self.etcd_port,
-                          extra_args=etcd_flags(self.etcd_quota_bytes), tls=tls)
+                          extra_args=etcd_flags(self.etcd_quota_bytes), tls=tls,
+                          env=colocated_env())
 
     def start_bookies(self) -> None:
         new = [self._new_bookie() for _ in range(self.num_bookies - len(self.bookies))]

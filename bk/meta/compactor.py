@@ -11,8 +11,8 @@ history, so bk compacts it, as the Kubernetes API server does for its own
 
 * Every bookie runs a :class:`Compactor` candidate; one wins the
   :class:`~bk.meta.recipes.Election` on ``compactor`` (a key bound to its
-  lease). The others wait; one of them takes over within the lease TTL when
-  the leader dies.
+  lease). The others wait, looking every half TTL; one of them takes over
+  within one and a half TTLs when the leader dies.
 * Every ``metadataCompactionIntervalSeconds`` the leader reads etcd's
   current revision and compacts to the revision it read one interval earlier,
   so at least one interval of history always stays: a watch or a paged read at
@@ -78,9 +78,15 @@ class Compactor:
         return e is not None and e.is_leader
 
     def _run(self) -> None:
+        # One candidate for the thread's life, so that its looks stay paced over the
+        # campaign() calls. It looks every half TTL (half the interval if shorter, at
+        # least Election.LOOK_EVERY): a compaction every few minutes loses nothing
+        # when a new leader comes seconds late, and each waiting bookie's look is an
+        # etcd read (docs/performance.md, "What etcd's CPU per ledger is made of").
+        look = max(Election.LOOK_EVERY, min(self.interval, self.ttl) / 2)
+        election = self._election = Election(self.store, ELECTION, self.identifier,
+                                             ttl=self.ttl, look_every=look)
         while not self._stop.is_set():
-            election = self._election = Election(self.store, ELECTION, self.identifier,
-                                                 ttl=self.ttl)
             try:
                 if not election.campaign(timeout=1.0):
                     continue

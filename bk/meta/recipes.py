@@ -20,7 +20,7 @@ its epoch and a replication worker's ledger CAS compares its lock. A deposed
 holder's writes then change nothing.
 
 An :class:`Election` is a LeaseLock on a well-known key whose value names the
-leader; ``campaign()`` waits (polling with back-off) until it wins, and the
+leader; ``campaign()`` waits (looking twice a second) until it wins, and the
 leader's token is its *epoch*.
 
 Used by auto-recovery (the auditor's election, the replication workers' ledger
@@ -185,14 +185,37 @@ class Election:
     """Leader election on ``<prefix>/<rel>``: the holder of a LeaseLock whose value
     names it. ``epoch`` (the token) fences the leader's writes."""
 
-    def __init__(self, store, rel: str, identifier: str, ttl: int = 10):
+    # How often a candidate looks whether the leader is gone: a dead leader's lease
+    # (seconds) outlives that. Kept across campaign() calls, which callers repeat with
+    # a short timeout to check for a stop: a back-off restarting at each call looked
+    # ~7 times a second, and the bench cluster's idle candidates (auditor and
+    # compactor, per bookie) made 35 etcd reads/s (docs/performance.md, etcd's CPU).
+    LOOK_EVERY = 0.5
+
+    def __init__(self, store, rel: str, identifier: str, ttl: int = 10,
+                 look_every: float | None = None):
+        """``look_every``: seconds between looks (``LOOK_EVERY`` unless given): a
+        leader whose work can wait (the compactor's) is replaced less eagerly."""
         self.identifier = identifier
         self.lock = LeaseLock(store, rel, {"id": identifier, "since": time.time()}, ttl)
+        self.look_every = self.LOOK_EVERY if look_every is None else float(look_every)
+        self._next_look = 0.0            # time.monotonic() of the next try
 
     def campaign(self, timeout: float | None = None) -> bool:
         """Block until this candidate leads (False if ``timeout`` passed first). A
-        candidate looks about twice a second: a dead leader's lease outlives that."""
-        return self.lock.acquire(timeout, poll=0.5)
+        candidate looks every ``look_every`` seconds, also over repeated calls."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            wait = self._next_look - now
+            if wait > 0:
+                if deadline is not None and now + wait > deadline:
+                    time.sleep(max(0.0, deadline - now))
+                    return False
+                time.sleep(wait)
+            self._next_look = time.monotonic() + self.look_every
+            if self.lock.try_acquire():
+                return True
 
     def leader(self) -> str | None:
         """Who leads now, as the store says (None: nobody)."""

@@ -1,0 +1,157 @@
+"""What bk costs etcd besides ledger writes: candidates waiting in an election look
+twice a second (etcd's own count of Range calls), and a local cluster's etcd
+runs with half the machine's cores (GOMAXPROCS) unless the operator chose; a
+candidate still takes over from a leader killed -9 once its lease expires."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+
+from bk.localcluster import LocalCluster
+from bk.meta import EtcdServer, MetadataStore
+from bk.meta.compactor import Compactor
+from bk.meta.etcd_server import colocated_env
+from bk.meta.recipes import Election
+from bk.testing import wait_until
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EtcdServer(str(tmp_path_factory.mktemp("etcd")), env={"GOMAXPROCS": "1"})
+    server.start()
+    yield server
+    server.stop()
+
+
+def _range_calls(etcd) -> float:
+    """etcd's count of the Range calls it answered (its /metrics)."""
+    n = 0.0
+    with urllib.request.urlopen(etcd.client_url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("grpc_server_handled_total") and 'grpc_method="Range"' in line:
+                n += float(line.rpartition(" ")[2])
+    return n
+
+
+def test_a_waiting_candidate_looks_twice_a_second_over_repeated_campaigns(etcd):
+    # The auditor and the compactor call campaign(timeout=1.0) in a loop to check for a
+    # stop. The back-off this replaced restarted at 20 ms with each call: ~7 looks a
+    # second per candidate, 5 per call of 0.2 s (50 here), where this makes <= 8.
+    with MetadataStore(etcd.uri("campaign")) as store:
+        leader = Election(store, "auditor", "bookie-1:3181", ttl=5)
+        waiting = Election(store, "auditor", "bookie-2:3181", ttl=5)
+        assert leader.campaign(timeout=5)
+        before, t0 = _range_calls(etcd), time.monotonic()
+        for _ in range(10):
+            assert not waiting.campaign(timeout=0.2)
+        looks = _range_calls(etcd) - before
+        elapsed = time.monotonic() - t0
+        # a slow machine makes fewer looks, never more: the bound holds at any speed
+        assert 1 <= looks <= elapsed / Election.LOOK_EVERY + 2, (looks, elapsed)
+        assert waiting.leader() == "bookie-1:3181" and not waiting.is_leader
+        epoch = leader.epoch
+        leader.resign()
+        # still takes over once the leader is gone
+        wait_until(lambda: waiting.campaign(timeout=0.2), timeout=10, what="the takeover")
+        assert waiting.epoch > epoch and waiting.leader() == "bookie-2:3181"
+        waiting.resign()
+
+
+LEADER = textwrap.dedent("""
+    import sys, time
+    from bk.meta import MetadataStore
+    from bk.meta.recipes import Election
+    store = MetadataStore(sys.argv[1])
+    e = Election(store, "compactor", "leader-process", ttl=2)
+    assert e.campaign(timeout=10)
+    print("epoch", e.epoch, flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def test_a_paced_candidate_takes_over_from_a_leader_killed_9(etcd):
+    # The candidate loops on campaign(timeout=1.0) as the compactor and the auditor do;
+    # the leader process is SIGKILLed: no resign, its key goes with its 2 s lease.
+    uri = etcd.uri("killed-leader")
+    p = subprocess.Popen([sys.executable, "-c", LEADER, uri], stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline().split()
+        assert line[0] == "epoch", line
+        old_epoch = int(line[1])
+        with MetadataStore(uri) as store:
+            candidate = Election(store, "compactor", "candidate", ttl=2)
+            assert not candidate.campaign(timeout=1.0)
+            assert candidate.leader() == "leader-process"
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+            before, t0 = _range_calls(etcd), time.monotonic()
+            wait_until(lambda: candidate.campaign(timeout=1.0), timeout=30,
+                       what="the candidate taking over")
+            looks, elapsed = _range_calls(etcd) - before, time.monotonic() - t0
+            assert candidate.is_leader and candidate.leader() == "candidate"
+            assert candidate.epoch > old_epoch
+            # paced while it waited for the lease to expire, yet it took over
+            assert looks <= elapsed / Election.LOOK_EVERY + 3, (looks, elapsed)
+            candidate.resign()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_waiting_compactor_looks_every_half_ttl(etcd):
+    # compactions every few minutes lose nothing to a leader that comes seconds late;
+    # each waiting bookie looked twice a second (and, a new Election per second, kept
+    # no pace), now every ttl/2
+    uri = etcd.uri("compactors")
+    with MetadataStore(uri) as a, MetadataStore(uri) as b:
+        a.format()
+        leader = Compactor(a, "a", interval=300, ttl=10).start()
+        waiting = None
+        try:
+            wait_until(lambda: leader.last is not None, timeout=10, what="a's first step")
+            waiting = Compactor(b, "b", interval=300, ttl=10).start()
+            wait_until(lambda: waiting._election is not None
+                       and waiting._election._next_look > 0, what="b's first look")
+            election = waiting._election
+            assert election.look_every == 5.0
+            first, before = election._next_look, _range_calls(etcd)
+            wait_until(lambda: election._next_look != first, timeout=30,
+                       what="b's second look")
+            # the second look (and the first, if its read was still on its way when
+            # the pace was set): twice a second, it was ~10 reads in these 5 s
+            assert _range_calls(etcd) - before <= 2
+            assert election._next_look - first >= election.look_every
+            assert leader.is_leader and not waiting.is_leader
+        finally:
+            for c in (leader, waiting):
+                if c is not None:
+                    c.stop()
+
+
+def test_colocated_env_gives_etcd_half_the_cores_unless_the_operator_chose(monkeypatch):
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    assert colocated_env(cores=2) == {"GOMAXPROCS": "1"}
+    assert colocated_env(cores=1) == {"GOMAXPROCS": "1"}
+    assert colocated_env(cores=16) == {"GOMAXPROCS": "8"}
+    monkeypatch.setenv("GOMAXPROCS", "3")
+    assert colocated_env(cores=16) == {}          # etcd inherits the operator's 3
+
+
+def test_etcd_runs_with_the_environment_it_was_given(etcd, tmp_path, monkeypatch):
+    with open(f"/proc/{etcd.pid}/environ", "rb") as f:
+        env = f.read().split(b"\0")
+    assert b"GOMAXPROCS=1" in env
+    with open(etcd.log_file) as f:
+        assert "--- bk: starting GOMAXPROCS=1 " in f.read()
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    local = LocalCluster(num_bookies=1, base_dir=str(tmp_path))._make_etcd(None)
+    assert local.env == colocated_env() and local.env["GOMAXPROCS"].isdigit()
