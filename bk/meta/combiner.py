@@ -27,22 +27,37 @@ travel together, the way the bookie journal's group commit shares an fsync:
 
 The CAS semantics of each write are therefore unchanged; only the number of
 calls shrinks (to ~1 per ``max_batch`` writes under load).
+
+Asynchronous writes (:meth:`TxnCombiner.submit`, behind ``create_ledger_async``
+and ``close_async``) have no thread to lead a batch or wait for it. They join
+the same queue, and the combiner's own sender thread (``bk-meta-txn``, started
+on first use, parked on an eventfd while idle) leads whenever the first write
+queued is asynchronous: it sends the batch, runs the writes' callbacks
+``(error, version)``, and goes on while writes are queued. A blocking write
+queued first is promoted as before, so blocking and asynchronous writes share
+transactions and the one-leader rule. Callbacks run on the thread that led the
+batch, after the next leader was handed the queue, so a slow callback delays
+no transaction; they must not block on another metadata write.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from typing import Callable
 
-from bk.park import parker
+from bk.park import Parker, parker
+
+log = logging.getLogger(__name__)
 
 
 class _Write:
     __slots__ = ("key", "compare", "put", "alone", "parker", "woken", "lead", "result",
-                 "error")
+                 "error", "callback")
 
-    def __init__(self, key, compare, put, alone):
+    def __init__(self, key, compare, put, alone, callback=None):
         self.key = key
         self.compare = compare        # the txn comparison of this write
         self.put = put                # its put op
@@ -54,6 +69,7 @@ class _Write:
         self.lead = False             # woken to send the next batch, not with a result
         self.result = None
         self.error: BaseException | None = None
+        self.callback = callback      # an asynchronous write's (error, version) callback
 
 
 class TxnCombiner:
@@ -71,6 +87,12 @@ class TxnCombiner:
         self.enabled = True           # False: every write alone (benchmarks compare)
         self.linger = linger          # seconds a leader waits for company under load
         self._last = 0                # writes in the previous transaction
+        # the sender thread of asynchronous writes (see the module doc)
+        self._sender: threading.Thread | None = None
+        self._sender_parker: Parker | None = None
+        self._sender_pid = os.getpid()
+        self._sender_work = False     # it is to lead the queue (set under _lock)
+        self._stopping = False
 
     def write(self, key: bytes, compare, put, alone: Callable[[], int]) -> int:
         """The new version of ``key``: ``alone()`` if no batch is in flight, else as
@@ -94,39 +116,105 @@ class TxnCombiner:
             raise w.error
         return w.result
 
-    def _lead(self, me: _Write) -> None:
+    def submit(self, key: bytes, compare, put, alone: Callable[[], int],
+               callback: Callable) -> None:
+        """Asynchronous :meth:`write`: returns at once; ``callback(error, version)``
+        runs on the combiner's sender thread (or a blocking leader) once the write is
+        done, with what :meth:`write` would have returned or raised."""
+        w = _Write(key, compare, put, alone, callback)
+        with self._lock:
+            if self._sender_pid != os.getpid():     # forked: the parent's queue is not ours
+                self._queue, self._busy, self._sender = [], False, None
+                self._sender_pid = os.getpid()
+            self._queue.append(w)
+            if self._busy:
+                return                  # the leader in flight hands it on
+            self._busy = True
+            self._wake_sender()
+
+    def _wake_sender(self) -> None:
+        # under self._lock: the sender is to lead the queue
+        self._sender_work = True
+        if self._sender is None:
+            self._sender_parker = Parker()
+            self._sender = threading.Thread(target=self._sender_main, name="bk-meta-txn",
+                                            daemon=True)
+            self._sender.start()
+        else:
+            self._sender_parker.unpark()
+
+    def _sender_main(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                if self._sender is not me:
+                    return
+                work, self._sender_work = self._sender_work, False
+                if not work and self._stopping:
+                    self._sender = None
+                    return
+            if not work:
+                self._sender_parker.park()
+                continue
+            while self._lead(None):
+                pass
+
+    def close(self) -> None:
+        """Let the sender thread end once the queue is empty (a later submit starts
+        another)."""
+        with self._lock:
+            self._stopping = True
+            if self._sender is not None:
+                self._sender_parker.unpark()
+
+    def _lead(self, me: _Write | None) -> bool:
+        """Send the next batch; ``me`` is the blocking write leading it, None for the
+        sender thread. True if the sender is to lead the next one too."""
         if self.linger and self._last > 1 and len(self._queue) < self.max_batch:
             time.sleep(self.linger)     # under load: let more writes join this one
         with self._lock:
             batch, keys, rest = [], set(), []
             # a promoted leader is first in the queue; the first leader is in no queue
-            pending = self._queue if me in self._queue else [me] + self._queue
+            pending = self._queue if me is None or me in self._queue else [me] + self._queue
+            limit = self.max_batch if self.enabled else 1
             for w in pending:
-                if len(batch) < self.max_batch and w.key not in keys:
+                if len(batch) < limit and w.key not in keys:
                     batch.append(w)
                     keys.add(w.key)
                 else:
                     rest.append(w)       # the same key twice: the later waits its turn
             self._queue = rest
+        again = False
         try:
             self._run(batch)
         finally:
+            nxt = None
             with self._lock:
-                if self._queue:
-                    nxt = self._queue.pop(0)
-                    nxt.lead = True
-                    self._queue.insert(0, nxt)
-                    nxt.woken = True
-                else:
-                    nxt = None
+                if not self._queue:
                     self._busy = False
+                elif self._queue[0].callback is None:
+                    nxt = self._queue[0]        # a blocking write leads the next batch
+                    nxt.lead = True
+                    nxt.woken = True
+                elif me is None:
+                    again = True                # the sender goes on
+                else:
+                    self._wake_sender()
             if nxt is not None:
                 nxt.parker.unpark()         # outside the lock: it takes it at once
             for w in batch:
-                if w is not me:
+                if w is me:
+                    continue
+                if w.callback is not None:
+                    try:
+                        w.callback(w.error, w.result)
+                    except Exception:
+                        log.exception("metadata write callback failed")
+                else:
                     w.lead = False
                     w.woken = True
                     w.parker.unpark()
+        return again
 
     def _run(self, batch: list[_Write]) -> None:
         self._last = len(batch)
