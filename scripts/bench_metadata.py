@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bk.bench.metadata import (THREADS, bench_breakdown, bench_listing,  # noqa: E402
+from bk.bench.metadata import (INFLIGHT, THREADS, bench_breakdown, bench_listing,  # noqa: E402
                                bench_metadata, bench_threads, format_row, mode_name)
 from bk.meta.store import LIST_PAGE  # noqa: E402
 
@@ -32,15 +32,16 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ledgers", type=int, default=1_000_000)
     ap.add_argument("--steps", default=None, help="comma-separated ledger counts")
-    # 64: the client's hand-offs (a shared etcd txn, an I/O thread wake-up) carry
-    # more ledgers each than at 32: more ledgers/s and less client CPU per ledger
-    # (docs/performance.md, metadata at scale; --compare-threads 32,64)
-    ap.add_argument("--threads", type=int, default=THREADS,
-                    help=f"client threads creating and closing ledgers (default {THREADS})")
-    ap.add_argument("--async-inflight", type=int, default=0, metavar="N",
-                    help="create+close with the asynchronous API (create_ledger_async, "
-                         "add_entry_async, close_async chained by callbacks) keeping N "
-                         "ledgers in flight, instead of --threads blocking threads")
+    # default: the asynchronous API, INFLIGHT ledgers in flight (docs/performance.md,
+    # "Asynchronous create and close"; --compare-threads 64,a256)
+    ap.add_argument("--threads", type=int, default=None,
+                    help=f"create and close from this many blocking client threads instead "
+                         f"of the asynchronous API (the bench's mode before; {THREADS} was "
+                         f"its default)")
+    ap.add_argument("--async-inflight", type=int, default=INFLIGHT, metavar="N",
+                    help=f"create+close with the asynchronous API (create_ledger_async, "
+                         f"add_entry_async, close_async chained by callbacks) keeping N "
+                         f"ledgers in flight (default {INFLIGHT})")
     ap.add_argument("--churn", type=int, default=None)
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     ap.add_argument("--no-compare", action="store_true",
@@ -62,7 +63,8 @@ def main():
     ap.add_argument("--round-ledgers", type=int, default=3000, help="with --compare-threads")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    mode = f"a{a.async_inflight}" if a.async_inflight else a.threads
+    inflight = 0 if a.threads else a.async_inflight
+    threads = a.threads or THREADS
     if a.compare_threads:
         counts = [x if x.startswith("a") else int(x) for x in a.compare_threads.split(",")]
         r = bench_threads(counts, rounds=a.rounds, ledgers=a.round_ledgers, base_dir=a.dir,
@@ -82,11 +84,11 @@ def main():
                   f"{mean['client_switches_per_ledger']:.2f} switches per ledger")
         return
     if a.breakdown:
-        r = bench_breakdown(a.breakdown, threads=mode, base_dir=a.dir)
+        r = bench_breakdown(a.breakdown, threads=threads, inflight=inflight, base_dir=a.dir)
         if a.json:
             print(json.dumps(r, indent=1))
             return
-        print(f"{r['ledgers']} ledgers, {mode_name(r['threads'])}: "
+        print(f"{r['ledgers']} ledgers, {mode_name(r['mode'])}: "
               f"{r['create_close_per_s']}/s")
         for k, v in sorted(r["cpu_us_per_ledger"].items(), key=lambda kv: -kv[1]):
             print(f"  CPU per ledger {k}: {v} us")
@@ -108,7 +110,7 @@ def main():
         return
     conf = dict(kv.split("=", 1) for kv in a.set)
     steps = [int(x) for x in a.steps.split(",")] if a.steps else None
-    r = bench_metadata(a.ledgers, steps=steps, threads=mode, churn=a.churn,
+    r = bench_metadata(a.ledgers, steps=steps, threads=threads, inflight=inflight, churn=a.churn,
                        idle_seconds=a.idle_seconds, compare=not a.no_compare, conf=conf,
                        base_dir=a.dir,
                        progress=(lambda row: None) if a.json else

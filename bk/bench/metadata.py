@@ -46,6 +46,11 @@ PAYLOAD = b"x" * 100
 # client threads creating and closing ledgers: 64 carried 1.46x the ledgers of 32
 # (docs/performance.md, "Hand-offs per ledger and the number of threads")
 THREADS = 64
+# ledgers in flight when creating and closing with the asynchronous API, the
+# default mode: 256 carried 1.2x the ledgers of 64 at the same client CPU, and
+# the mode 1.56x the ledgers of 64 blocking threads at 0.57x the client CPU per
+# ledger (docs/performance.md, "Asynchronous create and close")
+INFLIGHT = 256
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -267,16 +272,18 @@ def _steps(total: int) -> list[int]:
 
 
 def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
-                   threads: int = THREADS,
+                   threads: int = THREADS, inflight: int = INFLIGHT,
                    bookies: int = 3, shards: int = 2, churn: int | None = None,
                    idle_seconds: float = 20.0, compare: bool = True, conf: dict | None = None,
                    base_dir: str | None = None, progress=print) -> dict:
     """Run the benchmark; returns ``{"steps": [...], "churn": {...}, "compare": {...}}``
-    and calls ``progress(row)`` after each step."""
+    and calls ``progress(row)`` after each step. Ledgers are created and closed
+    with the asynchronous API, ``inflight`` at a time, or (``inflight=0``) from
+    ``threads`` blocking threads; the compared old paths and the churn's deletes
+    use the blocking threads."""
     steps = sorted(steps or _steps(ledgers))
-    # ``threads``: a mode of run_create_close; the compared old paths and the
-    # churn's deletes use blocking threads
-    nthreads = THREADS if isinstance(threads, str) else threads
+    mode = f"a{inflight}" if inflight else threads
+    nthreads = threads
     churn = min(steps[-1], 100_000) if churn is None else churn
     out: dict = {"steps": [], "compare": {}, "churn": None}
     with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
@@ -292,7 +299,7 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
                 for target in steps:
                     bookies = [p for b in cluster.bookies if b.alive for p in _tree(b.pid)]
                     c0, e0, b0 = _own_cpu(), _cpu_seconds(etcd), _cpu_seconds(bookies)
-                    rate = run_create_close(client, target - held, threads, out=created)
+                    rate = run_create_close(client, target - held, mode, out=created)
                     per = 1e6 / (target - held)
                     row = {"ledgers": target, "create_close_per_s": round(rate),
                            "client_cpu_us": round((_own_cpu() - c0) * per),
@@ -356,7 +363,7 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
                     with ThreadPoolExecutor(nthreads) as ex:
                         list(ex.map(client.delete_ledger, victims))
                     fresh: list[int] = []
-                    rate = run_create_close(client, len(victims), threads, out=fresh)
+                    rate = run_create_close(client, len(victims), mode, out=fresh)
                     row = {"churned": len(victims), "create_close_per_s": round(rate),
                            "seconds": round(time.monotonic() - t0, 1)}
                     row.update(etcd_sizes(cluster, defrag=False))
@@ -546,10 +553,13 @@ def bench_threads(counts: list[int], rounds: int = 4, ledgers: int = 3_000,
 
 
 def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int = 3,
-                    shards: int = 2, warmup: int = 1_000, base_dir: str | None = None) -> dict:
+                    shards: int = 2, warmup: int = 1_000, base_dir: str | None = None,
+                    inflight: int = INFLIGHT) -> dict:
     """CPU per created and closed ledger by process and thread, the client's cyclic
     GC (collections and their CPU, from ``gc.callbacks``: observed, not tuned) and
-    etcd's counters per ledger, over ``ledgers`` after ``warmup``."""
+    etcd's counters per ledger, over ``ledgers`` after ``warmup``; asynchronous
+    (``inflight`` at a time) or, with ``inflight=0``, from ``threads`` threads."""
+    mode = f"a{inflight}" if inflight else threads
     collections_ = [0, 0.0]
     started = [0.0]
 
@@ -564,7 +574,7 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int 
                           conf_overrides={"autoRecoveryDaemonEnabled": True}) as cluster:
             client = BookKeeper(cluster.metadata_uri)
             try:
-                run_create_close(client, warmup, threads)
+                run_create_close(client, warmup, mode)
                 roles = {os.getpid(): "client"}
                 for p in _tree(cluster.etcd.pid):
                     roles[p.pid] = "etcd"
@@ -578,7 +588,7 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int 
                 e0, c0 = _etcd_counters(url), _own_cpu()
                 gc.callbacks.append(on_gc)
                 try:
-                    rate = run_create_close(client, ledgers, threads)
+                    rate = run_create_close(client, ledgers, mode)
                 finally:
                     gc.callbacks.remove(on_gc)
                 client_cpu = _own_cpu() - c0
@@ -607,7 +617,7 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int 
             if role != "client" or spent >= 1:
                 us[key] = us.get(key, 0.0) + spent
     us["client: cyclic GC"] = collections_[1] * per
-    return {"ledgers": ledgers, "threads": threads, "create_close_per_s": round(rate),
+    return {"ledgers": ledgers, "mode": mode, "create_close_per_s": round(rate),
             "cpu_us_per_ledger": {k: round(v, 1) for k, v in us.items()},
             "gc_collections_per_ledger": round(collections_[0] / ledgers, 4),
             "switches_per_ledger": {k: round(v / ledgers, 2) for k, v in switches.items()},
