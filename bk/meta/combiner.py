@@ -42,6 +42,7 @@ no transaction; they must not block on another metadata write.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -93,11 +94,19 @@ class TxnCombiner:
         self._sender_pid = os.getpid()
         self._sender_work = False     # it is to lead the queue (set under _lock)
         self._stopping = False
+        # Batches of asynchronous writes done, whose callbacks the completer thread
+        # (bk-meta-done) runs while the sender already sends the next batch.
+        self.complete_apart = True    # False: the sender runs them (benchmarks compare)
+        self._done: collections.deque = collections.deque()
+        self._completer: threading.Thread | None = None
+        self._completer_parker: Parker | None = None
 
     def write(self, key: bytes, compare, put, alone: Callable[[], int]) -> int:
         """The new version of ``key``: ``alone()`` if no batch is in flight, else as
         part of the next shared transaction (same result, same errors)."""
-        if not self.enabled:
+        if not self.enabled or threading.current_thread() is self._sender:
+            # on the sender thread (a callback making a blocking write): it could
+            # never lead the batch it would wait for; alone, same answer
             return alone()
         w = _Write(key, compare, put, alone)
         with self._lock:
@@ -125,6 +134,7 @@ class TxnCombiner:
         with self._lock:
             if self._sender_pid != os.getpid():     # forked: the parent's queue is not ours
                 self._queue, self._busy, self._sender = [], False, None
+                self._completer, self._done = None, collections.deque()
                 self._sender_pid = os.getpid()
             self._queue.append(w)
             if self._busy:
@@ -159,13 +169,45 @@ class TxnCombiner:
             while self._lead(None):
                 pass
 
+    def _complete_later(self, writes: list) -> None:
+        """Hand done asynchronous writes to the completer thread (sender thread)."""
+        with self._lock:        # once per batch: orders it against the completer's exit
+            self._done.append(writes)
+            if self._completer is None:
+                self._completer_parker = Parker()
+                self._completer = threading.Thread(
+                    target=self._completer_main, name="bk-meta-done", daemon=True)
+                self._completer.start()
+                return
+            parker_ = self._completer_parker
+        parker_.unpark()
+
+    def _completer_main(self) -> None:
+        me = threading.current_thread()
+        done = self._done
+        while True:
+            while done:
+                for w in done.popleft():
+                    try:
+                        w.callback(w.error, w.result)
+                    except Exception:
+                        log.exception("metadata write callback failed")
+            with self._lock:
+                if self._completer is not me or (self._stopping and not done):
+                    if self._completer is me:
+                        self._completer = None
+                    return
+            self._completer_parker.park()
+
     def close(self) -> None:
-        """Let the sender thread end once the queue is empty (a later submit starts
-        another)."""
+        """Let the sender and completer threads end once they have nothing left to
+        do (a later submit starts others)."""
         with self._lock:
             self._stopping = True
             if self._sender is not None:
                 self._sender_parker.unpark()
+            if self._completer is not None:
+                self._completer_parker.unpark()
 
     def _lead(self, me: _Write | None) -> bool:
         """Send the next batch; ``me`` is the blocking write leading it, None for the
@@ -202,10 +244,14 @@ class TxnCombiner:
                     self._wake_sender()
             if nxt is not None:
                 nxt.parker.unpark()         # outside the lock: it takes it at once
+            apart = me is None and self.complete_apart
+            later = []
             for w in batch:
                 if w is me:
                     continue
-                if w.callback is not None:
+                if w.callback is not None and apart:
+                    later.append(w)
+                elif w.callback is not None:
                     try:
                         w.callback(w.error, w.result)
                     except Exception:
@@ -214,6 +260,8 @@ class TxnCombiner:
                     w.lead = False
                     w.woken = True
                     w.parker.unpark()
+            if later:
+                self._complete_later(later)
         return again
 
     def _run(self, batch: list[_Write]) -> None:

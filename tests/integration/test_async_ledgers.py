@@ -94,6 +94,24 @@ def test_errors_come_through_the_future_as_the_blocking_calls_raise_them(client)
         client.create_ledger_async(3, 2, 2, password="not bytes")
 
 
+def test_a_callback_that_creates_a_ledger_blocking_does_not_stall_the_others(client):
+    """Callbacks of asynchronous creates run on the combiner's thread; one that
+    creates another ledger with the blocking call (which the contract advises
+    against) gets its ledger, and the 100 creates queued behind it complete."""
+    inner = []
+
+    def cb(exc, handle):
+        assert exc is None
+        inner.append(client.create_ledger(3, 2, 2, password=PW))
+    futs = [client.create_ledger_async(3, 2, 2, password=PW) for _ in range(100)]
+    futs[0].add_done_callback(lambda f: cb(f.exception(), f.result()))
+    futs += [client.create_ledger_async(3, 2, 2, password=PW) for _ in range(100)]
+    handles = [f.result(30) for f in futs]
+    wait_until(lambda: inner, timeout=30, what="the callback's blocking create")
+    ids = {h.ledger_id for h in handles} | {inner[0].ledger_id}
+    assert len(ids) == 201 and all(client._store.ledger_exists(i) for i in ids)
+
+
 def test_close_async_of_a_ledger_under_recovery_fails_as_close_does(client, shared_cluster):
     """Another client began recovering the ledger (its metadata is IN_RECOVERY, a
     newer version than the writer's): close_async loses its compare-and-swap,
