@@ -3,9 +3,11 @@ thread end exactly as the blocking calls leave them, errors come through the
 future as the blocking calls raise them, and no future is left pending when etcd
 dies or the client closes under them."""
 
+import gc
 import os
 import signal
 import threading
+import weakref
 
 import pytest
 
@@ -270,3 +272,40 @@ def test_member_stopped_or_killed_with_async_writes_in_flight(etcd3, how):
             if isinstance(a, int):
                 assert store.read_ledger(lid)[1] == a
         assert sum(isinstance(a, int) for a in answers.values()) > 400
+
+
+def test_an_async_created_written_and_closed_handle_dies_by_its_reference_count(client):
+    """The asynchronous path leaves no reference cycle per ledger either (the
+    cyclic collector would then run over every ledger in flight): with the
+    collector off, a handle created, written and closed asynchronously is freed
+    once dropped."""
+    def one_ledger():
+        got = []
+        done = threading.Event()
+
+        def closed(exc, _):
+            got.append(exc)
+            done.set()
+
+        def added(exc, _eid):
+            assert exc is None
+            lh.close_async(callback=closed)
+        lh = client.create_ledger_async(3, 2, 2, password=PW).result(10)
+        lh.add_entry_async(b"x" * 100, callback=added)
+        wait_until(done.is_set, timeout=10, what="the close")
+        assert got == [None]
+        return lh
+    one_ledger()                        # connections made
+    gc.collect()
+    gc.disable()
+    try:
+        lh = one_ledger()
+        lid = lh.ledger_id
+        handle = weakref.ref(lh)
+        del lh
+        one_ledger()
+        wait_until(lambda: handle() is None, what="the handle freed with the collector off")
+    finally:
+        gc.enable()
+    md = client._store.read_ledger(lid)[0]
+    assert md.state == LedgerState.CLOSED and md.last_entry_id == 0
