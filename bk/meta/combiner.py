@@ -52,6 +52,7 @@ import threading
 import time
 from typing import Callable
 
+from bk.errors import MetadataError
 from bk.park import Parker, parker
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ log = logging.getLogger(__name__)
 
 class _Write:
     __slots__ = ("key", "compare", "put", "alone", "parker", "woken", "lead", "result",
-                 "error", "callback")
+                 "error", "callback", "queued_at", "what")
 
     def __init__(self, key, compare, put, alone, callback=None):
         self.key = key
@@ -74,6 +75,8 @@ class _Write:
         self.result = None
         self.error: BaseException | None = None
         self.callback = callback      # an asynchronous write's (error, version) callback
+        self.queued_at = 0.0          # an asynchronous write's submit time (see expire)
+        self.what = ""                # and what it is, for its errors
 
 
 class TxnCombiner:
@@ -81,7 +84,8 @@ class TxnCombiner:
 
     ``send(compares, puts) -> (succeeded, revision)`` runs one transaction."""
 
-    def __init__(self, send: Callable, max_batch: int = 64, linger: float = 0.001):
+    def __init__(self, send: Callable, max_batch: int = 64, linger: float = 0.001,
+                 expire: float | None = None, where: str = ""):
         self._send = send
         self.max_batch = max_batch
         self._lock = threading.Lock()
@@ -91,6 +95,11 @@ class TxnCombiner:
         self.enabled = True           # False: every write alone (benchmarks compare)
         self.linger = linger          # seconds a leader waits for company under load
         self._last = 0                # writes in the previous transaction
+        # An asynchronous write still queued ``expire`` seconds after its submit
+        # (the transactions ahead of it hung: etcd stopped) fails unsent with
+        # MetadataError, so that none waits out one timeout per batch ahead of it.
+        self.expire = expire
+        self._where = where           # the store's URI, for that error
         # the sender thread of asynchronous writes (see the module doc)
         self._sender: threading.Thread | None = None
         self._sender_parker: Parker | None = None
@@ -129,11 +138,14 @@ class TxnCombiner:
         return w.result
 
     def submit(self, key: bytes, compare, put, alone: Callable[[], int],
-               callback: Callable) -> None:
+               callback: Callable, what: str = "metadata write") -> None:
         """Asynchronous :meth:`write`: returns at once; ``callback(error, version)``
         runs on the combiner's sender thread (or a blocking leader) once the write is
         done, with what :meth:`write` would have returned or raised."""
         w = _Write(key, compare, put, alone, callback)
+        w.what = what
+        if self.expire is not None:
+            w.queued_at = time.monotonic()
         with self._lock:
             if self._sender_pid != os.getpid():     # forked: the parent's queue is not ours
                 self._queue, self._busy, self._sender = [], False, None
@@ -222,8 +234,15 @@ class TxnCombiner:
             # a promoted leader is first in the queue; the first leader is in no queue
             pending = self._queue if me is None or me in self._queue else [me] + self._queue
             limit = self.max_batch if self.enabled else 1
+            expired = []
+            too_old = (time.monotonic() - self.expire) if self.expire is not None else None
             for w in pending:
-                if len(batch) < limit and w.key not in keys:
+                if too_old is not None and w.callback is not None and w.queued_at < too_old:
+                    w.error = MetadataError(
+                        f"{w.what}: not sent: etcd answered none of the transactions "
+                        f"ahead of it within {self.expire:g}s ({self._where})")
+                    expired.append(w)
+                elif len(batch) < limit and w.key not in keys:
                     batch.append(w)
                     keys.add(w.key)
                 else:
@@ -231,8 +250,10 @@ class TxnCombiner:
             self._queue = rest
         again = False
         try:
-            self._run(batch)
+            if batch:
+                self._run(batch)
         finally:
+            batch += expired
             nxt = None
             with self._lock:
                 if not self._queue:

@@ -280,7 +280,7 @@ class MetadataStore:
         # benchmarks; approximate when several threads share the store
         self.rpc_counts: collections.Counter = collections.Counter()
         # concurrent ledger creates and CAS writes share transactions (bk.meta.combiner)
-        self._combiner = TxnCombiner(self._txn_batch)
+        self._combiner = TxnCombiner(self._txn_batch, expire=self.timeout, where=uri)
 
     # --- connection -----------------------------------------------------------
     def _new_client(self) -> MultiEndpointEtcd3Client:
@@ -714,7 +714,8 @@ class MetadataStore:
     def create_ledger_async(self, md: LedgerMetadata, callback) -> None:
         """:meth:`create_ledger` without blocking: ``callback(error, version)`` runs on
         the combiner's sender thread (:mod:`bk.meta.combiner`) with its outcome."""
-        self._combiner.submit(*self._create_write(md), callback)
+        self._combiner.submit(*self._create_write(md), callback,
+                              f"create ledger {md.ledger_id}")
 
     def _create_write(self, md: LedgerMetadata):
         """(key, comparison, put, the write alone) of a ledger create."""
@@ -765,7 +766,8 @@ class MetadataStore:
     def write_ledger_async(self, md: LedgerMetadata, version: int, callback) -> None:
         """:meth:`write_ledger` (no guards) without blocking: ``callback(error,
         new version)`` runs on the combiner's sender thread with its outcome."""
-        self._combiner.submit(*self._cas_write(md, version, ()), callback)
+        self._combiner.submit(*self._cas_write(md, version, ()), callback,
+                              f"write ledger {md.ledger_id} at version {version}")
 
     def _cas_write(self, md: LedgerMetadata, version: int, guards):
         """(key, comparison, put, the write alone) of a ledger CAS."""

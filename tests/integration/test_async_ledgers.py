@@ -208,6 +208,35 @@ def test_etcd_stopped_then_killed_with_creates_in_flight(cluster_factory):
             assert m.state == LedgerState.OPEN and m.ensembles == h.metadata.ensembles
 
 
+def test_etcd_stopped_fails_every_queued_create_within_the_timeout(cluster_factory):
+    """SIGSTOP etcd (and leave it stopped) with 300 creates queued: the batch in
+    flight fails after the store's timeout, and the creates queued behind it
+    fail unsent once they waited that long, instead of one timeout per batch
+    ahead of them; after SIGCONT no create that failed exists in etcd."""
+    cluster = cluster_factory(3)
+    timeout = 3.0
+    with cluster.client(timeout=3, metadataTimeoutMillis=int(timeout * 1000)) as client:
+        client.create_ledger_async(3, 2, 2, password=PW).result(10)   # connected, ids
+        os.kill(cluster.etcd.pid, signal.SIGSTOP)
+        try:
+            futs = [client.create_ledger_async(3, 2, 2, password=PW) for _ in range(300)]
+            # 300 writes are 5 batches: one timeout each would take 5 timeouts
+            wait_until(lambda: all(f.done() for f in futs), timeout=2 * timeout + 3,
+                       what="every create failed within about two timeouts")
+        finally:
+            os.kill(cluster.etcd.pid, signal.SIGCONT)
+        errors = [f.exception() for f in futs]
+        assert all(isinstance(e, MetadataError) for e in errors), errors[:3]
+        assert any("not sent" in str(e) for e in errors)
+        store = cluster.store
+        unsent = [f for f in futs if "not sent" in str(f.exception())]
+        # the unsent creates' ids were never written (the others' outcome is unknown)
+        ids = [int(str(f.exception()).split(":")[0].split()[-1]) for f in unsent]
+        assert all(str(f.exception()).startswith(f"create ledger {i}: not sent")
+                   for f, i in zip(unsent, ids))
+        assert not any(store.ledger_exists(i) for i in ids)
+
+
 @pytest.fixture
 def etcd3(tmp_path):
     cluster = EtcdCluster(str(tmp_path / "etcd3"), size=3).start()
