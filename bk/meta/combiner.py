@@ -97,7 +97,8 @@ class TxnCombiner:
         self._last = 0                # writes in the previous transaction
         # An asynchronous write still queued ``expire`` seconds after its submit
         # (the transactions ahead of it hung: etcd stopped) fails unsent with
-        # MetadataError, so that none waits out one timeout per batch ahead of it.
+        # MetadataError, so that none waits out one timeout per batch ahead of it
+        # (MetadataStore: two timeouts).
         self.expire = expire
         self._where = where           # the store's URI, for that error
         # the sender thread of asynchronous writes (see the module doc)

@@ -280,7 +280,10 @@ class MetadataStore:
         # benchmarks; approximate when several threads share the store
         self.rpc_counts: collections.Counter = collections.Counter()
         # concurrent ledger creates and CAS writes share transactions (bk.meta.combiner)
-        self._combiner = TxnCombiner(self._txn_batch, expire=self.timeout, where=uri)
+        # an asynchronous write queued two timeouts fails unsent: one for the batch
+        # ahead of it to time out, one for the next (sent elsewhere with several
+        # endpoints, where the queued writes then go on)
+        self._combiner = TxnCombiner(self._txn_batch, expire=2 * self.timeout, where=uri)
 
     # --- connection -----------------------------------------------------------
     def _new_client(self) -> MultiEndpointEtcd3Client:

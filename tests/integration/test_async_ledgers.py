@@ -210,9 +210,10 @@ def test_etcd_stopped_then_killed_with_creates_in_flight(cluster_factory):
 
 def test_etcd_stopped_fails_every_queued_create_within_the_timeout(cluster_factory):
     """SIGSTOP etcd (and leave it stopped) with 300 creates queued: the batch in
-    flight fails after the store's timeout, and the creates queued behind it
-    fail unsent once they waited that long, instead of one timeout per batch
-    ahead of them; after SIGCONT no create that failed exists in etcd."""
+    flight fails after the store's timeout, the next one after another, and the
+    creates queued behind them fail unsent once they waited two timeouts,
+    instead of one timeout per batch ahead of them; after SIGCONT no create
+    that failed unsent exists in etcd."""
     cluster = cluster_factory(3)
     timeout = 3.0
     with cluster.client(timeout=3, metadataTimeoutMillis=int(timeout * 1000)) as client:
@@ -221,7 +222,7 @@ def test_etcd_stopped_fails_every_queued_create_within_the_timeout(cluster_facto
         try:
             futs = [client.create_ledger_async(3, 2, 2, password=PW) for _ in range(300)]
             # 300 writes are 5 batches: one timeout each would take 5 timeouts
-            wait_until(lambda: all(f.done() for f in futs), timeout=2 * timeout + 3,
+            wait_until(lambda: all(f.done() for f in futs), timeout=2 * timeout + 4,
                        what="every create failed within about two timeouts")
         finally:
             os.kill(cluster.etcd.pid, signal.SIGCONT)
