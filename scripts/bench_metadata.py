@@ -11,6 +11,8 @@ defragmentation), etcd's RSS, and the CPU etcd and the bookies burn idle.
     scripts/bench_metadata.py --listing-only --ledgers 300000   # listing alone
     scripts/bench_metadata.py --breakdown 10000   # where one ledger's CPU goes
     scripts/bench_metadata.py --compare-threads 32,64 --rounds 4   # rate by thread count
+    scripts/bench_metadata.py --compare-threads 64,a256   # 64 threads vs async, 256 in flight
+    scripts/bench_metadata.py --async-inflight 256 --breakdown 6000
 """
 
 import argparse
@@ -20,8 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bk.bench.metadata import (THREADS, bench_breakdown, bench_listing,  # noqa: E402
-                               bench_metadata, bench_threads, format_row)
+from bk.bench.metadata import (INFLIGHT, THREADS, bench_breakdown, bench_listing,  # noqa: E402
+                               bench_metadata, bench_threads, format_row, mode_name)
 from bk.meta.store import LIST_PAGE  # noqa: E402
 
 
@@ -30,11 +32,16 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ledgers", type=int, default=1_000_000)
     ap.add_argument("--steps", default=None, help="comma-separated ledger counts")
-    # 64: the client's hand-offs (a shared etcd txn, an I/O thread wake-up) carry
-    # more ledgers each than at 32: more ledgers/s and less client CPU per ledger
-    # (docs/performance.md, metadata at scale; --compare-threads 32,64)
-    ap.add_argument("--threads", type=int, default=THREADS,
-                    help=f"client threads creating and closing ledgers (default {THREADS})")
+    # default: the asynchronous API, INFLIGHT ledgers in flight (docs/performance.md,
+    # "Asynchronous create and close"; --compare-threads 64,a256)
+    ap.add_argument("--threads", type=int, default=None,
+                    help=f"create and close from this many blocking client threads instead "
+                         f"of the asynchronous API (the bench's mode before; {THREADS} was "
+                         f"its default)")
+    ap.add_argument("--async-inflight", type=int, default=INFLIGHT, metavar="N",
+                    help=f"create+close with the asynchronous API (create_ledger_async, "
+                         f"add_entry_async, close_async chained by callbacks) keeping N "
+                         f"ledgers in flight (default {INFLIGHT})")
     ap.add_argument("--churn", type=int, default=None)
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     ap.add_argument("--no-compare", action="store_true",
@@ -50,16 +57,19 @@ def main():
                          "etcd's counters, over N ledgers created and closed")
     ap.add_argument("--compare-threads", default=None, metavar="N,M,...",
                     help="only: create+close runs of --round-ledgers ledgers from each of "
-                         "these thread counts, alternating, in one client process")
+                         "these thread counts (aN: the asynchronous API with N in flight), "
+                         "alternating, in one client process")
     ap.add_argument("--rounds", type=int, default=4, help="with --compare-threads")
     ap.add_argument("--round-ledgers", type=int, default=3000, help="with --compare-threads")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    inflight = 0 if a.threads else a.async_inflight
+    threads = a.threads or THREADS
     if a.compare_threads:
-        counts = [int(x) for x in a.compare_threads.split(",")]
+        counts = [x if x.startswith("a") else int(x) for x in a.compare_threads.split(",")]
         r = bench_threads(counts, rounds=a.rounds, ledgers=a.round_ledgers, base_dir=a.dir,
                           progress=None if a.json else lambda n, row: print(
-                              f"{n} threads: {row['create_close_per_s']}/s, client "
+                              f"{mode_name(n)}: {row['create_close_per_s']}/s, client "
                               f"{row['client_us_per_ledger']} us and "
                               f"{row['client_switches_per_ledger']} context switches per ledger",
                               flush=True))
@@ -69,16 +79,16 @@ def main():
         for n in counts:
             rows = r["runs"][str(n)]
             mean = {k: sum(x[k] for x in rows) / len(rows) for k in rows[0]}
-            print(f"{n} threads, mean of {len(rows)}: {mean['create_close_per_s']:.0f}/s, "
+            print(f"{mode_name(n)}, mean of {len(rows)}: {mean['create_close_per_s']:.0f}/s, "
                   f"client {mean['client_us_per_ledger']:.0f} us and "
                   f"{mean['client_switches_per_ledger']:.2f} switches per ledger")
         return
     if a.breakdown:
-        r = bench_breakdown(a.breakdown, threads=a.threads, base_dir=a.dir)
+        r = bench_breakdown(a.breakdown, threads=threads, inflight=inflight, base_dir=a.dir)
         if a.json:
             print(json.dumps(r, indent=1))
             return
-        print(f"{r['ledgers']} ledgers from {r['threads']} threads: "
+        print(f"{r['ledgers']} ledgers, {mode_name(r['mode'])}: "
               f"{r['create_close_per_s']}/s")
         for k, v in sorted(r["cpu_us_per_ledger"].items(), key=lambda kv: -kv[1]):
             print(f"  CPU per ledger {k}: {v} us")
@@ -100,7 +110,7 @@ def main():
         return
     conf = dict(kv.split("=", 1) for kv in a.set)
     steps = [int(x) for x in a.steps.split(",")] if a.steps else None
-    r = bench_metadata(a.ledgers, steps=steps, threads=a.threads, churn=a.churn,
+    r = bench_metadata(a.ledgers, steps=steps, threads=threads, inflight=inflight, churn=a.churn,
                        idle_seconds=a.idle_seconds, compare=not a.no_compare, conf=conf,
                        base_dir=a.dir,
                        progress=(lambda row: None) if a.json else

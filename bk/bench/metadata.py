@@ -46,6 +46,11 @@ PAYLOAD = b"x" * 100
 # client threads creating and closing ledgers: 64 carried 1.46x the ledgers of 32
 # (docs/performance.md, "Hand-offs per ledger and the number of threads")
 THREADS = 64
+# ledgers in flight when creating and closing with the asynchronous API, the
+# default mode: 256 carried 1.2x the ledgers of 64 at the same client CPU, and
+# the mode 1.56x the ledgers of 64 blocking threads at 0.57x the client CPU per
+# ledger (docs/performance.md, "Asynchronous create and close")
+INFLIGHT = 256
 
 
 def _tree(pid: int) -> list[psutil.Process]:
@@ -119,6 +124,88 @@ def create_close(client: BookKeeper, count: int, threads: int, fresh_ids: bool =
     return count / (time.monotonic() - t0)
 
 
+def create_close_async(client: BookKeeper, count: int, inflight: int,
+                       out: list | None = None) -> float:
+    """:func:`create_close` with the asynchronous API from no thread of its own:
+    ``inflight`` chains of create_ledger_async -> add_entry_async -> close_async,
+    each link started by the previous one's callback (on the client's metadata
+    and I/O threads), each chain starting the next ledger when one closes; ledgers/s."""
+    left = [count]
+    chains = [min(inflight, count)]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    finished = threading.Event()
+
+    def fail(e):
+        errors.append(e)
+        end_chain()
+
+    def end_chain():
+        with lock:
+            chains[0] -= 1
+            last = chains[0] == 0
+        if last:
+            finished.set()
+
+    def next_ledger():
+        with lock:
+            go = left[0] > 0 and not errors
+            left[0] -= 1
+        if not go:
+            end_chain()
+            return
+        try:
+            client.create_ledger_async(3, 2, 2, password=b"bench", callback=created)
+        except BaseException as e:
+            fail(e)
+
+    def created(exc, h):
+        if exc is not None:
+            fail(exc)
+            return
+        try:
+            h.add_entry_async(PAYLOAD, callback=lambda e, _eid: added(e, h))
+        except BaseException as e:
+            fail(e)
+
+    def added(exc, h):
+        if exc is not None:
+            fail(exc)
+            return
+        h.close_async(callback=lambda e, _: closed(e, h))
+
+    def closed(exc, h):
+        if exc is not None:
+            fail(exc)
+            return
+        if out is not None:
+            out.append(h.ledger_id)
+        next_ledger()
+    t0 = time.monotonic()
+    if not chains[0]:
+        return 0.0
+    for _ in range(chains[0]):
+        next_ledger()
+    finished.wait()
+    if errors:
+        raise errors[0]
+    return count / (time.monotonic() - t0)
+
+
+def run_create_close(client: BookKeeper, count: int, mode, out: list | None = None) -> float:
+    """create+close of ``count`` ledgers by ``mode``: an int (that many blocking
+    threads) or ``"aN"`` (the asynchronous API, N ledgers in flight); ledgers/s."""
+    if isinstance(mode, str) and mode.startswith("a"):
+        return create_close_async(client, count, int(mode[1:]), out=out)
+    return create_close(client, count, int(mode), out=out)
+
+
+def mode_name(mode) -> str:
+    if isinstance(mode, str) and mode.startswith("a"):
+        return f"async, {mode[1:]} in flight"
+    return f"{mode} threads"
+
+
 def list_seconds(client: BookKeeper, mode: str = "windows",
                  page_size: int = LIST_PAGE) -> tuple[float, int]:
     """(seconds, ids) to list every ledger id. ``windows``: the client's listing
@@ -185,13 +272,18 @@ def _steps(total: int) -> list[int]:
 
 
 def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
-                   threads: int = THREADS,
+                   threads: int = THREADS, inflight: int = INFLIGHT,
                    bookies: int = 3, shards: int = 2, churn: int | None = None,
                    idle_seconds: float = 20.0, compare: bool = True, conf: dict | None = None,
                    base_dir: str | None = None, progress=print) -> dict:
     """Run the benchmark; returns ``{"steps": [...], "churn": {...}, "compare": {...}}``
-    and calls ``progress(row)`` after each step."""
+    and calls ``progress(row)`` after each step. Ledgers are created and closed
+    with the asynchronous API, ``inflight`` at a time, or (``inflight=0``) from
+    ``threads`` blocking threads; the compared old paths and the churn's deletes
+    use the blocking threads."""
     steps = sorted(steps or _steps(ledgers))
+    mode = f"a{inflight}" if inflight else threads
+    nthreads = threads
     churn = min(steps[-1], 100_000) if churn is None else churn
     out: dict = {"steps": [], "compare": {}, "churn": None}
     with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
@@ -207,7 +299,7 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
                 for target in steps:
                     bookies = [p for b in cluster.bookies if b.alive for p in _tree(b.pid)]
                     c0, e0, b0 = _own_cpu(), _cpu_seconds(etcd), _cpu_seconds(bookies)
-                    rate = create_close(client, target - held, threads, out=created)
+                    rate = run_create_close(client, target - held, mode, out=created)
                     per = 1e6 / (target - held)
                     row = {"ledgers": target, "create_close_per_s": round(rate),
                            "client_cpu_us": round((_own_cpu() - c0) * per),
@@ -216,8 +308,8 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
                     held = target
                     if compare and not out["compare"]:
                         n = min(2000, max(200, held // 10))
-                        old = create_close(client, n, threads, fresh_ids=True, out=created)
-                        new = create_close(client, n, threads, out=created)
+                        old = create_close(client, n, nthreads, fresh_ids=True, out=created)
+                        new = create_close(client, n, nthreads, out=created)
                         held += 2 * n
                         out["compare"]["create_close_per_s"] = {
                             "fresh_id_per_ledger": round(old), "id_blocks": round(new),
@@ -228,9 +320,9 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
                         alone = shared = 0.0
                         for _ in range(3):
                             combiner.enabled = False
-                            alone = max(alone, create_close(client, n, threads, out=created))
+                            alone = max(alone, create_close(client, n, nthreads, out=created))
                             combiner.enabled = True
-                            shared = max(shared, create_close(client, n, threads, out=created))
+                            shared = max(shared, create_close(client, n, nthreads, out=created))
                             held += 2 * n
                         out["compare"]["create_close_per_s"].update(
                             one_txn_per_write=round(alone), shared_txns=round(shared),
@@ -242,7 +334,7 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
                             for name, value in (("no_linger", 0.0), ("linger", linger)):
                                 combiner.linger = value
                                 c0, e0 = _own_cpu(), _cpu_seconds(etcd)
-                                r = create_close(client, n, threads, out=created)
+                                r = create_close(client, n, nthreads, out=created)
                                 cpu = ((_own_cpu() - c0) * 1e6 / n,
                                        (_cpu_seconds(etcd) - e0) * 1e6 / n)
                                 b = best.setdefault(name, [0.0, cpu[0], cpu[1]])
@@ -268,10 +360,10 @@ def bench_metadata(ledgers: int = 1_000_000, steps: list[int] | None = None,
                 if churn:
                     t0 = time.monotonic()
                     victims, created = created[:churn], created[churn:]
-                    with ThreadPoolExecutor(threads) as ex:
+                    with ThreadPoolExecutor(nthreads) as ex:
                         list(ex.map(client.delete_ledger, victims))
                     fresh: list[int] = []
-                    rate = create_close(client, len(victims), threads, out=fresh)
+                    rate = run_create_close(client, len(victims), mode, out=fresh)
                     row = {"churned": len(victims), "create_close_per_s": round(rate),
                            "seconds": round(time.monotonic() - t0, 1)}
                     row.update(etcd_sizes(cluster, defrag=False))
@@ -433,37 +525,41 @@ def bench_threads(counts: list[int], rounds: int = 4, ledgers: int = 3_000,
     round in reverse order) in one client process against one cluster (so the
     VM's drifts hit every count alike).
     ``progress(count, row)`` after each run."""
-    runs: dict = {n: [] for n in counts}
+    runs: dict = {str(n): [] for n in counts}
     with tempfile.TemporaryDirectory(prefix="bk-bench-meta-", dir=base_dir) as d:
         with LocalCluster(num_bookies=bookies, base_dir=d, num_shards=shards,
                           conf_overrides={"autoRecoveryDaemonEnabled": True}) as cluster:
             client = BookKeeper(cluster.metadata_uri)
             try:
-                create_close(client, 1_000, max(counts))      # warm-up
+                for n in counts:                                 # warm-up
+                    run_create_close(client, 500, n)
                 for i in range(rounds):
                     # every other round in reverse (ABBA): a run's place in the round
                     # (what ran just before it) favours no count
                     for n in (counts if i % 2 == 0 else counts[::-1]):
                         c0, s0 = _own_cpu(), _own_switches()
-                        rate = create_close(client, ledgers, n)
+                        rate = run_create_close(client, ledgers, n)
                         row = {"create_close_per_s": round(rate),
                                "client_us_per_ledger": round((_own_cpu() - c0) * 1e6 / ledgers, 1),
                                "client_switches_per_ledger":
                                    round((_own_switches() - s0) / ledgers, 2)}
-                        runs[n].append(row)
+                        runs[str(n)].append(row)
                         if progress is not None:
                             progress(n, row)
             finally:
                 client.close()
     return {"ledgers_per_run": ledgers, "rounds": rounds,
-            "runs": {str(n): v for n, v in runs.items()}}
+            "runs": runs}
 
 
 def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int = 3,
-                    shards: int = 2, warmup: int = 1_000, base_dir: str | None = None) -> dict:
+                    shards: int = 2, warmup: int = 1_000, base_dir: str | None = None,
+                    inflight: int = INFLIGHT) -> dict:
     """CPU per created and closed ledger by process and thread, the client's cyclic
     GC (collections and their CPU, from ``gc.callbacks``: observed, not tuned) and
-    etcd's counters per ledger, over ``ledgers`` after ``warmup``."""
+    etcd's counters per ledger, over ``ledgers`` after ``warmup``; asynchronous
+    (``inflight`` at a time) or, with ``inflight=0``, from ``threads`` threads."""
+    mode = f"a{inflight}" if inflight else threads
     collections_ = [0, 0.0]
     started = [0.0]
 
@@ -478,7 +574,7 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int 
                           conf_overrides={"autoRecoveryDaemonEnabled": True}) as cluster:
             client = BookKeeper(cluster.metadata_uri)
             try:
-                create_close(client, warmup, threads)
+                run_create_close(client, warmup, mode)
                 roles = {os.getpid(): "client"}
                 for p in _tree(cluster.etcd.pid):
                     roles[p.pid] = "etcd"
@@ -492,7 +588,7 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int 
                 e0, c0 = _etcd_counters(url), _own_cpu()
                 gc.callbacks.append(on_gc)
                 try:
-                    rate = create_close(client, ledgers, threads)
+                    rate = run_create_close(client, ledgers, mode)
                 finally:
                     gc.callbacks.remove(on_gc)
                 client_cpu = _own_cpu() - c0
@@ -521,7 +617,7 @@ def bench_breakdown(ledgers: int = 10_000, threads: int = THREADS, bookies: int 
             if role != "client" or spent >= 1:
                 us[key] = us.get(key, 0.0) + spent
     us["client: cyclic GC"] = collections_[1] * per
-    return {"ledgers": ledgers, "threads": threads, "create_close_per_s": round(rate),
+    return {"ledgers": ledgers, "mode": mode, "create_close_per_s": round(rate),
             "cpu_us_per_ledger": {k: round(v, 1) for k, v in us.items()},
             "gc_collections_per_ledger": round(collections_[0] / ledgers, 4),
             "switches_per_ledger": {k: round(v / ledgers, 2) for k, v in switches.items()},

@@ -1447,8 +1447,11 @@ def _bench_settings(settings) -> dict:
 @click.option("--ledgers", default=1_000_000, show_default=True, type=click.IntRange(min=100),
               help="Ledgers held at the last step (steps at 10k, 30k, 100k, ... below it).")
 @click.option("--steps", default=None, help="Comma-separated ledger counts instead.")
-@click.option("--threads", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Client threads creating and closing ledgers.")  # = bk.bench.metadata.THREADS
+@click.option("--async-inflight", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Ledgers in flight, created and closed with the asynchronous API."
+              )  # = bk.bench.metadata.INFLIGHT
+@click.option("--threads", default=None, type=click.IntRange(min=1),
+              help="Create and close from this many blocking client threads instead.")
 @click.option("--churn", default=None, type=click.IntRange(min=0),
               help="Ledgers deleted and created again at the end (default: min(last "
                    "step, 100k)).")
@@ -1460,7 +1463,8 @@ def _bench_settings(settings) -> dict:
               help="Also run the replaced paths (an id write per ledger, sorted listing pages).")
 @_json_opt
 @handled
-def bench_metadata_cmd(ledgers, steps, threads, churn, idle_seconds, settings, compare, as_json):
+def bench_metadata_cmd(ledgers, steps, async_inflight, threads, churn, idle_seconds, settings,
+                       compare, as_json):
     """A local cluster (3 bookies, etcd) taking ledgers in steps: per step the
     create+close rate, the time to list every id, etcd's db size (and after
     compaction and defragmentation), its RSS, and the CPU etcd and the bookies
@@ -1476,7 +1480,8 @@ def bench_metadata_cmd(ledgers, steps, threads, churn, idle_seconds, settings, c
     def show(row):
         if not as_json:
             click.echo(format_row(row))
-    r = bench_metadata(ledgers, steps=step_list, threads=threads, churn=churn,
+    blocking = {"threads": threads, "inflight": 0} if threads else {"inflight": async_inflight}
+    r = bench_metadata(ledgers, steps=step_list, **blocking, churn=churn,
                        idle_seconds=idle_seconds, compare=compare,
                        conf=_bench_settings(settings), progress=show)
     if as_json:

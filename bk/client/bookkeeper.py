@@ -11,7 +11,7 @@ import time
 from bk.client import digest as _digest
 from bk.client.connection import DeadConnection, IOLoop
 from bk.client.health import BookieHealth
-from bk.client.ledger import _FRAME_OVERHEAD, LedgerHandle
+from bk.client.ledger import _FRAME_OVERHEAD, LedgerHandle, _AddFuture
 from bk.client.placement import PlacementPolicy
 from bk.client.recovery import check_password, recover_ledger
 from bk import log as bklog
@@ -31,6 +31,11 @@ from bk.security.etcd import EtcdCredentials
 from bk import protocol
 
 log = logging.getLogger("bk.client")
+
+_CREATE_TRIES = 10      # ledger ids tried by a create whose id was taken (an old cluster)
+# When this many ids are left in the last reserved block, the next block is
+# reserved on a metadata thread (a block holds 2**ID_BLOCK_BITS ids).
+_ID_REFILL_AT = 256
 
 
 def _check_uri(uri) -> str:
@@ -75,6 +80,7 @@ class BookKeeper:
         # thread that finds it empty reserves a block with no lock held.
         self._ids_lock = threading.Lock()
         self._ids: list[range] = []
+        self._ids_refilling = False   # a block is being reserved ahead (_refill_ids_later)
         self._pw_keys: dict[bytes, tuple[bytes, bytes]] = {}   # see _password_keys
         # Writable bookies as the watch of bookies/ last saw them (see _writable_view).
         self._view_lock = threading.Lock()
@@ -162,6 +168,7 @@ class BookKeeper:
             # The parent hands out the ids it reserved: the child reserves its own.
             self._ids_lock = threading.Lock()
             self._ids = []
+            self._ids_refilling = False
             self._pid = os.getpid()
 
     # --- which bookies are writable ---------------------------------------------
@@ -262,6 +269,48 @@ class BookKeeper:
         ledger under this id, allocated beforehand with :meth:`new_ledger_id` (so that
         the caller can record the id somewhere before the ledger exists);
         LedgerExistsError if it is taken."""
+        c = self._new_ledger(ensemble_size, write_quorum_size, ack_quorum_size, digest_type,
+                             password, custom_metadata, ledger_id)
+        for _ in range(_CREATE_TRIES if ledger_id is None else 1):
+            md = c.metadata()
+            try:
+                version = self._store.create_ledger(md)
+                break
+            except LedgerExistsError:
+                if ledger_id is not None:
+                    raise
+                continue
+        else:
+            raise MetadataError("create ledger: could not allocate a free ledger id")
+        return c.handle(md, version)
+
+    def create_ledger_async(self, ensemble_size: int = 3, write_quorum_size: int = 2,
+                            ack_quorum_size: int = 2, digest_type: str = "crc32c",
+                            password: bytes = b"", custom_metadata: dict | None = None,
+                            ledger_id: int | None = None, callback=None):
+        """:meth:`create_ledger` without blocking (BookKeeper's ``asyncCreateLedger``).
+
+        Without ``callback``: returns a ``concurrent.futures.Future`` of the
+        LedgerHandle. With ``callback``: calls ``callback(exc_or_None, handle)``
+        and returns None. Bad arguments raise ValueError/TypeError at once; every
+        other error (NotEnoughBookiesError, LedgerExistsError, MetadataError...)
+        comes through the future or callback, as the blocking call raises it. The
+        outcome is delivered on the client's metadata thread: keep callbacks short
+        and never wait there on another metadata call."""
+        done = _AddFuture() if callback is None else callback
+        try:
+            c = self._new_ledger(ensemble_size, write_quorum_size, ack_quorum_size,
+                                 digest_type, password, custom_metadata, ledger_id)
+        except BKError as e:
+            done(e, None)
+            return done if callback is None else None
+        c.done = done
+        c.start()
+        return done if callback is None else None
+
+    def _new_ledger(self, ensemble_size, write_quorum_size, ack_quorum_size, digest_type,
+                    password, custom_metadata, ledger_id) -> "_Create":
+        """Check the arguments of a create, place its ensemble: a :class:`_Create`."""
         self._check()
         for name, v in (("ensemble_size", ensemble_size), ("write_quorum_size", write_quorum_size),
                         ("ack_quorum_size", ack_quorum_size)):
@@ -291,26 +340,16 @@ class BookKeeper:
         except NotEnoughBookiesError as e:
             raise NotEnoughBookiesError(f"create ledger with ensemble size {ensemble_size}: {e}") \
                 from None
+        for b in ensemble:
+            # learn an unknown bookie's shards here, not on the thread that
+            # completes an asynchronous create (it would hold up other ledgers)
+            if b not in self._shards:
+                self._resolve(b)
         pw = bytes(password)
         pw_digest, key = self._password_keys(pw)
-        for _ in range(10 if ledger_id is None else 1):
-            lid = self._next_ledger_id() if ledger_id is None else int(ledger_id)
-            md = LedgerMetadata.new(ledger_id=lid, ensemble_size=ensemble_size,
-                                    write_quorum_size=write_quorum_size,
-                                    ack_quorum_size=ack_quorum_size, ensembles=[(0, ensemble)],
-                                    digest_type=digest_type,
-                                    password_digest=pw_digest, master_key=key,
-                                    ctime=time.time(), custom_metadata=custom)
-            try:
-                version = self._store.create_ledger(md)
-                break
-            except LedgerExistsError:
-                if ledger_id is not None:
-                    raise
-                continue
-        else:
-            raise MetadataError("create ledger: could not allocate a free ledger id")
-        return LedgerHandle(self, md, version, pw, writable=True, master_key=key)
+        return _Create(self, (ensemble_size, write_quorum_size, ack_quorum_size), ensemble,
+                       digest_type, pw, pw_digest, key, custom,
+                       None if ledger_id is None else int(ledger_id))
 
     def _password_keys(self, pw: bytes) -> tuple[bytes, bytes]:
         """(salted password digest, master key) of ``pw`` for the metadata of the
@@ -327,19 +366,46 @@ class BookKeeper:
 
     def _next_ledger_id(self) -> int:
         while True:
+            refill = False
             with self._ids_lock:
                 while self._ids:
                     block = self._ids[0]
                     if block:
                         self._ids[0] = block[1:]
-                        return block[0]
+                        if len(block) == _ID_REFILL_AT and len(self._ids) == 1 \
+                                and not self._ids_refilling:
+                            self._ids_refilling = refill = True
+                        break
                     self._ids.pop(0)
+                else:
+                    block = None
+            if block is not None:
+                if refill:
+                    self._refill_ids_later()
+                return block[0]
             # Several threads may reserve at once: each block is theirs alone, and the
             # ids left over in one are skipped (ids are sparse anyway).
-            block = self._store.reserve_ledger_ids()
-            with self._ids_lock:
-                self._ids.append(block)
-                self._ids.sort(key=lambda r: r.start)
+            self._add_ids(self._store.reserve_ledger_ids())
+
+    def _add_ids(self, block: range) -> None:
+        with self._ids_lock:
+            self._ids.append(block)
+            self._ids.sort(key=lambda r: r.start)
+
+    def _refill_ids_later(self) -> None:
+        """Reserve the next block of ids on a metadata thread while this one still
+        lasts: no create (blocking or not) waits for an idgen write then."""
+        def refill():
+            try:
+                self._add_ids(self._store.reserve_ledger_ids())
+            except BKError as e:
+                log.info("reserving ledger ids ahead failed (the next create will): %s", e)
+            finally:
+                self._ids_refilling = False
+        try:
+            self._executor.submit(refill)
+        except RuntimeError:          # the client is closing
+            self._ids_refilling = False
 
     def new_ledger_id(self) -> int:
         """A ledger id no ledger has or will be given (for ``create_ledger(ledger_id=)``)."""
@@ -440,3 +506,76 @@ class BookKeeper:
         """Delete the log and its ledgers. Returns the deleted ledger ids."""
         self._check()
         return bklog.delete_log(self, name)
+
+
+class _Create:
+    """One ledger create under way: its checked arguments and ensemble; the ids it
+    tries; ``done(exc, handle)`` of an asynchronous create.
+
+    Theory of operation of ``create_ledger_async``: the calling thread checks
+    the arguments, places the ensemble, takes an id from the reserved block
+    (:meth:`BookKeeper._next_ledger_id`, which reserves the next block ahead on
+    a metadata thread) and queues the create's etcd transaction on the store's
+    combiner (:meth:`MetadataStore.create_ledger_async`), then returns. The
+    combiner's sender thread sends it, shared with other creates and closes,
+    and calls :meth:`created`: it builds the handle and completes the future,
+    or, if the generated id was taken, queues the create again with a new id
+    (as the blocking create retries). No thread waits per ledger."""
+
+    __slots__ = ("client", "shape", "ensemble", "digest_type", "pw", "pw_digest", "key",
+                 "custom", "ledger_id", "tries", "done", "md")
+
+    def __init__(self, client, shape, ensemble, digest_type, pw, pw_digest, key, custom,
+                 ledger_id):
+        self.client = client
+        self.shape = shape
+        self.ensemble = ensemble
+        self.digest_type = digest_type
+        self.pw = pw
+        self.pw_digest = pw_digest
+        self.key = key
+        self.custom = custom
+        self.ledger_id = ledger_id      # given by the caller, or None: generated
+        self.tries = 0
+        self.done = None
+        self.md = None
+
+    def metadata(self) -> LedgerMetadata:
+        """The new ledger's metadata under the next id to try."""
+        client = self.client
+        lid = client._next_ledger_id() if self.ledger_id is None else self.ledger_id
+        e, qw, qa = self.shape
+        return LedgerMetadata.new(ledger_id=lid, ensemble_size=e, write_quorum_size=qw,
+                                  ack_quorum_size=qa, ensembles=[(0, self.ensemble)],
+                                  digest_type=self.digest_type,
+                                  password_digest=self.pw_digest, master_key=self.key,
+                                  ctime=time.time(), custom_metadata=self.custom)
+
+    def handle(self, md, version) -> LedgerHandle:
+        return LedgerHandle(self.client, md, version, self.pw, writable=True,
+                            master_key=self.key)
+
+    def start(self) -> None:
+        self.tries += 1
+        try:
+            self.md = self.metadata()
+            self.client._store.create_ledger_async(self.md, self.created)
+        except BaseException as e:        # e.g. reserving ids failed: the caller's error
+            self.done(e, None)
+
+    def created(self, exc, version) -> None:
+        if exc is None:
+            try:
+                h = self.handle(self.md, version)
+            except BaseException as e:
+                self.done(e, None)
+                return
+            self.done(None, h)
+        elif isinstance(exc, LedgerExistsError) and self.ledger_id is None:
+            if self.tries < _CREATE_TRIES:
+                self.start()
+            else:
+                self.done(MetadataError("create ledger: could not allocate a free ledger id"),
+                          None)
+        else:
+            self.done(exc, None)

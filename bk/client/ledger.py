@@ -84,7 +84,7 @@ from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_segments
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
-                       LedgerClosedError, LedgerFencedError, NoSuchEntryError,
+                       LedgerClosedError, LedgerFencedError, MetadataVersionError, NoSuchEntryError,
                        NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
@@ -1516,18 +1516,99 @@ class LedgerHandle:
                 except BKError:
                     pass            # the client's I/O is gone: nothing holds them
 
+    def close_async(self, callback=None):
+        """:meth:`close` without blocking (BookKeeper's ``asyncClose``).
+
+        Without ``callback``: returns a ``concurrent.futures.Future`` (result None);
+        with ``callback``: calls ``callback(exc_or_None, None)`` and returns None.
+        The errors are those close() raises. A writer with nothing in flight
+        queues its metadata write on the store's combiner (no thread waits for
+        it); one with adds still outstanding, an ensemble change under way or a
+        close already begun closes on a metadata thread of the client."""
+        done = _AddFuture() if callback is None else callback
+        fast = False
+        if self._writable and self._close_lock.acquire(blocking=False):
+            with self._lock:
+                st = self._state
+                fast = (not st.closed and not st.changing and not self._unconfirmed
+                        and self._submitted == self._completed)
+                if fast:
+                    self._move("close")
+            if not fast:
+                self._close_lock.release()
+        if fast:
+            self._close_metadata_async(done)
+        elif not self._writable:
+            self._move("close")
+            done(None, None)
+        else:
+            def close():
+                try:
+                    self.close()
+                except BaseException as e:
+                    done(e, None)
+                else:
+                    done(None, None)
+            try:
+                self._client._executor.submit(close)
+            except RuntimeError:
+                done(BKError(f"close ledger {self._lid}: the client is closed"), None)
+        return done if callback is None else None
+
+    def _close_metadata_async(self, done):
+        # under self._close_lock, which the write's callback releases
+        closed = self._closed_change()
+        try:
+            new_md = closed(self._md)
+        except BaseException as e:
+            self._close_lock.release()
+            done(e, None)
+            return
+        if new_md is None:
+            self._close_lock.release()
+            done(None, None)
+            return
+
+        def written(exc, version):
+            if exc is None:
+                self._md, self._version = new_md, version
+            elif isinstance(exc, MetadataVersionError):
+                # lost the CAS (a recovery, a concurrent close): re-read and decide as
+                # close() does, on a metadata thread (it blocks)
+                def again():
+                    try:
+                        self._close_metadata(reread=True)
+                    except BaseException as e:
+                        done(e, None)
+                    else:
+                        done(None, None)
+                    finally:
+                        self._close_lock.release()
+                try:
+                    self._client._executor.submit(again)
+                    return
+                except RuntimeError:
+                    exc = BKError(f"close ledger {self._lid}: the client is closed")
+            self._close_lock.release()
+            done(exc, None)
+        try:
+            self._client._store.write_ledger_async(new_md, self._version, written)
+        except BaseException as e:
+            self._close_lock.release()
+            done(e, None)
+
     def _stop_ticker(self):
         if self._ticker_on and self._tick in self._loop._tickers:
             self._loop._tickers.remove(self._tick)
         self._ticker_on = False
 
-    def _cas_metadata(self, what, change):
+    def _cas_metadata(self, what, change, reread=False):
         """Write ``change(md)`` over this handle's metadata with compare-and-swap
         (:func:`bk.retry.retry_cas`): after a lost CAS, re-read and apply ``change``
         to what is there now. ``change`` raises to give up, or returns None when
         there is nothing to write. Returns ``(metadata, version)``."""
         store = self._client._store
-        cur = [self._md, self._version, False]       # metadata, version, re-read?
+        cur = [self._md, self._version, reread]       # metadata, version, re-read?
 
         def attempt():
             if cur[2]:
@@ -1539,7 +1620,14 @@ class LedgerHandle:
             return new_md, store.write_ledger(new_md, cur[1])
         return retry_cas(what, attempt)
 
-    def _close_metadata(self):
+    def _close_metadata(self, reread=False):
+        self._md, self._version = self._cas_metadata(f"close ledger {self._lid}",
+                                                     self._closed_change(), reread)
+
+    def _closed_change(self):
+        """The change of a close: the metadata CLOSED at this writer's LAC and length
+        (None if it is already; LedgerFencedError if another client closed or
+        recovers it)."""
         lac, length = self._lac, self._length
         what = f"close ledger {self._lid}"
 
@@ -1553,7 +1641,7 @@ class LedgerHandle:
             if md.state == LedgerState.IN_RECOVERY and not self._recovery:
                 raise LedgerFencedError(f"{what}: ledger is being recovered by another client")
             return md.replace(state=LedgerState.CLOSED, last_entry_id=lac, length=length)
-        self._md, self._version = self._cas_metadata(what, closed)
+        return closed
 
     # ============================ read path ============================================
     def _readable_last(self):

@@ -280,7 +280,10 @@ class MetadataStore:
         # benchmarks; approximate when several threads share the store
         self.rpc_counts: collections.Counter = collections.Counter()
         # concurrent ledger creates and CAS writes share transactions (bk.meta.combiner)
-        self._combiner = TxnCombiner(self._txn_batch)
+        # an asynchronous write queued two timeouts fails unsent: one for the batch
+        # ahead of it to time out, one for the next (sent elsewhere with several
+        # endpoints, where the queued writes then go on)
+        self._combiner = TxnCombiner(self._txn_batch, expire=2 * self.timeout, where=uri)
 
     # --- connection -----------------------------------------------------------
     def _new_client(self) -> MultiEndpointEtcd3Client:
@@ -414,6 +417,7 @@ class MetadataStore:
             w.cancel()
         for r in regs:
             r.close()
+        self._combiner.close()
         with self._lock:
             self._closed = True
             if self._client_obj is not None and self._pid == os.getpid():
@@ -708,6 +712,16 @@ class MetadataStore:
     # --- ledgers --------------------------------------------------------------
     def create_ledger(self, md: LedgerMetadata) -> int:
         """Store new ledger metadata if no ledger has this id; returns its version."""
+        return self._combiner.write(*self._create_write(md))
+
+    def create_ledger_async(self, md: LedgerMetadata, callback) -> None:
+        """:meth:`create_ledger` without blocking: ``callback(error, version)`` runs on
+        the combiner's sender thread (:mod:`bk.meta.combiner`) with its outcome."""
+        self._combiner.submit(*self._create_write(md), callback,
+                              f"create ledger {md.ledger_id}")
+
+    def _create_write(self, md: LedgerMetadata):
+        """(key, comparison, put, the write alone) of a ledger create."""
         lid = _check_ledger_id(md.ledger_id)
         key = self._key(ledger_key_name(lid))
         compare, put = _created_never(key), _put_op(key, md.to_json())
@@ -718,7 +732,7 @@ class MetadataStore:
                 raise LedgerExistsError(f"create ledger {lid}: ledger {lid} already exists "
                                         f"({self.uri})")
             return rev
-        return self._combiner.write(key, compare, put, alone)
+        return key, compare, put, alone
 
     def _txn_batch(self, compares, puts) -> tuple[bool, int]:
         """One transaction for several ledger writes (:mod:`bk.meta.combiner`)."""
@@ -747,6 +761,19 @@ class MetadataStore:
         a replication worker whose lock expired changes nothing); LockLostError
         if only they failed.
         """
+        key, compare, put, alone = self._cas_write(md, version, guards)
+        if guards:
+            return alone()          # a lock's guard is that writer's own: not shared
+        return self._combiner.write(key, compare, put, alone)
+
+    def write_ledger_async(self, md: LedgerMetadata, version: int, callback) -> None:
+        """:meth:`write_ledger` (no guards) without blocking: ``callback(error,
+        new version)`` runs on the combiner's sender thread with its outcome."""
+        self._combiner.submit(*self._cas_write(md, version, ()), callback,
+                              f"write ledger {md.ledger_id} at version {version}")
+
+    def _cas_write(self, md: LedgerMetadata, version: int, guards):
+        """(key, comparison, put, the write alone) of a ledger CAS."""
         lid = _check_ledger_id(md.ledger_id)
         key = self._key(ledger_key_name(lid))
         what = f"write ledger {lid} at version {version}"
@@ -765,9 +792,7 @@ class MetadataStore:
                 raise LockLostError(f"{what}: the lock it was written under is no longer held")
             raise MetadataVersionError(f"{what}: lost to another writer, the version is now "
                                        f"{kvs[0].mod_revision}")
-        if guards:
-            return alone()          # a lock's guard is that writer's own: not shared
-        return self._combiner.write(key, compare, put, alone)
+        return key, compare, put, alone
 
     def delete_ledger(self, ledger_id: int, version: int | None = None) -> None:
         """Delete (if at ``version`` when given); NoSuchLedgerError if absent."""
