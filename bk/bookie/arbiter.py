@@ -68,6 +68,7 @@ from bk.errors import (BKError, ClusterIdentityError, ConfigError, CookieMismatc
                        MetadataError, ProtocolError)
 from bk.exitcodes import (EXIT_BIND, EXIT_COOKIE, EXIT_CONFIG, EXIT_ERROR, EXIT_METADATA,
                           EXIT_OK, EXIT_WORKER_BOOT)
+from bk.meta import etcdversion
 from bk.meta.compactor import Compactor
 from bk.meta.racks import check_rack, set_rack_if_absent
 from bk.meta.store import MetadataStore
@@ -223,6 +224,10 @@ class Arbiter:
             raise BookieExit(EXIT_CONFIG, f"metadataServiceUri: {e}") from None
         except MetadataError as e:
             raise BookieExit(EXIT_METADATA, str(e)) from None
+        for endpoint, version in self.store.etcd_versions().items():
+            warning = etcdversion.advice(version)
+            if warning:
+                log.warning("metadata store %s: %s", endpoint, warning)
         self._write_pid_file()
         self.metrics = M.BookieMetrics(self.num_shards)
         self._bind_http()

@@ -231,10 +231,12 @@ def metastatus(c, as_json):
     Example:
       bkshell metastatus
     """
-    from bk.meta import compactor
+    from bk.meta import compactor, etcdversion
     from bk.meta.store import MetadataStore
     with MetadataStore(c.uri(), timeout=c.timeout, credentials=c.etcd()) as store:
         rows = store.etcd_status()
+        for r in rows:
+            r["warning"] = etcdversion.advice(r["version"])
         rec, _ = store.get_json(compactor.RECORD)
         leader, _ = store.get_json(compactor.ELECTION)
     out = {"endpoints": rows, "alarms": rows[0]["alarms"] if rows else [],
@@ -245,6 +247,9 @@ def metastatus(c, as_json):
     for r in rows:
         click.echo(f"{r['endpoint']}\tetcd {r['version']}\tdb {_size(r['dbSize'])}\t"
                    f"revision {r['revision']}\t{'leader' if r['isLeader'] else 'follower'}")
+    for r in rows:
+        if r["warning"]:
+            click.echo(f"warning: {r['endpoint']}: {r['warning']}", err=True)
     if rows:
         r = rows[0]
         kept = r["revision"] - r["compactRevision"]

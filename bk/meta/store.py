@@ -1114,6 +1114,25 @@ class MetadataStore:
             etcdrpc.StatusRequest(), c.timeout, credentials=c.call_credentials,
             metadata=c.metadata).dbSize))
 
+    def etcd_versions(self) -> dict[str, str]:
+        """etcd's version per endpoint that answers within this store's timeout (for
+        the warning at a bookie's start; one that does not answer is left out)."""
+        out = {}
+        for host, port in self.endpoints:
+            try:
+                c = self._etcd_client([(host, port)], self.timeout, 0)
+            except MetadataError:
+                continue
+            try:
+                out[f"{host}:{port}"] = c.maintenancestub.Status(
+                    etcdrpc.StatusRequest(), c.timeout, credentials=c.call_credentials,
+                    metadata=c.metadata).version
+            except (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError):
+                pass
+            finally:
+                c.close()
+        return out
+
     def etcd_status(self) -> list[dict]:
         """Per endpoint: version, db size, revision, raft index, leader, alarms; and the
         last compacted revision."""
