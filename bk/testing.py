@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.request
 
+import psutil
 from click.testing import CliRunner
 
 from bk import localcluster
@@ -447,3 +448,15 @@ def local_spark(app_name: str, **conf):
     for k, v in conf.items():
         b = b.config(k, v)
     return b.getOrCreate()
+
+
+def spark_driver_jvm() -> psutil.Process | None:
+    """This process's Spark JVM (PySpark's gateway, a child running SparkSubmit),
+    or None before its first session. It outlives stopped sessions: the next one
+    reuses it. Tests check with it that it was started before their clusters (the
+    ``_local_spark`` fixture, tests/integration/conftest.py, says why)."""
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if "org.apache.spark.deploy.SparkSubmit" in child.cmdline():
+                return child
+    return None

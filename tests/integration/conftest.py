@@ -71,10 +71,11 @@ def small_fs(tmp_path):
 
 
 class _LocalSpark:
-    """The process's local SparkSession, made on first use and kept for every Spark
-    test after it (a Spark JVM costs seconds of CPU to start); stopped for a test
-    that needs a session of its own (the driver of a process has one SparkContext:
-    a new session would quietly be this one, on the local master)."""
+    """The process's local SparkSession, kept for every Spark test after the first
+    (a Spark JVM costs seconds of CPU to start); stopped for a test that needs a
+    session of its own (the driver of a process has one SparkContext: a new session
+    would quietly be this one, on the local master). Every later session of the
+    process, local or not, reuses the JVM that the first one started."""
 
     def __init__(self):
         self.session = None
@@ -93,7 +94,14 @@ class _LocalSpark:
 
 @pytest.fixture(scope="session")
 def _local_spark():
+    # Start Spark's JVM now, before the test's clusters and clients: a session-scoped
+    # fixture is set up before the module- and function-scoped ones of the same test.
+    # PySpark starts the JVM with fork() (it passes a preexec_fn), and gRPC's fork
+    # handlers, on in a process with an open etcd channel, now and then abort the
+    # child before it execs (exit -6, "epoll_wait error: Bad file descriptor"):
+    # JAVA_GATEWAY_EXITED. Later sessions reuse the JVM, without a fork.
     holder = _LocalSpark()
+    holder.get()
     yield holder
     holder.stop()
 
@@ -108,5 +116,6 @@ def spark(_local_spark):
 
 @pytest.fixture
 def no_local_spark(_local_spark):
-    """No local SparkSession in this process (for a test that builds its own)."""
+    """No local SparkSession in this process (for a test that builds its own: its
+    session reuses the JVM, started before the test's clusters)."""
     _local_spark.stop()

@@ -9,6 +9,7 @@ import json
 import os
 import threading
 
+import psutil
 import pytest
 
 import bk
@@ -16,7 +17,7 @@ from bk import protocol as P
 from bk.client import digest as D
 from bk.log import metadata, staging
 from bk.rawclient import BookieConnection
-from bk.testing import LocalCluster, shell, shell_ok, wait_until
+from bk.testing import LocalCluster, shell, shell_ok, spark_driver_jvm, wait_until
 
 
 import bk.spark  # noqa: E402
@@ -90,6 +91,18 @@ def test_workers_import_this_bk(spark):
     files = spark.sparkContext.parallelize([0, 1], 2).map(
         lambda _: __import__("bk").__file__).collect()
     assert files == [bk.__file__] * 2
+
+
+def test_the_spark_jvm_started_before_the_cluster_and_its_clients(spark, shared, client):
+    # PySpark forks to start its JVM, and gRPC's fork handlers may abort that child
+    # while an etcd channel of this process is open (JAVA_GATEWAY_EXITED now and
+    # then): the session fixture starts the JVM before any cluster fixture
+    jvm = spark_driver_jvm()
+    assert jvm is not None, "no Spark JVM is a child of this process"
+    etcd = psutil.Process(shared.etcd.pid)
+    assert jvm.create_time() < etcd.create_time(), \
+        "the Spark JVM was started after the module's cluster (its etcd channels open)"
+    assert spark.sparkContext.parallelize(range(3), 3).count() == 3    # and serves
 
 
 def test_batch_read_of_a_rolled_log(spark, shared, client):

@@ -13,7 +13,8 @@ import pytest
 import bk
 from bk import netns
 from bk.log import staging
-from bk.testing import SPARK_TEST_JAVA_OPTIONS, TEST_DEFAULTS, require_java, wait_until
+from bk.testing import (SPARK_TEST_JAVA_OPTIONS, TEST_DEFAULTS, require_java,
+                        spark_driver_jvm, wait_until)
 
 pytestmark = [pytest.mark.skipif(netns.unavailable() is not None,
                                  reason=f"needs test hosts: {netns.unavailable()}"),
@@ -52,6 +53,10 @@ def _tail(path, n=30):
 
 @pytest.mark.timeout(600)
 def test_spark_standalone_pipeline_with_a_bookie_host_cut(tmp_path, no_local_spark):
+    # The driver's session below reuses the JVM that the fixtures started before
+    # this test's etcd channels opened: started here, by fork() while the client's
+    # watches run, gRPC's fork handlers could abort it (JAVA_GATEWAY_EXITED)
+    assert spark_driver_jvm() is not None, "no Spark JVM started before the cluster"
     with netns.Network() as net:
         bookies = [net.add_host(f"b{i}") for i in range(4)]
         meta = net.add_host("meta")
