@@ -109,9 +109,9 @@ def patch_worker(m):
                 self._tr[k]["released"] = t
         return r
 
-    def _run_sync(self, job):
+    def _run_sync(self, job, keep=None):
         t0 = mono()
-        job.run()
+        job.run(keep) if keep is not None else job.run()
         t1 = mono()
         self._tr_syncs.append((t0, t1 - t0, job.bytes))
         self._tr_jobs[id(job)] = (t0, t1)

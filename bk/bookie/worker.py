@@ -129,10 +129,10 @@ died): a worker never outlives its arbiter.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
-import queue
 import select
 import selectors
 import signal
@@ -144,9 +144,10 @@ import threading
 import time
 import traceback
 
+from bk import park
 from bk import protocol as P
 from bk.bookie import control, layout
-from bk.bookie.journal import JournalError
+from bk.bookie.journal import JournalError, SyncFile
 from bk.bookie.storage import ShardStorage
 from bk.config import Config
 from bk.errors import (EAUTH, EBADREQ, EBADVERSION, EOK, EREADONLY, ESECURITY, ENOENTRY,
@@ -305,7 +306,8 @@ class ShardWorker:
         self.first_held = 0.0
         self.sync_job = None                         # the group commit in flight, if any
         self.inflight: list[tuple[_Conn, bytes]] = []   # responses it covers
-        self._sync_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._sync_jobs: collections.deque = collections.deque()   # for the sync thread
+        self._sync_parker: park.Parker | None = None     # the sync thread parks here
         self._sync_r = self._sync_w = -1
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
         self._gc_deleted: list[int] = []             # ledger ids of a GC round, in chunks
@@ -400,6 +402,7 @@ class ShardWorker:
         self._sync_r, self._sync_w = os.pipe()
         os.set_blocking(self._sync_r, False)
         self.sel.register(self._sync_r, selectors.EVENT_READ, "sync")
+        self._sync_parker = park.Parker()
         self._start_sync_thread()
         control.send(self.ctrl, "ready", {"shard": self.shard, "pid": os.getpid()})
 
@@ -420,16 +423,32 @@ class ShardWorker:
         threading.Thread(target=self._sync_thread, name=f"bk-sync-{self.shard}",
                          daemon=True).start()
 
-    def _sync_thread(self):
-        while True:
-            job = self._sync_q.get()
-            if job is None:
-                return
-            self._run_sync(job)
+    def _hand_sync(self, job):
+        """Give the sync thread a job (None: exit). It parks on an eventfd, written
+        here with the GIL released: a lock released here (a queue's) would wake it
+        while this thread holds the GIL, and on a busy machine the woken thread
+        then preempts the loop only to find the GIL taken, and sleeps again."""
+        self._sync_jobs.append(job)
+        self._sync_parker.unpark()
 
-    def _run_sync(self, job):
-        """Run one group's sync (blocking) and tell the loop through the pipe."""
-        job.run()
+    def _sync_thread(self):
+        jobs, parker, keep = self._sync_jobs, self._sync_parker, SyncFile()
+        try:
+            while True:
+                if not jobs:
+                    parker.park()            # may return early: the deque says
+                    continue
+                job = jobs.popleft()
+                if job is None:
+                    return
+                self._run_sync(job, keep)
+        finally:
+            keep.close()
+
+    def _run_sync(self, job, keep=None):
+        """Run one group's sync (blocking) and tell the loop through the pipe. Per
+        group the thread takes the GIL three times (parked, fdatasync, write)."""
+        job.run(keep)
         os.write(self._sync_w, b"s")
 
     def _start_sync(self, done=None):
@@ -458,7 +477,7 @@ class ShardWorker:
             self._group = group
             self._sync_t0 = time.monotonic()
             self.inflight = held
-            self._sync_q.put(job)
+            self._hand_sync(job)
             if done is not None:
                 self._answer(done)
             return
@@ -580,7 +599,8 @@ class ShardWorker:
         if self.storage is None:
             return
         self._quiesce()
-        self._sync_q.put(None)
+        if self._sync_parker is not None:
+            self._hand_sync(None)
         deadline = time.monotonic() + 2.0
         pending = [c for c in self.conns if self._unsent(c) and not c.closed]
         while pending and time.monotonic() < deadline:

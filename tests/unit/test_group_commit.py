@@ -42,7 +42,7 @@ class StepWorker(ShardWorker):
     def complete(self, fail_with: str | None = None):
         """Run the sync in flight (its job, as the sync thread would) and hand the
         completion to the worker, as its loop does."""
-        job = self._sync_q.get_nowait()
+        job = self._sync_jobs.popleft()
         assert job is self.sync_job
         if fail_with is not None:        # the segment is gone: the sync's open fails
             job.path = fail_with
@@ -165,14 +165,14 @@ def test_the_next_groups_sync_begins_before_the_synced_group_is_answered(make_wo
     first = w.sync_job
     assert first is not None and c.acked() == []          # syncing: nothing answered
     c.add(2, 3, 4)                                        # the next group, held
-    assert c.acked() == [] and w._sync_q.qsize() == 1
+    assert c.acked() == [] and len(w._sync_jobs) == 1
     w.complete()
     # group 1 answered, and only after group 2's sync had been handed to the sync thread
     assert c.acked() == [(LID, 0), (LID, 1)]
     second = w.sync_job
     assert second is not None and second is not first and second.end > first.end
     assert seen == [(2, second)]
-    assert w._sync_q.qsize() == 1 and w.held == []
+    assert len(w._sync_jobs) == 1 and w.held == []
     w.complete()
     assert c.acked() == [(LID, 2), (LID, 3), (LID, 4)]
     assert w.sync_job is None and seen[-1] == (3, None)   # nothing held: nothing begun
@@ -281,7 +281,7 @@ def test_quiesce_makes_everything_durable_and_answered_in_order(make_worker):
     c.add(0)
     w._start_sync()
     c.add(1, 2)
-    w._run_sync(w._sync_q.get_nowait())   # completed, the loop not told yet
+    w._run_sync(w._sync_jobs.popleft())   # completed, the loop not told yet
     w._quiesce()                          # takes that completion, syncs the rest
     assert c.acked() == [(LID, 0), (LID, 1), (LID, 2)]
     assert w.sync_job is None and w.held == []
@@ -293,5 +293,5 @@ def test_without_sync_data_answers_at_once(make_worker):
     c = Client(w)
     c.add(0, 1)
     w._start_sync()
-    assert w.sync_job is None and w._sync_q.empty()
+    assert w.sync_job is None and not w._sync_jobs
     assert c.acked() == [(LID, 0), (LID, 1)]
