@@ -52,7 +52,14 @@ watches), the loop first begins N+1's sync (one ``pwrite`` of its records, the
 job handed to the sync thread) and only then answers N, so that answering
 (with TLS: encrypting, then ``sendmsg`` to every connection) overlaps N+1's
 ``fdatasync`` instead of adding to every cycle. Throughput is then bounded by
-the larger of CPU and disk time per group instead of their sum. What must hold:
+the larger of CPU and disk time per group instead of their sum. The hand-off
+is built to cost the loop as little GIL traffic as possible: the job goes
+through a deque and the sync thread's eventfd (``bk.park``, written with the
+GIL released; a queue's lock, released with the GIL held, had the woken thread
+preempt the loop only to find the GIL taken), and the thread syncs through the
+segment's descriptor it keeps from job to job (``journal.SyncFile``), so it
+takes the GIL three times a group (woken, after ``fdatasync``, after the
+pipe's write), not five. What must hold:
 an answer leaves only after its own group's sync completed; a connection gets
 group N's answers before N+1's (one group is answered at a time, in order); a
 fence, a WRITE_LAC and a long poll's wake-up wait for their sync like an add;
