@@ -52,14 +52,21 @@ watches), the loop first begins N+1's sync (one ``pwrite`` of its records, the
 job handed to the sync thread) and only then answers N, so that answering
 (with TLS: encrypting, then ``sendmsg`` to every connection) overlaps N+1's
 ``fdatasync`` instead of adding to every cycle. Throughput is then bounded by
-the larger of CPU and disk time per group instead of their sum. The hand-off
-is built to cost the loop as little GIL traffic as possible: the job goes
-through a deque and the sync thread's eventfd (``bk.park``, written with the
-GIL released; a queue's lock, released with the GIL held, had the woken thread
-preempt the loop only to find the GIL taken), and the thread syncs through the
-segment's descriptor it keeps from job to job (``journal.SyncFile``), so it
-takes the GIL three times a group (woken, after ``fdatasync``, after the
-pipe's write), not five. What must hold:
+the larger of CPU and disk time per group instead of their sum. Where Linux
+AIO works (``bk.bookie.aiosync``) the "sync thread" is the kernel's: the loop
+submits an ``fdatasync`` of the segment (through a descriptor it keeps from
+group to group, ``journal.SyncFile``) whose completion bumps an eventfd in
+the loop's epoll, and reaps its result there; no Python thread wakes, takes
+the GIL or preempts the loop for it. The first group after a roll, whose
+sync covers the journal directory too, and every group where AIO is missing
+or refused (then for good) take the sync thread. Its hand-off costs the loop
+as little GIL traffic as it can: the job goes through a deque and the
+thread's eventfd (``bk.park``, written with the GIL released; a queue's
+lock, released with the GIL held, had the woken thread preempt the loop only
+to find the GIL taken), and the thread syncs through a descriptor it keeps,
+so it takes the GIL three times a group (woken, after ``fdatasync``, after
+the pipe's write). Either way the completion is the same event to the loop.
+What must hold:
 an answer leaves only after its own group's sync completed; a connection gets
 group N's answers before N+1's (one group is answered at a time, in order); a
 fence, a WRITE_LAC and a long poll's wake-up wait for their sync like an add;
@@ -153,7 +160,7 @@ import traceback
 
 from bk import park
 from bk import protocol as P
-from bk.bookie import control, layout
+from bk.bookie import aiosync, control, layout
 from bk.bookie.journal import JournalError, SyncFile
 from bk.bookie.storage import ShardStorage
 from bk.config import Config
@@ -315,6 +322,8 @@ class ShardWorker:
         self.inflight: list[tuple[_Conn, bytes]] = []   # responses it covers
         self._sync_jobs: collections.deque = collections.deque()   # for the sync thread
         self._sync_parker: park.Parker | None = None     # the sync thread parks here
+        self._aio: aiosync.AioSync | None = None         # syncs without the sync thread
+        self._aio_file = SyncFile()                      # the segment those go through
         self._sync_r = self._sync_w = -1
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
         self._gc_deleted: list[int] = []             # ledger ids of a GC round, in chunks
@@ -411,6 +420,9 @@ class ShardWorker:
         self.sel.register(self._sync_r, selectors.EVENT_READ, "sync")
         self._sync_parker = park.Parker()
         self._start_sync_thread()
+        self._aio = self._open_aio()
+        if self._aio is not None:
+            self.sel.register(self._aio.fd, selectors.EVENT_READ, "aio")
         control.send(self.ctrl, "ready", {"shard": self.shard, "pid": os.getpid()})
 
     def _on_term(self, signum, frame):
@@ -429,6 +441,42 @@ class ShardWorker:
     def _start_sync_thread(self):
         threading.Thread(target=self._sync_thread, name=f"bk-sync-{self.shard}",
                          daemon=True).start()
+
+    def _open_aio(self):
+        return aiosync.open_context()
+
+    def _submit_sync(self, job):
+        """Begin a group's sync: through Linux AIO (``bk.bookie.aiosync``: no thread
+        of ours wakes for it), else, and for the rare job that must sync the
+        directory too (the first after a roll), on the sync thread."""
+        aio = self._aio
+        if aio is not None and job.directory is None and job.path is not None:
+            try:
+                aio.submit(self._aio_file.descriptor(job.path))
+                return
+            except OSError as e:
+                log.warning("shard %d: fdatasync through Linux AIO refused (%s); the sync "
+                            "thread syncs from now on", self.shard, e)
+                self._close_aio()
+        self._hand_sync(job)
+
+    def _close_aio(self):
+        aio, self._aio = self._aio, None
+        if aio is not None:
+            try:
+                self.sel.unregister(aio.fd)
+            except (KeyError, ValueError):
+                pass
+            aio.close()
+        self._aio_file.close()
+
+    def _aio_done(self, res):
+        """Put the reaped result of the AIO sync in flight into its job, as the sync
+        thread's run would have."""
+        job = self.sync_job
+        job.seconds = time.monotonic() - self._sync_t0
+        if res < 0:
+            job.error = OSError(-res, f"fdatasync of {job.path}: {os.strerror(-res)}")
 
     def _hand_sync(self, job):
         """Give the sync thread a job (None: exit). It parks on an eventfd, written
@@ -484,7 +532,7 @@ class ShardWorker:
             self._group = group
             self._sync_t0 = time.monotonic()
             self.inflight = held
-            self._hand_sync(job)
+            self._submit_sync(job)
             if done is not None:
                 self._answer(done)
             return
@@ -562,6 +610,13 @@ class ShardWorker:
         if answers:
             self.m.add_group(adds, failed, answers, time.monotonic() - first)
 
+    def _on_aio_done(self):
+        res = self._aio.reap() if self._aio is not None else None
+        if res is None or self.sync_job is None:
+            return
+        self._aio_done(res)
+        self._sync_completed()
+
     def _on_sync_done(self):
         try:
             os.read(self._sync_r, 64)
@@ -569,6 +624,9 @@ class ShardWorker:
             return
         if self.sync_job is None:
             return
+        self._sync_completed()
+
+    def _sync_completed(self):
         done = self._end_sync()
         if self.held:                # gathered while that sync ran: its sync begins first
             self._start_sync(done)
@@ -578,6 +636,10 @@ class ShardWorker:
     def _wait_sync(self):
         """Block until the sync in flight (if any) completed and is answered."""
         if self.sync_job is None:
+            return
+        if self._aio is not None and self._aio.busy:
+            self._aio_done(self._aio.reap(wait=True))
+            self._answer(self._end_sync())
             return
         os.set_blocking(self._sync_r, True)
         try:
@@ -606,6 +668,7 @@ class ShardWorker:
         if self.storage is None:
             return
         self._quiesce()
+        self._close_aio()
         if self._sync_parker is not None:
             self._hand_sync(None)
         deadline = time.monotonic() + 2.0
@@ -646,6 +709,9 @@ class ShardWorker:
             for conn, mask in events:
                 if conn is None:
                     self._on_control()
+                    continue
+                if conn == "aio":
+                    self._on_aio_done()
                     continue
                 if conn == "sync":
                     self._on_sync_done()

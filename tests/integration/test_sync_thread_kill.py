@@ -1,13 +1,15 @@
-"""kill -9 at the moments the sync thread's hand-off makes matter. The loop hands
-a group's sync to the sync thread through a deque and an eventfd (bk.park), and
-the thread syncs through the descriptor of the segment it keeps open from one
-job to the next, reopening it when a roll put the job in the next segment.
-The test uses 1 MiB journal segments, so that rolls come often, and stops the
-shard worker (a hook put first on the bookie's PYTHONPATH, ``sitecustomize``,
-as tests/integration/test_group_commit_kill.py does) at the first group of a
-new segment: just after the loop handed its job over (``handed``: the thread
-may or may not have synced it) or just after that sync completed, its answers
-not sent (``synced``). The worker is stopped with SIGSTOP and the whole bookie
+"""kill -9 at the moments the sync's hand-off makes matter. The loop begins a
+group's sync through Linux AIO (bk.bookie.aiosync) where it can, through the
+descriptor of the segment it keeps open from one group to the next, and hands
+it to the sync thread otherwise (a deque and an eventfd, bk.park; the thread
+keeps its own descriptor), always for the first group after a roll, whose sync
+covers the journal directory too. The test uses 1 MiB journal segments, so that
+rolls come often, and stops the shard worker (a hook put first on the bookie's
+PYTHONPATH, ``sitecustomize``, as tests/integration/test_group_commit_kill.py
+does) at the first group of a new segment (the sync thread, a new descriptor)
+or at its second (AIO, the loop's descriptor moved to the new segment): just
+after the loop began its sync (``handed``: it may or may not have completed)
+or just after the sync completed, its answers not sent (``synced``). The worker is stopped with SIGSTOP and the whole bookie
 killed with SIGKILL, or killed with SIGKILL alone (its arbiter restarts it,
 which replays). Afterwards: the stopped group's entries were never
 acknowledged, every acknowledged entry reads back, and once synced so do the
@@ -40,9 +42,11 @@ AT = int(os.environ.get("ST_TEST_STOP_AT", "0"))
 OUT = os.environ.get("ST_TEST_OUT", "")
 WHEN = os.environ.get("ST_TEST_WHEN", "")        # "handed" or "synced"
 HOW = os.environ.get("ST_TEST_HOW", "")          # "stop" or "kill9"
-_hand_sync = m.ShardWorker._hand_sync
+NTH = int(os.environ.get("ST_TEST_NTH", "1"))    # 1: syncs the directory too (the thread)
+_submit_sync = m.ShardWorker._submit_sync
 _end_sync = m.ShardWorker._end_sync
 _path = [None]
+_nth = [0]
 _seen = [0]
 
 
@@ -56,25 +60,34 @@ def entries(answers):
     return out
 
 
+_via = {}
+
+
 def moment(job, answers):
-    """The first job of a new segment covering answers: the AT-th stops the worker."""
+    """The NTH job of a new segment covering answers: the AT-th such stops the worker."""
     if job is None or not answers or os.path.exists(OUT):
         return
-    new = _path[0] is not None and job.path != _path[0]
-    _path[0] = job.path
-    if not new:
+    if job.path != _path[0]:
+        _nth[0] = 0 if _path[0] is None else 1      # (the first segment does not count)
+        _path[0] = job.path
+    elif _nth[0]:
+        _nth[0] += 1
+    if _nth[0] != NTH:
         return
     _seen[0] += 1
     if _seen[0] != AT:
         return
     with open(OUT + ".tmp", "w") as f:
-        json.dump({"pid": os.getpid(), "entries": entries(answers)}, f)
+        json.dump({"pid": os.getpid(), "entries": entries(answers),
+                   "via": _via.get(id(job))}, f)
     os.rename(OUT + ".tmp", OUT)
     os.kill(os.getpid(), signal.SIGSTOP if HOW == "stop" else signal.SIGKILL)
 
 
-def hand_sync(self, job):
-    _hand_sync(self, job)
+def submit_sync(self, job):
+    _submit_sync(self, job)
+    _via.clear()
+    _via[id(job)] = "aio" if self._aio is not None and self._aio.busy else "thread"
     if WHEN == "handed":
         moment(job, self.inflight)
 
@@ -88,9 +101,21 @@ def end_sync(self):
 
 
 if AT:
-    m.ShardWorker._hand_sync = hand_sync
+    m.ShardWorker._submit_sync = submit_sync
     m.ShardWorker._end_sync = end_sync
 '''
+
+
+class _Stop(threading.Event):
+    """Set, or the worker reached the moment (killed with it, it closes the pumps'
+    connections before the test can say so)."""
+
+    def __init__(self, reached):
+        super().__init__()
+        self.reached = reached
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.reached()
 
 
 def readable(b, lid) -> bool:
@@ -101,10 +126,10 @@ def readable(b, lid) -> bool:
         return False
 
 
-@pytest.mark.parametrize("when,how", [("handed", "stop"), ("synced", "stop"),
-                                      ("synced", "kill9")])
-def test_kill9_at_the_sync_threads_first_group_of_a_segment(cluster_factory, tmp_path,
-                                                             monkeypatch, when, how):
+@pytest.mark.parametrize("nth,when,how", [(1, "handed", "stop"), (1, "synced", "stop"),
+                                          (2, "handed", "stop"), (2, "synced", "kill9")])
+def test_kill9_at_a_segments_first_group_syncs(cluster_factory, tmp_path, monkeypatch, nth,
+                                               when, how):
     hook_dir = tmp_path / "hook"
     hook_dir.mkdir()
     (hook_dir / "sitecustomize.py").write_text(HOOK)
@@ -112,7 +137,8 @@ def test_kill9_at_the_sync_threads_first_group_of_a_segment(cluster_factory, tmp
     pythonpath = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
-    for k, v in {"STOP_AT": STOP_AT, "OUT": out, "WHEN": when, "HOW": how}.items():
+    for k, v in {"STOP_AT": STOP_AT, "OUT": out, "WHEN": when, "HOW": how,
+                 "NTH": nth}.items():
         monkeypatch.setenv(f"ST_TEST_{k}", str(v))
     # 1 MiB segments (frames of at most 512 KiB fit): a roll every ~1,000 entries.
     # The raw ledgers have no metadata: GC must not drop them while the test waits.
@@ -126,7 +152,7 @@ def test_kill9_at_the_sync_threads_first_group_of_a_segment(cluster_factory, tmp
         monkeypatch.setenv("PYTHONPATH", pythonpath)
     b = c.bookies[0]
     lids = [(1 << 50) + 31 + i for i in range(3)]
-    stop = threading.Event()
+    stop = _Stop(out.exists)
     acked: list[list] = [[] for _ in lids]
     threads = [threading.Thread(target=pump, args=(b, lid, ClientSecurity(), stop, acked[i]))
                for i, lid in enumerate(lids)]
@@ -151,6 +177,8 @@ def test_kill9_at_the_sync_threads_first_group_of_a_segment(cluster_factory, tmp
         for t in threads:
             t.join(30)
     assert not any(t.is_alive() for t in threads)
+    # the first group of a segment syncs the directory too: the sync thread does
+    assert stopped["via"] == ("thread" if nth == 1 else "aio"), stopped["via"]
     unanswered = {tuple(x) for x in stopped["entries"]}
     got = {(lid, e) for per in acked for lid, e in per}
     assert unanswered, "the stopped group held no batched entries"

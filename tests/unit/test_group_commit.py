@@ -21,6 +21,7 @@ from bk.bookie.journal import JournalError
 from bk.bookie.worker import ShardWorker
 from bk.config import Config
 from bk.errors import EOK
+from bk.testing import wait_until
 
 KEY = b"k" * 20
 LID = 7
@@ -32,9 +33,13 @@ class StepWorker(ShardWorker):
     synced inline as in production (tests/unit/test_worker_sync_inline.py)."""
 
     inline = False
+    aio = False          # True: syncs through Linux AIO, as in production where it works
 
     def _start_sync_thread(self):
         pass
+
+    def _open_aio(self):
+        return super()._open_aio() if self.aio else None
 
     def _may_sync_inline(self) -> bool:
         return self.inline and super()._may_sync_inline()
@@ -295,3 +300,45 @@ def test_without_sync_data_answers_at_once(make_worker):
     w._start_sync()
     assert w.sync_job is None and not w._sync_jobs
     assert c.acked() == [(LID, 0), (LID, 1)]
+
+
+def _aio_completed(w) -> bool:
+    """Poll the worker's AIO eventfd as its loop does; True once nothing is in flight."""
+    w._on_aio_done()
+    return w.sync_job is None
+
+
+def test_syncs_through_linux_aio_keep_the_group_commit_rules(make_worker):
+    """With Linux AIO (bk.bookie.aiosync) a group's fdatasync needs no sync thread:
+    nothing is answered before its completion is reaped, groups are answered in
+    order, the next group's sync begins first, and _quiesce waits for one in flight."""
+    StepWorker.aio = True
+    try:
+        w = make_worker()
+    finally:
+        StepWorker.aio = False
+    assert w._aio is not None, "Linux AIO is not available here"
+    c = Client(w)
+    j = w.storage._journal
+    w.storage._journal.sync()     # the first segment's directory entry is synced: the
+    w.storage._journal._dir_dirty = False     # groups below take AIO, not the thread
+    c.add_batch(range(0, 20))
+    w._start_sync()
+    first = w.sync_job
+    assert first is not None and w._aio.busy and not w._sync_jobs and c.acked() == []
+    c.add_batch(range(20, 30))                            # the next group, held
+    wait_until(lambda: _aio_completed(w) or w.sync_job is not first, timeout=10,
+               what="the first group's AIO sync reaped")
+    assert c.acked() == [(LID, e) for e in range(20)]    # answered after its sync...
+    assert w.sync_job is not None and w._aio.busy       # ...the next one already syncing
+    assert j._synced >= first.end and first.error is None
+    wait_until(lambda: _aio_completed(w), timeout=10, what="the second AIO sync")
+    assert c.acked() == [(LID, e) for e in range(20, 30)]
+    assert j._synced == j._off and w.storage.unsynced_bytes == 0
+    c.add_batch(range(30, 35))
+    w._start_sync()
+    assert w._aio.busy
+    w._quiesce()                                          # waits for it, answers it
+    assert c.acked() == [(LID, e) for e in range(30, 35)] and w.sync_job is None
+    assert not w._aio.busy and j._synced == j._off
+    assert _aio_completed(w)                              # the eventfd drained, no event
