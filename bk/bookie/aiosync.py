@@ -23,8 +23,9 @@ worker's rule), so one ``iocb`` and one event buffer are reused. The syscalls
 go through ``ctypes`` (no stdlib binding exists); only the architectures
 whose syscall numbers are listed here use it, and :func:`open_context`
 returns None wherever AIO is missing or refused (the worker keeps its sync
-thread then), as does a first ``io_submit`` that fails with EINVAL (a
-filesystem without AIO fsync).
+thread then); a refused ``io_submit`` (EINVAL: a filesystem without AIO
+fsync) makes the worker drop AIO for good. ``journalSyncThroughAio=false``
+keeps the thread always.
 """
 
 from __future__ import annotations

@@ -443,7 +443,7 @@ class ShardWorker:
                          daemon=True).start()
 
     def _open_aio(self):
-        return aiosync.open_context()
+        return aiosync.open_context() if self.conf.journalSyncThroughAio else None
 
     def _submit_sync(self, job):
         """Begin a group's sync: through Linux AIO (``bk.bookie.aiosync``: no thread

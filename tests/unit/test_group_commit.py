@@ -342,3 +342,18 @@ def test_syncs_through_linux_aio_keep_the_group_commit_rules(make_worker):
     assert c.acked() == [(LID, e) for e in range(30, 35)] and w.sync_job is None
     assert not w._aio.busy and j._synced == j._off
     assert _aio_completed(w)                              # the eventfd drained, no event
+
+
+def test_journal_sync_through_aio_false_keeps_the_sync_thread(make_worker):
+    StepWorker.aio = True
+    try:
+        w = make_worker(journalSyncThroughAio=False)
+    finally:
+        StepWorker.aio = False
+    assert w._aio is None
+    c = Client(w)
+    c.add_batch(range(5))
+    w._start_sync()
+    assert w.sync_job is not None and len(w._sync_jobs) == 1 and c.acked() == []
+    w.complete()
+    assert c.acked() == [(LID, e) for e in range(5)]
