@@ -54,6 +54,8 @@ def patch_worker(m):
     W = m.ShardWorker
     boot, add_batch, start_sync = W._boot, W._add_batch, W._start_sync
     release, drain, sync_done = W._release, W._drain, W._on_sync_done
+    aio_done = getattr(W, "_aio_done", None)
+    aio_sync_done = getattr(W, "_on_aio_done", None)
 
     def _boot(self):
         boot(self)
@@ -109,13 +111,20 @@ def patch_worker(m):
                 self._tr[k]["released"] = t
         return r
 
-    def _run_sync(self, job):
+    def _run_sync(self, job, keep=None):
         t0 = mono()
-        job.run()
+        job.run(keep) if keep is not None else job.run()
         t1 = mono()
         self._tr_syncs.append((t0, t1 - t0, job.bytes))
         self._tr_jobs[id(job)] = (t0, t1)
         os.write(self._sync_w, b"s")
+
+    def _aio_done(self, res):         # a sync through Linux AIO, timed from submit to reap
+        # (so its end is after the loop woke for it: s_end -> l_sel is 0 or less)
+        aio_done(self, res)
+        job, t1 = self.sync_job, mono()
+        self._tr_syncs.append((self._sync_t0, t1 - self._sync_t0, job.bytes))
+        self._tr_jobs[id(job)] = (self._sync_t0, t1)
 
     def _sync_thread(self):          # a worker of before _run_sync (to compare with it)
         while True:
@@ -136,6 +145,19 @@ def patch_worker(m):
         self._tr_answer.append((t0, mono() - t0))
         return r
 
+    def _on_aio_done(self):        # the same, the job's times taken when it is reaped
+        job = self.sync_job
+        group = self._tr_groups[0] if self._tr_groups else ()
+        sel, t0 = self._tr_sel, mono()
+        r = aio_sync_done(self)
+        ts = self._tr_jobs.pop(id(job), None) if job is not None else None
+        if ts is not None:
+            self._tr_done = sel
+            for k in group:
+                self._tr[k].update(s_run0=ts[0], s_end=ts[1], l_sel=sel, l_done=t0)
+            self._tr_answer.append((t0, mono() - t0))
+        return r
+
     def _drain(self):
         try:
             with open(os.path.join(OUT, "w-%d.json" % os.getpid()), "w") as f:
@@ -147,6 +169,8 @@ def patch_worker(m):
         return drain(self)
     W._boot, W._add_batch, W._start_sync, W._release = _boot, _add_batch, _start_sync, _release
     W._drain, W._on_sync_done = _drain, _on_sync_done
+    if aio_done is not None:
+        W._aio_done, W._on_aio_done = _aio_done, _on_aio_done
     if hasattr(W, "_run_sync"):
         W._run_sync = _run_sync
     else:

@@ -674,41 +674,37 @@ class ShardStorage:
             t = wc.get(lid)
             if st is not None and t is not None and st.key == master_key \
                     and (recovery or not st.fenced) and eid - t.base == len(t.pos):
-                # The fast path: a run of this ledger's next entries, appended in one go.
-                j = i + 1
-                nxt = eid + 1
-                while j < n and recs[j][0] == lid and recs[j][1] == nxt:
-                    j += 1
-                    nxt += 1
-                run = recs[i:j]
-                positions = []
+                # The fast path: a run of this ledger's next entries, appended in one
+                # go, their positions straight into the tail.
+                pa = t.pos
+                k0 = len(pa)
                 try:
-                    self._journal.append_add_bodies(src, [(r[3], r[4]) for r in run],
-                                                    positions)
+                    maxlac = self._journal.append_add_run(src, recs, i, pa)
+                    bad = None
                 except (JournalError, OSError) as e:
-                    log.error("add entry %d of ledger %d failed: %s", eid + len(positions),
-                              lid, e)
-                    status = EBADREQ if isinstance(e, RecordTooLargeError) else EIO
-                    for r in run[len(positions):]:
-                        errors += (lid, r[1], status)
-                        failed += 1
-                    run = run[:len(positions)]
-                if positions:
-                    t.pos.extend(positions)
-                    self._wc_entries += len(positions)
+                    bad = e
+                k = len(pa) - k0
+                if bad is not None:   # that entry refused; the next ones go one by one
+                    log.error("add entry %d of ledger %d failed: %s", eid + k, lid, bad)
+                    errors += (lid, eid + k, EBADREQ if isinstance(bad, RecordTooLargeError)
+                               else EIO)
+                    failed += 1
+                    maxlac = max([r[2] for r in recs[i:i + k]], default=-1)
+                j = i + k + (bad is not None)
+                if k:
+                    self._wc_entries += k
                     if t.spans is not None:
-                        p0 = positions[0]
+                        p0 = pa[k0]
                         end = self._journal.position
                         if (p0 ^ end) >> 32:        # the run rolled to a new segment
-                            k = bisect.bisect_left(positions, end >> 32 << 32)
-                            t.note(eid, p0, self._journal.rolled_at, k)
-                            t.note(eid + k, positions[k], end, len(positions) - k)
+                            r = bisect.bisect_left(pa, end >> 32 << 32, k0)
+                            t.note(eid, p0, self._journal.rolled_at, r - k0)
+                            t.note(eid + r - k0, pa[r], end, k0 + k - r)
                         else:
-                            t.note(eid, p0, end, len(positions))
-                    maxlac = max([r[2] for r in run])
+                            t.note(eid, p0, end, k)
                     if maxlac > st.lac:
                         st.lac = maxlac
-                    last = eid + len(positions) - 1
+                    last = eid + k - 1
                     if last > st.last:
                         st.last = last
                     self._dirty.add(lid)

@@ -52,7 +52,21 @@ watches), the loop first begins N+1's sync (one ``pwrite`` of its records, the
 job handed to the sync thread) and only then answers N, so that answering
 (with TLS: encrypting, then ``sendmsg`` to every connection) overlaps N+1's
 ``fdatasync`` instead of adding to every cycle. Throughput is then bounded by
-the larger of CPU and disk time per group instead of their sum. What must hold:
+the larger of CPU and disk time per group instead of their sum. Where Linux
+AIO works (``bk.bookie.aiosync``) the "sync thread" is the kernel's: the loop
+submits an ``fdatasync`` of the segment (through a descriptor it keeps from
+group to group, ``journal.SyncFile``) whose completion bumps an eventfd in
+the loop's epoll, and reaps its result there; no Python thread wakes, takes
+the GIL or preempts the loop for it. The first group after a roll, whose
+sync covers the journal directory too, and every group where AIO is missing
+or refused (then for good) take the sync thread. Its hand-off costs the loop
+as little GIL traffic as it can: the job goes through a deque and the
+thread's eventfd (``bk.park``, written with the GIL released; a queue's
+lock, released with the GIL held, had the woken thread preempt the loop only
+to find the GIL taken), and the thread syncs through a descriptor it keeps,
+so it takes the GIL three times a group (woken, after ``fdatasync``, after
+the pipe's write). Either way the completion is the same event to the loop.
+What must hold:
 an answer leaves only after its own group's sync completed; a connection gets
 group N's answers before N+1's (one group is answered at a time, in order); a
 fence, a WRITE_LAC and a long poll's wake-up wait for their sync like an add;
@@ -129,10 +143,10 @@ died): a worker never outlives its arbiter.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
-import queue
 import select
 import selectors
 import signal
@@ -144,9 +158,10 @@ import threading
 import time
 import traceback
 
+from bk import park
 from bk import protocol as P
-from bk.bookie import control, layout
-from bk.bookie.journal import JournalError
+from bk.bookie import aiosync, control, layout
+from bk.bookie.journal import JournalError, SyncFile
 from bk.bookie.storage import ShardStorage
 from bk.config import Config
 from bk.errors import (EAUTH, EBADREQ, EBADVERSION, EOK, EREADONLY, ESECURITY, ENOENTRY,
@@ -305,7 +320,10 @@ class ShardWorker:
         self.first_held = 0.0
         self.sync_job = None                         # the group commit in flight, if any
         self.inflight: list[tuple[_Conn, bytes]] = []   # responses it covers
-        self._sync_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._sync_jobs: collections.deque = collections.deque()   # for the sync thread
+        self._sync_parker: park.Parker | None = None     # the sync thread parks here
+        self._aio: aiosync.AioSync | None = None         # syncs without the sync thread
+        self._aio_file = SyncFile()                      # the segment those go through
         self._sync_r = self._sync_w = -1
         self._waiters: dict[int, list] = {}          # ledger -> [(conn, msg, deadline)]
         self._gc_deleted: list[int] = []             # ledger ids of a GC round, in chunks
@@ -400,7 +418,11 @@ class ShardWorker:
         self._sync_r, self._sync_w = os.pipe()
         os.set_blocking(self._sync_r, False)
         self.sel.register(self._sync_r, selectors.EVENT_READ, "sync")
+        self._sync_parker = park.Parker()
         self._start_sync_thread()
+        self._aio = self._open_aio()
+        if self._aio is not None:
+            self.sel.register(self._aio.fd, selectors.EVENT_READ, "aio")
         control.send(self.ctrl, "ready", {"shard": self.shard, "pid": os.getpid()})
 
     def _on_term(self, signum, frame):
@@ -420,16 +442,68 @@ class ShardWorker:
         threading.Thread(target=self._sync_thread, name=f"bk-sync-{self.shard}",
                          daemon=True).start()
 
-    def _sync_thread(self):
-        while True:
-            job = self._sync_q.get()
-            if job is None:
-                return
-            self._run_sync(job)
+    def _open_aio(self):
+        return aiosync.open_context() if self.conf.journalSyncThroughAio else None
 
-    def _run_sync(self, job):
-        """Run one group's sync (blocking) and tell the loop through the pipe."""
-        job.run()
+    def _submit_sync(self, job):
+        """Begin a group's sync: through Linux AIO (``bk.bookie.aiosync``: no thread
+        of ours wakes for it), else, and for the rare job that must sync the
+        directory too (the first after a roll), on the sync thread."""
+        aio = self._aio
+        if aio is not None and job.directory is None and job.path is not None:
+            try:
+                aio.submit(self._aio_file.descriptor(job.path))
+                return
+            except OSError as e:
+                log.warning("shard %d: fdatasync through Linux AIO refused (%s); the sync "
+                            "thread syncs from now on", self.shard, e)
+                self._close_aio()
+        self._hand_sync(job)
+
+    def _close_aio(self):
+        aio, self._aio = self._aio, None
+        if aio is not None:
+            try:
+                self.sel.unregister(aio.fd)
+            except (KeyError, ValueError):
+                pass
+            aio.close()
+        self._aio_file.close()
+
+    def _aio_done(self, res):
+        """Put the reaped result of the AIO sync in flight into its job, as the sync
+        thread's run would have."""
+        job = self.sync_job
+        job.seconds = time.monotonic() - self._sync_t0
+        if res < 0:
+            job.error = OSError(-res, f"fdatasync of {job.path}: {os.strerror(-res)}")
+
+    def _hand_sync(self, job):
+        """Give the sync thread a job (None: exit). It parks on an eventfd, written
+        here with the GIL released: a lock released here (a queue's) would wake it
+        while this thread holds the GIL, and on a busy machine the woken thread
+        then preempts the loop only to find the GIL taken, and sleeps again."""
+        self._sync_jobs.append(job)
+        self._sync_parker.unpark()
+
+    def _sync_thread(self):
+        jobs, parker, keep = self._sync_jobs, self._sync_parker, SyncFile()
+        try:
+            while True:
+                if not jobs:
+                    parker.park()            # may return early: the deque says
+                    continue
+                job = jobs.popleft()
+                if job is None:
+                    return
+                self._run_sync(job, keep)
+        finally:
+            keep.close()
+
+    def _run_sync(self, job, keep=None):
+        """Run one group's sync (blocking) and tell the loop through the pipe. Per
+        group the thread takes the GIL three times (parked, fdatasync, write)."""
+        job.run(keep)
         os.write(self._sync_w, b"s")
 
     def _start_sync(self, done=None):
@@ -458,7 +532,7 @@ class ShardWorker:
             self._group = group
             self._sync_t0 = time.monotonic()
             self.inflight = held
-            self._sync_q.put(job)
+            self._submit_sync(job)
             if done is not None:
                 self._answer(done)
             return
@@ -536,6 +610,13 @@ class ShardWorker:
         if answers:
             self.m.add_group(adds, failed, answers, time.monotonic() - first)
 
+    def _on_aio_done(self):
+        res = self._aio.reap() if self._aio is not None else None
+        if res is None or self.sync_job is None:
+            return
+        self._aio_done(res)
+        self._sync_completed()
+
     def _on_sync_done(self):
         try:
             os.read(self._sync_r, 64)
@@ -543,6 +624,9 @@ class ShardWorker:
             return
         if self.sync_job is None:
             return
+        self._sync_completed()
+
+    def _sync_completed(self):
         done = self._end_sync()
         if self.held:                # gathered while that sync ran: its sync begins first
             self._start_sync(done)
@@ -552,6 +636,10 @@ class ShardWorker:
     def _wait_sync(self):
         """Block until the sync in flight (if any) completed and is answered."""
         if self.sync_job is None:
+            return
+        if self._aio is not None and self._aio.busy:
+            self._aio_done(self._aio.reap(wait=True))
+            self._answer(self._end_sync())
             return
         os.set_blocking(self._sync_r, True)
         try:
@@ -580,7 +668,9 @@ class ShardWorker:
         if self.storage is None:
             return
         self._quiesce()
-        self._sync_q.put(None)
+        self._close_aio()
+        if self._sync_parker is not None:
+            self._hand_sync(None)
         deadline = time.monotonic() + 2.0
         pending = [c for c in self.conns if self._unsent(c) and not c.closed]
         while pending and time.monotonic() < deadline:
@@ -619,6 +709,9 @@ class ShardWorker:
             for conn, mask in events:
                 if conn is None:
                     self._on_control()
+                    continue
+                if conn == "aio":
+                    self._on_aio_done()
                     continue
                 if conn == "sync":
                     self._on_sync_done()

@@ -21,6 +21,7 @@ from bk.bookie.journal import JournalError
 from bk.bookie.worker import ShardWorker
 from bk.config import Config
 from bk.errors import EOK
+from bk.testing import wait_until
 
 KEY = b"k" * 20
 LID = 7
@@ -32,9 +33,13 @@ class StepWorker(ShardWorker):
     synced inline as in production (tests/unit/test_worker_sync_inline.py)."""
 
     inline = False
+    aio = False          # True: syncs through Linux AIO, as in production where it works
 
     def _start_sync_thread(self):
         pass
+
+    def _open_aio(self):
+        return super()._open_aio() if self.aio else None
 
     def _may_sync_inline(self) -> bool:
         return self.inline and super()._may_sync_inline()
@@ -42,7 +47,7 @@ class StepWorker(ShardWorker):
     def complete(self, fail_with: str | None = None):
         """Run the sync in flight (its job, as the sync thread would) and hand the
         completion to the worker, as its loop does."""
-        job = self._sync_q.get_nowait()
+        job = self._sync_jobs.popleft()
         assert job is self.sync_job
         if fail_with is not None:        # the segment is gone: the sync's open fails
             job.path = fail_with
@@ -165,14 +170,14 @@ def test_the_next_groups_sync_begins_before_the_synced_group_is_answered(make_wo
     first = w.sync_job
     assert first is not None and c.acked() == []          # syncing: nothing answered
     c.add(2, 3, 4)                                        # the next group, held
-    assert c.acked() == [] and w._sync_q.qsize() == 1
+    assert c.acked() == [] and len(w._sync_jobs) == 1
     w.complete()
     # group 1 answered, and only after group 2's sync had been handed to the sync thread
     assert c.acked() == [(LID, 0), (LID, 1)]
     second = w.sync_job
     assert second is not None and second is not first and second.end > first.end
     assert seen == [(2, second)]
-    assert w._sync_q.qsize() == 1 and w.held == []
+    assert len(w._sync_jobs) == 1 and w.held == []
     w.complete()
     assert c.acked() == [(LID, 2), (LID, 3), (LID, 4)]
     assert w.sync_job is None and seen[-1] == (3, None)   # nothing held: nothing begun
@@ -281,7 +286,7 @@ def test_quiesce_makes_everything_durable_and_answered_in_order(make_worker):
     c.add(0)
     w._start_sync()
     c.add(1, 2)
-    w._run_sync(w._sync_q.get_nowait())   # completed, the loop not told yet
+    w._run_sync(w._sync_jobs.popleft())   # completed, the loop not told yet
     w._quiesce()                          # takes that completion, syncs the rest
     assert c.acked() == [(LID, 0), (LID, 1), (LID, 2)]
     assert w.sync_job is None and w.held == []
@@ -293,5 +298,62 @@ def test_without_sync_data_answers_at_once(make_worker):
     c = Client(w)
     c.add(0, 1)
     w._start_sync()
-    assert w.sync_job is None and w._sync_q.empty()
+    assert w.sync_job is None and not w._sync_jobs
     assert c.acked() == [(LID, 0), (LID, 1)]
+
+
+def _aio_completed(w) -> bool:
+    """Poll the worker's AIO eventfd as its loop does; True once nothing is in flight."""
+    w._on_aio_done()
+    return w.sync_job is None
+
+
+def test_syncs_through_linux_aio_keep_the_group_commit_rules(make_worker):
+    """With Linux AIO (bk.bookie.aiosync) a group's fdatasync needs no sync thread:
+    nothing is answered before its completion is reaped, groups are answered in
+    order, the next group's sync begins first, and _quiesce waits for one in flight."""
+    StepWorker.aio = True
+    try:
+        w = make_worker()
+    finally:
+        StepWorker.aio = False
+    assert w._aio is not None, "Linux AIO is not available here"
+    c = Client(w)
+    j = w.storage._journal
+    w.storage._journal.sync()     # the first segment's directory entry is synced: the
+    w.storage._journal._dir_dirty = False     # groups below take AIO, not the thread
+    c.add_batch(range(0, 20))
+    w._start_sync()
+    first = w.sync_job
+    assert first is not None and w._aio.busy and not w._sync_jobs and c.acked() == []
+    c.add_batch(range(20, 30))                            # the next group, held
+    wait_until(lambda: _aio_completed(w) or w.sync_job is not first, timeout=10,
+               what="the first group's AIO sync reaped")
+    assert c.acked() == [(LID, e) for e in range(20)]    # answered after its sync...
+    assert w.sync_job is not None and w._aio.busy       # ...the next one already syncing
+    assert j._synced >= first.end and first.error is None
+    wait_until(lambda: _aio_completed(w), timeout=10, what="the second AIO sync")
+    assert c.acked() == [(LID, e) for e in range(20, 30)]
+    assert j._synced == j._off and w.storage.unsynced_bytes == 0
+    c.add_batch(range(30, 35))
+    w._start_sync()
+    assert w._aio.busy
+    w._quiesce()                                          # waits for it, answers it
+    assert c.acked() == [(LID, e) for e in range(30, 35)] and w.sync_job is None
+    assert not w._aio.busy and j._synced == j._off
+    assert _aio_completed(w)                              # the eventfd drained, no event
+
+
+def test_journal_sync_through_aio_false_keeps_the_sync_thread(make_worker):
+    StepWorker.aio = True
+    try:
+        w = make_worker(journalSyncThroughAio=False)
+    finally:
+        StepWorker.aio = False
+    assert w._aio is None
+    c = Client(w)
+    c.add_batch(range(5))
+    w._start_sync()
+    assert w.sync_job is not None and len(w._sync_jobs) == 1 and c.acked() == []
+    w.complete()
+    assert c.acked() == [(LID, e) for e in range(5)]

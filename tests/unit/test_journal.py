@@ -499,6 +499,33 @@ def test_groups_larger_than_the_staging_buffer_and_huge_records(tmp_path):
     j.close()
 
 
+def test_a_sync_thread_keeps_its_segment_open_and_follows_rolls(tmp_path):
+    """SyncJob.run with a SyncFile: one descriptor for the jobs of a segment, a new
+    one (the old closed) once a roll put the next job in the next segment; every
+    job's records are durable and replay."""
+    j, _ = open_journal(tmp_path)
+    keep = J.SyncFile()
+    pos, fds = [], []
+    for g in range(12):                        # ~1 KB records, 64 KiB segments: rolls
+        pos += [j.append_add(3, len(pos), -1, b"", add_payload(g, 1000)) for _ in range(20)]
+        job = j.begin_sync()
+        job.run(keep)
+        j.end_sync(job)
+        assert job.error is None and keep.path == job.path
+        assert os.readlink(f"/proc/self/fd/{keep.fd}") == job.path
+        fds.append((keep.path, keep.fd))
+    paths = [p for p, _ in fds]
+    assert len(set(paths)) >= 3                # it followed the rolls...
+    for (p0, fd0), (p1, fd1) in zip(fds, fds[1:]):
+        assert p0 != p1 or fd0 == fd1          # ...and kept its descriptor in between
+    keep.close()
+    assert keep.fd == -1 and keep.path is None
+    j.close()
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos
+    j.close()
+
+
 def test_a_crash_loses_only_records_never_written_out(tmp_path):
     j, _ = open_journal(tmp_path)
     synced = [j.append_add(2, i, -1, b"", b"x" * 100) for i in range(5)]

@@ -949,6 +949,26 @@ def test_add_batch_statuses_per_entry(tmp_path):
     assert s.read_entry(8, 1)[0] == ENOENTRY
 
 
+def test_add_batch_refuses_only_the_entry_too_large_for_a_segment(tmp_path):
+    """A run of a ledger's next entries with one larger than a segment in it: that
+    one is refused (EBADREQ, as a single ADD of it), the ones around it go in."""
+    s = open_storage(tmp_path)
+    ents = [(9, e, e - 1, digest(9, e), payload(9, e)) for e in range(6)]
+    ents[3] = (9, 3, 2, digest(9, 3), bytes(SEG))
+    acked, errors = _batch(s, ents[:1])
+    acked, errors = _batch(s, ents[1:])              # the fast path: a known ledger
+    assert errors == [9, 3, EBADREQ] and acked == [9, 1, 2, 9, 4, 5]
+    s.sync()
+    for e in (0, 1, 2, 4, 5):
+        assert_entry(s, 9, e)
+    assert s.read_entry(9, 3)[0] == ENOENTRY
+    assert (s._ledgers[9].lac, s._ledgers[9].last) == (4, 5)
+    s.close()
+    s = open_storage(tmp_path)
+    assert [s.read_entry(9, e)[0] for e in range(6)] == [EOK, EOK, EOK, ENOENTRY, EOK, EOK]
+    s.close()
+
+
 # --- journal segments used as entry logs ---------------------------------------------
 
 def _batches(s, lid, first, count, per=40, key=KEY):

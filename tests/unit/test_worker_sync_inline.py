@@ -42,7 +42,7 @@ def test_a_lone_add_is_synced_inline_and_answered_at_once(inline_worker):
     assert c.acked() == [] and not durable(w)              # appended, held
     w._start_sync()
     assert c.acked() == [(LID, 0)]
-    assert w.sync_job is None and w._sync_q.empty() and w.held == [] and w.inflight == []
+    assert w.sync_job is None and not w._sync_jobs and w.held == [] and w.inflight == []
     assert durable(w) and w.storage._journal.syncs == syncs + 1
 
 
@@ -51,7 +51,7 @@ def test_a_group_of_many_answers_takes_the_sync_thread(inline_worker):
     c = Client(w)
     c.add(*range(W.INLINE_MAX_ANSWERS + 1))
     w._start_sync()
-    assert w.sync_job is not None and w._sync_q.qsize() == 1 and c.acked() == []
+    assert w.sync_job is not None and len(w._sync_jobs) == 1 and c.acked() == []
     w.complete()
     assert c.acked() == [(LID, e) for e in range(W.INLINE_MAX_ANSWERS + 1)]
 
@@ -97,7 +97,7 @@ def test_a_big_group_held_behind_a_pipelined_sync_keeps_the_pipeline(inline_work
     c.add(*range(big, 2 * big))
     w.complete()
     assert c.acked() == [(LID, e) for e in range(big)]
-    assert w.sync_job is not None and w._sync_q.qsize() == 1        # the next one syncing
+    assert w.sync_job is not None and len(w._sync_jobs) == 1        # the next one syncing
     w.complete()
     assert c.acked() == [(LID, e) for e in range(big, 2 * big)]
 
@@ -181,7 +181,7 @@ def test_without_sync_data_nothing_is_synced_inline(inline_worker):
     c = Client(w)
     c.add(0)
     w._start_sync()
-    assert c.acked() == [(LID, 0)] and w.sync_job is None and w._sync_q.empty()
+    assert c.acked() == [(LID, 0)] and w.sync_job is None and not w._sync_jobs
     assert w._sync_avg == 0.0             # no sync ran at all
 
 
