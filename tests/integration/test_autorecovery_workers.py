@@ -15,6 +15,7 @@ import threading
 import pytest
 
 import bk
+from bk.autorecovery.status import auditor_id
 from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
 from bk.testing import closed_ledger, http_get, wait_until
@@ -198,6 +199,11 @@ def test_decommissionbookie_goes_through_autorecovery(cluster_factory):
         victim.stop()
         wait_until(lambda: victim.bookie_id not in c.store.all_bookies(),
                    what="its registration gone")
+        # (if the victim was the auditor, another bookie takes over within the
+        # candidates' look interval; decommissionbookie goes through auto-recovery
+        # only with an auditor elected)
+        wait_until(lambda: auditor_id(c.store) not in (None, victim.bookie_id),
+                   what="an auditor other than the stopped bookie")
         r = subprocess.run([sys.executable, "-m", "bk.cli.shell", "--metadata", c.metadata_uri,
                             "decommissionbookie", victim.bookie_id, "--json"],
                            capture_output=True, text=True, timeout=180)

@@ -81,6 +81,41 @@ def test_blocking_adds_from_many_threads_in_order(shared_cluster):
         _check_ledgers(client, acked)
 
 
+def _lose_a_bookie(cluster, client, how, threads, stop, handles, acked, more):
+    """Kill -9 (``how="kill"``) or SIGSTOP (``"stop"``) the first bookie of the first
+    handle's ensemble while the writers run; wait until every writer acknowledged
+    ``more`` entries past that moment, stop them, and check that the ledgers
+    that had the bookie replaced it."""
+    victim = cluster.bookie(handles[0].metadata.last_ensemble[0])
+    pids = [victim.pid] + victim.worker_pids()
+    marks = {lid: len(v) for lid, v in acked.items()}
+    if how == "kill":
+        victim.kill(signal.SIGKILL)
+    else:
+        for p in pids:
+            os.kill(p, signal.SIGSTOP)
+    try:
+        wait_until(lambda: all(len(acked[lid]) >= n + more for lid, n in marks.items()),
+                   90, f"every writer acknowledged {more} more entries after the loss")
+        stop.set()
+        for t in threads:
+            t.join(60)
+    finally:
+        if how == "stop":
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+    changed = 0
+    for lh in handles:
+        md = client.ledger_metadata(lh.ledger_id)
+        if victim.bookie_id in md.ensembles[0][1]:
+            assert victim.bookie_id not in md.last_ensemble
+            changed += 1
+    assert changed >= 1, "no ledger replaced the lost bookie"
+
+
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_bookie_lost_during_blocking_adds_from_many_threads(cluster_factory, how):
     cluster = cluster_factory(4)
@@ -90,37 +125,10 @@ def test_bookie_lost_during_blocking_adds_from_many_threads(cluster_factory, how
         threads, handles = _writers(client, 6, stop, acked, errors)
         wait_until(lambda: len(acked) == 6 and all(len(v) >= 20 for v in acked.values()),
                    60, "every writer acknowledged 20 entries")
-        victim = cluster.bookie(handles[0].metadata.last_ensemble[0])
-        pids = [victim.pid] + victim.worker_pids()
-        marks = {lid: len(v) for lid, v in acked.items()}
-        if how == "kill":
-            victim.kill(signal.SIGKILL)
-        else:
-            for p in pids:
-                os.kill(p, signal.SIGSTOP)
-        try:
-            # every writer goes on past the loss (each ledger with the victim in its
-            # ensemble changes it)
-            wait_until(lambda: all(len(acked[lid]) >= n + 30 for lid, n in marks.items()),
-                       90, "every writer acknowledged 30 more entries")
-            stop.set()
-            for t in threads:
-                t.join(60)
-        finally:
-            if how == "stop":
-                for p in pids:
-                    try:
-                        os.kill(p, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+        # every writer goes on past the loss (each ledger with the victim in its
+        # ensemble changes it)
+        _lose_a_bookie(cluster, client, how, threads, stop, handles, acked, more=30)
         assert not errors, errors
-        changed = 0
-        for lh in handles:
-            md = client.ledger_metadata(lh.ledger_id)
-            if victim.bookie_id in md.ensembles[0][1]:
-                assert victim.bookie_id not in md.last_ensemble
-                changed += 1
-        assert changed >= 1
         _check_ledgers(client, acked)
 
 
@@ -158,33 +166,6 @@ def test_tls_bursts_from_threads_survive_a_bookie_lost(cluster_factory, how):
                                     burst=40)
         wait_until(lambda: len(acked) == 4 and all(len(v) >= 80 for v in acked.values()),
                    60, "every writer acknowledged two bursts")
-        victim = cluster.bookie(handles[0].metadata.last_ensemble[0])
-        pids = [victim.pid] + victim.worker_pids()
-        marks = {lid: len(v) for lid, v in acked.items()}
-        if how == "kill":
-            victim.kill(signal.SIGKILL)
-        else:
-            for p in pids:
-                os.kill(p, signal.SIGSTOP)
-        try:
-            wait_until(lambda: all(len(acked[lid]) >= n + 80 for lid, n in marks.items()),
-                       90, "every writer acknowledged two more bursts after the loss")
-            stop.set()
-            for t in threads:
-                t.join(60)
-        finally:
-            if how == "stop":
-                for p in pids:
-                    try:
-                        os.kill(p, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
+        _lose_a_bookie(cluster, client, how, threads, stop, handles, acked, more=80)
         assert not errors, errors
         _check_ledgers(client, acked)
-        changed = 0
-        for lh in handles:
-            md = client.ledger_metadata(lh.ledger_id)
-            if victim.bookie_id in md.ensembles[0][1]:
-                assert victim.bookie_id not in md.last_ensemble
-                changed += 1
-        assert changed >= 1, "no ledger replaced the killed bookie"
