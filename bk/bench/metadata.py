@@ -175,32 +175,34 @@ def create_close_async(client: BookKeeper, count: int, inflight: int,
             end_chain()
             return
         try:
-            client.create_ledger_async(3, 2, 2, password=b"bench", callback=created)
+            client.create_ledger_async(3, 2, 2, password=b"bench", callback=step(created))
         except BaseException as e:
             fail(e)
 
-    def created(exc, h):
-        if exc is not None:
-            fail(exc)
-            return
-        try:
-            h.add_entry_async(PAYLOAD, callback=lambda e, _eid: added(e, h))
-        except BaseException as e:
-            fail(e)
+    def step(then):
+        """A link's callback: an error ends the chain, else ``then(value)`` runs
+        (and an error it raises ends the chain too)."""
+        def callback(exc, value):
+            if exc is not None:
+                fail(exc)
+                return
+            try:
+                then(value)
+            except BaseException as e:
+                fail(e)
+        return callback
 
-    def added(exc, h):
-        if exc is not None:
-            fail(exc)
-            return
-        h.close_async(callback=lambda e, _: closed(e, h))
+    def created(h):
+        h.add_entry_async(PAYLOAD, callback=step(lambda _eid: added(h)))
 
-    def closed(exc, h):
-        if exc is not None:
-            fail(exc)
-            return
+    def added(h):
+        h.close_async(callback=step(lambda _: closed(h)))
+
+    def closed(h):
         if out is not None:
             out.append(h.ledger_id)
         next_ledger()
+
     t0 = time.monotonic()
     if not chains[0]:
         return 0.0

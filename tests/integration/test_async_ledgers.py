@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 
+from bk.bench.metadata import create_close_async
 from bk.errors import (BKError, LedgerExistsError, LedgerFencedError, MetadataError,
                        NotEnoughBookiesError)
 from bk.meta.etcd_server import EtcdCluster
@@ -340,3 +341,19 @@ def test_an_async_created_written_and_closed_handle_dies_by_its_reference_count(
         gc.enable()
     md = client._store.read_ledger(lid)[0]
     assert md.state == LedgerState.CLOSED and md.last_entry_id == 0
+
+
+def test_the_benchs_async_chains_create_write_and_close_or_raise_the_first_error(
+        client, cluster_factory):
+    # bench_metadata's default mode: chains of create -> add -> close by callbacks
+    out = []
+    assert create_close_async(client, 40, 8, out=out) > 0
+    assert len(set(out)) == 40
+    for lid in out:
+        md = client.ledger_metadata(lid)
+        assert md.state == LedgerState.CLOSED and md.last_entry_id == 0
+    # an error of any link ends the run and is raised, not swallowed or hung on
+    small = cluster_factory(2)
+    with small.client(timeout=5) as c2:
+        with pytest.raises(NotEnoughBookiesError):
+            create_close_async(c2, 10, 4)
