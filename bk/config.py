@@ -240,6 +240,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "to do waits before looking again (at most 500 ms between looks).", minimum=10),
     _S("workerTimeoutMSec", int, 30000, "A shard worker whose heartbeat is older than this "
        "is killed and restarted.", minimum=1000),
+    _S("ioThreadSliceMicros", int, 0, "CPU time slice (us) asked of Linux for the "
+       "latency-critical loops: each shard worker's loop on a bookie, the I/O thread on a "
+       "client. A shorter slice than the kernel's (about 1.4 ms on two cores) lets such a "
+       "thread run sooner when it wakes on a busy host, with no more CPU than its fair "
+       "share. 0: ask nothing (the kernel's default). Linux 6.12+ only (clamped to 100-100000); "
+       "elsewhere it does nothing (see docs/performance.md).", scope=BOTH, minimum=0,
+       maximum=100000),
     _S("pidFile", str, "", "Pid file of the bookie. Empty: bookie.pid in the first ledger "
        "directory."),
     _S("logFile", str, "", "Log file. Empty: stderr in the foreground, bookie.log in the "

@@ -160,6 +160,7 @@ import traceback
 
 from bk import park
 from bk import protocol as P
+from bk import sched
 from bk.bookie import aiosync, control, layout
 from bk.bookie.journal import JournalError, SyncFile
 from bk.bookie.storage import ShardStorage
@@ -364,6 +365,7 @@ class ShardWorker:
     def run(self):
         code = 0
         try:
+            sched.request_slice(self.conf.ioThreadSliceMicros)   # this thread only
             self._boot()
             self._loop()
         except Exception as e:

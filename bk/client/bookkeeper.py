@@ -103,7 +103,8 @@ class BookKeeper:
         self._io = IOLoop(max_frame_size=conf.nettyMaxFrameSizeBytes,
                           connect_timeout=conf.clientConnectTimeoutMillis / 1000.0,
                           security=security,
-                          batching=conf.frameBatching)
+                          batching=conf.frameBatching,
+                          slice_us=conf.ioThreadSliceMicros)
         self._health = BookieHealth(conf.bookieQuarantineTimeSeconds)
         self._io.health = self._health
         self._executor_obj = concurrent.futures.ThreadPoolExecutor(

@@ -95,7 +95,7 @@ import threading
 import time
 import weakref
 
-from bk import protocol
+from bk import protocol, sched
 from bk.errors import (BKError, BookieUnavailableError, ProtocolError,
                        SecurityError, TimeoutError, error_for_status)
 from bk.security import PLAINTEXT, tls
@@ -808,7 +808,7 @@ class IOLoop:
     conn, request, stop."""
 
     def __init__(self, max_frame_size=protocol.DEFAULT_MAX_FRAME_SIZE, connect_timeout=5.0,
-                 security=None, name="bk-io", batching=True):
+                 security=None, name="bk-io", batching=True, slice_us=0):
         self.max_frame_size = max_frame_size
         # the records of one ADD_BATCH frame, at most (half the frame limit: room
         # for the head however large the bookie's limit is)
@@ -817,6 +817,7 @@ class IOLoop:
         self.connect_timeout = connect_timeout
         self.security = security or PLAINTEXT   # TLS context and token (bk.security)
         self.name = name
+        self.slice_us = slice_us      # bk.sched hint for the I/O thread (0: none)
         self.addresses: dict[str, tuple] = {}
         self.health = None        # a bk.client.health.BookieHealth, told of failures
         self.rids = itertools.count(1)
@@ -985,6 +986,7 @@ class IOLoop:
                 conn._fail(exc, fast=True)
 
     def _run(self):
+        sched.request_slice(self.slice_us)          # this thread only; 0: nothing
         sel = self.sel
         submit = self._submit
         wake_r = self._wake_r
