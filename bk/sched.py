@@ -55,10 +55,13 @@ _libc = None
 def _syscall(nr: int, *args) -> int:
     """Run a raw syscall: 0, or the errno it failed with."""
     global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.syscall(ctypes.c_long(nr), *args) == 0:
-        return 0
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        if _libc.syscall(ctypes.c_long(nr), *args) == 0:
+            return 0
+    except (OSError, AttributeError):           # no C library to call it through
+        return errno.ENOSYS
     return ctypes.get_errno() or errno.EINVAL
 
 

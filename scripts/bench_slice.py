@@ -39,6 +39,8 @@ def main():
     p.add_argument("--client-only", action="store_true", help="B: the slice on bk-io only")
     p.add_argument("--bookies-only", action="store_true", help="B: the slice on the workers only")
     p.add_argument("--sched", action="store_true", help="wake-up delays per thread (perf sched)")
+    p.add_argument("--proc", action="store_true",
+                   help="CPU us and context switches per entry (all processes, bk-io, workers)")
     p.add_argument("--json", metavar="FILE", help="write every run's result to FILE")
     a = p.parse_args()
     ca = pki.make_ca(tempfile.mkdtemp(prefix="bk-bench-ca-"))
@@ -57,7 +59,7 @@ def main():
                     got = [sched.set_slice(t, 0 if a.client_only else us) for t in loops]
                     for mode, conf in modes.items():
                         r = bench_writes(c.metadata_uri, duration=a.duration, rate=a.rate,
-                                         sched=a.sched, ioThreadSliceMicros=0 if
+                                         sched=a.sched, proc=a.proc, ioThreadSliceMicros=0 if
                                          a.bookies_only else us, **conf)
                         r.update(variant=variant, mode=mode, pair=i, loop_slices=got)
                         runs.append(r)
@@ -79,7 +81,20 @@ def show(r):
           f"p50 {lat['p50']:.2f} p99 {lat['p99']:.2f} p99.9 {lat['p99.9']:.2f} "
           f"max {r['latency_max_ms']:.1f} ms, {r['entries_per_sec']:.0f}/s, client CPU "
           f"{r['client_cpu_us_per_entry']} us/entry"
-          + _delays(r, "client/bk-io") + _delays(r, "worker/main"), flush=True)
+          + _delays(r, "client/bk-io") + _delays(r, "worker/main") + _cpu(r), flush=True)
+
+
+def _cpu(r):
+    pr = r.get("proc")
+    if not pr:
+        return ""
+    out = f"; CPU in all {pr['cpu_us_total']} us/entry, run-queue wait {pr['wait_us_total']}"
+    for k in ("client/bk-io", "worker/main"):
+        v = pr["per_entry"].get(k)
+        if v:
+            out += (f"; {k} cpu {v['cpu_us']:.1f} wait {v['wait_us']:.1f} "
+                    f"vcs/ics {v['vcs']:.3f}/{v['ics']:.3f}")
+    return out
 
 
 def summary(runs, modes):

@@ -86,6 +86,11 @@ def test_no_such_syscall_is_a_no_op(monkeypatch):
     assert _in_thread(lambda: (sched.request_slice(200), sched.current_slice())) == (None, None)
 
 
+def test_no_c_library_to_call_through_is_a_no_op(monkeypatch):
+    monkeypatch.setattr(sched, "_libc", object())        # no syscall() to call
+    assert _in_thread(lambda: (sched.request_slice(200), sched.current_slice())) == (None, None)
+
+
 def test_a_refused_request_is_a_no_op(monkeypatch):
     real = sched._syscall
     seen = []
