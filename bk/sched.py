@@ -16,10 +16,12 @@ turns.
 ``SCHED_FLAG_RESET_ON_FORK``, so threads and processes it starts later get the
 kernel's default (a flusher or compaction thread started by a shard worker keeps
 its long slice; a negative nice is not passed on either, as with any
-reset-on-fork). Where the kernel cannot
-take the hint (not Linux, no ``sched_setattr``, a kernel before 6.12 that ignores
-``sched_runtime`` for fair threads, a seccomp filter, a real-time policy) nothing
-changes and nothing is raised: a hint is never worth failing a service for.
+reset-on-fork). Where the kernel cannot take the hint (not Linux, no
+``sched_setattr``, a kernel before 6.12 that ignores ``sched_runtime`` for fair
+threads, a seccomp filter, a real-time policy) nothing changes and nothing is
+raised: a hint is never worth failing a service for. What it buys and costs
+(shorter waits for a core, more wake-ups and CPU per entry) is measured in
+docs/performance.md, "Scheduling"; it is off unless ``ioThreadSliceMicros`` is set.
 """
 
 from __future__ import annotations
