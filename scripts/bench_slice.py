@@ -34,7 +34,7 @@ def main():
     p.add_argument("--slice", type=int, default=200, help="B's slice in us (A: the default)")
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--duration", type=float, default=8.0)
-    p.add_argument("--rate", type=float, default=30000)
+    p.add_argument("--rate", type=float, default=30000, help="entries/s; 0: as fast as possible")
     p.add_argument("--plaintext", action="store_true", help="a plaintext run beside each TLS run")
     p.add_argument("--client-only", action="store_true", help="B: the slice on bk-io only")
     p.add_argument("--bookies-only", action="store_true", help="B: the slice on the workers only")
@@ -58,7 +58,7 @@ def main():
                     us = a.slice if variant == "B" else 0
                     got = [sched.set_slice(t, 0 if a.client_only else us) for t in loops]
                     for mode, conf in modes.items():
-                        r = bench_writes(c.metadata_uri, duration=a.duration, rate=a.rate,
+                        r = bench_writes(c.metadata_uri, duration=a.duration, rate=a.rate or None,
                                          sched=a.sched, proc=a.proc, ioThreadSliceMicros=0 if
                                          a.bookies_only else us, **conf)
                         r.update(variant=variant, mode=mode, pair=i, loop_slices=got)
@@ -110,6 +110,10 @@ def summary(runs, modes):
             ratios = [round(x["B"] / x["A"], 2) for x in pairs.values() if x["A"]]
             print(f"{mode} {q}: median A {med['A']:.2f} ms, B {med['B']:.2f} ms; "
                   f"B/A per pair {ratios}")
+        rates = {v: [r["entries_per_sec"] for r in runs if r["mode"] == mode and r["variant"] == v]
+                 for v in "AB"}
+        print(f"{mode} entries/s: A {rates['A']}, B {rates['B']}; B/A "
+              f"{sum(rates['B']) / max(1, sum(rates['A'])):.2f}")
 
 
 if __name__ == "__main__":
