@@ -64,7 +64,7 @@ def layout(store):
     asks = {
         "dense": list(a),                                   # a whole block: ranges
         "half": [x for x in list(a) + list(b) if x % 2],    # a shard of two
-        "sparse": list(a[::50]) + list(far[::97]),          # a bookie among many
+        "sparse": list(a[::100]) + list(far[::97]),         # a bookie among many
         "mixed": list(b[:300]) + list(a[::40]) + never + [far[0], far[-1]],
     }
     return set(created), asks
