@@ -6,8 +6,13 @@ metadata, are collected once etcd answers again or after the restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import threading
+import time
+
+import pytest
 
 import bk
 from bk.testing import closed_ledger, wait_until
@@ -99,3 +104,81 @@ def test_bookie_killed_during_a_full_reconcile_collects_after_the_restart(cluste
         collected(b, kept, doomed, orphans)
         st = gc_state(c, b)
         assert st["reconciles"] >= 1 and st["lastReconcile"]["complete"] is True, st
+
+
+class Throttle:
+    """Runs etcd a few ms in every ~40 (SIGSTOP / SIGCONT), so that a reconcile of a
+    few hundred point reads takes long enough to be caught between two groups;
+    ``hold()`` leaves it stopped."""
+
+    def __init__(self, pid: int):
+        self.pid, self.stop = pid, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while True:
+            os.kill(self.pid, signal.SIGSTOP)
+            if self.stop.wait(0.04):
+                return              # stopped it is
+            os.kill(self.pid, signal.SIGCONT)
+            time.sleep(0.004)       # etcd runs meanwhile: the pacing, not a wait
+
+    def hold(self):
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("then", ["kill the bookie", "let the round fail"])
+def test_interrupted_between_two_groups_of_reads_drops_nothing_that_exists(cluster_factory,
+                                                                            then):
+    """The moment that matters for reads by groups: some of a shard's ids were read at
+    the pinned revision, the others not yet, when etcd stops answering; then the
+    bookie is killed -9, or its round fails. Ids held far apart (one in a hundred:
+    a point read each, a hundred per group), half with metadata, half without."""
+    c = cluster_factory(1, conf_overrides=CONF)
+    b = c.bookies[0]
+    with bk.BookKeeper(c.metadata_uri) as client:
+        model, _ = c.store.read_ledger(closed_ledger(client, ENTRIES[:1], 1, 1, 1,
+                                                     password=PW))
+    space = [lid for _ in range(30) for lid in c.store.reserve_ledger_ids()]
+    sparse = space[::100]
+    kept, orphans = sparse[::2], sparse[1::2]
+    for lid in kept:
+        c.store.create_ledger(dataclasses.replace(model, ledger_id=lid))
+    for lid in sparse:
+        assert add_to(b, lid, 0) == 0
+    gc_state(c, b)
+    throttle = Throttle(c.etcd.pid)
+    try:
+        throttle.thread.start()
+        os.kill(b.pid, signal.SIGUSR1)
+
+        def between_groups():
+            st = gc_state(c, b).get("reconciling") or {}
+            return 0 < st.get("checked", 0) < st.get("ledgers", 0)
+        wait_until(between_groups, timeout=60, step=0.005,
+                   what="a reconcile between two groups of reads")
+        throttle.hold()
+        st = gc_state(c, b)["reconciling"]
+        assert 0 < st["checked"] < st["ledgers"], st
+        if then == "kill the bookie":
+            b.kill(signal.SIGKILL)
+        else:
+            wait_until(lambda: gc_state(c, b).get("reconciling") is None, timeout=60,
+                       what="the round failed on the stopped etcd")
+            assert gc_state(c, b)["lastReconcile"]["complete"] is False
+            for lid in sparse:
+                assert held(b, lid) == {0}, lid
+    finally:
+        throttle.hold()
+        os.kill(c.etcd.pid, signal.SIGCONT)
+    assert remembered_on_disk(b) == 0
+    if not b.alive:
+        b.start()
+    for lid in sparse:
+        assert held(b, lid) == {0}, lid
+    os.kill(b.pid, signal.SIGUSR1)
+    wait_until(lambda: not any(held(b, lid) for lid in orphans), timeout=60,
+               what="the entries without metadata collected")
+    for lid in kept:
+        assert held(b, lid) == {0}, lid
