@@ -22,7 +22,8 @@ costs. The cluster may hold millions of ledgers, so nothing here reads them all:
   every ``gcFullReconcileIntervalSeconds``, on SIGUSR1, after the watch fell
   behind a compaction, and when the over-replicated scan is due: every
   ``gcOverreplicatedLedgerWaitTime``, it reads the metadata of the ledgers the
-  bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`). Each shard reports its ledgers (``gc_begin``);
+  bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`).
+  Each shard reports its ledgers (``gc_begin``);
   those absent at the member revision are dropped. It asks only about the
   shard's own ids (``existing_ledgers``), all at that one revision: ids come
   in blocks (a client's 1024), so where the shard's ids are dense it reads the
@@ -60,7 +61,8 @@ read at the member revision: a range read says "absent" only for an id inside
 a span etcd returned whole at that revision (a page cut short is followed to
 the span's end), and an etcd that stops answering, or a revision compacted
 while it reads, fails the round (one retry at a new revision for the latter),
-which deletes nothing and leaves the revision where it was. The remembered revision advances only once every shard has
+which deletes nothing and leaves the revision where it was. The remembered
+revision advances only once every shard has
 finished a round that covered every deletion up to it; killed before that, the
 bookie watches again from the older revision and learns the same deletions
 again. If etcd compacted that revision away meanwhile, the watch fails with
