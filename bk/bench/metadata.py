@@ -501,9 +501,10 @@ def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
     at each of ``steps`` ledgers held (a bookie of 3 with E3 holds every ledger;
     ``shards`` shards), ids as ``writers`` clients hand them out (one: each block
     of 1024 is reserved when the last is used up, ~80 revisions later, so blocks
-    are dense runs far apart, as from the bench's one client). Old (point reads only, ``waste=0``) and new (ranges over
-    dense runs) alternate ``rounds`` times in one process against the same etcd;
-    each reports etcd CPU, this process's CPU (the bookie's side), etcd's Range
+    are dense runs far apart, as from the bench's one client). Old (point reads
+    only, ``waste=0``: the code before) and new (ranges over dense runs) alternate
+    ``rounds`` times in one process against the same etcd; each reports etcd
+    CPU, this process's CPU (the bookie's side), etcd's Range
     calls and wall seconds of the whole reconcile (best of the rounds), and the
     two must find the same ledgers (a few deleted first, after the revision)."""
     out: dict = {"steps": []}

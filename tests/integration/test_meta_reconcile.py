@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from bk.bench.metadata import bench_reconcile
 from bk.errors import MetadataCompactedError, MetadataError
 from bk.meta import store as store_mod
 from bk.meta.etcd_server import EtcdServer
@@ -147,3 +148,13 @@ def test_etcd_refusals_are_metadata_errors_with_its_reason(store, layout, tmp_pa
     with MetadataStore(uri, timeout=1) as dead:
         with pytest.raises(MetadataError, match="check ledgers"):
             dead.existing_ledgers(asks["dense"], revision=5)
+
+
+def test_the_reconcile_bench_runs_old_and_new_and_they_agree(tmp_path):
+    """scripts/bench_metadata.py --reconcile at a small size: both paths found the
+    same ledgers (it raises otherwise) and the new one sent far fewer requests."""
+    out = bench_reconcile([5000], rounds=1, base_dir=str(tmp_path), progress=lambda r: None)
+    row = out["steps"][0]
+    assert row["ledgers"] == 5000
+    assert row["old"]["requests"] >= 5000 - 1
+    assert 0 < row["new"]["requests"] <= 40, row
