@@ -13,6 +13,7 @@ from bk.bench.metadata import bench_reconcile
 from bk.errors import MetadataCompactedError, MetadataError
 from bk.meta import store as store_mod
 from bk.meta.etcd_server import EtcdServer
+from bk.meta.ledger import LedgerMetadata
 from bk.meta.store import MetadataStore, ledger_key_name
 
 
@@ -158,3 +159,19 @@ def test_the_reconcile_bench_runs_old_and_new_and_they_agree(tmp_path):
     assert row["ledgers"] == 5000
     assert row["old"]["requests"] >= 5000 - 1
     assert 0 < row["new"]["requests"] <= 40, row
+
+
+def test_read_ledgers_by_ranges_reads_what_each_read_ledger_reads(store):
+    """read_ledgers (the over-replicated scan) shares the windows: values and
+    versions as point reads give them, in id order, nothing of the ids between."""
+    block = store.reserve_ledger_ids()
+    made = [lid for lid in block if lid % 3]
+    for lid in made:
+        store.create_ledger(LedgerMetadata(lid, 1, 1, 1, [(0, ["127.0.0.1:3181"])]))
+    ask = made[:200:2] + list(block[600:700]) + made[-1:] + [block[-1] + (1 << 30)]
+    got = [(md.ledger_id, md.to_json(), v) for md, v in store.read_ledgers(ask)]
+    want = []
+    for lid in sorted(set(ask) & set(made)):
+        md, v = store.read_ledger(lid)
+        want.append((lid, md.to_json(), v))
+    assert got == want
