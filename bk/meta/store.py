@@ -1001,7 +1001,8 @@ class MetadataStore:
             return etcdrpc.RangeRequest(
                 key=start or self._key(ledger_key_name(w[0])),
                 range_end=self._key(ledger_key_name(w[-1] + 1)),
-                limit=RANGE_PAGE, keys_only=keys_only, revision=rev or 0)
+                limit=RANGE_PAGE if keys_only else RANGE_PAGE // 10,   # ~0.5 KB values
+                keys_only=keys_only, revision=rev or 0)
 
         def run(c):
             kw = dict(credentials=c.call_credentials, metadata=c.metadata)
