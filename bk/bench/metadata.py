@@ -539,7 +539,7 @@ def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
                     res = {"wall_s": wall, "bookie_cpu_s": _own_cpu() - c0,
                            "etcd_cpu_s": _cpu_seconds(etcd_procs) - ecpu0,
                            "requests": _etcd_counters(etcd.client_url).get("Range calls", 0)
-                           - e0.get("Range calls", 0) - 1}     # less the revision read
+                           - e0.get("Range calls", 0)}
                     if live != set(ids):
                         raise BKError(f"{name}: {len(set(ids) - live)} ledgers missed, "
                                       f"{len(live - set(ids))} extra")
