@@ -10,6 +10,7 @@ defragmentation), etcd's RSS, and the CPU etcd and the bookies burn idle.
     scripts/bench_metadata.py --steps 30000,100000 --set gcWaitTime=5000
     scripts/bench_metadata.py --listing-only --ledgers 300000   # listing alone
     scripts/bench_metadata.py --reconcile 100000,300000   # one GC full reconcile, old vs new
+    scripts/bench_metadata.py --reconcile-cluster 100000 --old-tree /tmp/main  # real bookie
     scripts/bench_metadata.py --breakdown 10000   # where one ledger's CPU goes
     scripts/bench_metadata.py --compare-threads 32,64 --rounds 4   # rate by thread count
     scripts/bench_metadata.py --compare-threads 64,a256   # 64 threads vs async, 256 in flight
@@ -24,8 +25,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bk.bench.metadata import (INFLIGHT, THREADS, bench_breakdown, bench_listing,  # noqa: E402
-                               bench_metadata, bench_reconcile, bench_threads, format_row,
-                               mode_name)
+                               bench_metadata, bench_reconcile, bench_reconcile_cluster,
+                               bench_threads, format_row, mode_name)
 from bk.meta.store import LIST_PAGE  # noqa: E402
 
 
@@ -71,6 +72,13 @@ def main():
                          "alone with ledger keys put directly: point reads (old) and ranges "
                          "(new) alternating --rounds times; etcd CPU, bookie CPU, requests, "
                          "wall time")
+    ap.add_argument("--reconcile-cluster", type=int, default=0, metavar="N",
+                    help="only: a real bookie's full reconcile (SIGUSR1) on a local cluster of "
+                         "3 holding N ledgers: etcd CPU, bookie CPU, requests, seconds; with "
+                         "--old-tree the bookie alternates between that tree's code and this "
+                         "one's, --rounds times")
+    ap.add_argument("--old-tree", default=None, metavar="DIR",
+                    help="with --reconcile-cluster: a checkout of the code to compare with")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
                     help="only: CPU per ledger by process and thread, the client's GC and "
                          "etcd's counters, over N ledgers created and closed")
@@ -107,6 +115,15 @@ def main():
         r = bench_reconcile([int(x) for x in a.reconcile.split(",")], rounds=a.rounds,
                             base_dir=a.dir, progress=(lambda row: None) if a.json else
                             (lambda row: print(format_reconcile(row), flush=True)))
+        if a.json:
+            print(json.dumps(r, indent=1))
+        return
+    if a.reconcile_cluster:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        trees = {"old": os.path.abspath(a.old_tree), "new": here} if a.old_tree else None
+        r = bench_reconcile_cluster(a.reconcile_cluster, rounds=a.rounds, trees=trees,
+                                    base_dir=a.dir, progress=(lambda n, row: None) if a.json
+                                    else lambda n, row: print(f"{n}: {row}", flush=True))
         if a.json:
             print(json.dumps(r, indent=1))
         return

@@ -26,9 +26,11 @@ what it was asked (its ``/metrics``).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import resource
+import signal
 import tempfile
 import threading
 import time
@@ -553,6 +555,70 @@ def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
             for lid in gone:                            # back, for the next step
                 store.put_json(ledger_key_name(lid), {"id": lid})
         store.close()
+    return out
+
+
+def _gc_state(cluster: LocalCluster, b) -> dict:
+    port = cluster.store.bookie_info(b.bookie_id)["httpPort"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/bookie/info",
+                                timeout=10) as r:
+        return json.loads(r.read())["gc"] or {}
+
+
+def _wait(pred, what: str, timeout: float = 1800.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise BKError(f"no {what} within {timeout:g}s")
+        time.sleep(0.2)
+
+
+def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = None,
+                            base_dir: str | None = None, progress=print) -> dict:
+    """One real bookie's full reconcile (SIGUSR1) on a local cluster of 3 (2 shards
+    each) holding ``ledgers`` ledgers created and closed by the asynchronous API
+    (E3 Qw2 Qa2, one entry: a bookie holds about two thirds of them). ``trees``
+    (name -> a source tree, e.g. ``{"old": "/tmp/main", "new": "."}``): the first
+    bookie is restarted on each tree's code in turn (``PYTHONPATH``), on the same
+    data, alternating, ``rounds`` times; none: this code only. Per reconcile: etcd
+    CPU, the bookie's CPU (arbiter and shards), etcd's Range calls, the round's
+    seconds."""
+    trees = trees or {"this": ""}
+    out: dict = {"ledgers": ledgers, "runs": {}}
+    conf = {"httpServerEnabled": True, "httpServerPort": 0, "gcWaitTime": 5000}
+    with tempfile.TemporaryDirectory(prefix="bk-bench-reconcile-", dir=base_dir) as d, \
+            LocalCluster(num_bookies=3, base_dir=d, num_shards=2,
+                         conf_overrides=conf) as cluster:
+        with BookKeeper(cluster.metadata_uri) as client:
+            out["create_close_per_s"] = round(run_create_close(client, ledgers,
+                                                               f"a{INFLIGHT}"))
+        b = cluster.bookies[0]
+        etcd = _tree(cluster.etcd.pid)
+        names = list(trees)
+        for r in range(rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                b.stop()
+                b.command_prefix = ["env", f"PYTHONPATH={trees[name]}"] if trees[name] else []
+                b.start()
+                _wait(lambda: (_gc_state(cluster, b).get("lastRound") or {}).get("complete"),
+                      "first GC round after the restart")
+                before = _gc_state(cluster, b).get("lastReconcile")
+                procs = _tree(b.pid)
+                e0, b0 = _cpu_seconds(etcd), _cpu_seconds(procs)
+                m0 = _etcd_counters(cluster.etcd.client_url)
+                os.kill(b.pid, signal.SIGUSR1)
+
+                def reconciled():
+                    last = _gc_state(cluster, b).get("lastReconcile")
+                    return last is not None and last != before and last["complete"]
+                _wait(reconciled, "full reconcile")
+                m1 = _etcd_counters(cluster.etcd.client_url)
+                row = {"etcd_cpu_s": round(_cpu_seconds(etcd) - e0, 2),
+                       "bookie_cpu_s": round(_cpu_seconds(procs) - b0, 2),
+                       "requests": round(m1.get("Range calls", 0) - m0.get("Range calls", 0)),
+                       "seconds": _gc_state(cluster, b)["lastReconcile"]["seconds"]}
+                out["runs"].setdefault(name, []).append(row)
+                progress(name, row)
     return out
 
 
