@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from bk.bench.metadata import bench_reconcile
+from bk.bench.metadata import bench_reconcile, bench_reconcile_cluster
 from bk.errors import MetadataCompactedError, MetadataError
 from bk.meta import store as store_mod
 from bk.meta.etcd_server import EtcdServer
@@ -175,3 +175,13 @@ def test_read_ledgers_by_ranges_reads_what_each_read_ledger_reads(store):
         md, v = store.read_ledger(lid)
         want.append((lid, md.to_json(), v))
     assert got == want
+
+
+def test_the_real_bookie_reconcile_bench_times_one_reconcile(tmp_path):
+    """scripts/bench_metadata.py --reconcile-cluster at a small size, this code only:
+    one reconcile of a real bookie, its requests a few ranges, not one per ledger."""
+    out = bench_reconcile_cluster(600, rounds=1, base_dir=str(tmp_path),
+                                  progress=lambda n, r: None)
+    (row,) = out["runs"]["this"]
+    assert 1 <= row["requests"] <= 30, row
+    assert row["bookie_cpu_s"] >= 0 and row["seconds"] >= 0
