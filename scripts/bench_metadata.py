@@ -9,6 +9,8 @@ defragmentation), etcd's RSS, and the CPU etcd and the bookies burn idle.
     scripts/bench_metadata.py --ledgers 100000 --json
     scripts/bench_metadata.py --steps 30000,100000 --set gcWaitTime=5000
     scripts/bench_metadata.py --listing-only --ledgers 300000   # listing alone
+    scripts/bench_metadata.py --reconcile 100000,300000   # one GC full reconcile, old vs new
+    scripts/bench_metadata.py --reconcile-cluster 100000 --old-tree /tmp/main  # real bookie
     scripts/bench_metadata.py --breakdown 10000   # where one ledger's CPU goes
     scripts/bench_metadata.py --compare-threads 32,64 --rounds 4   # rate by thread count
     scripts/bench_metadata.py --compare-threads 64,a256   # 64 threads vs async, 256 in flight
@@ -23,8 +25,20 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bk.bench.metadata import (INFLIGHT, THREADS, bench_breakdown, bench_listing,  # noqa: E402
-                               bench_metadata, bench_threads, format_row, mode_name)
+                               bench_metadata, bench_reconcile, bench_reconcile_cluster,
+                               bench_threads, format_row, mode_name)
 from bk.meta.store import LIST_PAGE  # noqa: E402
+
+
+def format_reconcile(row: dict) -> str:
+    parts = [f"{row['ledgers']:,} held:"]
+    for name in ("old", "new"):
+        x = row[name]
+        parts.append(f"{name} etcd {x['etcd_cpu_s']}s CPU, bookie {x['bookie_cpu_s']}s CPU, "
+                     f"{x['requests']:.0f} requests, {x['wall_s']}s wall;")
+    parts.append("new/old: etcd CPU {ratio_etcd_cpu_s}x, bookie CPU {ratio_bookie_cpu_s}x, "
+                 "requests {ratio_requests}x, wall {ratio_wall_s}x".format(**row))
+    return " ".join(parts)
 
 
 def main():
@@ -52,6 +66,19 @@ def main():
     ap.add_argument("--listing-only", action="store_true",
                     help="only time listing --ledgers ids (an etcd alone, keys put directly): "
                          "by id windows of 1,000 and of 10,000 ids, and by plain pages")
+    ap.add_argument("--reconcile", default=None, metavar="N,M,...",
+                    help="only: one bookie's GC full reconcile (its 2 shards' ids checked at a "
+                         "pinned revision) at each of these ledger counts held, on an etcd "
+                         "alone with ledger keys put directly: point reads (old) and ranges "
+                         "(new) alternating --rounds times; etcd CPU, bookie CPU, requests, "
+                         "wall time")
+    ap.add_argument("--reconcile-cluster", type=int, default=0, metavar="N",
+                    help="only: a real bookie's full reconcile (SIGUSR1) on a local cluster of "
+                         "3 holding N ledgers: etcd CPU, bookie CPU, requests, seconds; with "
+                         "--old-tree the bookie alternates between that tree's code and this "
+                         "one's, --rounds times")
+    ap.add_argument("--old-tree", default=None, metavar="DIR",
+                    help="with --reconcile-cluster: a checkout of the code to compare with")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
                     help="only: CPU per ledger by process and thread, the client's GC and "
                          "etcd's counters, over N ledgers created and closed")
@@ -59,7 +86,8 @@ def main():
                     help="only: create+close runs of --round-ledgers ledgers from each of "
                          "these thread counts (aN: the asynchronous API with N in flight), "
                          "alternating, in one client process")
-    ap.add_argument("--rounds", type=int, default=4, help="with --compare-threads")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="with --compare-threads (and --reconcile: best of these)")
     ap.add_argument("--round-ledgers", type=int, default=3000, help="with --compare-threads")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -82,6 +110,22 @@ def main():
             print(f"{mode_name(n)}, mean of {len(rows)}: {mean['create_close_per_s']:.0f}/s, "
                   f"client {mean['client_us_per_ledger']:.0f} us and "
                   f"{mean['client_switches_per_ledger']:.2f} switches per ledger")
+        return
+    if a.reconcile:
+        r = bench_reconcile([int(x) for x in a.reconcile.split(",")], rounds=a.rounds,
+                            base_dir=a.dir, progress=(lambda row: None) if a.json else
+                            (lambda row: print(format_reconcile(row), flush=True)))
+        if a.json:
+            print(json.dumps(r, indent=1))
+        return
+    if a.reconcile_cluster:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        trees = {"old": os.path.abspath(a.old_tree), "new": here} if a.old_tree else None
+        r = bench_reconcile_cluster(a.reconcile_cluster, rounds=a.rounds, trees=trees,
+                                    base_dir=a.dir, progress=(lambda n, row: None) if a.json
+                                    else lambda n, row: print(f"{n}: {row}", flush=True))
+        if a.json:
+            print(json.dumps(r, indent=1))
         return
     if a.breakdown:
         r = bench_breakdown(a.breakdown, threads=threads, inflight=inflight, base_dir=a.dir)

@@ -26,9 +26,11 @@ what it was asked (its ``/metrics``).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import resource
+import signal
 import tempfile
 import threading
 import time
@@ -37,13 +39,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
+from bk import protocol as P
 from bk.client.bookkeeper import BookKeeper
 from bk.config import SETTINGS
 from bk.errors import BKError
 from bk.localcluster import LocalCluster, etcd_flags
 from bk.meta.etcd_server import EtcdServer
 from bk.meta import underreplication as UR
-from bk.meta.store import LIST_PAGE, MetadataStore, ledger_key_name
+from bk.meta.store import LIST_PAGE, RANGE_WASTE, MetadataStore, ledger_key_name
 
 PAYLOAD = b"x" * 100
 # client threads creating and closing ledgers: 64 carried 1.46x the ledgers of 32
@@ -422,30 +425,45 @@ def format_row(row: dict) -> str:
     return ", ".join(parts)
 
 
+# a closed ledger's metadata as a client writes it (~455 bytes of JSON): etcd reads
+# the value of every key a range visits, keys only or not
+VALUE = (b'{"ctime":1764200000000,"customMetadata":{},"digestType":"CRC32C","ensembles":'
+         b'[[0,["127.0.0.1:3181","127.0.0.1:3182","127.0.0.1:3183"]]],"ensembleSize":3,'
+         b'"formatVersion":3,"lastEntryId":0,"length":100,"password":"","state":"CLOSED",'
+         b'"writeQuorumSize":2,"ackQuorumSize":2,"creatorToken":"bench-0000000000000000"}')
+
+
+def _fill(store: MetadataStore, ledgers: int, blocks: list, value: bytes = VALUE) -> list[int]:
+    """Put ``ledgers`` ledger keys directly, ids as clients hand them out: from
+    ``len(blocks)`` writers' blocks of 1024 (updated in place), 13 of each per
+    transaction, interleaved. Returns the ids put."""
+    c = store._client()
+    made: list[int] = []
+    while len(made) < ledgers:
+        ops, ids = [], []
+        for i, b in enumerate(blocks):
+            take, blocks[i] = b[:13], b[13:]
+            ids += take
+            if not blocks[i]:
+                blocks[i] = store.reserve_ledger_ids()
+        ids = ids[:ledgers - len(made)]
+        ops = [c.transactions.put(store._key(ledger_key_name(lid)), value) for lid in ids]
+        store._txn_full("fill", [], ops)
+        made += ids
+    return made
+
+
 def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> dict:
     """Listing alone, on an etcd with nothing but ``ledgers`` ledger keys (ids as
     clients hand them out: blocks of 1024 from 8 writers, interleaved): seconds,
     client CPU and etcd CPU to list them by id windows (the client's listing) of
     1,000 and of LIST_PAGE ids, and (up to 300,000) seconds by plain pages."""
-    value = b'{"state":"CLOSED"}'
     with tempfile.TemporaryDirectory(prefix="bk-bench-list-", dir=base_dir) as d, \
             EtcdServer(d, extra_args=etcd_flags()) as etcd:
         store = MetadataStore(etcd.uri("ledgers"), timeout=60)
         store.format()
-        c = store._client()
-        made = 0
-        blocks = [store.reserve_ledger_ids() for _ in range(8)]
-        while made < ledgers:
-            ops = []
-            for i, b in enumerate(blocks):
-                take, blocks[i] = b[:13], b[13:]
-                ops += [c.transactions.put(store._key(ledger_key_name(lid)), value)
-                        for lid in take]
-                if not blocks[i]:
-                    blocks[i] = store.reserve_ledger_ids()
-            ops = ops[:ledgers - made]
-            store._txn_full("fill", [], ops)
-            made += len(ops)
+        made = len(_fill(store, ledgers, [store.reserve_ledger_ids() for _ in range(8)],
+                         b'{"state":"CLOSED"}'))
         store.compact(store.revision(), physical=True)
 
         class _Client:               # what list_seconds needs of a client
@@ -475,6 +493,133 @@ def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> 
         progress(out)
         store.close()
         return out
+
+
+def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
+                    writers: int = 1, base_dir: str | None = None, progress=print) -> dict:
+    """One bookie's full GC reconcile of what it holds, as its arbiter runs it
+    (:meth:`bk.bookie.gc.GarbageCollector.check`: each shard's ids asked at one
+    pinned revision, ``existing_ledgers``), on an etcd holding only ledger keys,
+    at each of ``steps`` ledgers held (a bookie of 3 with E3 holds every ledger;
+    ``shards`` shards), ids as ``writers`` clients hand them out (one: each block
+    of 1024 is reserved when the last is used up, ~80 revisions later, so blocks
+    are dense runs far apart, as from the bench's one client). Old (point reads
+    only, ``waste=0``: the code before) and new (ranges over dense runs) alternate
+    ``rounds`` times in one process against the same etcd; each reports etcd
+    CPU, this process's CPU (the bookie's side), etcd's Range
+    calls and wall seconds of the whole reconcile (best of the rounds), and the
+    two must find the same ledgers (a few deleted first, after the revision)."""
+    out: dict = {"steps": []}
+    with tempfile.TemporaryDirectory(prefix="bk-bench-reconcile-", dir=base_dir) as d, \
+            EtcdServer(d, extra_args=etcd_flags()) as etcd:
+        store = MetadataStore(etcd.uri("ledgers"), timeout=60)
+        store.format()
+        etcd_procs = _tree(etcd.pid)
+        blocks = [store.reserve_ledger_ids() for _ in range(writers)]
+        ids: list[int] = []
+        for n in steps:
+            ids += _fill(store, n - len(ids), blocks)
+            store.compact(store.revision(), physical=True)
+            rev = store.revision()
+            gone = ids[:: max(1, len(ids) // 50)]       # deleted after the pinned revision
+            for lid in gone:
+                store.delete_json(ledger_key_name(lid))
+            per_shard: dict[int, list[int]] = {}
+            for lid in ids:
+                per_shard.setdefault(P.shard_of(lid, shards), []).append(lid)
+            row: dict = {"ledgers": len(ids)}
+            for _ in range(rounds):
+                for name, waste in (("old", 0), ("new", RANGE_WASTE)):
+                    gc.collect()
+                    e0, c0 = _etcd_counters(etcd.client_url), _own_cpu()
+                    ecpu0, t0 = _cpu_seconds(etcd_procs), time.monotonic()
+                    live = set()
+                    for part in per_shard.values():
+                        live.update(store._ledger_id_of(kv.key) for kv in store._ledger_kvs(
+                            "check ledgers", part, True, rev, waste=waste))
+                    wall = time.monotonic() - t0
+                    res = {"wall_s": wall, "bookie_cpu_s": _own_cpu() - c0,
+                           "etcd_cpu_s": _cpu_seconds(etcd_procs) - ecpu0,
+                           "requests": _etcd_counters(etcd.client_url).get("Range calls", 0)
+                           - e0.get("Range calls", 0)}
+                    if live != set(ids):
+                        raise BKError(f"{name}: {len(set(ids) - live)} ledgers missed, "
+                                      f"{len(live - set(ids))} extra")
+                    best = row.setdefault(name, {})
+                    for k, v in res.items():
+                        best[k] = round(min(best.get(k, v), v), 3)
+            for k in ("wall_s", "bookie_cpu_s", "etcd_cpu_s", "requests"):
+                row[f"ratio_{k}"] = round(row["new"][k] / max(row["old"][k], 1e-9), 3)
+            progress(row)
+            out["steps"].append(row)
+            for lid in gone:                            # back, for the next step
+                store.put_json(ledger_key_name(lid), {"id": lid})
+        store.close()
+    return out
+
+
+def _gc_state(cluster: LocalCluster, b) -> dict:
+    port = cluster.store.bookie_info(b.bookie_id)["httpPort"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/bookie/info",
+                                timeout=10) as r:
+        return json.loads(r.read())["gc"] or {}
+
+
+def _wait(pred, what: str, timeout: float = 1800.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise BKError(f"no {what} within {timeout:g}s")
+        time.sleep(0.2)
+
+
+def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = None,
+                            base_dir: str | None = None, progress=print) -> dict:
+    """One real bookie's full reconcile (SIGUSR1) on a local cluster of 3 (2 shards
+    each) holding ``ledgers`` ledgers created and closed by the asynchronous API
+    (E3 Qw2 Qa2, one entry: a bookie holds about two thirds of them). ``trees``
+    (name -> a source tree, e.g. ``{"old": "/tmp/main", "new": "."}``): the first
+    bookie is restarted on each tree's code in turn (``PYTHONPATH``), on the same
+    data, alternating, ``rounds`` times; none: this code only. Per reconcile: etcd
+    CPU, the bookie's CPU (arbiter and shards), etcd's Range calls, the round's
+    seconds."""
+    trees = trees or {"this": ""}
+    out: dict = {"ledgers": ledgers, "runs": {}}
+    conf = {"httpServerEnabled": True, "httpServerPort": 0, "gcWaitTime": 5000}
+    with tempfile.TemporaryDirectory(prefix="bk-bench-reconcile-", dir=base_dir) as d, \
+            LocalCluster(num_bookies=3, base_dir=d, num_shards=2,
+                         conf_overrides=conf) as cluster:
+        with BookKeeper(cluster.metadata_uri) as client:
+            out["create_close_per_s"] = round(run_create_close(client, ledgers,
+                                                               f"a{INFLIGHT}"))
+        b = cluster.bookies[0]
+        etcd = _tree(cluster.etcd.pid)
+        names = list(trees)
+        for r in range(rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                b.stop()
+                b.command_prefix = ["env", f"PYTHONPATH={trees[name]}"] if trees[name] else []
+                b.start()
+                _wait(lambda: (_gc_state(cluster, b).get("lastRound") or {}).get("complete"),
+                      "first GC round after the restart")
+                before = _gc_state(cluster, b).get("lastReconcile")
+                procs = _tree(b.pid)
+                e0, b0 = _cpu_seconds(etcd), _cpu_seconds(procs)
+                m0 = _etcd_counters(cluster.etcd.client_url)
+                os.kill(b.pid, signal.SIGUSR1)
+
+                def reconciled():
+                    last = _gc_state(cluster, b).get("lastReconcile")
+                    return last is not None and last != before and last["complete"]
+                _wait(reconciled, "full reconcile")
+                m1 = _etcd_counters(cluster.etcd.client_url)
+                row = {"etcd_cpu_s": round(_cpu_seconds(etcd) - e0, 2),
+                       "bookie_cpu_s": round(_cpu_seconds(procs) - b0, 2),
+                       "requests": round(m1.get("Range calls", 0) - m0.get("Range calls", 0)),
+                       "seconds": _gc_state(cluster, b)["lastReconcile"]["seconds"]}
+                out["runs"].setdefault(name, []).append(row)
+                progress(name, row)
+    return out
 
 
 _HZ = os.sysconf("SC_CLK_TCK")

@@ -22,9 +22,17 @@ costs. The cluster may hold millions of ledgers, so nothing here reads them all:
   every ``gcFullReconcileIntervalSeconds``, on SIGUSR1, after the watch fell
   behind a compaction, and when the over-replicated scan is due: every
   ``gcOverreplicatedLedgerWaitTime``, it reads the metadata of the ledgers the
-  bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`). Each shard reports its ledgers (``gc_begin``);
+  bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`).
+  Each shard reports its ledgers (``gc_begin``);
   those absent at the member revision are dropped. It asks only about the
-  shard's own ids, a group per request (``existing_ledgers``). It also catches
+  shard's own ids (``existing_ledgers``), all at that one revision: ids come
+  in blocks (a client's 1024), so where the shard's ids are dense it reads the
+  keys only of the span they cover, one range request per run (the other
+  keys in it, of other shards' or bookies' ledgers, are skipped), and where
+  they are sparse it reads each id alone: a few hundred requests for 300,000
+  ledgers held instead of one each. A long reconcile says how far it got in
+  the log every ``PROGRESS_EVERY`` seconds and in the GC state
+  (``reconciling``). It also catches
   what a watch cannot: entries written with no metadata at all, or that reached
   a bookie long after their ledger was deleted.
 
@@ -48,7 +56,13 @@ Safety does not rest on the watch: an event only nominates a ledger; the
 decision is always "absent at a revision at which the cluster was verified to
 be this bookie's", so a wiped, re-formatted or foreign etcd (whose watch sends a
 deletion for every key) makes the bookie drop nothing, and a crash anywhere only
-repeats work. The remembered revision advances only once every shard has
+repeats work. A reconcile decides nothing until every id of the shard was
+read at the member revision: a range read says "absent" only for an id inside
+a span etcd returned whole at that revision (a page cut short is followed to
+the span's end), and an etcd that stops answering, or a revision compacted
+while it reads, fails the round (one retry at a new revision for the latter),
+which deletes nothing and leaves the revision where it was. The remembered
+revision advances only once every shard has
 finished a round that covered every deletion up to it; killed before that, the
 bookie watches again from the older revision and learns the same deletions
 again. If etcd compacted that revision away meanwhile, the watch fails with
@@ -76,6 +90,8 @@ from bk.errors import ClusterIdentityError, MetadataCompactedError, MetadataErro
 log = logging.getLogger("bk.bookie.gc")
 
 STATE_FILE = GC_STATE_FILE
+# a full reconcile that takes longer says how far it got this often (bookie log)
+PROGRESS_EVERY = 10.0
 
 
 def read_state(path: str) -> dict:
@@ -315,6 +331,7 @@ class GarbageCollector:
         self._break: BaseException | None = None   # why the watch broke
         self._cancel = None
         self._thread: threading.Thread | None = None
+        self._checking: dict | None = None       # the full reconcile's check in progress
         self.stats = {"rounds": 0, "reconciles": 0, "deleted": 0, "watchRestarts": 0,
                       "lastReconcile": None, "lastRound": None}
 
@@ -441,22 +458,29 @@ class GarbageCollector:
         holds nothing of: see ``bk.bookie.storage.RecentDeletions``)."""
         ids = sorted(set(local_ids).union(
             lid for lid in rnd.candidates if P.shard_of(lid, self.num_shards) == shard))
-        for attempt in range(2):
-            rev = self._member_revision(rnd)
-            if rev is None:
-                return []
-            try:
-                live = self.store.existing_ledgers(ids, revision=rev) if ids else set()
-            except MetadataCompactedError:
-                if attempt:
-                    raise
-                continue            # compacted while we read: once more at a new revision
-            rnd.revisions[shard] = rev
-            dead = [lid for lid in ids if lid not in live]
+        progress = _Progress(self, rnd, shard, len(ids))
+        try:
+            for attempt in range(2):
+                rev = self._member_revision(rnd)
+                if rev is None:
+                    return []
+                try:
+                    live = self.store.existing_ledgers(ids, revision=rev,
+                                                       progress=progress) if ids else set()
+                except MetadataCompactedError:
+                    if attempt:
+                        raise
+                    continue        # compacted while we read: once more at a new revision
+                rnd.revisions[shard] = rev
+                dead = [lid for lid in ids if lid not in live]
+                with self._lock:
+                    rnd.dead.update(dead)
+                progress.finished(len(dead))
+                return dead
+            return []
+        finally:
             with self._lock:
-                rnd.dead.update(dead)
-            return dead
-        return []
+                self._checking = None
 
     def incremental(self, rnd: GcRound) -> dict[int, list[int]]:
         """Incremental round: per shard, the candidates absent at a revision of this
@@ -531,6 +555,36 @@ class GarbageCollector:
         """For the bookie's HTTP info: what GC knows and did."""
         recent = len(self.recent)
         with self._lock:
+            checking = dict(self._checking) if self._checking else None
             return {"rememberedRevision": self._remembered, "watchRevision": self._watch_rev,
                     "candidates": len(self._deleted), "reconcileNeeded": self._gap,
-                    "recentDeletions": recent, **self.stats}
+                    "recentDeletions": recent, "reconciling": checking, **self.stats}
+
+
+class _Progress:
+    """A full reconcile's progress in one shard: in the GC state (``reconciling``) as
+    groups of ids are checked, and in the log every :data:`PROGRESS_EVERY` seconds
+    of a long one (hundreds of thousands of ledgers held), then when it ends."""
+
+    def __init__(self, gc: GarbageCollector, rnd: GcRound, shard: int, total: int):
+        self.gc, self.rnd, self.shard, self.total = gc, rnd, shard, total
+        self.started = self.logged = time.monotonic()
+        with gc._lock:
+            gc._checking = {"shard": shard, "reason": rnd.reason, "checked": 0,
+                            "ledgers": total}
+
+    def __call__(self, done: int, total: int) -> None:
+        with self.gc._lock:
+            if self.gc._checking is not None:
+                self.gc._checking["checked"] = done
+        now = time.monotonic()
+        if now - self.logged >= PROGRESS_EVERY:
+            self.logged = now
+            log.info("gc: full reconcile (%s), shard %d: %d of %d ledgers checked, %.0f s",
+                     self.rnd.reason, self.shard, done, total, now - self.started)
+
+    def finished(self, dead: int) -> None:
+        took = time.monotonic() - self.started
+        if took >= PROGRESS_EVERY:
+            log.info("gc: full reconcile (%s), shard %d: %d ledgers checked in %.0f s, "
+                     "%d without metadata", self.rnd.reason, self.shard, self.total, took, dead)

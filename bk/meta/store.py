@@ -34,8 +34,10 @@ revision :class:`MetadataCompactedError`.
 
 Cost at scale: nothing here lists what it does not need. Listings of every
 ledger page over id windows (etcd 3.5 visits every key to the end of a range
-to count it, so plain paging is quadratic); reads of given ledgers are point
-reads in read-only transactions; no request asks etcd to sort.
+to count it, so plain paging is quadratic); reads of given ledgers
+(:meth:`existing_ledgers`, :meth:`read_ledgers`) are range requests over the id
+spans where the asked ids are dense (ids come in blocks) and point reads where
+they are sparse, pipelined at one revision; no request asks etcd to sort.
 
 Security (``bk.security.etcd``): ``credentials`` give TLS to etcd (its CA, a
 client certificate) and a user whose password etcd trades for a token when
@@ -96,7 +98,21 @@ WATCH_BACKOFF = Backoff(first=0.1, cap=2.0)
 LAYOUT_VERSION = 3
 LAYOUT_VERSIONS = (2, 3)
 ID_BLOCK_BITS = 10
-ID_GROUP = 100          # point reads sent at once by existing_ledgers
+ID_GROUP = 100          # requests sent at once by existing_ledgers / read_ledgers
+# existing_ledgers reads a range over a run of asked ids when its span holds at most
+# RANGE_WASTE ids per asked id (etcd reads and counts every key in it: the others'
+# are waste), at most RANGE_SPAN ids; pages of RANGE_PAGE keys; GROUP_KEYS keys in
+# flight at once at most. A key of a range cost ~2 us of etcd CPU and ~1.3 us of
+# the reader's, a point read ~70-110 and ~100-150 us: asking for one id in 32 by
+# ranges still cost both sides together ~0.4x the point reads, one in 64 as much
+# (docs/performance.md, "Metadata at scale").
+RANGE_WASTE = 32
+# read_ledgers (values, ~0.5 KB each): one in 32 cost as much as point reads, one in
+# 16 ~0.4x (etcd ~2.3 us, reader ~1.6 us a key)
+VALUE_RANGE_WASTE = 16
+RANGE_SPAN = 10_000
+RANGE_PAGE = 10_000
+GROUP_KEYS = 50_000
 # Ids per range request of a listing (keys only, ~45 bytes each: ~0.5 MB a page).
 # Listing 1M ids by pages of 10,000 cost etcd ~25% and this client ~35% less CPU
 # than by pages of 1,000 (a request costs both sides a fixed share).
@@ -114,6 +130,44 @@ def id_scope(instance_id: str) -> int:
     """The high bits of every ledger id of the cluster ``instance_id`` (never 0)."""
     return int(instance_id.replace("-", ""), 16) % SCOPE_COUNT + 1
 
+
+
+def id_windows(ids: list[int], waste: int = RANGE_WASTE) -> list[list[int]]:
+    """``ids`` (sorted, distinct) cut into runs, each read with one request: a run
+    of several spans at most ``waste`` ids per id it holds and at most
+    :data:`RANGE_SPAN` ids, so a range over it returns at most that many keys
+    (every key under ``ledgers/`` in a span is a distinct id of it); an id alone
+    is a point read. Greedy: a run grows while the next id keeps it within both."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    for lid in ids:
+        if run:
+            span = lid - run[0] + 1
+            if span <= RANGE_SPAN and span <= waste * (len(run) + 1):
+                run.append(lid)
+                continue
+            out.append(run)
+        run = [lid]
+    if run:
+        out.append(run)
+    return out
+
+
+def _request_groups(windows: list[list[int]], max_keys: int = GROUP_KEYS
+                    ) -> Iterator[list[list[int]]]:
+    """Windows in groups sent at once: at most :data:`ID_GROUP` requests and about
+    ``max_keys`` keys (a window's span bounds its keys) in flight."""
+    group: list[list[int]] = []
+    keys = 0
+    for w in windows:
+        span = w[-1] - w[0] + 1
+        if group and (len(group) >= ID_GROUP or keys + span > max_keys):
+            yield group
+            group, keys = [], 0
+        group.append(w)
+        keys += span
+    if group:
+        yield group
 
 
 def _grpc_options(timeout: float) -> list[tuple[str, int]]:
@@ -912,60 +966,99 @@ class MetadataStore:
         return out
 
     def _ledger_kvs(self, what: str, ledger_ids, keys_only: bool,
-                    revision: int | None = None) -> Iterator:
+                    revision: int | None = None, waste: int = RANGE_WASTE,
+                    progress: Callable[[int, int], None] | None = None) -> Iterator:
         """The kvs of those of ``ledger_ids`` that exist (at ``revision`` when
-        given), in id order: :data:`ID_GROUP` point reads at a time (pipelined
-        range requests at one revision), so the cost follows ``len(ledger_ids)``, never the number of
-        ledgers (a range over their span would make etcd 3.5 visit every key in
-        it: it counts a range's keys even when asked for a few)."""
+        given), in id order, a group of requests at a time (pipelined, at one
+        revision), so the cost follows ``len(ledger_ids)``, never the number of
+        ledgers. The ids go in windows (:func:`id_windows`): a window that holds
+        several is one range request over its span, which holds at most ``waste``
+        ids per asked id (etcd 3.5 visits every key of a range to count it, so a
+        span is only read where the asked ids are dense); a lone id is a point
+        read. ``waste=0``: point reads only. ``progress(done, total)`` after each
+        group (ids covered so far, of the distinct ids asked)."""
         ids = sorted({_check_ledger_id(i) for i in ledger_ids})
-        for i in range(0, len(ids), ID_GROUP):
-            yield from self._point_reads(what, ids[i:i + ID_GROUP], keys_only, revision)
+        done = 0
+        # values (~0.5 KB each) are read a tenth as many at a time as keys alone
+        max_keys = GROUP_KEYS if keys_only else GROUP_KEYS // 10
+        for group in _request_groups(id_windows(ids, waste), max_keys):
+            yield from self._read_windows(what, group, keys_only, revision)
+            done += sum(len(w) for w in group)
+            if progress is not None:
+                progress(done, len(ids))
 
-    def _point_reads(self, what: str, ids, keys_only: bool, revision: int | None):
+    def _read_windows(self, what: str, windows, keys_only: bool, revision: int | None):
         # Plain range requests, not one read-only transaction (see
         # _get_at_one_revision: etcd < 3.5.5 panics when a deadline cancels one):
         # the first names the revision unless one is given, the others read at it,
         # sent at once over the channel (pipelined), so the result is one snapshot.
-        keys = [self._key(ledger_key_name(lid)) for lid in ids]
-
-        def req(key, rev):
-            return etcdrpc.RangeRequest(key=key, keys_only=keys_only, revision=rev or 0)
+        # A window's range carries its own keys and the others' between them
+        # (those of ledgers this caller does not hold): only the asked ones are kept.
+        def req(w, rev, start=None):
+            if len(w) == 1:
+                return etcdrpc.RangeRequest(key=self._key(ledger_key_name(w[0])),
+                                            keys_only=keys_only, revision=rev or 0)
+            return etcdrpc.RangeRequest(
+                key=start or self._key(ledger_key_name(w[0])),
+                range_end=self._key(ledger_key_name(w[-1] + 1)),
+                limit=RANGE_PAGE if keys_only else RANGE_PAGE // 10,   # ~0.5 KB values
+                keys_only=keys_only, revision=rev or 0)
 
         def run(c):
             kw = dict(credentials=c.call_credentials, metadata=c.metadata)
             try:
                 rev = revision
                 out = []
-                rest = keys
+                rest = windows
                 if not rev:
-                    first = c.kvstub.Range(req(keys[0], 0), c.timeout, **kw)
+                    first = c.kvstub.Range(req(windows[0], 0), c.timeout, **kw)
                     rev = first.header.revision
                     out.append(first)
-                    rest = keys[1:]
-                futures = [c.kvstub.Range.future(req(k, rev), c.timeout, **kw) for k in rest]
+                    rest = windows[1:]
+                futures = [c.kvstub.Range.future(req(w, rev), c.timeout, **kw) for w in rest]
                 out.extend(f.result() for f in futures)
+                for i, w in enumerate(windows):
+                    r = out[i]
+                    # more keys in the span than a page (keys that are not ids):
+                    # the rest of it, a page at a time
+                    while r.more and r.kvs:
+                        nxt = c.kvstub.Range(req(w, rev, r.kvs[-1].key + b"\0"),
+                                             c.timeout, **kw)
+                        r.kvs.extend(nxt.kvs)
+                        r.more = nxt.more
                 return out
             except grpc.RpcError as exc:
                 c._manage_grpc_errors(exc)
-        if not ids:
+        if not windows:
             return
-        for r in self._call(what, "get", run, idempotent=True):
-            yield from r.kvs
+        for w, r in zip(windows, self._call(what, "get", run, idempotent=True)):
+            if len(w) == 1:
+                yield from r.kvs
+                continue
+            want = set(w)
+            for kv in r.kvs:
+                if self._ledger_id_of(kv.key) in want:
+                    yield kv
 
-    def existing_ledgers(self, ledger_ids, revision: int | None = None) -> set[int]:
+    def existing_ledgers(self, ledger_ids, revision: int | None = None,
+                         progress: Callable[[int, int], None] | None = None) -> set[int]:
         """Those of ``ledger_ids`` that have metadata (at ``revision`` when given:
         pass a :meth:`member_revision`); MetadataCompactedError if etcd no longer
-        keeps that revision (ask again at a new one)."""
+        keeps that revision (ask again at a new one). Keys only, in range requests
+        over the spans where the ids are dense, point reads elsewhere.
+        ``progress(done, total)``: called as groups of ids are checked."""
         out = set()
-        for kv in self._ledger_kvs("check ledgers", ledger_ids, True, revision):
+        for kv in self._ledger_kvs("check ledgers", ledger_ids, True, revision,
+                                   progress=progress):
             out.add(self._ledger_id_of(kv.key))
         return out
 
     def read_ledgers(self, ledger_ids) -> Iterator[tuple[LedgerMetadata, int]]:
-        """(metadata, version) of those of ``ledger_ids`` that exist, in id order, a
-        group of ids per request (see :meth:`existing_ledgers`)."""
-        for kv in self._ledger_kvs("read ledgers", ledger_ids, False):
+        """(metadata, version) of those of ``ledger_ids`` that exist, in id order:
+        ranges where the ids are dense, point reads elsewhere, a group of requests
+        at a time (see :meth:`existing_ledgers`)."""
+        for kv in self._ledger_kvs("read ledgers", ledger_ids, False,
+                                   waste=VALUE_RANGE_WASTE):
             lid = self._ledger_id_of(kv.key)
             if lid is not None:
                 yield self._parse_ledger(lid, kv.value), kv.mod_revision

@@ -1,0 +1,184 @@
+"""The GC's full reconcile (bk.bookie.gc, existing_ledgers by ranges) interrupted at
+the moment that matters, against real etcd and bookie processes: etcd stopped
+(SIGSTOP) while a reconcile reads, the bookie killed -9 in the middle of one. No
+ledger that exists loses an entry; the deleted ones, and entries that never had
+metadata, are collected once etcd answers again or after the restart."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import bk
+from bk.testing import closed_ledger, wait_until
+from test_gc_watch import PW, add_to, gc_state, held, remembered_on_disk
+
+# no round but those asked for (SIGUSR1); a stopped etcd fails a request in 2 s
+CONF = {"gcWaitTime": 3_600_000, "metadataTimeoutMillis": 2000, "httpServerEnabled": True,
+        "httpServerPort": 0}
+ENTRIES = [b"e%d" % i for i in range(5)]
+
+
+def setup_ledgers(c, b, client):
+    """Closed ledgers on the one bookie (ids dense: one client's block), a few of
+    them deleted, and entries of ids next to them that never had metadata: the
+    reconcile's ranges cover all three kinds. Returns (kept, doomed, orphans)."""
+    lids = [closed_ledger(client, ENTRIES, 1, 1, 1, password=PW) for _ in range(24)]
+    doomed = lids[::6]
+    for lid in doomed:
+        client.delete_ledger(lid)
+    orphans = [max(lids) + 1 + 2 * k for k in range(8)]    # never created
+    for lid in orphans:
+        assert add_to(b, lid, 0) == 0
+    kept = [lid for lid in lids if lid not in doomed]
+    gc_state(c, b)              # learn the bookie's HTTP port while etcd answers
+    return kept, doomed, orphans
+
+
+def assert_nothing_lost(b, kept, doomed=(), orphans=()):
+    for lid in kept:
+        assert held(b, lid) == set(range(5)), lid
+    for lid in doomed:
+        assert held(b, lid) == set(range(5)), lid    # not decided yet: still there
+    for lid in orphans:
+        assert held(b, lid) == {0}, lid
+
+
+def reconciling(c, b) -> bool:
+    return gc_state(c, b).get("reconciling") is not None
+
+
+def collected(b, kept, doomed, orphans):
+    wait_until(lambda: not any(held(b, lid) for lid in doomed + orphans), timeout=60,
+               what="the deleted ledgers and the orphan entries collected")
+    for lid in kept:
+        assert held(b, lid) == set(range(5)), lid
+
+
+def test_etcd_stopped_during_a_full_reconcile_drops_nothing_until_it_answers(cluster_factory):
+    c = cluster_factory(1, conf_overrides=CONF)
+    b = c.bookies[0]
+    with bk.BookKeeper(c.metadata_uri) as client:
+        kept, doomed, orphans = setup_ledgers(c, b, client)
+        os.kill(c.etcd.pid, signal.SIGSTOP)
+        try:
+            os.kill(b.pid, signal.SIGUSR1)
+            wait_until(lambda: reconciling(c, b), what="a full reconcile under way")
+
+            def failed():
+                st = gc_state(c, b)
+                return (st.get("lastReconcile") or {}).get("complete") is False \
+                    and st.get("reconciling") is None
+            wait_until(failed, timeout=60, what="the reconcile failed on the stopped etcd")
+            assert_nothing_lost(b, kept, doomed, orphans)
+            assert remembered_on_disk(b) == 0
+        finally:
+            os.kill(c.etcd.pid, signal.SIGCONT)
+        os.kill(b.pid, signal.SIGUSR1)
+        collected(b, kept, doomed, orphans)
+        wait_until(lambda: remembered_on_disk(b) > 0, what="the revision remembered")
+        assert gc_state(c, b)["lastReconcile"]["complete"] is True
+
+
+def test_bookie_killed_during_a_full_reconcile_collects_after_the_restart(cluster_factory):
+    c = cluster_factory(1, conf_overrides=CONF)
+    b = c.bookies[0]
+    with bk.BookKeeper(c.metadata_uri) as client:
+        kept, doomed, orphans = setup_ledgers(c, b, client)
+        os.kill(c.etcd.pid, signal.SIGSTOP)     # holds the reconcile in its reads
+        try:
+            os.kill(b.pid, signal.SIGUSR1)
+            wait_until(lambda: reconciling(c, b), what="a full reconcile under way")
+            b.kill(signal.SIGKILL)
+        finally:
+            os.kill(c.etcd.pid, signal.SIGCONT)
+        assert remembered_on_disk(b) == 0
+        b.start()
+        assert_nothing_lost(b, kept, doomed, orphans)
+        os.kill(b.pid, signal.SIGUSR1)
+        collected(b, kept, doomed, orphans)
+        st = gc_state(c, b)
+        assert st["reconciles"] >= 1 and st["lastReconcile"]["complete"] is True, st
+
+
+class Throttle:
+    """Runs etcd a few ms in every ~40 (SIGSTOP / SIGCONT), so that a reconcile of a
+    few hundred point reads takes long enough to be caught between two groups;
+    ``hold()`` leaves it stopped."""
+
+    def __init__(self, pid: int):
+        self.pid, self.stop = pid, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while True:
+            os.kill(self.pid, signal.SIGSTOP)
+            if self.stop.wait(0.04):
+                return              # stopped it is
+            os.kill(self.pid, signal.SIGCONT)
+            time.sleep(0.004)       # etcd runs meanwhile: the pacing, not a wait
+
+    def hold(self):
+        self.stop.set()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("then", ["kill the bookie", "let the round fail"])
+def test_interrupted_between_two_groups_of_reads_drops_nothing_that_exists(cluster_factory,
+                                                                            then):
+    """The moment that matters for reads by groups: some of a shard's ids were read at
+    the pinned revision, the others not yet, when etcd stops answering; then the
+    bookie is killed -9, or its round fails. Ids held far apart (one in a hundred:
+    a point read each, a hundred per group), half with metadata, half without."""
+    c = cluster_factory(1, conf_overrides=CONF)
+    b = c.bookies[0]
+    with bk.BookKeeper(c.metadata_uri) as client:
+        model, _ = c.store.read_ledger(closed_ledger(client, ENTRIES[:1], 1, 1, 1,
+                                                     password=PW))
+    space = [lid for _ in range(30) for lid in c.store.reserve_ledger_ids()]
+    sparse = space[::100]
+    kept, orphans = sparse[::2], sparse[1::2]
+    for lid in kept:
+        c.store.create_ledger(dataclasses.replace(model, ledger_id=lid))
+    for lid in sparse:
+        assert add_to(b, lid, 0) == 0
+    gc_state(c, b)
+    throttle = Throttle(c.etcd.pid)
+    try:
+        throttle.thread.start()
+        os.kill(b.pid, signal.SIGUSR1)
+
+        def between_groups():
+            st = gc_state(c, b).get("reconciling") or {}
+            return 0 < st.get("checked", 0) < st.get("ledgers", 0)
+        wait_until(between_groups, timeout=60, step=0.005,
+                   what="a reconcile between two groups of reads")
+        throttle.hold()
+        st = gc_state(c, b)["reconciling"]
+        assert 0 < st["checked"] < st["ledgers"], st
+        if then == "kill the bookie":
+            b.kill(signal.SIGKILL)
+        else:
+            wait_until(lambda: gc_state(c, b).get("reconciling") is None, timeout=60,
+                       what="the round failed on the stopped etcd")
+            assert gc_state(c, b)["lastReconcile"]["complete"] is False
+            for lid in sparse:
+                assert held(b, lid) == {0}, lid
+    finally:
+        throttle.hold()
+        os.kill(c.etcd.pid, signal.SIGCONT)
+    assert remembered_on_disk(b) == 0
+    if not b.alive:
+        b.start()
+    for lid in sparse:
+        assert held(b, lid) == {0}, lid
+    os.kill(b.pid, signal.SIGUSR1)
+    wait_until(lambda: not any(held(b, lid) for lid in orphans), timeout=60,
+               what="the entries without metadata collected")
+    for lid in kept:
+        assert held(b, lid) == {0}, lid
