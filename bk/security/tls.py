@@ -245,7 +245,8 @@ class TLSStream:
                 if not self.eof:
                     raise
                 break
-            if not n:
+            if not n:                    # close_notify (Python reads it as 0 bytes)
+                self.eof = True
                 break
             fb.commit(n)
             got += n
