@@ -6,6 +6,7 @@ connected socket pair, no bookie, no event loop.
     scripts/bench_tls.py --rounds 5 --count 20000
     scripts/bench_tls.py --tls12 ECDHE+AESGCM  # TLS 1.2 with that cipher list (to compare ciphers)
     scripts/bench_tls.py --compare /tmp/base   # also /tmp/base/bk/security/tls.py's TLSStream, alternating
+    scripts/bench_tls.py --opcodes --compare /tmp/base   # Python opcodes per send and receive instead
 
 Each case sends frames one way and reads them at the other end, the way the
 client and the shard worker do (``encrypt`` + ``flush`` on one side,
@@ -129,6 +130,39 @@ def _per(frames):
     return len(frames), len(frames)
 
 
+def opcodes(fn) -> int:
+    """Python opcodes ``fn()`` executes (sys.settrace): a count the machine's noise
+    does not touch."""
+    n = 0
+
+    def tracer(frame, event, arg):
+        nonlocal n
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            n += 1
+        return tracer
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return n
+
+
+def run_opcodes(P, pairs, scratch):
+    for name in ("frame", "ack", "q30"):
+        size, k = CASES[name]
+        frames = _frames(P, size, k)
+        for mode, (c, s, _, _) in pairs.items():
+            src, dst = (s, c) if size < 100 else (c, s)
+            fb = P.FrameBuffer(8 << 20)
+            for _ in range(3):            # the last of three (caches, first-call paths)
+                snd = opcodes(lambda: (src.encrypt(frames), src.flush()))
+                rcv = opcodes(lambda: dst.recv_into(fb, scratch))
+                list(fb.frames())
+            print(f"{name:8} {mode:6} send {snd:4} opcodes, receive {rcv:4} opcodes")
+
+
 CASES = {"frame": (1024, 1), "batch": (1024, 40), "ack": (30, 1), "acks10": (30, 10),
          "q8": (8 << 10, -1), "q30": (30 << 10, -1), "q100": (100 << 10, -1)}
 
@@ -143,6 +177,8 @@ def main():
     ap.add_argument("--tls12", metavar="CIPHERS", help="TLS 1.2 only, with these ciphers")
     ap.add_argument("--compare", metavar="TREE", help="a source tree whose bk/security/tls.py "
                     "TLSStream runs too ('old'), alternating with this one's ('tls')")
+    ap.add_argument("--opcodes", action="store_true", help="count the Python opcodes of one "
+                    "send and one receive per case instead of timing them")
     a = ap.parse_args()
     from bk import protocol as P
     from bk.security import tls as T
@@ -157,6 +193,9 @@ def main():
     c = pairs["tls"][0]
     print(f"bk.security.tls from {T.__file__}; cipher {c.obj.cipher()[0]} {c.obj.version()}")
     scratch = bytearray(1 << 18)
+    if a.opcodes:
+        run_opcodes(P, pairs, scratch)
+        return
     print(f"{'case':8} {'mode':6} {'send us/frame':>16} {'recv us/frame':>16}   (best / median of "
           f"{a.rounds} rounds; q*: per KiB)")
     for name in a.cases.split(","):
