@@ -259,17 +259,17 @@ class TLSStream:
         """Encrypt the buffers ``bufs`` (small ones joined up to WRITE_PIECE, so that
         records are full) into the backlog; send it with :meth:`flush`."""
         write = self._ssl.write
-        k = len(bufs)
-        if k == 1:                       # an answer, a lone request: no loop
+        if len(bufs) == 1:               # an answer, a lone request: no loop
             write(bufs[0])
-        i = 0 if k > 1 else k
-        while i < k:
-            j, size = i + 1, len(bufs[i])
-            while j < k and size < WRITE_PIECE:
-                size += len(bufs[j])
-                j += 1
-            write(bufs[i] if j == i + 1 else b"".join(bufs[i:j]))
-            i = j
+        else:
+            i, k = 0, len(bufs)
+            while i < k:
+                j, size = i + 1, len(bufs[i])
+                while j < k and size < WRITE_PIECE:
+                    size += len(bufs[j])
+                    j += 1
+                write(bufs[i] if j == i + 1 else b"".join(bufs[i:j]))
+                i = j
         out = self._out
         if out.pending:
             data = out.read()
