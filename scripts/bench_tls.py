@@ -37,12 +37,14 @@ import time
 def _pair(tls12, cls=None):
     from bk.config import Config
     from bk.security import pki, tls
-    ca = pki.make_ca(tempfile.mkdtemp(prefix="bk-bench-tls-"))
-    crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
-    sctx = tls.server_context(Config.load(overrides={"tlsCertificatePath": crt,
-                                                     "tlsKeyStore": key}, env={}))
-    cctx = tls.client_context(Config.load(overrides={"tlsEnabled": True,
-                                                     "tlsTrustStore": ca.cert_path}, env={}))
+    with tempfile.TemporaryDirectory(prefix="bk-bench-tls-") as d:   # loaded, then gone
+        ca = pki.make_ca(d)
+        crt, key = ca.issue("bookie", ["127.0.0.1"], common_name="bookie")
+        sctx = tls.server_context(Config.load(overrides={"tlsCertificatePath": crt,
+                                                         "tlsKeyStore": key}, env={}))
+        cctx = tls.client_context(Config.load(overrides={"tlsEnabled": True,
+                                                         "tlsTrustStore": ca.cert_path},
+                                              env={}))
     if tls12:
         import ssl
         for c in (sctx, cctx):
