@@ -270,7 +270,7 @@ class TLSStream:
                     j += 1
                 write(bufs[i] if j == i + 1 else b"".join(bufs[i:j]))
                 i = j
-        out = self._out
+        out = self._out                  # _pull(), inline
         if out.pending:
             data = out.read()
             self.backlog.append(data)
