@@ -3,6 +3,7 @@ workers, over real non-blocking sockets and real TLS contexts: frames larger
 than a record, records split over socket reads, the frame buffer's size."""
 
 import socket
+import ssl
 
 import pytest
 
@@ -123,3 +124,98 @@ def test_answers_flow_both_ways_interleaved_with_partial_records(pair):
         if answered == 500:
             break
     assert got_server == got_client == list(range(500))
+
+
+def test_a_full_socket_keeps_the_rest_of_one_piece_and_of_later_ones_in_order(tmp_path):
+    """Small send buffers: the one-piece backlog (one large encrypt) is taken in
+    parts, later encrypts queue behind what is left, ``backlog_bytes`` counts what
+    waits, and everything arrives once, in order, whatever scratch each read uses."""
+    client, server, a, b = stream_pair(tmp_path, sndbuf=8192)
+    try:
+        body = bytes(range(256)) * 2048                  # 512 KiB
+        client.encrypt([P.encode_frame([P.PING, 1, body])])
+        assert len(client.backlog) == 1
+        left = client.flush()
+        assert 0 < left == client.backlog_bytes          # the socket took only a part
+        assert left == sum(map(len, client.backlog))
+        client.encrypt([P.encode_frame([P.PING, 2, b"second"])])
+        client.encrypt([P.encode_frame([P.PING, 3, b"third"])])
+        assert client.backlog_bytes == sum(map(len, client.backlog))
+        fb = P.FrameBuffer(4 << 20)
+        scratches = [bytearray(3000), bytearray(1 << 16), bytearray(777)]
+        got = []
+        for i in range(100_000):
+            left = client.flush()
+            assert left == sum(map(len, client.backlog))
+            server.recv_into(fb, scratches[i % 3])       # a new scratch each time
+            got += fb.frames()
+            if len(got) == 3:
+                break
+        assert [m[1] for m in got] == [1, 2, 3]
+        assert got[0][2] == body and got[2][2] == b"third"
+        assert client.backlog == [] and client.backlog_bytes == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_one_buffer_and_many_buffers_encrypt_to_the_same_frames(pair):
+    """A lone buffer (the fast path), a list of small ones joined, and a list with a
+    buffer of several records among small ones all decrypt to the frames sent."""
+    client, server = pair
+    big = P.encode_frame([P.PING, 2, b"x" * 100_000])
+    sends = [[P.encode_frame([P.PING, 0, b"alone"])],
+             [P.encode_frame([P.PING, 1, b"s" * 30])] * 3,
+             [big[:40], big[40:], P.encode_frame([P.PING, 3, b"after"])]]
+    fb = P.FrameBuffer(1 << 20)
+    scratch = bytearray(1 << 18)
+    got = []
+    for bufs in sends:
+        client.encrypt(bufs)
+        client.flush()
+        server.recv_into(fb, scratch)
+        got += fb.frames()
+    assert [m[1] for m in got] == [0, 1, 1, 1, 2, 3]
+    assert got[0][2] == b"alone" and got[4][2] == b"x" * 100_000
+
+
+def test_eof_in_the_middle_of_a_record_ends_the_stream_after_the_whole_ones(pair):
+    """The peer's socket closes half way through a record: the records before it
+    are delivered, then ``eof`` is set; no exception, no half frame."""
+    client, server = pair
+    client.encrypt([P.encode_frame([P.PING, 1, b"whole"])])
+    whole = b"".join(bytes(x) for x in client.backlog)
+    client.backlog.clear()
+    client.backlog_bytes = 0
+    client.encrypt([P.encode_frame([P.PING, 2, b"y" * 5000])])
+    second = b"".join(bytes(x) for x in client.backlog)
+    client.sock.sendall(whole + second[:len(second) // 2])
+    client.sock.shutdown(socket.SHUT_WR)
+    fb = P.FrameBuffer(1 << 20)
+    scratch = bytearray(1 << 16)
+    frames = []
+    for _ in range(1000):
+        server.recv_into(fb, scratch)
+        frames += fb.frames()
+        if server.eof:
+            break
+    assert server.eof
+    assert [m[1] for m in frames] == [1]
+    assert server.recv_into(fb, scratch) == 0 and list(fb.frames()) == []
+
+
+def test_close_notify_ends_the_stream_after_the_frames_before_it(pair):
+    """The peer sends frames, then TLS's close_notify (``unwrap``) in the same
+    socket read: the frames come out, then ``eof`` is set, with no exception."""
+    client, server = pair
+    client.encrypt([P.encode_frame([P.PING, i, b"z" * 2000]) for i in range(5)])
+    with pytest.raises(ssl.SSLWantReadError):        # waits for the peer's close_notify
+        client.obj.unwrap()
+    client._pull()
+    while client.flush():
+        pass
+    fb = P.FrameBuffer(1 << 20)
+    got = server.recv_into(fb, bytearray(1 << 18))
+    assert got == 5 * len(P.encode_frame([P.PING, 0, b"z" * 2000]))
+    assert [m[1] for m in fb.frames()] == list(range(5))
+    assert server.eof
