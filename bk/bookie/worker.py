@@ -1229,10 +1229,9 @@ class ShardWorker:
         _, rid, mk, flags, count, records = msg
         if type(mk) is not bytes or type(flags) is not int or type(rid) is not int:
             raise ProtocolError("ADD_BATCH with a non-bytes master key or bad flags")
-        recs = P.split_add_batch(records, count)
         if self.readonly:
             errors = []
-            for lid, eid, _lac, _s, _e in recs:
+            for lid, eid, _lac, _s, _e in P.split_add_batch(records, count):
                 errors += (lid, eid, EREADONLY)
                 self.m.add_error("EREADONLY", True)
             self._send(conn, _frame(P.add_ack(rid, [], errors)))
@@ -1245,9 +1244,9 @@ class ShardWorker:
             self._hold(conn, ack)
         else:
             ack[0] = rid
-        failed = self.storage.add_batch(recs, records, mk, flags & P.FLAG_RECOVERY,
+        failed = self.storage.add_batch(records, count, mk, flags & P.FLAG_RECOVERY,
                                         ack[1], ack[2])
-        self._held_batched += len(recs)
+        self._held_batched += count
         if failed:
             self._held_failed += failed
             errors = ack[2]

@@ -894,8 +894,7 @@ def _batch(s, ents, key=KEY, recovery=False):
     from bk import protocol as P
     recs = b"".join(P.add_record_head(l, e, a, d, len(p)) + p for l, e, a, d, p in ents)
     acked, errors = [], []
-    failed = s.add_batch(P.split_add_batch(recs, len(ents)), recs, key, recovery, acked,
-                         errors)
+    failed = s.add_batch(recs, len(ents), key, recovery, acked, errors)
     assert failed == len(errors) // 3
     return acked, errors
 
