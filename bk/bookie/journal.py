@@ -53,7 +53,17 @@ offset)`` where replay starts, serialised as ``"seq:offset"``.
 Appending builds the record in a staging buffer (a preallocated bytearray
 that mirrors the file from the *written* mark on): a ``struct.pack_into`` of
 the fixed header, slice assignments of the variable fields, one CRC32C over a
-memoryview (no copy) and a second ``pack_into`` of the CRC. The group's bytes
+memoryview (no copy) and a second ``pack_into`` of the CRC. An ADD_BATCH's
+records already are ADD bodies behind a 4-byte length (see ``bk.protocol``):
+:meth:`Journal.append_wire_run` walks a run of one ledger's next entries in
+the received bytes and appends each with one slice copy of its body and one
+``pack_into`` of its 9-byte prefix, CRC included: the CRC of the (length,
+type) pair, computed once per record size, continued over the received body
+(the same CRC32C as over the staged bytes). It reads the wire head in the
+same loop (the caller
+checks the run's first record; a later one that is truncated or does not
+continue the run ends it). The record format is the same whichever way an
+ADD was appended. The group's bytes
 reach the file with ONE ``pwrite`` when its sync begins (or when the buffer is
 full, or before a read of a record still in it). Records are written with
 ``pwrite`` and not stored through the mapping because of what it does to the
@@ -159,6 +169,7 @@ _QQ = struct.Struct("<qq")
 _STATE_FIELDS = struct.Struct("<qBqi")
 _CRC = struct.Struct("<I")
 _WIRE_HEAD = struct.Struct("<IqqqH")      # an ADD_BATCH record's head: plen, then an ADD body
+_LEN_T = struct.Struct("<IB")             # length, type: what an ADD's CRC covers first
 _LEN = struct.Struct("<I")
 
 MIN_SEGMENT_SIZE = 2 * mmap.PAGESIZE
@@ -732,53 +743,6 @@ class Journal:
         self._unsynced_records += 1
         return self._seqbase | off
 
-    def append_add_run(self, src, recs: list, i: int, positions) -> int:
-        """Append the ADD record of ``recs[i]`` and of each record after it that is
-        the next entry of the same ledger (``recs`` as ``protocol.split_add_batch``
-        locates them in ``src``: ``(ledger, entry, lac, start, end)``, the body
-        being ``src[start:end]``), each position appended to ``positions`` (so
-        that, if one raises, the ones before it are known). Returns the greatest
-        LAC among them. The hot path of a batch: finding the run, appending it
-        and its LAC in one loop, with no object made per entry but its position."""
-        bv = self._bv
-        buf = self._buf
-        pack_prefix = _PREFIX_T.pack_into
-        pack_crc = _CRC.pack_into
-        out = positions.append
-        off = k0 = self._off
-        wbase = self._wbase
-        limit = min(self._size, wbase + len(buf))
-        seqbase = self._seqbase
-        n0 = len(positions)
-        ledger, nxt, maxlac = recs[i][0], recs[i][1], recs[i][2]
-        try:
-            for lid, eid, lac, start, end in recs[i:] if i else recs:
-                if eid != nxt or lid != ledger:
-                    break
-                n = 9 + end - start
-                if off + n > limit:
-                    self._off = off
-                    self._unsynced += off - k0
-                    self._reserve(n)
-                    off = k0 = self._off
-                    bv, buf, wbase, seqbase = self._bv, self._buf, self._wbase, self._seqbase
-                    limit = min(self._size, wbase + len(buf))
-                b = off - wbase
-                e = b + n
-                pack_prefix(buf, b, 0, n - 8, ADD)
-                buf[b + 9:e] = src[start:end]
-                pack_crc(buf, b, crc32c(bv[b + 4:e]))
-                out(seqbase | off)
-                off += n
-                nxt += 1
-                if lac > maxlac:
-                    maxlac = lac
-        finally:
-            self._unsynced_records += len(positions) - n0
-            self._unsynced += off - k0
-            self._off = off
-        return maxlac
-
     def append_wire_run(self, src, off: int, positions) -> tuple[int, int]:
         """Append, straight from an ADD_BATCH's records ``src`` (each ``plen:u32``
         then an ADD body, see ``bk.protocol``), the record at ``off`` and each
@@ -791,11 +755,9 @@ class Journal:
         caller to look at. The hot path of a batch: the records are located,
         checked and appended in this one loop, with no object made per entry
         but its position."""
-        bv = self._bv
         buf = self._buf
         unpack = _WIRE_HEAD.unpack_from
         pack_prefix = _PREFIX_T.pack_into
-        pack_crc = _CRC.pack_into
         out = positions.append
         size = len(src)
         pos = k0 = self._off
@@ -804,6 +766,7 @@ class Journal:
         seqbase = self._seqbase
         n0 = len(positions)
         _, ledger, nxt, maxlac, _ = unpack(src, off)
+        last_n = pre = 0
         try:
             while True:
                 plen, lid, eid, lac, dlen = unpack(src, off)   # struct.error: the end
@@ -816,13 +779,15 @@ class Journal:
                     self._unsynced += pos - k0
                     self._reserve(n)
                     pos = k0 = self._off
-                    bv, buf, wbase, seqbase = self._bv, self._buf, self._wbase, self._seqbase
+                    buf, wbase, seqbase = self._buf, self._wbase, self._seqbase
                     limit = min(self._size, wbase + len(buf))
+                if n != last_n:      # the CRC of (length, type): once per record size
+                    last_n = n
+                    pre = crc32c(_LEN_T.pack(n - 8, ADD))
                 b = pos - wbase
-                e = b + n
-                pack_prefix(buf, b, 0, n - 8, ADD)
-                buf[b + 9:e] = src[off + 4:end]
-                pack_crc(buf, b, crc32c(bv[b + 4:e]))
+                body = src[off + 4:end]
+                buf[b + 9:b + n] = body
+                pack_prefix(buf, b, crc32c(body, pre), n - 8, ADD)   # the CRC continued
                 out(seqbase | pos)
                 pos += n
                 off = end
