@@ -743,11 +743,13 @@ class Journal:
         self._unsynced_records += 1
         return self._seqbase | off
 
-    def append_wire_run(self, src, off: int, positions) -> tuple[int, int]:
+    def append_wire_run(self, src, off: int, ledger: int, entry: int,
+                        positions) -> tuple[int, int]:
         """Append, straight from an ADD_BATCH's records ``src`` (each ``plen:u32``
         then an ADD body, see ``bk.protocol``), the record at ``off`` and each
         record after it that is the next entry of the same ledger and lies
-        wholly within ``src``; each position is appended to ``positions`` (so
+        wholly within ``src`` (the first being ``entry`` of ``ledger``, as the
+        caller read it); each position is appended to ``positions`` (so
         that, if one raises, the ones before it are known). Returns ``(offset
         after the last one appended, greatest LAC among them)``. The caller
         checked the first record (ids, bounds) and checks the count; an entry
@@ -765,7 +767,8 @@ class Journal:
         limit = min(self._size, wbase + len(buf))
         seqbase = self._seqbase
         n0 = len(positions)
-        _, ledger, nxt, maxlac, _ = unpack(src, off)
+        nxt = entry
+        maxlac = -1
         last_n = pre = 0
         try:
             while off < size:        # (a test, not the struct.error at the end: that

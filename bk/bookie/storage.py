@@ -717,7 +717,7 @@ class ShardStorage:
                 pa = t.pos
                 k0 = len(pa)
                 try:
-                    off2, maxlac = journal.append_wire_run(src, off, pa)
+                    off2, maxlac = journal.append_wire_run(src, off, lid, eid, pa)
                     bad = None
                 except (JournalError, OSError) as e:
                     bad = e

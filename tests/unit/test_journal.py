@@ -570,7 +570,7 @@ def test_a_wire_run_writes_the_same_records_as_single_adds(tmp_path):
     pa = [a.append_add(*x) for x in ents]
     src = _wire(ents) + _wire([(5, 0, -1, b"", b"x")])
     pb = []
-    off, lac = b.append_wire_run(memoryview(src), 0, pb)
+    off, lac = b.append_wire_run(memoryview(src), 0, 4, 0, pb)
     assert pb == pa and lac == 10 and off == len(_wire(ents))
     a.sync()
     b.sync()
@@ -583,10 +583,11 @@ def test_a_wire_run_writes_the_same_records_as_single_adds(tmp_path):
         assert b.read_add(p) == x
     # a gap, then a record cut short: each ends the run before it
     more = _wire([(4, 100, 0, b"", b"y"), (4, 102, 0, b"", b"z")])
-    off, _ = b.append_wire_run(memoryview(more), 0, pb)
+    off, _ = b.append_wire_run(memoryview(more), 0, 4, 100, pb)
     assert len(pb) == 101 and off == len(_wire([(4, 100, 0, b"", b"y")]))
     cut = _wire([(4, 102, 0, b"", b"w" * 100)])[:-1]
-    off, _ = b.append_wire_run(memoryview(_wire([(4, 101, 0, b"", b"v")]) + cut), 0, pb)
+    off, _ = b.append_wire_run(memoryview(_wire([(4, 101, 0, b"", b"v")]) + cut), 0, 4, 101,
+                                pb)
     assert len(pb) == 102 and off == len(_wire([(4, 101, 0, b"", b"v")]))
     b.sync()
     b.close()
