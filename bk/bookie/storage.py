@@ -722,6 +722,8 @@ class ShardStorage:
                 except (JournalError, OSError) as e:
                     bad = e
                 k = len(pa) - k0
+                if not k and bad is None:    # cannot be (its first record was checked):
+                    raise ProtocolError(f"ADD_BATCH record {i} was not appended")  # never spin
                 if bad is not None:   # that entry refused; the next ones go one by one
                     log.error("add entry %d of ledger %d failed: %s", eid + k, lid, bad)
                     errors += (lid, eid + k, EBADREQ if isinstance(bad, RecordTooLargeError)
@@ -731,9 +733,6 @@ class ShardStorage:
                     off2 = _skip_records(src, off2, 1)[0]
                 i += k + (bad is not None)
                 off = off2
-                if i > count:
-                    raise ProtocolError(f"ADD_BATCH announces {count} entries but carries "
-                                        f"more")
                 if k:
                     self._wc_entries += k
                     if t.spans is not None:
@@ -755,6 +754,9 @@ class ShardStorage:
                         acked[-1] = last
                     else:
                         acked += (lid, eid, last)
+                if i > count:        # (after the accounting of what went in)
+                    raise ProtocolError(f"ADD_BATCH announces {count} entries but carries "
+                                        f"more")
                 continue
             status = self._add_slow(st, lid, eid, lac, master_key, recovery, src, off + 4, end)
             if status == EOK:

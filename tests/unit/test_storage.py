@@ -1009,11 +1009,14 @@ def test_add_batch_malformed_records(tmp_path, case):
         s.add_batch(recs, count, KEY, False, [], [])
     s.sync()
     last = s._ledgers[5].last
+    assert s.stats()["entries"] == sum(p >= 0 for p in s._wc[5].pos)   # all accounted for
     for e in range(0, last + 1):
         st = s.read_entry(5, e)
         if st[0] == EOK:
             assert st[3] == payload(5, e)
     assert s.read_entry(5, 6)[0] == ENOENTRY   # never the torn or negative record
+    if case == "count-long":                   # all five went in before the count was off
+        assert last == 5 and [s.read_entry(5, e)[0] for e in range(6)] == [EOK] * 6
     s.close()
     s = open_storage(tmp_path)                 # and what went in replays whole
     for e in range(0, last + 1):
