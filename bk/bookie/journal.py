@@ -56,15 +56,14 @@ the fixed header, slice assignments of the variable fields, one CRC32C over a
 memoryview (no copy) and a second ``pack_into`` of the CRC. An ADD_BATCH's
 records already are ADD bodies behind a 4-byte length (see ``bk.protocol``):
 :meth:`Journal.append_wire_run` walks a run of one ledger's next entries in
-the received bytes and appends each with one slice copy of its body and one
-``pack_into`` of its 9-byte prefix, CRC included: the CRC of the (length,
-type) pair, computed once per record size, continued over the received body
-(the same CRC32C as over the staged bytes). It reads the wire head in the
-same loop (the caller
+the received bytes, reading each wire head in the same loop (the caller
 checks the run's first record; a later one that is truncated or does not
-continue the run ends it). The record format is the same whichever way an
-ADD was appended. The group's bytes
-reach the file with ONE ``pwrite`` when its sync begins (or when the buffer is
+continue the run ends it), and appends each with one slice copy of its body
+and one ``pack_into`` of its 9-byte prefix, CRC included: the CRC of the
+(length, type) pair, computed once per record size, continued over the
+received body (the same CRC32C as over the staged bytes). The record format
+is the same whichever way an ADD was appended. The group's bytes reach the
+file with ONE ``pwrite`` when its sync begins (or when the buffer is
 full, or before a read of a record still in it). Records are written with
 ``pwrite`` and not stored through the mapping because of what it does to the
 sync: on ext4 a page dirtied through a shared mapping goes through
@@ -132,6 +131,7 @@ from typing import Iterator, NamedTuple
 from crc32c import crc32c
 
 from bk.errors import BKError
+from bk.protocol import REC_HEAD, unpack_record_head
 
 log = logging.getLogger("bk.journal")
 
@@ -168,7 +168,6 @@ _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
 _STATE_FIELDS = struct.Struct("<qBqi")
 _CRC = struct.Struct("<I")
-_WIRE_HEAD = struct.Struct("<IqqqH")      # an ADD_BATCH record's head: plen, then an ADD body
 _LEN_T = struct.Struct("<IB")             # length, type: what an ADD's CRC covers first
 _LEN = struct.Struct("<I")
 
@@ -758,7 +757,8 @@ class Journal:
         checked and appended in this one loop, with no object made per entry
         but its position."""
         buf = self._buf
-        unpack = _WIRE_HEAD.unpack_from
+        unpack = unpack_record_head          # an ADD_BATCH record: plen, then an ADD body
+        head = REC_HEAD
         pack_prefix = _PREFIX_T.pack_into
         out = positions.append
         size = len(src)
@@ -774,7 +774,7 @@ class Journal:
             while off < size:        # (a test, not the struct.error at the end: that
                 # raise costs as much as some 50 of these tests)
                 plen, lid, eid, lac, dlen = unpack(src, off)   # struct.error: truncated
-                end = off + 30 + dlen + plen                 # 30: the wire head
+                end = off + head + dlen + plen
                 if eid != nxt or lid != ledger or end > size:
                     break
                 n = end - off + 5            # the 9-byte prefix replaces the 4-byte plen
@@ -799,7 +799,7 @@ class Journal:
                 if lac > maxlac:
                     maxlac = lac
         except struct.error:
-            pass                             # fewer than 30 bytes left: the caller's to refuse
+            pass                             # less than a head left: the caller's to refuse
         finally:
             self._unsynced_records += len(positions) - n0
             self._unsynced += pos - k0
