@@ -762,10 +762,10 @@ class Journal:
         pack_prefix = _PREFIX_T.pack_into
         out = positions.append
         size = len(src)
-        pos = k0 = self._off
         wbase = self._wbase
-        limit = min(self._size, wbase + len(buf))
-        seqbase = self._seqbase
+        b = b0 = self._off - wbase           # the next record's index in the buffer
+        blimit = min(self._size, wbase + len(buf)) - wbase
+        base = self._seqbase | wbase         # the position of buf[0]: seq | offset
         n0 = len(positions)
         nxt = entry
         maxlac = -1
@@ -778,22 +778,23 @@ class Journal:
                 if eid != nxt or lid != ledger or end > size:
                     break
                 n = end - off + 5            # the 9-byte prefix replaces the 4-byte plen
-                if pos + n > limit:
-                    self._off = pos
-                    self._unsynced += pos - k0
+                if b + n > blimit:
+                    self._off = wbase + b
+                    self._unsynced += b - b0
+                    b0 = b                   # (accounted, should _reserve raise)
                     self._reserve(n)
-                    pos = k0 = self._off
-                    buf, wbase, seqbase = self._buf, self._wbase, self._seqbase
-                    limit = min(self._size, wbase + len(buf))
+                    buf, wbase = self._buf, self._wbase
+                    b = b0 = self._off - wbase
+                    blimit = min(self._size, wbase + len(buf)) - wbase
+                    base = self._seqbase | wbase
                 if n != last_n:      # the CRC of (length, type): once per record size
                     last_n = n
                     pre = crc32c(_LEN_T.pack(n - 8, ADD))
-                b = pos - wbase
                 body = src[off + 4:end]
                 buf[b + 9:b + n] = body
                 pack_prefix(buf, b, crc32c(body, pre), n - 8, ADD)   # the CRC continued
-                out(seqbase | pos)
-                pos += n
+                out(base + b)
+                b += n
                 off = end
                 nxt += 1
                 if lac > maxlac:
@@ -802,8 +803,8 @@ class Journal:
             pass                             # less than a head left: the caller's to refuse
         finally:
             self._unsynced_records += len(positions) - n0
-            self._unsynced += pos - k0
-            self._off = pos
+            self._unsynced += b - b0
+            self._off = wbase + b
         return off, maxlac
 
     def _append_raw(self, st: struct.Struct, args: tuple, tail: bytes = b"") -> int:

@@ -597,3 +597,24 @@ def test_a_wire_run_writes_the_same_records_as_single_adds(tmp_path):
     assert got == [(J.ADD, (4, e, lac)) for e, lac in
                    [(x[1], x[2]) for x in ents] + [(100, 0), (101, 0)]]
     b.close()
+
+
+def test_a_wire_run_cut_by_a_record_too_large_counts_what_went_in(tmp_path):
+    """A record larger than a segment in the middle of a run raises
+    RecordTooLargeError; the records before it are appended, each counted once
+    in the unsynced bytes and records (as single appends count them), and sync."""
+    ents = [(4, e, e - 1, b"d", add_payload(e, 300)) for e in range(5)]
+    ents[3] = (4, 3, 2, b"d", bytes(SEG))
+    a, _ = open_journal(tmp_path / "a")
+    b, _ = open_journal(tmp_path / "b")
+    for x in ents[:3]:
+        a.append_add(*x)
+    pb = []
+    with pytest.raises(J.RecordTooLargeError):
+        b.append_wire_run(memoryview(_wire(ents)), 0, 4, 0, pb)
+    assert len(pb) == 3
+    assert (b.unsynced_bytes, b._unsynced_records) == (a.unsynced_bytes, a._unsynced_records)
+    b.sync()
+    assert [b.read_add(p) for p in pb] == ents[:3]
+    a.close()
+    b.close()
