@@ -78,7 +78,9 @@ received frame with one copy, and a client sends each entry as two buffers
 (its 30-byte head with the digest, made once when the entry is signed, and
 the caller's payload object) in a ``sendmsg`` without joining them. A record
 that runs past the bin, a negative id, a count that does not match, or a count over
-``MAX_BATCH_ENTRIES`` is a protocol error (the connection is closed).
+``MAX_BATCH_ENTRIES`` is a protocol error (the connection is closed). A bookie
+checks each record as it appends it (one pass over the batch), so the entries
+before a malformed record may be in its journal; none of them is acknowledged.
 
 A bookie does not answer ADD_BATCH frame by frame: after the group commit
 that made them durable, it sends each connection ONE group acknowledgement

@@ -53,8 +53,17 @@ offset)`` where replay starts, serialised as ``"seq:offset"``.
 Appending builds the record in a staging buffer (a preallocated bytearray
 that mirrors the file from the *written* mark on): a ``struct.pack_into`` of
 the fixed header, slice assignments of the variable fields, one CRC32C over a
-memoryview (no copy) and a second ``pack_into`` of the CRC. The group's bytes
-reach the file with ONE ``pwrite`` when its sync begins (or when the buffer is
+memoryview (no copy) and a second ``pack_into`` of the CRC. An ADD_BATCH's
+records already are ADD bodies behind a 4-byte length (see ``bk.protocol``):
+:meth:`Journal.append_wire_run` walks a run of one ledger's next entries in
+the received bytes, reading each wire head in the same loop (the caller
+checks the run's first record; a later one that is truncated or does not
+continue the run ends it), and appends each with one slice copy of its body
+and one ``pack_into`` of its 9-byte prefix, CRC included: the CRC of the
+(length, type) pair, computed once per record size, continued over the
+received body (the same CRC32C as over the staged bytes). The record format
+is the same whichever way an ADD was appended. The group's bytes reach the
+file with ONE ``pwrite`` when its sync begins (or when the buffer is
 full, or before a read of a record still in it). Records are written with
 ``pwrite`` and not stored through the mapping because of what it does to the
 sync: on ext4 a page dirtied through a shared mapping goes through
@@ -122,6 +131,7 @@ from typing import Iterator, NamedTuple
 from crc32c import crc32c
 
 from bk.errors import BKError
+from bk.protocol import REC_HEAD, unpack_record_head
 
 log = logging.getLogger("bk.journal")
 
@@ -158,6 +168,7 @@ _Q = struct.Struct("<q")
 _QQ = struct.Struct("<qq")
 _STATE_FIELDS = struct.Struct("<qBqi")
 _CRC = struct.Struct("<I")
+_LEN_T = struct.Struct("<IB")             # length, type: what an ADD's CRC covers first
 _LEN = struct.Struct("<I")
 
 MIN_SEGMENT_SIZE = 2 * mmap.PAGESIZE
@@ -731,52 +742,70 @@ class Journal:
         self._unsynced_records += 1
         return self._seqbase | off
 
-    def append_add_run(self, src, recs: list, i: int, positions) -> int:
-        """Append the ADD record of ``recs[i]`` and of each record after it that is
-        the next entry of the same ledger (``recs`` as ``protocol.split_add_batch``
-        locates them in ``src``: ``(ledger, entry, lac, start, end)``, the body
-        being ``src[start:end]``), each position appended to ``positions`` (so
-        that, if one raises, the ones before it are known). Returns the greatest
-        LAC among them. The hot path of a batch: finding the run, appending it
-        and its LAC in one loop, with no object made per entry but its position."""
-        bv = self._bv
+    def append_wire_run(self, src, off: int, ledger: int, entry: int,
+                        positions) -> tuple[int, int]:
+        """Append, straight from an ADD_BATCH's records ``src`` (each ``plen:u32``
+        then an ADD body, see ``bk.protocol``), the record at ``off`` and each
+        record after it that is the next entry of the same ledger and lies
+        wholly within ``src`` (the first being ``entry`` of ``ledger``, as the
+        caller read it); each position is appended to ``positions`` (so
+        that, if one raises, the ones before it are known). Returns ``(offset
+        after the last one appended, greatest LAC among them)``. The caller
+        checked the first record (ids, bounds) and checks the count; an entry
+        that does not continue the run, or a truncated record, ends it, for the
+        caller to look at. The hot path of a batch: the records are located,
+        checked and appended in this one loop, with no object made per entry
+        but its position."""
         buf = self._buf
+        unpack = unpack_record_head          # an ADD_BATCH record: plen, then an ADD body
+        head = REC_HEAD
         pack_prefix = _PREFIX_T.pack_into
-        pack_crc = _CRC.pack_into
         out = positions.append
-        off = k0 = self._off
+        size = len(src)
         wbase = self._wbase
-        limit = min(self._size, wbase + len(buf))
-        seqbase = self._seqbase
+        b = b0 = self._off - wbase           # the next record's index in the buffer
+        blimit = min(self._size, wbase + len(buf)) - wbase
+        base = self._seqbase | wbase         # the position of buf[0]: seq | offset
         n0 = len(positions)
-        ledger, nxt, maxlac = recs[i][0], recs[i][1], recs[i][2]
+        nxt = entry
+        maxlac = -1
+        last_n = pre = 0
         try:
-            for lid, eid, lac, start, end in recs[i:] if i else recs:
-                if eid != nxt or lid != ledger:
+            while off < size:        # (a test, not the struct.error at the end: that
+                # raise costs as much as some 50 of these tests)
+                plen, lid, eid, lac, dlen = unpack(src, off)   # struct.error: truncated
+                end = off + head + dlen + plen
+                if eid != nxt or lid != ledger or end > size:
                     break
-                n = 9 + end - start
-                if off + n > limit:
-                    self._off = off
-                    self._unsynced += off - k0
+                n = end - off + 5            # the 9-byte prefix replaces the 4-byte plen
+                if b + n > blimit:
+                    self._off = wbase + b
+                    self._unsynced += b - b0
+                    b0 = b                   # (accounted, should _reserve raise)
                     self._reserve(n)
-                    off = k0 = self._off
-                    bv, buf, wbase, seqbase = self._bv, self._buf, self._wbase, self._seqbase
-                    limit = min(self._size, wbase + len(buf))
-                b = off - wbase
-                e = b + n
-                pack_prefix(buf, b, 0, n - 8, ADD)
-                buf[b + 9:e] = src[start:end]
-                pack_crc(buf, b, crc32c(bv[b + 4:e]))
-                out(seqbase | off)
-                off += n
+                    buf, wbase = self._buf, self._wbase
+                    b = b0 = self._off - wbase
+                    blimit = min(self._size, wbase + len(buf)) - wbase
+                    base = self._seqbase | wbase
+                if n != last_n:      # the CRC of (length, type): once per record size
+                    last_n = n
+                    pre = crc32c(_LEN_T.pack(n - 8, ADD))
+                body = src[off + 4:end]
+                buf[b + 9:b + n] = body
+                pack_prefix(buf, b, crc32c(body, pre), n - 8, ADD)   # the CRC continued
+                out(base + b)
+                b += n
+                off = end
                 nxt += 1
                 if lac > maxlac:
                     maxlac = lac
+        except struct.error:
+            pass                             # less than a head left: the caller's to refuse
         finally:
             self._unsynced_records += len(positions) - n0
-            self._unsynced += off - k0
-            self._off = off
-        return maxlac
+            self._unsynced += b - b0
+            self._off = wbase + b
+        return off, maxlac
 
     def _append_raw(self, st: struct.Struct, args: tuple, tail: bytes = b"") -> int:
         n = st.size + len(tail)

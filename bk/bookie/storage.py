@@ -80,6 +80,7 @@ import bisect
 import heapq
 import logging
 import os
+import struct
 import sys
 import time
 from array import array
@@ -93,7 +94,8 @@ from bk.bookie.index import Index
 from bk.bookie.journal import ADD_OVERHEAD, CorruptRecordError, Journal, JournalError, \
     RecordTooLargeError
 from bk.bookie.upgrade import needs_upgrade, upgrade_shard
-from bk.errors import EBADREQ, EFENCED, EIO, ENOENTRY, ENOLEDGER, EOK, EUA
+from bk.errors import EBADREQ, EFENCED, EIO, ENOENTRY, ENOLEDGER, EOK, EUA, ProtocolError
+from bk.protocol import MAX_BATCH_ENTRIES, REC_HEAD, unpack_record_head
 
 log = logging.getLogger("bk.storage")
 
@@ -112,6 +114,18 @@ PREFETCH_MAX_BYTES = 8 << 20        # how far past its answer a READ_RANGE start
 PREFETCH_LEDGERS = 1024             # ledgers whose prefetch position is remembered
 FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
 INDEX_TRIM_SECONDS = 1.0            # how often the index map's resident size is checked
+
+
+def _skip_records(src, off: int, k: int) -> tuple[int, int]:
+    """The offset after the ``k`` ADD_BATCH records from ``off`` (whole, checked
+    by the caller or the journal's run) and the greatest LAC among them."""
+    maxlac = -1
+    for _ in range(k):
+        plen, _lid, _eid, lac, dlen = unpack_record_head(src, off)
+        off += REC_HEAD + dlen + plen
+        if lac > maxlac:
+            maxlac = lac
+    return off, maxlac
 
 
 def flush_rate(nbytes: int, fill_seconds: float) -> float:
@@ -648,60 +662,88 @@ class ShardStorage:
         return self._appended(st, ledger, entry, lac, self._append_add,
                               ledger, entry, lac, digest, payload)
 
-    def add_batch(self, recs: list, records, master_key: bytes, recovery: bool,
+    def add_batch(self, records, count: int, master_key: bytes, recovery: bool,
                   acked: list, errors: list) -> int:
-        """Append the entries of one ADD_BATCH (``recs`` from
-        ``protocol.split_add_batch``; each body is appended from ``records`` as
-        received). Each entry goes into the runs ``acked`` or, with its status,
-        into ``errors`` (see ``protocol.add_ack``), with the same checks and
-        statuses as :meth:`add_entry` entry by entry: a fenced ledger refuses
-        every entry that is not a recovery add. Returns how many failed."""
+        """Append the ``count`` entries of one ADD_BATCH, each body straight from
+        ``records`` as received (see ``bk.protocol``). Each entry goes into the
+        runs ``acked`` or, with its status, into ``errors`` (see
+        ``protocol.add_ack``), with the same checks and statuses as
+        :meth:`add_entry` entry by entry: a fenced ledger refuses every entry
+        that is not a recovery add. Returns how many failed.
+
+        The records are located and checked in the same pass that appends
+        them (no list of them first): ProtocolError for a truncated record, a
+        negative id or a count that does not match, raised when the walk gets
+        there, so the entries before a malformed record may be in the journal
+        (the connection is closed and none of them is acknowledged, as when a
+        client dies before its acknowledgement)."""
+        if type(count) is not int or not 0 < count <= MAX_BATCH_ENTRIES:
+            raise ProtocolError(f"ADD_BATCH with a bad entry count {count!r} "
+                                f"(1..{MAX_BATCH_ENTRIES})")
+        if type(records) is not bytes:
+            raise ProtocolError("ADD_BATCH records are not a bin")
         src = memoryview(records)
         try:
-            return self._add_batch(recs, src, master_key, recovery, acked, errors)
+            return self._add_batch(src, count, master_key, recovery, acked, errors)
         finally:
             src.release()
 
-    def _add_batch(self, recs, src, master_key, recovery, acked, errors) -> int:
+    def _add_batch(self, src, count, master_key, recovery, acked, errors) -> int:
         ledgers = self._ledgers
         wc = self._wc
+        journal = self._journal
+        unpack = unpack_record_head
+        size = len(src)
         failed = 0
-        i = 0
-        n = len(recs)
-        while i < n:
-            lid, eid, lac, start, end = recs[i]
+        i = off = 0
+        while i < count:
+            try:
+                plen, lid, eid, lac, dlen = unpack(src, off)
+            except struct.error:
+                raise ProtocolError(f"ADD_BATCH record {i} is truncated: {size - off} "
+                                    f"bytes left for a {REC_HEAD}-byte head") from None
+            end = off + REC_HEAD + dlen + plen
+            if end > size:
+                raise ProtocolError(f"ADD_BATCH record {i} is truncated: it needs "
+                                    f"{end - off} bytes, {size - off} are left")
+            if lid < 0 or eid < 0:
+                raise ProtocolError(f"ADD_BATCH record {i} has a negative ledger or entry id")
             st = ledgers.get(lid)
             t = wc.get(lid)
             if st is not None and t is not None and st.key == master_key \
                     and (recovery or not st.fenced) and eid - t.base == len(t.pos):
-                # The fast path: a run of this ledger's next entries, appended in one
-                # go, their positions straight into the tail.
+                # The fast path: a run of this ledger's next entries, located and
+                # appended in one go, their positions straight into the tail.
                 pa = t.pos
                 k0 = len(pa)
                 try:
-                    maxlac = self._journal.append_add_run(src, recs, i, pa)
+                    off2, maxlac = journal.append_wire_run(src, off, lid, eid, pa)
                     bad = None
                 except (JournalError, OSError) as e:
                     bad = e
                 k = len(pa) - k0
+                if not k and bad is None:    # cannot be (its first record was checked):
+                    raise ProtocolError(f"ADD_BATCH record {i} was not appended")  # never spin
                 if bad is not None:   # that entry refused; the next ones go one by one
                     log.error("add entry %d of ledger %d failed: %s", eid + k, lid, bad)
                     errors += (lid, eid + k, EBADREQ if isinstance(bad, RecordTooLargeError)
                                else EIO)
                     failed += 1
-                    maxlac = max([r[2] for r in recs[i:i + k]], default=-1)
-                j = i + k + (bad is not None)
+                    off2, maxlac = _skip_records(src, off, k)
+                    off2 = _skip_records(src, off2, 1)[0]
+                i += k + (bad is not None)
+                off = off2
                 if k:
                     self._wc_entries += k
                     if t.spans is not None:
                         p0 = pa[k0]
-                        end = self._journal.position
-                        if (p0 ^ end) >> 32:        # the run rolled to a new segment
-                            r = bisect.bisect_left(pa, end >> 32 << 32, k0)
-                            t.note(eid, p0, self._journal.rolled_at, r - k0)
-                            t.note(eid + r - k0, pa[r], end, k0 + k - r)
+                        jend = journal.position
+                        if (p0 ^ jend) >> 32:        # the run rolled to a new segment
+                            r = bisect.bisect_left(pa, jend >> 32 << 32, k0)
+                            t.note(eid, p0, journal.rolled_at, r - k0)
+                            t.note(eid + r - k0, pa[r], jend, k0 + k - r)
                         else:
-                            t.note(eid, p0, end, k)
+                            t.note(eid, p0, jend, k)
                     if maxlac > st.lac:
                         st.lac = maxlac
                     last = eid + k - 1
@@ -712,9 +754,11 @@ class ShardStorage:
                         acked[-1] = last
                     else:
                         acked += (lid, eid, last)
-                i = j
+                if i > count:        # (after the accounting of what went in)
+                    raise ProtocolError(f"ADD_BATCH announces {count} entries but carries "
+                                        f"more")
                 continue
-            status = self._add_slow(st, lid, eid, lac, master_key, recovery, src, start, end)
+            status = self._add_slow(st, lid, eid, lac, master_key, recovery, src, off + 4, end)
             if status == EOK:
                 if acked and acked[-1] == eid - 1 and acked[-3] == lid:
                     acked[-1] = eid
@@ -724,6 +768,10 @@ class ShardStorage:
                 errors += (lid, eid, status)
                 failed += 1
             i += 1
+            off = end
+        if off != size:
+            raise ProtocolError(f"ADD_BATCH announces {count} entries but carries "
+                                f"{size - off} more bytes")
         return failed
 
     def _add_slow(self, st, ledger, entry, lac, master_key, recovery, src, start, end) -> int:

@@ -19,8 +19,10 @@ while a sync runs form the next group, so groups grow with the load without
 a timer adding latency at low load.
 
 Batched adds (``ADD_BATCH``, see ``bk.protocol``): every entry of a batch is
-checked and appended at once, straight from the received frame (the records
-are journal-shaped, one copy each into the journal's staging buffer), with
+checked and appended at once, straight from the received frame, in ONE pass
+over its records (``ShardStorage.add_batch``, ``Journal.append_wire_run``:
+located, checked and copied into the journal's staging buffer in the same
+loop, the records being journal-shaped; no list of them first), with
 the same per-entry rules as a single ADD (a fenced ledger refuses each entry
 that is not a recovery add, EFENCED). Their answers are not frames per entry:
 each connection has at most one *group acknowledgement* per group, held like
@@ -1231,10 +1233,9 @@ class ShardWorker:
         _, rid, mk, flags, count, records = msg
         if type(mk) is not bytes or type(flags) is not int or type(rid) is not int:
             raise ProtocolError("ADD_BATCH with a non-bytes master key or bad flags")
-        recs = P.split_add_batch(records, count)
         if self.readonly:
             errors = []
-            for lid, eid, _lac, _s, _e in recs:
+            for lid, eid, _lac, _s, _e in P.split_add_batch(records, count):
                 errors += (lid, eid, EREADONLY)
                 self.m.add_error("EREADONLY", True)
             self._send(conn, _frame(P.add_ack(rid, [], errors)))
@@ -1247,9 +1248,9 @@ class ShardWorker:
             self._hold(conn, ack)
         else:
             ack[0] = rid
-        failed = self.storage.add_batch(recs, records, mk, flags & P.FLAG_RECOVERY,
+        failed = self.storage.add_batch(records, count, mk, flags & P.FLAG_RECOVERY,
                                         ack[1], ack[2])
-        self._held_batched += len(recs)
+        self._held_batched += count
         if failed:
             self._held_failed += failed
             errors = ack[2]

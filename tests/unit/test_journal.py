@@ -550,3 +550,71 @@ def test_a_failed_write_out_poisons_the_journal(tmp_path):
         j.append(J.FENCE, 2)
     j._fd = -1
     j.close()
+
+
+def _wire(ents):
+    from bk import protocol as P
+    return b"".join(P.add_record_head(l, e, a, d, len(p)) + p for l, e, a, d, p in ents)
+
+
+def test_a_wire_run_writes_the_same_records_as_single_adds(tmp_path):
+    """``append_wire_run`` (an ADD_BATCH's run, its CRC continued from the (length,
+    type) CRC over the received body) writes byte for byte the ADD records that
+    ``append_add`` writes, across sizes that change mid-run and a roll; it stops
+    at another ledger, a gap and a truncated record, and returns the greatest
+    LAC; the records replay and read back."""
+    ents = [(4, e, (e * 7) % 11, b"d%d" % e, add_payload(e, 200 + e * 137 % 1500))
+            for e in range(100)]
+    a, _ = open_journal(tmp_path / "a")
+    b, _ = open_journal(tmp_path / "b")
+    pa = [a.append_add(*x) for x in ents]
+    src = _wire(ents) + _wire([(5, 0, -1, b"", b"x")])
+    pb = []
+    off, lac = b.append_wire_run(memoryview(src), 0, 4, 0, pb)
+    assert pb == pa and lac == 10 and off == len(_wire(ents))
+    a.sync()
+    b.sync()
+    assert len(b.segments()) > 1
+    for seq in b.segments():
+        n = b.segment_size_of(seq)
+        assert read_bytes(tmp_path / "a", seq, 0, n)[HEADER_SIZE:] == \
+            read_bytes(tmp_path / "b", seq, 0, n)[HEADER_SIZE:]
+    for p, x in zip(pb, ents):
+        assert b.read_add(p) == x
+    # a gap, then a record cut short: each ends the run before it
+    more = _wire([(4, 100, 0, b"", b"y"), (4, 102, 0, b"", b"z")])
+    off, _ = b.append_wire_run(memoryview(more), 0, 4, 100, pb)
+    assert len(pb) == 101 and off == len(_wire([(4, 100, 0, b"", b"y")]))
+    cut = _wire([(4, 102, 0, b"", b"w" * 100)])[:-1]
+    off, _ = b.append_wire_run(memoryview(_wire([(4, 101, 0, b"", b"v")]) + cut), 0, 4, 101,
+                                pb)
+    assert len(pb) == 102 and off == len(_wire([(4, 101, 0, b"", b"v")]))
+    b.sync()
+    b.close()
+    a.close()
+    b, recs = open_journal(tmp_path / "b")
+    got = [(r[2], r[3][:3]) for r in recs]
+    assert got == [(J.ADD, (4, e, lac)) for e, lac in
+                   [(x[1], x[2]) for x in ents] + [(100, 0), (101, 0)]]
+    b.close()
+
+
+def test_a_wire_run_cut_by_a_record_too_large_counts_what_went_in(tmp_path):
+    """A record larger than a segment in the middle of a run raises
+    RecordTooLargeError; the records before it are appended, each counted once
+    in the unsynced bytes and records (as single appends count them), and sync."""
+    ents = [(4, e, e - 1, b"d", add_payload(e, 300)) for e in range(5)]
+    ents[3] = (4, 3, 2, b"d", bytes(SEG))
+    a, _ = open_journal(tmp_path / "a")
+    b, _ = open_journal(tmp_path / "b")
+    for x in ents[:3]:
+        a.append_add(*x)
+    pb = []
+    with pytest.raises(J.RecordTooLargeError):
+        b.append_wire_run(memoryview(_wire(ents)), 0, 4, 0, pb)
+    assert len(pb) == 3
+    assert (b.unsynced_bytes, b._unsynced_records) == (a.unsynced_bytes, a._unsynced_records)
+    b.sync()
+    assert [b.read_add(p) for p in pb] == ents[:3]
+    a.close()
+    b.close()

@@ -894,8 +894,7 @@ def _batch(s, ents, key=KEY, recovery=False):
     from bk import protocol as P
     recs = b"".join(P.add_record_head(l, e, a, d, len(p)) + p for l, e, a, d, p in ents)
     acked, errors = [], []
-    failed = s.add_batch(P.split_add_batch(recs, len(ents)), recs, key, recovery, acked,
-                         errors)
+    failed = s.add_batch(recs, len(ents), key, recovery, acked, errors)
     assert failed == len(errors) // 3
     return acked, errors
 
@@ -966,6 +965,99 @@ def test_add_batch_refuses_only_the_entry_too_large_for_a_segment(tmp_path):
     s.close()
     s = open_storage(tmp_path)
     assert [s.read_entry(9, e)[0] for e in range(6)] == [EOK, EOK, EOK, ENOENTRY, EOK, EOK]
+    s.close()
+
+
+def _records(ents):
+    from bk import protocol as P
+    return b"".join(P.add_record_head(l, e, a, d, len(p)) + p for l, e, a, d, p in ents)
+
+
+@pytest.mark.parametrize("case", ["truncated-last", "truncated-head", "count-short",
+                                  "count-long", "negative-entry", "negative-ledger",
+                                  "gap-then-truncated"])
+def test_add_batch_malformed_records(tmp_path, case):
+    """The one-pass walk refuses what ``protocol.split_add_batch`` refuses
+    (ProtocolError), wherever in the batch and whether the record is in a run
+    of the fast path or not; the entries before it are whole in the journal
+    (the connection is closed, none acknowledged) and nothing after it is."""
+    from bk.errors import ProtocolError
+    s = open_storage(tmp_path)
+    ents = [(5, e, e - 1, digest(5, e), payload(5, e)) for e in range(8)]
+    _batch(s, ents[:1])                        # ledger 5 known: the next ones are a run
+    good = ents[1:6]
+    recs, count = _records(good), len(good)
+    if case == "truncated-last":
+        recs = recs[:-10]
+    elif case == "truncated-head":
+        recs = recs + _records(ents[6:7])[:20]
+        count += 1
+    elif case == "count-short":
+        count += 1
+    elif case == "count-long":
+        count -= 2                             # carries two more whole records
+    elif case == "negative-entry":
+        recs += _records([(5, -1, 0, b"d", b"x")])
+        count += 1
+    elif case == "negative-ledger":
+        recs += _records([(-5, 6, 0, b"d", b"x")])
+        count += 1
+    elif case == "gap-then-truncated":         # a gap (the slow path), then a torn one
+        recs = _records(good[:2] + [ents[7]]) + _records(ents[6:7])[:-1]
+        count = 4
+    with pytest.raises(ProtocolError):
+        s.add_batch(recs, count, KEY, False, [], [])
+    s.sync()
+    last = s._ledgers[5].last
+    assert s.stats()["entries"] == sum(p >= 0 for p in s._wc[5].pos)   # all accounted for
+    for e in range(0, last + 1):
+        st = s.read_entry(5, e)
+        if st[0] == EOK:
+            assert st[3] == payload(5, e)
+    assert s.read_entry(5, 6)[0] == ENOENTRY   # never the torn or negative record
+    if case == "count-long":                   # all five went in before the count was off
+        assert last == 5 and [s.read_entry(5, e)[0] for e in range(6)] == [EOK] * 6
+    s.close()
+    s = open_storage(tmp_path)                 # and what went in replays whole
+    for e in range(0, last + 1):
+        st = s.read_entry(5, e)
+        assert st[0] in (EOK, ENOENTRY) and (st[0] != EOK or st[3] == payload(5, e))
+    s.close()
+
+
+def test_add_batch_runs_across_ledgers_rolls_and_gaps(tmp_path):
+    """Runs of the one-pass walk broken every way (another ledger, a gap, a
+    rewrite, a new ledger, a segment roll): every entry acknowledged in order,
+    each readable with its payload, also after a restart."""
+    s = open_storage(tmp_path, sync_data=False)
+    for lid in (1, 2):
+        _batch(s, [(lid, 0, -1, digest(lid, 0), payload(lid, 0))])
+    ents = []
+    for e in range(1, 120):
+        ents.append((1, e, e - 1, digest(1, e), payload(1, e, 300 + e * 7 % 900)))
+        if e % 3 == 0:
+            ents.append((2, e // 3, e // 3 - 1, digest(2, e // 3), payload(2, e // 3)))
+    ents.insert(50, (3, 0, -1, digest(3, 0), payload(3, 0)))        # a new ledger
+    ents.insert(70, (1, 200, 0, digest(1, 200), payload(1, 200)))   # a gap
+    ents.insert(90, (1, 5, 4, digest(1, 5), payload(1, 5)))         # a rewrite
+    acked, errors = [], []
+    for k in range(0, len(ents), 37):
+        a, err = _batch(s, ents[k:k + 37])
+        acked += a
+        errors += err
+    assert errors == []
+    got = set()
+    for i in range(0, len(acked), 3):
+        got |= {(acked[i], e) for e in range(acked[i + 1], acked[i + 2] + 1)}
+    assert got == {(l, e) for l, e, *_ in ents}
+    assert len(s._journal.segments()) > 1
+    want = {(l, e): p for l, e, _lac, _d, p in ents}     # a rewrite: the last one read
+    for _ in range(2):
+        for (l, e), p in want.items():
+            st = s.read_entry(l, e)
+            assert st[0] == EOK and st[3] == p, (l, e)
+        s.close()
+        s = open_storage(tmp_path, sync_data=False)
     s.close()
 
 

@@ -14,7 +14,7 @@ from bk.bookie import journal as J
 from bk.bookie.storage import ShardStorage
 from bk.bookie.worker import _READABLE, _WRITABLE, _Poller
 from bk.errors import EBADREQ, EFENCED, ENOLEDGER, EOK, EUA
-from bk.protocol import encode_add_batch, split_add_batch
+from bk.protocol import encode_add_batch
 
 KEY = b"k" * 20
 
@@ -30,7 +30,7 @@ def lone_batch(s, ledger, entry, payload, key=KEY, lac=-1):
     frame = encode_add_batch(1, key, 0, [(ledger, entry, lac, b"digest", payload)])
     records = frame[-(len(frame) - frame.index(b"\xc6") - 5):]
     acked, errors = [], []
-    failed = s.add_batch(split_add_batch(records, 1), records, key, False, acked, errors)
+    failed = s.add_batch(records, 1, key, False, acked, errors)
     return (errors[2] if failed else EOK), acked, errors
 
 
