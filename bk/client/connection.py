@@ -87,6 +87,7 @@ import errno
 import heapq
 import itertools
 import logging
+import operator
 import os
 import selectors
 import socket
@@ -127,20 +128,30 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def record_segments(ops, limit):
-    """The ADD_BATCH records of ``ops`` as ``[(count, nbytes, records)]``, each
-    ``records`` one bytes object of at most BATCH_ENTRIES records and ``limit``
-    bytes (one frame's worth). Made once per drain for a whole write quorum: each
-    bookie's connection then sends a frame head and these bytes, instead of two
-    buffers per entry, encoded once per bookie."""
-    segments = []
+_head_data = operator.attrgetter("head", "data")
+_wlen = operator.attrgetter("wlen")
+_entry_id = operator.attrgetter("entry_id")
+_chain = itertools.chain.from_iterable
+
+
+def _record_bufs(ops, limit):
+    """``ops`` cut into frames' worth: ``[(count, nbytes, buffers)]``, each of at
+    most BATCH_ENTRIES records and ``limit`` bytes (an op larger than ``limit``
+    alone). A drain that fits one frame (the usual case) is measured and
+    gathered by C iterators, with no Python step per op."""
+    if not ops:
+        return []
+    total = sum(map(_wlen, ops))
+    if total <= limit and len(ops) <= BATCH_ENTRIES:
+        return [(len(ops), total, _chain(map(_head_data, ops)))]
+    out = []
     bufs = []
     add = bufs.append
     count = nbytes = 0
     for op in ops:
         w = op.wlen
         if count and (count >= BATCH_ENTRIES or nbytes + w > limit):
-            segments.append((count, nbytes, b"".join(bufs)))
+            out.append((count, nbytes, bufs))
             bufs = []
             add = bufs.append
             count = nbytes = 0
@@ -148,9 +159,27 @@ def record_segments(ops, limit):
         add(op.data)
         count += 1
         nbytes += w
-    if count:
-        segments.append((count, nbytes, b"".join(bufs)))
-    return segments
+    out.append((count, nbytes, bufs))
+    return out
+
+
+def record_segments(ops, limit):
+    """The ADD_BATCH records of ``ops`` as ``[(count, nbytes, records)]``, each
+    ``records`` one bytes object of at most BATCH_ENTRIES records and ``limit``
+    bytes (one frame's worth), for a connection to put its own frame head on."""
+    return [(count, nbytes, b"".join(bufs)) for count, nbytes, bufs in _record_bufs(ops, limit)]
+
+
+def record_frames(ops, limit, key, rids):
+    """``ops`` (of one master key and flags: ``key``) as whole ADD_BATCH frames,
+    each one bytes object (head and records joined once). Made once per drain
+    for a whole write quorum: request ids come from the loop's one counter
+    (``rids``), so every bookie's connection can send the very same frame, and
+    a TLS connection encrypts it as it is (no join of its own)."""
+    mk, flags = key
+    head = protocol.add_batch_head
+    return [b"".join(itertools.chain((head(next(rids), mk, flags, count, nbytes),), bufs))
+            for count, nbytes, bufs in _record_bufs(ops, limit)]
 
 
 class Call:
@@ -215,7 +244,7 @@ class DeadConnection:
         exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
         self.loop.call_soon(req.on_error, self, exc)
 
-    def send_adds(self, ops, segments=None):
+    def send_adds(self, ops, frames=None):
         exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
         for op in ops:
             self.loop.call_soon(op.on_error, self, exc)
@@ -250,7 +279,7 @@ class Connection:
         self.out = []
         self.wq = []             # buffers the socket has not taken yet
         self.adds = {}           # ledger -> {entry: op, or a list of ops (two handles)}
-        self.addq = []           # (ops, segments or None) to send at the next write
+        self.addq = []           # (ops, frames or None) to send at the next write
         self.features = 0        # what the bookie announced at HELLO
         self.waiting = []        # send_featured requests until HELLO tells the features
         self.fb = None
@@ -284,26 +313,29 @@ class Connection:
             else:
                 self._connect()
 
-    def send_adds(self, ops, segments=None):
+    def send_adds(self, ops, frames=None):
         """Send the adds ``ops`` (PendingAdd objects of one handle); each op's
         ``on_reply(conn, msg)`` / ``on_error(conn, exc)`` gets its outcome here.
-        ``segments``: the same ops already encoded by :func:`record_segments`
-        (made once for a whole write quorum), sent as they are to a bookie that
-        takes batches."""
+        ``frames``: the same ops already encoded by :func:`record_frames` (made
+        once for a whole write quorum), sent as they are to a bookie that takes
+        batches."""
         lid = ops[0].handle._lid
         d = self.adds.get(lid)
         if d is None:
             d = self.adds[lid] = {}
-        setdefault = d.setdefault
-        for op in ops:
-            prev = setdefault(op.entry_id, op)
-            if prev is not op:          # the same entry of another handle (a recovery)
-                if prev.__class__ is list:
-                    if op not in prev:
-                        prev.append(op)
-                else:
-                    d[op.entry_id] = [prev, op]
-        self.addq.append((ops, segments))
+        if not d or d.keys().isdisjoint(map(_entry_id, ops)):
+            d.update(zip(map(_entry_id, ops), ops))     # the usual case: no Python step per op
+        else:
+            setdefault = d.setdefault
+            for op in ops:
+                prev = setdefault(op.entry_id, op)
+                if prev is not op:          # the same entry of another handle (a recovery)
+                    if prev.__class__ is list:
+                        if op not in prev:
+                            prev.append(op)
+                    else:
+                        d[op.entry_id] = [prev, op]
+        self.addq.append((ops, frames))
         if self.state == READY:
             if not self.dirty:
                 self.dirty = True
@@ -339,7 +371,7 @@ class Connection:
         rather than held until TCP gives up, many minutes later."""
         self.adds.pop(lid, None)
         if self.addq:
-            self.addq = [(ops, seg) for ops, seg in self.addq if ops[0].handle._lid != lid]
+            self.addq = [(ops, fr) for ops, fr in self.addq if ops[0].handle._lid != lid]
         if self.sock is not None and (self.wq or self.tls is not None and self.tls.backlog) \
                 and not self.adds and not self.inflight:
             self._fail(BookieUnavailableError(
@@ -719,9 +751,9 @@ class Connection:
                 for op in ops:
                     q.append(op.single_frame())
             return
-        by_key = {}                     # (master key, flags) -> ops without segments
-        for ops, segments in chunks:
-            if segments is None:
+        by_key = {}                     # (master key, flags) -> ops without frames
+        for ops, frames in chunks:
+            if frames is None:
                 key = ops[0].handle._bkey
                 same = by_key.get(key)
                 if same is None:
@@ -732,21 +764,14 @@ class Connection:
             if by_key:                  # what was queued before goes first
                 self._emit_plain(by_key, q)
                 by_key = {}
-            self._emit(ops[0].handle._bkey, segments, q)
+            q += frames
         if by_key:
             self._emit_plain(by_key, q)
 
     def _emit_plain(self, by_key, q):
+        loop = self.loop
         for key, ops in by_key.items():
-            self._emit(key, record_segments(ops, self.loop.batch_bytes), q)
-
-    def _emit(self, key, segments, q):
-        mk, flags = key
-        rids = self.loop.rids
-        head = protocol.add_batch_head
-        for count, nbytes, records in segments:
-            q.append(head(next(rids), mk, flags, count, nbytes))
-            q.append(records)
+            q += record_frames(ops, loop.batch_bytes, key, loop.rids)
 
     # --- failure ------------------------------------------------------------------
     def _fail(self, exc, fast=False):
