@@ -15,7 +15,7 @@ submitter signs), and which from then on owns every piece of mutable write
 state: the ``_pending`` deque, the acknowledgements, the LAC, the ensemble.
 It hands each bookie of the ensemble, with one ``send_adds`` per drain, the
 ops whose write set (the Qw bookies starting at slot ``entry % E``) it is in
-(with E == Qw, with their records already encoded once for all of them); the
+(with E == Qw, with whole ADD_BATCH frames encoded once for all of them); the
 connection batches them (``bk.client.connection``) and a group
 acknowledgement confirms many at once, each confirmation setting the slot's
 bit in the op (no per-entry sets); the handle then advances once. The head of ``_pending`` is
