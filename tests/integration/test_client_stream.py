@@ -66,8 +66,10 @@ class _Stream:
 @pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "tls"])
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_async_stream_survives_a_bookie_lost(cluster_factory, how, secure):
-    cluster = cluster_factory(4, num_shards=1, secure=secure)
-    with cluster.client(timeout=5, addEntryTimeoutSec=2, **cluster.client_settings()) as client:
+    # five bookies: a busy machine may make a second one miss addEntryTimeoutSec
+    # (it is then replaced too, which must not leave the writer without bookies)
+    cluster = cluster_factory(5, num_shards=1, secure=secure)
+    with cluster.client(timeout=5, addEntryTimeoutSec=3, **cluster.client_settings()) as client:
         lh = client.create_ledger(3, 3, 2, password=PW)
         s = _Stream(lh)
         try:
