@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 :class:`IOLoop` owns a ``selectors`` loop over every bookie connection of one
 :class:`bk.BookKeeper`. Other threads never touch a socket: they hand work to
-the loop with :meth:`IOLoop.call_soon` (a deque plus a wake-up socketpair that
-is only written when the loop is asleep) and the loop runs it. Everything that
+the loop with :meth:`IOLoop.call_soon` (a deque plus a wake-up eventfd that is
+only written when the loop is asleep) and the loop runs it. Everything that
 reacts to replies (acknowledging adds, retrying reads on the next replica,
 starting ensemble changes) therefore runs on this one thread and needs no
 locks.
@@ -27,12 +27,16 @@ on it since its last write are coalesced: to a bookie that announced
 frames of up to ``BATCH_BYTES`` / ``BATCH_ENTRIES``, grouped by master key;
 otherwise as one single ADD frame per entry. Each entry is two buffers made
 once when it was signed (its record head and the caller's payload), joined
-into one bytes object per frame's worth by :func:`record_segments`. When every
-bookie of the ensemble gets every entry (E == Qw), the handle does that once
-per drain and every connection sends its own frame head plus the same bytes:
-the per-entry encoding work is done once per write quorum, not once per
-bookie, and the kernel gets one buffer per frame instead of two per entry.
-Otherwise (striped write sets, resends) each connection joins its own. The
+with the frame's head into one bytes object per frame by
+:func:`record_frames`. When every bookie of the ensemble gets every entry
+(E == Qw), the handle does that once per drain and every connection sends
+the very same frames: request ids come from the loop's one counter, so one
+frame may carry the same id to three bookies (acknowledgements of adds are
+matched by ledger and entry, not by id). The encoding is done once per write
+quorum, not once per bookie, the kernel gets one buffer per frame, and a TLS
+connection encrypts the frame as it is (with a head of its own it joined head
+and records again, a copy of every entry per bookie). Otherwise (striped
+write sets, resends) each connection builds its own. The
 bookie answers a group commit with one group acknowledgement per connection
 (runs of entries, plus per-entry errors), which the loop applies entry by
 entry (a slot bit per op, no sets) and then advances each handle it touched
@@ -127,21 +131,21 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def record_segments(ops, limit):
-    """The ADD_BATCH records of ``ops`` as ``[(count, nbytes, records)]``, each
-    ``records`` one bytes object of at most BATCH_ENTRIES records and ``limit``
-    bytes (one frame's worth). Made once per drain for a whole write quorum: each
-    bookie's connection then sends a frame head and these bytes, instead of two
-    buffers per entry, encoded once per bookie."""
-    segments = []
-    bufs = []
+def _record_bufs(ops, limit):
+    """``ops`` cut into frames' worth: ``[(count, nbytes, buffers)]``, each of at
+    most BATCH_ENTRIES records and ``limit`` bytes (an op larger than ``limit``
+    alone); ``buffers[0]`` is left free for the frame's head. A plain loop: on
+    3.11 it costs less per op than gathering the same buffers with
+    map/attrgetter/chain (150 against 215-250 ns per op, measured)."""
+    out = []
+    bufs = [None]
     add = bufs.append
     count = nbytes = 0
     for op in ops:
         w = op.wlen
         if count and (count >= BATCH_ENTRIES or nbytes + w > limit):
-            segments.append((count, nbytes, b"".join(bufs)))
-            bufs = []
+            out.append((count, nbytes, bufs))
+            bufs = [None]
             add = bufs.append
             count = nbytes = 0
         add(op.head)
@@ -149,8 +153,70 @@ def record_segments(ops, limit):
         count += 1
         nbytes += w
     if count:
-        segments.append((count, nbytes, b"".join(bufs)))
-    return segments
+        out.append((count, nbytes, bufs))
+    return out
+
+
+def record_frames(ops, limit, key, rids):
+    """``ops`` (of one master key and flags: ``key``) as whole ADD_BATCH frames,
+    each one bytes object (head and records joined once). Made once per drain
+    for a whole write quorum: request ids come from the loop's one counter
+    (``rids``), so every bookie's connection can send the very same frame, and
+    a TLS connection encrypts it as it is (no join of its own)."""
+    mk, flags = key
+    head = protocol.add_batch_head
+    frames = []
+    for count, nbytes, bufs in _record_bufs(ops, limit):
+        bufs[0] = head(next(rids), mk, flags, count, nbytes)
+        frames.append(b"".join(bufs))
+    return frames
+
+
+class _Waker:
+    """How other threads wake the I/O loop out of ``select``: an eventfd, written
+    once and read once per wake-up (0.7-0.8 us of CPU the pair, measured), or a
+    socketpair where there is no eventfd (2.0-2.3 us: a send and a recv). A
+    blocking add wakes the loop once per entry, a burst of adds once."""
+
+    __slots__ = ("fd", "_r", "_w")
+
+    def __init__(self):
+        if hasattr(os, "eventfd"):
+            self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._r = self._w = None
+        else:
+            self._r, self._w = socket.socketpair()
+            self._r.setblocking(False)
+            self._w.setblocking(False)
+            self.fd = self._r.fileno()
+
+    def wake(self):
+        try:
+            if self._w is None:
+                if self.fd >= 0:        # closed: never a number another file took since
+                    os.eventfd_write(self.fd, 1)
+            else:
+                self._w.send(b"\0")
+        except OSError:          # full (the loop is awake anyway) or closed
+            pass
+
+    def drain(self):
+        try:
+            if self._r is None:
+                os.eventfd_read(self.fd)
+            else:
+                self._r.recv(4096)
+        except OSError:
+            pass
+
+    def close(self):
+        if self._r is None:
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                os.close(fd)
+        else:
+            self._r.close()
+            self._w.close()
 
 
 class Call:
@@ -215,7 +281,7 @@ class DeadConnection:
         exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
         self.loop.call_soon(req.on_error, self, exc)
 
-    def send_adds(self, ops, segments=None):
+    def send_adds(self, ops, frames=None):
         exc = BookieUnavailableError(f"bookie {self.bookie_id} is unavailable: {self.reason}")
         for op in ops:
             self.loop.call_soon(op.on_error, self, exc)
@@ -250,7 +316,7 @@ class Connection:
         self.out = []
         self.wq = []             # buffers the socket has not taken yet
         self.adds = {}           # ledger -> {entry: op, or a list of ops (two handles)}
-        self.addq = []           # (ops, segments or None) to send at the next write
+        self.addq = []           # (ops, frames or None) to send at the next write
         self.features = 0        # what the bookie announced at HELLO
         self.waiting = []        # send_featured requests until HELLO tells the features
         self.fb = None
@@ -284,16 +350,17 @@ class Connection:
             else:
                 self._connect()
 
-    def send_adds(self, ops, segments=None):
+    def send_adds(self, ops, frames=None):
         """Send the adds ``ops`` (PendingAdd objects of one handle); each op's
         ``on_reply(conn, msg)`` / ``on_error(conn, exc)`` gets its outcome here.
-        ``segments``: the same ops already encoded by :func:`record_segments`
-        (made once for a whole write quorum), sent as they are to a bookie that
-        takes batches."""
+        ``frames``: the same ops already encoded by :func:`record_frames` (made
+        once for a whole write quorum), sent as they are to a bookie that takes
+        batches."""
         lid = ops[0].handle._lid
         d = self.adds.get(lid)
         if d is None:
             d = self.adds[lid] = {}
+        # (a loop: on 3.11 it costs less than d.update(zip(map(...))), measured)
         setdefault = d.setdefault
         for op in ops:
             prev = setdefault(op.entry_id, op)
@@ -303,7 +370,7 @@ class Connection:
                         prev.append(op)
                 else:
                     d[op.entry_id] = [prev, op]
-        self.addq.append((ops, segments))
+        self.addq.append((ops, frames))
         if self.state == READY:
             if not self.dirty:
                 self.dirty = True
@@ -339,7 +406,7 @@ class Connection:
         rather than held until TCP gives up, many minutes later."""
         self.adds.pop(lid, None)
         if self.addq:
-            self.addq = [(ops, seg) for ops, seg in self.addq if ops[0].handle._lid != lid]
+            self.addq = [(ops, fr) for ops, fr in self.addq if ops[0].handle._lid != lid]
         if self.sock is not None and (self.wq or self.tls is not None and self.tls.backlog) \
                 and not self.adds and not self.inflight:
             self._fail(BookieUnavailableError(
@@ -711,7 +778,7 @@ class Connection:
     def _encode_adds(self, q):
         """Turn the queued adds into ADD_BATCH frames (or single ADDs for a bookie
         without the feature) appended to the write queue ``q``, in the order they
-        were queued. Adds queued without segments (resends, striped write sets)
+        were queued. Adds queued without frames (resends, striped write sets)
         are encoded here, grouped by master key."""
         chunks, self.addq = self.addq, []
         if not self.features & protocol.FEATURE_ADD_BATCH:
@@ -719,9 +786,9 @@ class Connection:
                 for op in ops:
                     q.append(op.single_frame())
             return
-        by_key = {}                     # (master key, flags) -> ops without segments
-        for ops, segments in chunks:
-            if segments is None:
+        by_key = {}                     # (master key, flags) -> ops without frames
+        for ops, frames in chunks:
+            if frames is None:
                 key = ops[0].handle._bkey
                 same = by_key.get(key)
                 if same is None:
@@ -732,21 +799,14 @@ class Connection:
             if by_key:                  # what was queued before goes first
                 self._emit_plain(by_key, q)
                 by_key = {}
-            self._emit(ops[0].handle._bkey, segments, q)
+            q += frames
         if by_key:
             self._emit_plain(by_key, q)
 
     def _emit_plain(self, by_key, q):
+        loop = self.loop
         for key, ops in by_key.items():
-            self._emit(key, record_segments(ops, self.loop.batch_bytes), q)
-
-    def _emit(self, key, segments, q):
-        mk, flags = key
-        rids = self.loop.rids
-        head = protocol.add_batch_head
-        for count, nbytes, records in segments:
-            q.append(head(next(rids), mk, flags, count, nbytes))
-            q.append(records)
+            q += record_frames(ops, loop.batch_bytes, key, loop.rids)
 
     # --- failure ------------------------------------------------------------------
     def _fail(self, exc, fast=False):
@@ -830,10 +890,8 @@ class IOLoop:
 
     def _init_state(self):
         self.sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self.sel.register(self._wake_r, _EV_R, None)
+        self._waker = _Waker()
+        self.sel.register(self._waker.fd, _EV_R, None)
         self._submit = collections.deque()
         self.scratch = None      # what TLS connections read before decrypting (made once)
         self._sleeping = False
@@ -868,8 +926,7 @@ class IOLoop:
                 return
             for conn in self._conns.values():
                 conn._abandon()
-            for s in (self._wake_r, self._wake_w):
-                s.close()
+            self._waker.close()
             try:
                 self.sel.close()
             except OSError:
@@ -927,10 +984,7 @@ class IOLoop:
 
     # --- I/O thread ------------------------------------------------------------
     def _wake(self):
-        try:
-            self._wake_w.send(b"\0")
-        except (BlockingIOError, OSError):
-            pass
+        self._waker.wake()
 
     def _add_timer(self, when, fn, args):
         heapq.heappush(self._timers, (when, next(self._timer_seq), fn, args))
@@ -989,7 +1043,7 @@ class IOLoop:
         sched.request_slice(self.slice_us)          # this thread only; 0: nothing
         sel = self.sel
         submit = self._submit
-        wake_r = self._wake_r
+        waker = self._waker
         next_tick = 0.0
         try:
             while not self._stopping:
@@ -1009,10 +1063,7 @@ class IOLoop:
                 for key, mask in events:
                     conn = key.data
                     if conn is None:
-                        try:
-                            wake_r.recv(4096)
-                        except (BlockingIOError, OSError):
-                            pass
+                        waker.drain()
                         continue
                     if mask & _EV_R and conn.sock is not None:
                         if conn.state == CONNECTING:
@@ -1053,8 +1104,7 @@ class IOLoop:
             except Exception:
                 pass
             if self._stopping:
-                for sock in (self._wake_r, self._wake_w):
-                    sock.close()
+                self._waker.close()
 
     def _run_timers(self, now):
         timers = self._timers

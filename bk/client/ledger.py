@@ -15,7 +15,7 @@ submitter signs), and which from then on owns every piece of mutable write
 state: the ``_pending`` deque, the acknowledgements, the LAC, the ensemble.
 It hands each bookie of the ensemble, with one ``send_adds`` per drain, the
 ops whose write set (the Qw bookies starting at slot ``entry % E``) it is in
-(with E == Qw, with their records already encoded once for all of them); the
+(with E == Qw, with whole ADD_BATCH frames encoded once for all of them); the
 connection batches them (``bk.client.connection``) and a group
 acknowledgement confirms many at once, each confirmation setting the slot's
 bit in the op (no per-entry sets); the handle then advances once. The head of ``_pending`` is
@@ -81,7 +81,7 @@ import weakref
 
 from bk import protocol
 from bk.client import digest as _digest
-from bk.client.connection import Call, DeadConnection, record_segments
+from bk.client.connection import Call, DeadConnection, record_frames
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataVersionError, NoSuchEntryError,
@@ -110,6 +110,7 @@ _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
 _RANGE_REQUEST_BYTES = 256 * 1024
 _PROBE_ENTRIES = 16            # first window of a read whose entry size is unknown
 _data_of = operator.attrgetter("data")
+_popleft = collections.deque.popleft
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 _REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
 
@@ -1016,8 +1017,8 @@ class LedgerHandle:
         ob = self._outbox
         n = len(ob)
         if n:
-            pop = ob.popleft
-            self._io_send([pop() for _ in range(n)])
+            # n pops by C iterators (this thread alone pops; submitters only append)
+            self._io_send(list(map(_popleft, itertools.repeat(ob, n))))
 
     def _not_on_io_thread(self, what):
         if threading.current_thread() is self._loop._thread:
@@ -1120,12 +1121,14 @@ class LedgerHandle:
         qw = self._qw
         failed = self._failed_slots
         if E == qw:                  # every bookie gets every entry
-            # encoded once for all of them (a bookie without batches ignores it)
-            segments = record_segments(ops, self._loop.batch_bytes) \
-                if self._loop.batching and E > 1 else None
+            # whole frames encoded once for all of them (a bookie without batches
+            # ignores them)
+            loop = self._loop
+            frames = record_frames(ops, loop.batch_bytes, self._bkey, loop.rids) \
+                if loop.batching and E > 1 else None
             for s, conn in enumerate(conns):
                 if not failed or s not in failed:
-                    conn.send_adds(ops, segments)
+                    conn.send_adds(ops, frames)
             return
         for s, conn in enumerate(conns):
             if failed and s in failed:

@@ -58,12 +58,19 @@ class FakeConn:
         self.bookie_id = bid
         self.sent = []          # (rid, op)
 
-    def send_adds(self, ops, segments=None):
-        if segments is not None:
-            # encoded once for the write quorum: the same records, in order
-            assert sum(c for c, _, _ in segments) == len(ops)
-            assert b"".join(r for _, _, r in segments) == b"".join(op.head + op.data for op in ops)
-            assert all(n == len(r) for _, n, r in segments)
+    def send_adds(self, ops, frames=None):
+        if frames is not None:
+            # whole ADD_BATCH frames encoded once for the write quorum: the same
+            # records, in order, under the handle's master key
+            fb = P.FrameBuffer(1 << 30)
+            for f in frames:
+                fb.feed(f)
+            msgs = list(fb.frames())
+            assert len(msgs) == len(frames) and all(m[0] == P.ADD_BATCH for m in msgs)
+            assert {(m[2], m[3]) for m in msgs} == {ops[0].handle._bkey}
+            assert sum(m[4] for m in msgs) == len(ops)
+            assert b"".join(bytes(m[5]) for m in msgs) == \
+                b"".join(op.head + op.data for op in ops)
         for op in ops:
             # what a bookie would get: the single ADD and the batch record agree
             msg = P.decode_body(op.single_frame()[4:])
@@ -319,7 +326,9 @@ def test_read_only_bookie_is_replaced_at_once():
     assert client._io.timers == [] and len(b1.sent) == 1
 
 
-def test_record_segments_split_at_the_frame_limits():
+def test_record_frames_split_at_the_frame_limits():
+    import itertools as it
+
     from bk.client import connection as C
 
     class Op:
@@ -328,17 +337,32 @@ def test_record_segments_split_at_the_frame_limits():
             self.data = bytes([i % 256]) * size
             self.wlen = len(self.head) + len(self.data)
 
+    key = (b"k" * 20, 0)
+
+    def frames(ops, limit):
+        """(count, records) of each frame, decoded back from its bytes."""
+        out = []
+        for f in C.record_frames(ops, limit, key, it.count(1)):
+            fb = P.FrameBuffer(1 << 30)
+            fb.feed(f)
+            (msg,) = list(fb.frames())
+            assert msg[0] == P.ADD_BATCH and msg[2:4] == [key[0], key[1]]
+            out.append((msg[4], bytes(msg[5])))
+        return out
+
     ops = [Op(i, 96) for i in range(25)]            # 100 bytes each
-    segs = C.record_segments(ops, 1000)
-    assert [(c, n) for c, n, _ in segs] == [(10, 1000), (10, 1000), (5, 500)]
-    assert b"".join(r for _, _, r in segs) == b"".join(o.head + o.data for o in ops)
+    got = frames(ops, 1000)
+    assert [(c, len(r)) for c, r in got] == [(10, 1000), (10, 1000), (5, 500)]
+    assert b"".join(r for _, r in got) == b"".join(o.head + o.data for o in ops)
+    # one frame's worth (the path without a Python step per op)
+    assert frames(ops[:10], 1000) == [(10, b"".join(o.head + o.data for o in ops[:10]))]
     # an op larger than the limit still goes, alone in its frame
     big = [Op(0, 10), Op(1, 5000), Op(2, 10)]
-    assert [c for c, _, _ in C.record_segments(big, 1000)] == [1, 1, 1]
+    assert [c for c, _ in frames(big, 1000)] == [1, 1, 1]
     # the entry count bounds a frame too
     many = [Op(i, 0) for i in range(C.BATCH_ENTRIES + 1)]
-    assert [c for c, _, _ in C.record_segments(many, 1 << 30)] == [C.BATCH_ENTRIES, 1]
-    assert C.record_segments([], 1000) == []
+    assert [c for c, _ in frames(many, 1 << 30)] == [C.BATCH_ENTRIES, 1]
+    assert C.record_frames([], 1000, key, it.count(1)) == []
 
 
 def test_group_ack_confirms_the_oldest_send_of_an_entry_first():

@@ -128,3 +128,25 @@ def test_verify_run_leaves_any_odd_answer_to_the_careful_path(dt, bad):
     ok, errs = [], []
     d.verify_flat(flat, ok, errs)                 # which says what is wrong
     assert errs or ok[0::3] != [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dt", ["crc32", "crc32c"])
+@pytest.mark.parametrize("size", [0, 1, 1024, 70_000])
+def test_crc_sign_is_the_checksum_of_its_definition(dt, size):
+    """sign gives the documented field: the length, then the crc of (ledger, entry,
+    lac, length) big-endian followed by the payload (what readers and other
+    clients verify, however sign computes it)."""
+    import struct
+    import zlib
+
+    import crc32c
+    crc = crc32c.crc32c if dt == "crc32c" else zlib.crc32
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    d = D.EntryDigest(7, dt, b"pw")
+    sig = d.sign(5, 4, 99_999, payload)
+    want = crc(struct.pack(">qqqq", 7, 5, 4, 99_999) + payload)
+    assert sig == struct.pack(">qI", 99_999, want)
+    assert d.verify(5, 4, sig, payload) == 99_999
+    if size:
+        with pytest.raises(DigestMismatchError):
+            d.verify(5, 4, sig, payload[:-1] + bytes([payload[-1] ^ 1]))
