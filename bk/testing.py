@@ -278,6 +278,33 @@ class LocalCluster(localcluster.LocalCluster):
         return entries_held(self.store, bookie_id, ledger_id)
 
 
+@contextlib.contextmanager
+def site_hook(directory, source: str, env: dict | None = None):
+    """Inside the block, every Python process started (bookies, their workers)
+    runs ``source`` at start-up, as a ``sitecustomize`` module put first on
+    PYTHONPATH (the kill tests' way of stopping a process at an exact line), with
+    ``env``'s items as environment variables for it to read. After the block
+    PYTHONPATH and those variables are as before: a restarted process runs
+    without the hook."""
+    hook_dir = os.path.join(str(directory), "hook")
+    os.makedirs(hook_dir, exist_ok=True)
+    with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as f:
+        f.write(source)
+    changes = {key: str(value) for key, value in (env or {}).items()}
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    changes["PYTHONPATH"] = os.pathsep.join([hook_dir] + rest)
+    before = {key: os.environ.get(key) for key in changes}
+    os.environ.update(changes)
+    try:
+        yield hook_dir
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def wait_until(pred, timeout: float = 30.0, what: str = "condition", step: float = 0.05):
     """Poll ``pred()`` until it is true: a test waits for a condition with a
     deadline, never a bare sleep. AssertionError naming ``what`` on timeout."""

@@ -13,13 +13,12 @@ and bookie processes; two ledgers interleaved in runs of 8 in each batch."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 from bk import protocol as P
 from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
-from bk.testing import wait_until
+from bk.testing import site_hook, wait_until
 
 from test_group_commit_kill import process_state
 
@@ -107,26 +106,15 @@ def entries_of(b, lid) -> list[int]:
             first = r[4]
 
 
-def test_kill9_when_a_batch_run_rolls_the_journal(cluster_factory, tmp_path, monkeypatch):
-    hook_dir = tmp_path / "hook"
-    hook_dir.mkdir()
-    (hook_dir / "sitecustomize.py").write_text(HOOK)
+def test_kill9_when_a_batch_run_rolls_the_journal(cluster_factory, tmp_path):
     out = tmp_path / "stopped.json"
-    pythonpath = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
-    monkeypatch.setenv("RUN_TEST_STOP_AT", str(STOP_AT))
-    monkeypatch.setenv("RUN_TEST_OUT", str(out))
     # 1 MiB segments (frames up to 512 KiB): a roll every ~20 batches; the raw
     # ledgers have no metadata, so no GC
-    c = cluster_factory(1, num_shards=1, conf_overrides={
-        "journalPreAllocSizeMB": 1, "nettyMaxFrameSizeBytes": 512 * 1024,
-        "gcWaitTime": 3_600_000})
-    monkeypatch.delenv("RUN_TEST_STOP_AT")       # the restart runs without the hook
-    if pythonpath is None:
-        monkeypatch.delenv("PYTHONPATH")
-    else:
-        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    env = {"RUN_TEST_STOP_AT": STOP_AT, "RUN_TEST_OUT": out}
+    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
+        c = cluster_factory(1, num_shards=1, conf_overrides={
+            "journalPreAllocSizeMB": 1, "nettyMaxFrameSizeBytes": 512 * 1024,
+            "gcWaitTime": 3_600_000})
     b = c.bookies[0]
     lids = [(1 << 50) + 31, (1 << 50) + 32]
     stop = threading.Event()

@@ -11,7 +11,6 @@ the path that now overlaps the next sync). Real etcd and bookie processes."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
@@ -21,7 +20,7 @@ from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
 from bk.config import Config
 from bk.security import ClientSecurity, pki
-from bk.testing import wait_until
+from bk.testing import site_hook, wait_until
 
 from test_storage_crash import read_back
 
@@ -100,11 +99,7 @@ def process_state(pid: int) -> str:
 
 
 @pytest.mark.parametrize("mode", ["plaintext", "tls"])
-def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, monkeypatch,
-                                                     mode):
-    hook_dir = tmp_path / "hook"
-    hook_dir.mkdir()
-    (hook_dir / "sitecustomize.py").write_text(HOOK)
+def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, mode):
     out = tmp_path / "stopped.json"
     # the raw ledgers have no metadata: GC must not drop them while the test waits
     conf, security = {"gcWaitTime": 3_600_000}, ClientSecurity()
@@ -114,17 +109,9 @@ def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, 
         conf.update(tlsCertificatePath=crt, tlsKeyStore=key, tlsRequired=False)
         security = ClientSecurity.from_conf(Config.load(env={}, overrides={
             "tlsEnabled": True, "tlsTrustStore": ca.cert_path}))
-    pythonpath = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
-    monkeypatch.setenv("GC_TEST_STOP_AT", str(STOP_AT))
-    monkeypatch.setenv("GC_TEST_OUT", str(out))
-    c = cluster_factory(1, num_shards=1, conf_overrides=conf)
-    monkeypatch.delenv("GC_TEST_STOP_AT")        # the restart runs without the hook
-    if pythonpath is None:
-        monkeypatch.delenv("PYTHONPATH")
-    else:
-        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    env = {"GC_TEST_STOP_AT": STOP_AT, "GC_TEST_OUT": out}
+    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
+        c = cluster_factory(1, num_shards=1, conf_overrides=conf)
     b = c.bookies[0]
     lids = [(1 << 50) + 21 + i for i in range(3)]
     stop = threading.Event()

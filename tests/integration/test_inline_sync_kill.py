@@ -14,7 +14,6 @@ processes."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from bk import protocol as P
 from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
-from bk.testing import wait_until
+from bk.testing import site_hook, wait_until
 
 from test_bookie_add_first import KEY, PAYLOAD, pump
 from test_storage_crash import read_back
@@ -105,23 +104,13 @@ def readable(b, lid) -> bool:
 
 @pytest.mark.parametrize("when,how", [("before", "stop"), ("after", "stop"),
                                       ("before", "kill9"), ("after", "kill9")])
-def test_kill9_during_an_inline_sync(cluster_factory, tmp_path, monkeypatch, when, how):
-    hook_dir = tmp_path / "hook"
-    hook_dir.mkdir()
-    (hook_dir / "sitecustomize.py").write_text(HOOK)
+def test_kill9_during_an_inline_sync(cluster_factory, tmp_path, when, how):
     out = tmp_path / "stopped.json"
-    pythonpath = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
-    for k, v in {"STOP_AT": STOP_AT, "OUT": out, "WHEN": when, "HOW": how}.items():
-        monkeypatch.setenv(f"IS_TEST_{k}", str(v))
     # the raw ledgers have no metadata: GC must not drop them while the test waits
-    c = cluster_factory(1, num_shards=1, conf_overrides={"gcWaitTime": 3_600_000})
-    monkeypatch.delenv("IS_TEST_STOP_AT")        # a restarted bookie runs without the hook
-    if pythonpath is None:
-        monkeypatch.delenv("PYTHONPATH")
-    else:
-        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    env = {"IS_TEST_STOP_AT": STOP_AT, "IS_TEST_OUT": out, "IS_TEST_WHEN": when,
+           "IS_TEST_HOW": how}
+    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
+        c = cluster_factory(1, num_shards=1, conf_overrides={"gcWaitTime": 3_600_000})
     b = c.bookies[0]
     acked: list[list[int]] = [[] for _ in range(THREADS)]
     threads = [threading.Thread(target=pump, args=(b, (1 << 51) + i * 1_000_000, out.exists,

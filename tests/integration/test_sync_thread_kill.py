@@ -18,7 +18,6 @@ stopped group's. Real etcd and bookie processes."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
@@ -27,7 +26,7 @@ from bk import protocol as P
 from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
 from bk.security import ClientSecurity
-from bk.testing import wait_until
+from bk.testing import site_hook, wait_until
 
 from test_group_commit_kill import KEY, PAYLOAD, process_state, pump
 from test_storage_crash import read_back
@@ -128,28 +127,17 @@ def readable(b, lid) -> bool:
 
 @pytest.mark.parametrize("nth,when,how", [(1, "handed", "stop"), (1, "synced", "stop"),
                                           (2, "handed", "stop"), (2, "synced", "kill9")])
-def test_kill9_at_a_segments_first_group_syncs(cluster_factory, tmp_path, monkeypatch, nth,
-                                               when, how):
-    hook_dir = tmp_path / "hook"
-    hook_dir.mkdir()
-    (hook_dir / "sitecustomize.py").write_text(HOOK)
+def test_kill9_at_a_segments_first_group_syncs(cluster_factory, tmp_path, nth, when,
+                                               how):
     out = tmp_path / "stopped.json"
-    pythonpath = os.environ.get("PYTHONPATH")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(hook_dir)] + [p for p in (pythonpath or "").split(os.pathsep) if p]))
-    for k, v in {"STOP_AT": STOP_AT, "OUT": out, "WHEN": when, "HOW": how,
-                 "NTH": nth}.items():
-        monkeypatch.setenv(f"ST_TEST_{k}", str(v))
     # 1 MiB segments (frames of at most 512 KiB fit): a roll every ~1,000 entries.
     # The raw ledgers have no metadata: GC must not drop them while the test waits.
-    c = cluster_factory(1, num_shards=1, conf_overrides={
-        "gcWaitTime": 3_600_000, "journalPreAllocSizeMB": 1,
-        "nettyMaxFrameSizeBytes": 512 << 10})
-    monkeypatch.delenv("ST_TEST_STOP_AT")        # a restarted bookie runs without the hook
-    if pythonpath is None:
-        monkeypatch.delenv("PYTHONPATH")
-    else:
-        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    env = {"ST_TEST_STOP_AT": STOP_AT, "ST_TEST_OUT": out, "ST_TEST_WHEN": when,
+           "ST_TEST_HOW": how, "ST_TEST_NTH": nth}
+    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
+        c = cluster_factory(1, num_shards=1, conf_overrides={
+            "gcWaitTime": 3_600_000, "journalPreAllocSizeMB": 1,
+            "nettyMaxFrameSizeBytes": 512 << 10})
     b = c.bookies[0]
     lids = [(1 << 50) + 31 + i for i in range(3)]
     stop = _Stop(out.exists)
