@@ -13,7 +13,10 @@ outlives the flush mark. The journal knows nothing about ledgers.
 Segments. A journal directory holds segment files named by a monotonically
 increasing sequence number, ``0000000000000001.seg``, ``...0002.seg``. Each is
 preallocated to its full size with ``posix_fallocate`` (so an append never
-hits ENOSPC and never changes file metadata) and starts with a 64-byte header
+hits ENOSPC and never changes the file's size; the filesystem still marks each
+newly written extent as written, metadata that a group's ``fdatasync`` carries:
+measured on ext4 without a journal, ~30 µs of a ~110 µs sync, more where the
+filesystem journals it) and starts with a 64-byte header
 (magic, format version, header size, sequence number, segment size, CRC32C of
 the header). A ``*.seg`` file whose header does not verify, or whose name does
 not match its sequence number or whose size does not match its header, is
