@@ -581,8 +581,8 @@ def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = 
     (name -> a source tree, e.g. ``{"old": "/tmp/main", "new": "."}``): the first
     bookie is restarted on each tree's code in turn (``PYTHONPATH``), on the same
     data, alternating, ``rounds`` times; none: this code only. Per reconcile: etcd
-    CPU, the bookie's CPU (arbiter and shards), etcd's Range calls, the round's
-    seconds."""
+    CPU, the bookie's CPU (arbiter and shards), etcd's Range calls, the ledgers the
+    reconcile checked and found deleted, the round's seconds."""
     trees = trees or {"this": ""}
     out: dict = {"ledgers": ledgers, "runs": {}}
     conf = {"httpServerEnabled": True, "httpServerPort": 0, "gcWaitTime": 5000}
@@ -613,10 +613,12 @@ def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = 
                     return last is not None and last != before and last["complete"]
                 _wait(reconciled, "full reconcile")
                 m1 = _etcd_counters(cluster.etcd.client_url)
+                last = _gc_state(cluster, b)["lastReconcile"]
                 row = {"etcd_cpu_s": round(_cpu_seconds(etcd) - e0, 2),
                        "bookie_cpu_s": round(_cpu_seconds(procs) - b0, 2),
                        "requests": round(m1.get("Range calls", 0) - m0.get("Range calls", 0)),
-                       "seconds": _gc_state(cluster, b)["lastReconcile"]["seconds"]}
+                       "checked": last["checked"], "dead": last["dead"],
+                       "seconds": last["seconds"]}
                 out["runs"].setdefault(name, []).append(row)
                 progress(name, row)
     return out

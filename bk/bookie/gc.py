@@ -285,7 +285,7 @@ class GcRound:
     """One round: full (shards list their ledgers) or incremental (candidates)."""
 
     __slots__ = ("full", "reason", "candidates", "safe", "shards", "revisions", "started",
-                 "failed", "overreplicated", "dead")
+                 "failed", "overreplicated", "dead", "checked")
 
     def __init__(self, full: bool, reason: str, candidates: set, safe: int, shards):
         self.full = full
@@ -298,6 +298,7 @@ class GcRound:
         self.failed = False
         self.overreplicated = False     # also look for over-replicated ledgers
         self.dead: set = set()          # ids verified deleted, handed to the shards
+        self.checked = 0                # ids a full round asked etcd about
 
 
 class GarbageCollector:
@@ -475,6 +476,7 @@ class GarbageCollector:
                 dead = [lid for lid in ids if lid not in live]
                 with self._lock:
                     rnd.dead.update(dead)
+                    rnd.checked += len(ids)
                 progress.finished(len(dead))
                 return dead
             return []
@@ -512,7 +514,8 @@ class GarbageCollector:
         complete = (not rnd.failed and set(done_shards) >= set(range(self.num_shards))
                     and (not rnd.full or set(rnd.revisions) >= set(done_shards)))
         summary = {"at": rnd.started, "full": rnd.full, "reason": rnd.reason,
-                   "candidates": len(rnd.candidates), "complete": complete,
+                   "candidates": len(rnd.candidates), "checked": rnd.checked,
+                   "dead": len(rnd.dead), "complete": complete,
                    "seconds": round(time.time() - rnd.started, 3)}
         self.stats["lastRound"] = summary
         if rnd.full:

@@ -183,5 +183,9 @@ def test_the_real_bookie_reconcile_bench_times_one_reconcile(tmp_path):
     out = bench_reconcile_cluster(600, rounds=1, base_dir=str(tmp_path),
                                   progress=lambda n, r: None)
     (row,) = out["runs"]["this"]
-    assert 1 <= row["requests"] <= 30, row
-    assert row["bookie_cpu_s"] >= 0 and row["seconds"] >= 0
+    # one entry per ledger on 2 of the 3 bookies (Qw2): the bookie holds about two
+    # thirds of the 600; every one of them exists, so the reconcile drops none
+    assert 200 <= row["checked"] <= 600, row
+    assert row["dead"] == 0, row
+    # ranges over dense id blocks: a few requests, not one per ledger checked
+    assert 1 <= row["requests"] <= row["checked"] // 20, row
