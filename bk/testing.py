@@ -279,6 +279,31 @@ class LocalCluster(localcluster.LocalCluster):
 
 
 @contextlib.contextmanager
+def bookie_lost(bookie, how: str = "stop"):
+    """Inside the block ``bookie`` (a BookieProcess) is lost: killed -9 with its
+    shard workers (``how="kill"``) or SIGSTOPped, arbiter and workers, so it hangs
+    with its sockets open (``"stop"``). A stopped bookie is continued after the
+    block, whatever happened in it."""
+    if how not in ("kill", "stop"):
+        raise ValueError(f"how must be 'kill' or 'stop', not {how!r}")
+    pids = [bookie.pid] + bookie.worker_pids()
+    if how == "kill":
+        bookie.kill(signal.SIGKILL)
+    else:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if how == "stop":
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
+
+@contextlib.contextmanager
 def site_hook(directory, source: str, env: dict | None = None):
     """Inside the block, every Python process started (bookies, their workers)
     runs ``source`` at start-up, as a ``sitecustomize`` module put first on

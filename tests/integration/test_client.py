@@ -19,7 +19,7 @@ from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerClo
                        LedgerFencedError, LedgerRecoveryError, NoSuchEntryError,
                        MetadataError, NoSuchLedgerError, NotEnoughBookiesError)
 from bk.meta.ledger import LedgerState
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, bookie_lost, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -725,18 +725,12 @@ def test_hung_bookie_is_replaced_after_add_timeout(cluster_factory):
         lh = client.create_ledger(3, 3, 3, password=PW)
         lh.add_entries([b"h%d" % i for i in range(10)])
         victim = cluster.bookie(lh.metadata.last_ensemble[1])
-        pids = [victim.pid] + victim.worker_pids()
-        for p in pids:
-            os.kill(p, signal.SIGSTOP)
-        try:
+        with bookie_lost(victim, "stop"):
             t0 = time.monotonic()
             assert lh.add_entry(b"after") == 10
             assert 0.9 < time.monotonic() - t0 < 15
             assert victim.bookie_id not in lh.metadata.last_ensemble
             assert lh.metadata.ensembles[-1][0] == 10
-        finally:
-            for p in pids:
-                os.kill(p, signal.SIGCONT)
         lh.close()
         rh = client.open_ledger_no_recovery(lh.ledger_id, password=PW)
         assert [e.data for e in rh.read_entries(0, 10)][-2:] == [b"h9", b"after"]

@@ -4,14 +4,12 @@ bookie of its ensemble dies (kill -9) or hangs (SIGSTOP), plaintext and TLS:
 callbacks come in entry order with dense ids and no error, the lost bookie is
 replaced, and every acknowledged entry reads back as written."""
 
-import os
-import signal
 import threading
 
 import pytest
 
 from bk.meta.ledger import LedgerState
-from bk.testing import wait_until
+from bk.testing import bookie_lost, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,32 +74,21 @@ def test_async_stream_survives_a_bookie_lost(cluster_factory, how, secure):
             wait_until(lambda: s.acked() >= 2000 or s.errors, 60, "2000 adds acknowledged")
             assert not s.errors, s.errors
             victim = cluster.bookie(lh.metadata.last_ensemble[1])
-            pids = [victim.pid] + victim.worker_pids()
             mark = s.acked()
-            if how == "kill":
-                victim.kill(signal.SIGKILL)
-            else:
-                for p in pids:
-                    os.kill(p, signal.SIGSTOP)
-            try:
-                # a hung bookie is replaced once its oldest unconfirmed add is
-                # addEntryTimeoutSec old (Qa keeps acknowledging meanwhile)
-                wait_until(lambda: victim.bookie_id not in lh.metadata.last_ensemble
-                           or s.errors, 90, "the lost bookie replaced")
-                wait_until(lambda: s.acked() >= mark + 3000 or s.errors, 90,
-                           "3000 more adds acknowledged after the loss")
-                mark = s.acked()
-                wait_until(lambda: s.acked() >= mark + 1000 or s.errors, 90,
-                           "1000 more adds acknowledged by the new ensemble")
-            finally:
-                s.stop.set()
-                s.thread.join(30)
-                if how == "stop":
-                    for p in pids:
-                        try:
-                            os.kill(p, signal.SIGCONT)
-                        except ProcessLookupError:
-                            pass
+            with bookie_lost(victim, how):
+                try:
+                    # a hung bookie is replaced once its oldest unconfirmed add is
+                    # addEntryTimeoutSec old (Qa keeps acknowledging meanwhile)
+                    wait_until(lambda: victim.bookie_id not in lh.metadata.last_ensemble
+                               or s.errors, 90, "the lost bookie replaced")
+                    wait_until(lambda: s.acked() >= mark + 3000 or s.errors, 90,
+                               "3000 more adds acknowledged after the loss")
+                    mark = s.acked()
+                    wait_until(lambda: s.acked() >= mark + 1000 or s.errors, 90,
+                               "1000 more adds acknowledged by the new ensemble")
+                finally:
+                    s.stop.set()
+                    s.thread.join(30)
             assert not s.errors, s.errors
             lh.close()
         finally:

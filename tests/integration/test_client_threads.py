@@ -5,14 +5,12 @@ a bookie dies (kill -9) or hangs (SIGSTOP) while they are in flight, and threads
 sharing TLS connections never break them, bursts of asynchronous adds included
 (several 16 KiB records per connection and pass of the client's I/O thread)."""
 
-import os
-import signal
 import threading
 
 import pytest
 
 from bk.meta.ledger import LedgerState
-from bk.testing import wait_until
+from bk.testing import bookie_lost, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -87,26 +85,13 @@ def _lose_a_bookie(cluster, client, how, threads, stop, handles, acked, more):
     ``more`` entries past that moment, stop them, and check that the ledgers
     that had the bookie replaced it."""
     victim = cluster.bookie(handles[0].metadata.last_ensemble[0])
-    pids = [victim.pid] + victim.worker_pids()
     marks = {lid: len(v) for lid, v in acked.items()}
-    if how == "kill":
-        victim.kill(signal.SIGKILL)
-    else:
-        for p in pids:
-            os.kill(p, signal.SIGSTOP)
-    try:
+    with bookie_lost(victim, how):
         wait_until(lambda: all(len(acked[lid]) >= n + more for lid, n in marks.items()),
                    90, f"every writer acknowledged {more} more entries after the loss")
         stop.set()
         for t in threads:
             t.join(60)
-    finally:
-        if how == "stop":
-            for p in pids:
-                try:
-                    os.kill(p, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
     changed = 0
     for lh in handles:
         md = client.ledger_metadata(lh.ledger_id)
