@@ -6,7 +6,25 @@ import subprocess
 import pytest
 
 import bk.spark
+from bk.meta.etcd_server import EtcdServer
+from bk.meta.store import MetadataStore
 from bk.testing import LocalCluster, local_spark
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """One etcd per test module (a module may define its own, e.g. with other flags)."""
+    with EtcdServer(str(tmp_path_factory.mktemp("etcd"))) as server:
+        yield server
+
+
+@pytest.fixture
+def store(etcd, request):
+    """A formatted metadata store of the module's etcd, under a prefix of the test's
+    own (tests of one module do not see each other's keys)."""
+    with MetadataStore(etcd.uri(f"t-{request.node.name}"), timeout=5) as s:
+        s.format()
+        yield s
 
 
 def _clusters(base_dir):

@@ -17,19 +17,6 @@ from bk.meta.ledger import LedgerMetadata
 from bk.meta.store import MetadataStore, ledger_key_name
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    with EtcdServer(str(tmp_path_factory.mktemp("etcd"))) as server:
-        yield server
-
-
-@pytest.fixture
-def store(etcd, request):
-    with MetadataStore(etcd.uri(f"t-{request.node.name}"), timeout=5) as s:
-        s.format()
-        yield s
-
-
 def range_calls(etcd) -> int:
     """etcd's count of Range requests it answered (its /metrics)."""
     with urllib.request.urlopen(etcd.client_url + "/metrics", timeout=5) as r:

@@ -13,24 +13,10 @@ import bk
 from bk.errors import MetadataCompactedError, MetadataError, MetadataSpaceError
 from bk.meta import compactor
 from bk.meta.compactor import Compactor
-from bk.meta.etcd_server import EtcdServer
 from bk.meta.store import ID_BLOCK_BITS, MetadataStore, ledger_key_name
 from bk.testing import shell_ok, wait_until
 
 PW = b"meta"
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    with EtcdServer(str(tmp_path_factory.mktemp("etcd"))) as server:
-        yield server
-
-
-@pytest.fixture
-def store(etcd, request):
-    with MetadataStore(etcd.uri(f"t-{request.node.name}"), timeout=5) as s:
-        s.format()
-        yield s
 
 
 def test_two_compactor_candidates_one_compacts(store):
