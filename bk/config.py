@@ -132,6 +132,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "of handing it to the shard's sync thread (fewer context switches and less CPU per "
        "group; the same durability). Where AIO is missing or refused the thread is used "
        "anyway; false: always the thread."),
+    _S("journalRemovePagesFromCache", bool, True, "After each flush, drop from the page "
+       "cache the journal the flush before it took (posix_fadvise DONTNEED), so that the "
+       "journal holds about two flushes and the write cache per shard there and new "
+       "journal writes land on pages the kernel just freed rather than on new ones (on a "
+       "VM that hands free memory back to its host, filling a new page cost 2-3 times as "
+       "much). Entries older than that are read from the disk. false: the kernel decides."),
     _S("flushInterval", int, 60000, "Interval (ms) between flushes of the write cache into "
        "entry logs and the index (when anything was written); a restart replays the "
        "journal only from the last flush.", minimum=100),

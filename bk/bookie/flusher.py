@@ -43,6 +43,10 @@ log the index does not know is removed at open). A crash after step 4
 replays from the new mark, and removes at open the segments before it that
 the index does not use. Either way every acknowledged entry is readable.
 
+After the commit the loop also hands this thread the journal range the
+flush *before* took, to be advised out of the page cache (:class:`UncacheJob`,
+see ``bk.bookie.storage``, "Page cache").
+
 Compaction (:class:`CompactJob`) runs on the same thread, between flushes,
 so the index has one writer at a time: it copies the live runs of the logs
 whose live fraction is under the threshold into the current log, syncs,
@@ -181,6 +185,32 @@ class RemoveJob:
             dirs.add(os.path.dirname(path))
         for d in dirs:
             _fsync_dir(d)
+
+
+class UncacheJob:
+    """Drop flushed journal ranges from the page cache (``posix_fadvise(DONTNEED)``),
+    so that the page cache the journal fills stays bounded and the next appends
+    land on pages the kernel just freed rather than on new ones (see
+    ``ShardStorage._uncache``). ``ranges``: ``[(path, lo, hi)]``, ``hi`` 0 for the
+    file's end. Advice only: a file gone meanwhile is skipped, and dirty or
+    mapped pages stay where they are (the kernel skips them)."""
+
+    def __init__(self, ranges: list):
+        self.ranges = ranges
+        self.error: BaseException | None = None
+        self.dropped = 0                 # bytes advised (not necessarily resident)
+
+    def run(self, fl: "Flusher") -> None:
+        for path, lo, hi in self.ranges:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:    # removed by a RemoveJob: its pages went with it
+                continue
+            try:
+                os.posix_fadvise(fd, lo, hi - lo if hi else 0, os.POSIX_FADV_DONTNEED)
+                self.dropped += (hi or os.fstat(fd).st_size) - lo
+            finally:
+                os.close(fd)
 
 
 def _pread_all(path: str, lo: int, hi: int) -> bytes:

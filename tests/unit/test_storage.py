@@ -1320,3 +1320,89 @@ def test_a_flush_the_loop_waits_for_is_not_held_to_its_rate(tmp_path, monkeypatc
         assert s._wc_entries == 0 and s._flushing is None
     finally:
         s.close()
+
+
+# --- the journal's page cache ----------------------------------------------------
+
+def resident(path, lo, hi):
+    """How many of the pages of ``path`` in [lo, hi) are in the page cache
+    (mincore on a fresh mapping: mapping a file touches none of its pages)."""
+    import ctypes
+    import mmap as M
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = M.PAGESIZE
+    lo -= lo % page
+    n = (hi - lo + page - 1) // page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, n * page, M.PROT_READ, M.MAP_SHARED, fd, lo)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = ctypes.create_string_buffer(n)
+            assert libc.mincore(addr, n * page, vec) == 0, ctypes.get_errno()
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(addr, n * page)
+    finally:
+        os.close(fd)
+
+
+def test_flushed_journal_leaves_the_page_cache_one_flush_later(tmp_path):
+    """After each flush the journal up to the mark of the flush before it is
+    dropped from the page cache (journalRemovePagesFromCache): what the last
+    flush took and the tail stay cached, the rest is read from disk, correctly."""
+    s = open_storage(tmp_path, size=8 << 20)
+    marks = []
+    for b in range(4):
+        _batches(s, 1, 1000 * b, 1000)
+        s.checkpoint()                          # waits for the flusher's jobs too
+        marks.append(s._flushed_mark)
+    assert {seq for seq, _ in marks} == {1}     # one segment: (the "copy" mode keeps it too)
+    path = str(tmp_path / "journal" / J.segment_name(1))
+    page = os.sysconf("SC_PAGE_SIZE")
+    dropped_to = marks[2][1] - marks[2][1] % page          # the flush before the last one
+    assert dropped_to > 2 << 20
+    assert resident(path, 0, dropped_to) == 0
+    lo = marks[2][1] + page - marks[2][1] % page           # the last flush's whole pages
+    hi = marks[3][1] - marks[3][1] % page
+    assert resident(path, lo, hi) == (hi - lo) // page > 100
+    assert s.uncached_bytes >= dropped_to
+    for e in range(4000):                       # from the disk now, for the most part
+        assert_entry(s, 1, e)
+    s.close()
+
+
+def test_a_flushed_range_whose_segment_is_gone_is_skipped(tmp_path, caplog):
+    """Small segments, flushed often: in the "copy" mode the old segments are
+    removed before their pages are advised away (the job skips them); in the
+    "adopt" mode they are kept and advised. Nothing fails and nothing is lost."""
+    s = open_storage(tmp_path, size=256 * 1024)
+    for b in range(12):
+        _batches(s, 1, 300 * b, 300)
+        assert add(s, 2, b, key=OTHER) == EOK
+        s.checkpoint()
+    assert s._flush_failed is None and s.uncached_bytes > 0
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    for e in range(3600):
+        assert_entry(s, 1, e)
+    for e in range(12):
+        assert s.read_entry(2, e)[3] == payload(2, e)
+    s.close()
+
+
+def test_uncache_journal_false_keeps_the_pages(tmp_path):
+    s = open_storage(tmp_path, size=8 << 20, uncache_journal=False)
+    for b in range(3):
+        _batches(s, 1, 1000 * b, 1000)
+        s.checkpoint()
+    path = str(tmp_path / "journal" / J.segment_name(1))
+    end = s._flushed_mark[1]
+    assert resident(path, 0, end) == (end + os.sysconf("SC_PAGE_SIZE") - 1) // os.sysconf(
+        "SC_PAGE_SIZE")
+    assert s.uncached_bytes == 0
+    s.close()
