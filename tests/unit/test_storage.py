@@ -1374,6 +1374,13 @@ def test_flushed_journal_leaves_the_page_cache_one_flush_later(tmp_path):
     assert s.uncached_bytes >= dropped_to
     for e in range(4000):                       # from the disk now, for the most part
         assert_entry(s, 1, e)
+    _batches(s, 1, 4000, 500)                   # then a crash: replay from the mark reads
+    s.sync()                                    # the journal from the disk
+    crash(s)
+    del s
+    s = open_storage(tmp_path, size=8 << 20)
+    for e in range(4500):
+        assert_entry(s, 1, e)
     s.close()
 
 
