@@ -512,3 +512,37 @@ def spark_driver_jvm() -> psutil.Process | None:
             if "org.apache.spark.deploy.SparkSubmit" in child.cmdline():
                 return child
     return None
+
+
+def resident_pages(path: str, lo: int = 0, hi: int | None = None) -> int:
+    """How many pages of the file ``path`` in [lo, hi) (hi: its end) are in the
+    page cache: ``mincore`` on a mapping made for the question (mapping a file
+    touches none of its pages), as util-linux's ``fincore`` does, for a range."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hi = os.fstat(fd).st_size if hi is None else hi
+        lo -= lo % page
+        n = (hi - lo + page - 1) // page
+        if n <= 0:
+            return 0
+        addr = libc.mmap(None, n * page, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        try:
+            vec = ctypes.create_string_buffer(n)
+            if libc.mincore(addr, n * page, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(addr, n * page)
+    finally:
+        os.close(fd)

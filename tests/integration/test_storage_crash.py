@@ -21,7 +21,7 @@ from bk.bench.scale import evict_files
 from bk.bookie import journal as J
 from bk.errors import ENOLEDGER, EOK
 from bk.meta.ledger import LedgerMetadata
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, resident_pages, wait_until
 
 from test_checkpoints import pump, shard_info
 
@@ -310,3 +310,33 @@ def test_a_bookie_started_on_v1_data_converts_it_and_serves_it(cluster_factory):
                 assert r[2] == EOK and r[5] == elac, (lid, e, r[2])
                 assert r[7] == (b"%d:%d|" % (lid, int(e))) * (1 + (lid * 31 + int(e) * 7) % 40)
         assert conn.call(P.read(conn.next_rid(), exp["deleted"][0], 0))[2] == ENOLEDGER
+
+
+def test_kill9_once_the_flushed_journal_left_the_page_cache(cluster_factory):
+    """journalRemovePagesFromCache: a flush drops from the page cache the journal
+    the flush before it took. kill -9 (adds going on) once the first segment,
+    which serves as an entry log, has no page left in the page cache: after the
+    restart every acknowledged entry reads back, from the disk."""
+    c = cluster_factory(1, num_shards=1, conf_overrides=dict(SMALL_CACHE,
+                                                             journalPreAllocSizeMB=2,
+                                                             nettyMaxFrameSizeBytes=1 << 20))
+    b = c.bookies[0]
+    lid = (1 << 50) + 13
+    first = os.path.join(b.dir, "journal", "shard-0", J.segment_name(1))
+    acked: list[int] = []
+    stop = threading.Event()
+    t = threading.Thread(target=pump, args=(b, lid, 0, 1_000_000),
+                         kwargs={"stop": stop, "acked": acked})
+    t.start()
+    try:
+        wait_until(lambda: len(acked) > 4000 and resident_pages(first) == 0, timeout=60,
+                   step=0.01, what="the first journal segment out of the page cache")
+        stop.set()
+        b.kill()
+    finally:
+        stop.set()
+        t.join(30)
+    assert os.path.exists(first)                # kept: the index reads it as an entry log
+    b.start()
+    read_back(b, lid, acked)
+    assert shard_info(b, 0)["journal_segments_as_logs"] >= 1

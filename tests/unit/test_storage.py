@@ -15,7 +15,7 @@ from bk.bookie import storage as S
 from bk.bookie.flusher import FLUSH_MIN_RATE
 from bk.bookie.storage import ShardStorage, flush_rate
 from bk.errors import EBADREQ, EFENCED, EIO, ENOENTRY, ENOLEDGER, EOK, EUA
-from bk.testing import wait_until
+from bk.testing import resident_pages as resident, wait_until
 
 SEG = 64 * 1024
 KEY = b"master-key-1"
@@ -1323,34 +1323,6 @@ def test_a_flush_the_loop_waits_for_is_not_held_to_its_rate(tmp_path, monkeypatc
 
 
 # --- the journal's page cache ----------------------------------------------------
-
-def resident(path, lo, hi):
-    """How many of the pages of ``path`` in [lo, hi) are in the page cache
-    (mincore on a fresh mapping: mapping a file touches none of its pages)."""
-    import ctypes
-    import mmap as M
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    page = M.PAGESIZE
-    lo -= lo % page
-    n = (hi - lo + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, n * page, M.PROT_READ, M.MAP_SHARED, fd, lo)
-        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-        try:
-            vec = ctypes.create_string_buffer(n)
-            assert libc.mincore(addr, n * page, vec) == 0, ctypes.get_errno()
-            return sum(b & 1 for b in vec.raw)
-        finally:
-            libc.munmap(addr, n * page)
-    finally:
-        os.close(fd)
-
 
 def test_flushed_journal_leaves_the_page_cache_one_flush_later(tmp_path):
     """After each flush the journal up to the mark of the flush before it is
