@@ -220,6 +220,9 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             "batching": bool(client.conf.frameBatching),
             # the client process's cyclic GC over the measured time
             "gc": gcw.summary(elapsed), "gc_mode": gc_mode,
+            # the measured time on the clock every process shares (time.monotonic),
+            # to line other processes' traces up with it (scripts/trace_adds.py)
+            "window_monotonic": [mono0, mono1] if count else None,
         }
         if snap1 is not None:
             res["proc"] = procstats.per_entry(snap0, snap1, count)
