@@ -465,7 +465,12 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--sample", type=int, default=20, help="follow every N-th entry")
     p.add_argument("--no-tls", action="store_true", help="plaintext runs only")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a bookie setting for the cluster (e.g. journalSyncThroughAio=false)")
+    p.add_argument("--show", type=int, default=5,
+                   help="list the stalls on the path of the N slowest adds of each mode")
     a = p.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in a.set)
     d = tempfile.mkdtemp(prefix="bk-trace-")
     hook_dir = os.path.join(d, "hook")
     os.makedirs(hook_dir)
@@ -490,7 +495,7 @@ def main():
     windows, measured = [], []
     with LocalCluster(num_bookies=3, base_dir=os.path.join(d, "cluster"), num_shards=2,
                       conf_overrides={"tlsCertificatePath": crt, "tlsKeyStore": key,
-                                      "tlsRequired": False}) as c:
+                                      "tlsRequired": False, **overrides}) as c:
         for _ in range(a.rounds):
             for name, extra in modes:
                 t0 = time.monotonic()
@@ -608,14 +613,14 @@ def main():
                   f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
         slow_table(name, whole[name])
         stall_report(name, [(s, e) for s, e, n in measured if n == name], probes, gcs,
-                     flushes, whole[name])
+                     flushes, whole[name], a.show)
 
 
 def _within(t, wins):
     return any(s <= t <= e for s, e in wins)
 
 
-def stall_report(name, wins, probes, gcs, flushes, adds):
+def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
     """The loops' stalls (passes of STALL or more, see Probe) and late wake-ups in
     this mode's runs, what they were made of, and how many of the slowest 1% of
     adds had one on their path."""
@@ -715,6 +720,19 @@ def stall_report(name, wins, probes, gcs, flushes, adds):
     if why:
         print("    the largest step of those stalls, by their time: " + ", ".join(
             f"{a} {b / s:.0%}" for a, b in why.most_common(8)))
+    for total, hops, m in slow[::-1][:show]:
+        big = max(hops, key=hops.get)
+        print(f"  an add of {total * 1000:.1f} ms (largest hop {big.strip()} "
+              f"{hops[big] * 1000:.1f} ms), stalls on its path (ms after it was submitted: "
+              f"loop, wall, own CPU, run-queue wait, other threads' CPU; steps):")
+        for who, xs, a, b in (("client I/O", client, m["sub"], m["end"]),
+                              (f"worker {m['pid']}", per_pid.get(m["pid"], ()), m["sent"],
+                               m["released"])):
+            for x, _ in sorted(overlap(xs, a, b), key=lambda xo: xo[0][0])[:6]:
+                steps = ", ".join(f"{k} {v * 1000:.1f}" for k, v in
+                                  sorted(x[5].items(), key=lambda kv: -kv[1])[:4])
+                print(f"    +{(x[0] - m['sub']) * 1000:6.1f} {who:14s} {x[1] * 1000:6.1f} "
+                      f"{x[2] * 1000:5.1f} {x[3] * 1000:5.1f} {x[4] * 1000:5.1f}  {steps}")
 
 
 def slow_table(name, adds):
