@@ -468,7 +468,8 @@ def main():
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a bookie setting for the cluster (e.g. journalSyncThroughAio=false)")
     p.add_argument("--show", type=int, default=5,
-                   help="list the stalls on the path of the N slowest adds of each mode")
+                   help="list the stalls on the path of the N slowest adds of each mode "
+                        "(one per 20 ms: those of a moment share their stalls)")
     a = p.parse_args()
     overrides = dict(kv.split("=", 1) for kv in a.set)
     d = tempfile.mkdtemp(prefix="bk-trace-")
@@ -663,10 +664,24 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
         big = sorted(((v[2], k, v) for k, v in tots.items() if v[2] * 1000 >= stall),
                      reverse=True)
         if big:
-            print("    steps that took that long at least once (all runs; calls, ms mean wall / "
-                  "mean CPU / max wall): " + ", ".join(
-                      f"{k} {v[0]}, {v[1] / v[0] * 1000:.3f} / {v[3] / v[0] * 1000:.3f} / "
-                      f"{v[2] * 1000:.1f}" for _, k, v in big[:10]))
+            print("    steps that took that long at least once (all runs): calls, ms mean wall "
+                  "/ mean CPU / max wall")
+            for _, k, v in big:
+                print(f"      {k:24s} {v[0]:7d} {v[1] / v[0] * 1000:8.3f} "
+                      f"{v[3] / v[0] * 1000:8.3f} {v[2] * 1000:8.1f}")
+        # rare steps: do the bookies take them at the same moment? (with E = Qw an
+        # add waits for the 2nd bookie: one stalled bookie is hidden, two are not)
+        rare = collections.defaultdict(list)
+        for p in ps:
+            for x in p["stalls"]:
+                if _within(x[0], wins):
+                    for k in ("journal roll", "storage._start_flush", "storage._finish"):
+                        if k in x[5]:
+                            rare[k].append((x[0], p["pid"], x[1]))
+        t0 = min(s for s, _ in wins) if wins else 0.0
+        for k, xs in sorted(rare.items()):
+            print(f"    stalls holding {k} (s into the runs, pid, ms): " + ", ".join(
+                f"{t - t0:.2f} {pid} {w * 1000:.1f}" for t, pid, w in sorted(xs)[:12]))
         if wk:
             print(f"    late wake-ups: {len(wk) / max(secs * loops, 1e-9):.1f} per loop-second, "
                   f"run-queue wait ms p50 / max {pct([x[2] for x in wk], .5):.1f} / "
@@ -720,7 +735,13 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
     if why:
         print("    the largest step of those stalls, by their time: " + ", ".join(
             f"{a} {b / s:.0%}" for a, b in why.most_common(8)))
-    for total, hops, m in slow[::-1][:show]:
+    shown = []
+    for total, hops, m in slow[::-1]:
+        if len(shown) >= show:
+            break
+        if any(abs(m["sub"] - t) < 0.02 for t in shown):
+            continue                # the same moment as one listed already
+        shown.append(m["sub"])
         big = max(hops, key=hops.get)
         print(f"  an add of {total * 1000:.1f} ms (largest hop {big.strip()} "
               f"{hops[big] * 1000:.1f} ms), stalls on its path (ms after it was submitted: "
