@@ -712,7 +712,7 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
                 if x[0] < b and x[0] + x[1] > a]
     n_c = n_w = n_none = 0
     ov_c = ov_w = 0.0
-    in_flush = 0
+    in_flush = rolled = 0
     why = collections.Counter()
     for total, _, m in slow:
         oc = overlap(client, m["sub"], m["end"])
@@ -723,6 +723,7 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
         ov_c += sum(o for _, o in oc) / total
         ov_w += sum(o for _, o in ow) / total
         in_flush += any(f[0] <= m["sent"] <= (f[1] or 1e18) for f in flushes)
+        rolled += any("journal roll" in x[5] for x, _ in ow)
         for x, o in oc + ow:
             k = max(x[5], key=x[5].get) if x[5] else "?"
             why[k] += o
@@ -730,7 +731,8 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
     print(f"  the slowest {SLOW:.0%} ({k} adds): a client I/O stall on the path of "
           f"{n_c / k:.0%} (covering {ov_c / k:.0%} of their latency), a stall of the worker "
           f"of the 2nd acknowledgement on {n_w / k:.0%} ({ov_w / k:.0%}), neither "
-          f"{n_none / k:.0%}; sent while a flush ran {in_flush / k:.0%}")
+          f"{n_none / k:.0%}; sent while a flush ran {in_flush / k:.0%}; behind that "
+          f"worker's journal segment roll {rolled / k:.0%}")
     s = sum(why.values()) or 1e-9
     if why:
         print("    the largest step of those stalls, by their time: " + ", ".join(
