@@ -142,7 +142,9 @@ def show(res):
               f"{res['mb_per_sec']:.2f} MB/s, errors={res['errors']}, "
               f"client CPU {res['client_cpu_us_per_entry']} us/entry")
         print(f"latency ms: p50={lat['p50']} p95={lat['p95']} p99={lat['p99']} "
-              f"p99.9={lat['p99.9']} max={res['latency_max_ms']}")
+              f"p99.9={lat['p99.9']} max={res['latency_max_ms']}"
+              + (f"; the generator fell {res['generator_lag_max_ms']} ms behind its "
+                 f"schedule at worst" if res.get("generator_lag_max_ms") is not None else ""))
         if "gc" in res:
             print(f"  client cyclic GC ({res['gc_mode']}): " + ", ".join(
                 f"gen{g} {v['per_sec']}/s (pause ms p50 {v['p50_ms']} p99 {v['p99_ms']} "

@@ -24,6 +24,22 @@ and each group commit's ``fdatasync`` on its own, and the disk's idle time
 between one group's sync and the next (while the loop answers the synced group
 and begins the next). Then percentiles per hop.
 
+Stalls: every pass of each shard worker's loop and of the client's I/O thread
+(select returned -> next select) is timed; a pass of ``BK_TRACE_STALL_MS`` (2)
+or more is kept with what it was made of: the thread's own CPU, its run-queue
+wait (``/proc/thread-self/schedstat``: runnable, no core free), the rest
+(waiting for the GIL, or blocked in a syscall), the CPU of the process's other
+threads meanwhile (a flusher or sync thread), and the wall time of each step
+it ran (reads, the journal's ``pwrite``, ``io_submit``, the heartbeat,
+``maintain``, flushes begun and taken back, segment rolls, cyclic collections,
+...). A select whose wake-up waited that long for a core, or overslept its
+timeout, is a late wake-up. The report gives, per mode, stalls per loop-second
+and their make-up, every step that once took that long (calls, mean wall, mean
+CPU, max), and for the slowest 1% of adds the share with a stall of the client's
+I/O thread or of the worker of their 2nd acknowledgement on their path, and the
+steps those stalls were in. Only the measured time of each run counts (not the
+client's start or the warm-up).
+
 A diagnostic: it wraps private methods of the worker and the client by name (in
 this process, and in the bookies through a ``sitecustomize`` module put first
 on their PYTHONPATH), so it follows the code it measures only as long as those
@@ -50,6 +66,112 @@ OUT = os.environ.get("BK_TRACE_DIR")
 SAMPLE = int(os.environ.get("BK_TRACE_SAMPLE", "20"))
 
 
+STALL = float(os.environ.get("BK_TRACE_STALL_MS", "2")) / 1000
+_thread_time, _process_time = time.thread_time, time.process_time
+PROBES = []          # this process's loop probes
+GCS = []             # its cyclic collections: (start, seconds, generation, thread name)
+FLUSHES = []         # a shard's flushes: (swapped, taken back)
+
+
+class Probe:
+    """The passes of one thread's loop, from each select's return to the next
+    select's call: a pass of ``STALL`` or more (a *stall*: the loop read nothing
+    meanwhile) is kept with its CPU (this thread's), its run-queue wait
+    (``/proc/thread-self/schedstat``: runnable, no core), the CPU of the process's
+    other threads meanwhile (a flusher or sync thread, which may hold the GIL)
+    and the time spent in each wrapped step (``parts``; inclusive, so nested
+    steps count twice). A select that returned ``STALL`` after it was due (its
+    run-queue wait, or a timeout overslept) is a late wake-up. Made on the
+    loop's own thread (the schedstat file is that thread's)."""
+
+    def __init__(self, kind):
+        self.kind, self.pid = kind, os.getpid()
+        self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        self.stalls, self.wakes, self.parts = [], [], {}
+        self.totals = {}         # step -> [calls, seconds, longest] over the whole run
+        self.t_ret = self.t_call = self.cpu0 = self.pcpu0 = 0.0
+        self.rq0 = self.rq_call = 0
+        self.passes, self.busy = 0, 0.0
+        PROBES.append(self)
+
+    def rq(self):
+        return int(os.pread(self.fd, 80, 0).split()[1])
+
+    def before(self):
+        t = mono()
+        rq = self.rq()
+        if self.t_ret:
+            wall = t - self.t_ret
+            self.passes += 1
+            self.busy += wall
+            if wall >= STALL:
+                cpu = _thread_time() - self.cpu0
+                self.stalls.append((self.t_ret, wall, cpu, (rq - self.rq0) / 1e9,
+                                    _process_time() - self.pcpu0 - cpu, self.parts))
+        self.t_call, self.rq_call = t, rq
+        self.cpu0, self.pcpu0 = _thread_time(), _process_time()
+
+    def after(self, timeout, n):
+        t = mono()
+        rq = self.rq()
+        wait = (rq - self.rq_call) / 1e9
+        late = t - self.t_call - timeout if timeout is not None and not n else 0.0
+        cpu = _thread_time() - self.cpu0
+        other = _process_time() - self.pcpu0 - cpu
+        # other threads' CPU while this one slept: one of them may have held the GIL
+        # when the select returned (a wait that no run queue shows)
+        if wait >= STALL or late >= STALL or (n and other >= STALL):
+            self.wakes.append((self.t_call, t - self.t_call, wait, max(0.0, late), other))
+        self.t_ret, self.rq0, self.parts = t, rq, {}
+        self.cpu0, self.pcpu0 = _thread_time(), _process_time()
+
+    def dump(self):
+        return {"kind": self.kind, "pid": self.pid, "passes": self.passes, "busy": self.busy,
+                "stalls": self.stalls, "wakes": self.wakes, "totals": self.totals}
+
+
+def timed(probe_of, cls, name, label=None):
+    """Wrap ``cls.name`` to add its time to the running pass's parts."""
+    fn = getattr(cls, name)
+    label = label or name
+
+    def wrapper(self, *a, **k):
+        t0, c0 = mono(), _thread_time()
+        try:
+            return fn(self, *a, **k)
+        finally:
+            p = probe_of(self)
+            if p is not None:
+                dt = mono() - t0
+                p.parts[label] = p.parts.get(label, 0.0) + dt
+                tot = p.totals.get(label)
+                if tot is None:
+                    tot = p.totals[label] = [0, 0.0, 0.0, 0.0]
+                tot[0] += 1
+                tot[1] += dt
+                tot[3] += _thread_time() - c0
+                if dt > tot[2]:
+                    tot[2] = dt
+    setattr(cls, name, wrapper)
+
+
+def gc_hook():
+    import gc
+    import threading
+    t0 = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            t0[0] = mono()
+        else:
+            dt = mono() - t0[0]
+            GCS.append((t0[0], dt, info["generation"], threading.current_thread().name))
+            for p in PROBES:            # the pass it fell in, on whichever thread
+                p.parts["gc%d" % info["generation"]] = \
+                    p.parts.get("gc%d" % info["generation"], 0.0) + dt
+    gc.callbacks.append(cb)
+
+
 def patch_worker(m):
     W = m.ShardWorker
     boot, add_batch, start_sync = W._boot, W._add_batch, W._start_sync
@@ -65,9 +187,10 @@ def patch_worker(m):
         begin = self.storage.begin_sync
 
         def begin_sync():
-            t0 = mono()
+            t0, c0 = mono(), _thread_time()
             job = begin()
-            self._tr_begin.append((t0, mono() - t0, self._tr_done == self._tr_sel))
+            self._tr_begin.append((t0, mono() - t0, self._tr_done == self._tr_sel,
+                                   _thread_time() - c0, job.bytes if job is not None else 0))
             return job
         self.storage.begin_sync = begin_sync
         worker = self
@@ -80,9 +203,12 @@ def patch_worker(m):
                 return getattr(self.inner, name)
 
             def select(self, timeout=None):
+                probe.before()
                 r = self.inner.select(timeout)
                 worker._tr_sel = mono()
+                probe.after(timeout, len(r))
                 return r
+        probe = self._tr_probe = Probe("worker")
         self.sel = Sel(self.sel)
 
     def _add_batch(self, conn, msg):
@@ -161,7 +287,9 @@ def patch_worker(m):
     def _drain(self):
         try:
             with open(os.path.join(OUT, "w-%d.json" % os.getpid()), "w") as f:
-                json.dump({"bookie": self.bookie_id, "syncs": self._tr_syncs,
+                json.dump({"bookie": self.bookie_id, "pid": os.getpid(),
+                           "probes": [p.dump() for p in PROBES], "gcs": GCS,
+                           "flushes": FLUSHES, "syncs": self._tr_syncs,
                            "answer": self._tr_answer, "begin": self._tr_begin,
                            "adds": [[k[0], k[1], v] for k, v in self._tr.items()]}, f)
         except Exception as e:
@@ -175,6 +303,39 @@ def patch_worker(m):
         W._run_sync = _run_sync
     else:
         W._sync_thread = _sync_thread
+    # what each pass did, for the stalls (see Probe); by name, where they exist
+    st, jr = sys.modules["bk.bookie.storage"], sys.modules["bk.bookie.journal"]
+    of_worker = lambda w: getattr(w, "_tr_probe", None)
+    of_loop = lambda _: PROBES[0] if PROBES else None
+    for name in ("_on_readable", "_on_readable_tls", "_start_sync", "_release", "_send_hb",
+                 "_on_control", "_on_aio_done", "_on_sync_done", "_compaction_step",
+                 "_wake_waiters", "_expire_unready"):
+        if hasattr(W, name):
+            timed(of_worker, W, name)
+    S = st.ShardStorage
+    for name in ("maintain", "_start_flush", "_finish", "_trim_index", "begin_sync", "sync"):
+        if hasattr(S, name):
+            timed(of_loop, S, name, "storage." + name)
+    if hasattr(jr.Journal, "_create_segment"):
+        timed(of_loop, jr.Journal, "_create_segment", "journal roll")
+    if hasattr(jr.Journal, "_write_out"):
+        timed(of_loop, jr.Journal, "_write_out", "journal pwrite")
+    aio = sys.modules.get("bk.bookie.aiosync")
+    if aio is not None and hasattr(aio, "AioSync"):
+        timed(of_loop, aio.AioSync, "submit", "io_submit")
+    start_flush, finish = S._start_flush, S._finish
+
+    def _start_flush(self):
+        FLUSHES.append([mono(), None])
+        return start_flush(self)
+
+    def _finish(self, job):
+        r = finish(self, job)
+        if FLUSHES and FLUSHES[-1][1] is None:
+            FLUSHES[-1][1] = mono()
+        return r
+    S._start_flush, S._finish = _start_flush, _finish
+    gc_hook()
 
 
 def patch_client(cm, lm):
@@ -229,6 +390,33 @@ def patch_client(cm, lm):
         return add_ack(self, msg)
     L._submit_one, L._io_flush = _submit_one, _io_flush
     C._write, C._on_readable, C._on_add_ack = _write, _on_readable, _on_add_ack
+    # the I/O thread's passes, for the stalls (see Probe)
+    IO = cm.IOLoop
+    run = IO._run
+
+    class Sel:
+        def __init__(self, inner, probe):
+            self.inner, self.probe = inner, probe
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def select(self, timeout=None):
+            self.probe.before()
+            r = self.inner.select(timeout)
+            self.probe.after(timeout, len(r))
+            return r
+
+    def _run(self):
+        self.sel = Sel(self.sel, Probe("client I/O"))
+        return run(self)
+    IO._run = _run
+    of_io = lambda _: next((p for p in reversed(PROBES) if p.kind == "client I/O"), None)
+    for cls, names in ((C, ("_on_readable", "_write")), (L, ("_io_flush",)),
+                       (IO, ("_tick", "_run_timers"))):
+        for name in names:
+            timed(of_io, cls, name)
+    gc_hook()
     return ev
 
 
@@ -277,7 +465,13 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--sample", type=int, default=20, help="follow every N-th entry")
     p.add_argument("--no-tls", action="store_true", help="plaintext runs only")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a bookie setting for the cluster (e.g. journalSyncThroughAio=false)")
+    p.add_argument("--show", type=int, default=5,
+                   help="list the stalls on the path of the N slowest adds of each mode "
+                        "(one per 20 ms: those of a moment share their stalls)")
     a = p.parse_args()
+    overrides = dict(kv.split("=", 1) for kv in a.set)
     d = tempfile.mkdtemp(prefix="bk-trace-")
     hook_dir = os.path.join(d, "hook")
     os.makedirs(hook_dir)
@@ -299,30 +493,41 @@ def main():
     crt, key = ca.issue("bookie", ["127.0.0.1"])
     modes = [("plaintext", {})] if a.no_tls else [
         ("plaintext", {}), ("TLS", {"tlsEnabled": True, "tlsTrustStore": ca.cert_path})]
-    windows = []
+    windows, measured = [], []
     with LocalCluster(num_bookies=3, base_dir=os.path.join(d, "cluster"), num_shards=2,
                       conf_overrides={"tlsCertificatePath": crt, "tlsKeyStore": key,
-                                      "tlsRequired": False}) as c:
+                                      "tlsRequired": False, **overrides}) as c:
         for _ in range(a.rounds):
             for name, extra in modes:
                 t0 = time.monotonic()
                 r = bench_writes(c.metadata_uri, duration=a.duration, rate=a.rate, **extra)
                 windows.append((t0, time.monotonic(), name))
+                # the stalls: the measured time only (not the client's start, its
+                # deliberate full collection, the warm-up or the drain)
+                measured.append(tuple(r["window_monotonic"] or (t0, t0)) + (name,))
                 lat = r["latency_ms"]
                 print(f"{name:9s} {r['entries_per_sec']:8.0f}/s  p50 {lat['p50']} p99 {lat['p99']} "
                       f"p99.9 {lat['p99.9']} ms", flush=True)
     # the cluster stopped: the bookies wrote their traces
     workers = {}
+    probes = [p.dump() for p in ns["PROBES"]]
+    gcs = [tuple(g) + (os.getpid(),) for g in ns["GCS"]]
+    flushes = []
     syncs = collections.defaultdict(list)
     idle = collections.defaultdict(list)
     answer = collections.defaultdict(list)
     begin = collections.defaultdict(list)
+    begin_cpu = collections.defaultdict(list)
     for fn in os.listdir(d):
         if fn.startswith("w-"):
             with open(os.path.join(d, fn)) as f:
                 w = json.load(f)
             for lid, eid, v in w["adds"]:
+                v["pid"] = w.get("pid")
                 workers[(w["bookie"], lid, eid)] = v
+            probes.extend(w.get("probes", ()))
+            gcs.extend(tuple(g) + (w.get("pid"),) for g in w.get("gcs", ()))
+            flushes.extend(w.get("flushes", ()))
             end = None
             for t0, dt, nbytes in sorted(w["syncs"]):
                 for s, e, name in windows:
@@ -333,10 +538,11 @@ def main():
                         if end is not None and t0 - end < IDLE_GAP:
                             idle[name].append(t0 - end)
                 end = t0 + dt
-            for t0, dt, _ in w.get("begin", ()):
+            for t0, dt, _, cpu, nbytes in w.get("begin", ()):
                 for s, e, name in windows:
                     if s <= t0 <= e:
                         begin[name].append(dt)
+                        begin_cpu[name].append((cpu, nbytes))
             for t0, dt in w["answer"]:
                 for s, e, name in windows:
                     if s <= t0 <= e:
@@ -372,7 +578,9 @@ def main():
                 parts = {f"{x} -> {y}": t[y] - t[x] for x, y in HOPS}
                 if "s_end" in t:
                     parts.update({f"  {x} -> {y}": t[y] - t[x] for x, y in SYNC_HOPS})
-                whole[mode].append((total, parts))
+                whole[mode].append((total, parts, {"sub": c["sub"], "end": t["c_read"],
+                                                   "sent": t["sent"], "released": t["released"],
+                                                   "pid": w["pid"]}))
     shutil.rmtree(d, ignore_errors=True)     # the bookies' data: hundreds of MB a run
     for name, _ in modes:
         h = hops[name]
@@ -395,11 +603,159 @@ def main():
         if x:
             print(f"  {'a sync begun (its pwrite)':40s} {pct(x, .5):7.3f} "
                   f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
+            c = begin_cpu[name]
+            kib = sum(n for _, n in c) / 1024
+            print(f"  {'  its CPU':40s} {pct([x for x, _ in c], .5):7.3f} "
+                  f"{pct([x for x, _ in c], .9):7.3f} {pct([x for x, _ in c], .99):7.3f}"
+                  f"   ({sum(x for x, _ in c) * 1e6 / max(kib, 1e-9):.1f} us per KiB written)")
         x = answer[name]
         if x:
             print(f"  {'a synced group answered, the next begun':40s} {pct(x, .5):7.3f} "
                   f"{pct(x, .9):7.3f} {pct(x, .99):7.3f}")
         slow_table(name, whole[name])
+        stall_report(name, [(s, e) for s, e, n in measured if n == name], probes, gcs,
+                     flushes, whole[name], a.show)
+
+
+def _within(t, wins):
+    return any(s <= t <= e for s, e in wins)
+
+
+def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
+    """The loops' stalls (passes of STALL or more, see Probe) and late wake-ups in
+    this mode's runs, what they were made of, and how many of the slowest 1% of
+    adds had one on their path."""
+    stall = float(os.environ.get("BK_TRACE_STALL_MS", "2"))
+    secs = sum(e - s for s, e in wins)
+    print(f"\n{name}: loop passes of {stall:g} ms or more (stalls) and wake-ups {stall:g} ms "
+          f"late, over {secs:.0f} s")
+    by_kind = collections.defaultdict(list)
+    for p in probes:
+        by_kind[p["kind"]].append(p)
+    for kind, ps in sorted(by_kind.items()):
+        st = [x for p in ps for x in p["stalls"] if _within(x[0], wins)]
+        wk = [x for p in ps for x in p["wakes"] if _within(x[0], wins)]
+        loops = len({p["pid"] for p in ps}) if kind == "worker" else 1
+        walls = [x[1] for x in st]
+        tot = sum(walls) or 1e-9
+        cpu, rq = sum(x[2] for x in st), sum(x[3] for x in st)
+        other = sum(x[4] for x in st)
+        n = sum(p["passes"] for p in ps)
+        print(f"  {kind} ({loops} loops, {n} passes in all runs): "
+              f"{len(st) / max(secs * loops, 1e-9):.1f} stalls per "
+              f"loop-second, ms p50 / p99 / max {pct(walls, .5):.1f} / {pct(walls, .99):.1f} / "
+              f"{max(walls, default=0) * 1000:.1f}; of their time: own CPU {cpu / tot:.0%}, "
+              f"run-queue wait {rq / tot:.0%}, neither (GIL, blocked) "
+              f"{max(0.0, tot - cpu - rq) / tot:.0%}; other threads' CPU meanwhile "
+              f"{other / tot:.0%}")
+        parts = collections.Counter()
+        for x in st:
+            parts.update(x[5])
+        if parts:
+            print("    in them (inclusive, share of their time): " + ", ".join(
+                f"{k} {v / tot:.0%}" for k, v in parts.most_common(8)))
+        tots = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+        for p in ps:
+            for k, (c, t, mx, cpu) in p.get("totals", {}).items():
+                tots[k][0] += c
+                tots[k][1] += t
+                tots[k][2] = max(tots[k][2], mx)
+                tots[k][3] += cpu
+        big = sorted(((v[2], k, v) for k, v in tots.items() if v[2] * 1000 >= stall),
+                     reverse=True)
+        if big:
+            print("    steps that took that long at least once (all runs): calls, ms mean wall "
+                  "/ mean CPU / max wall")
+            for _, k, v in big:
+                print(f"      {k:24s} {v[0]:7d} {v[1] / v[0] * 1000:8.3f} "
+                      f"{v[3] / v[0] * 1000:8.3f} {v[2] * 1000:8.1f}")
+        # rare steps: do the bookies take them at the same moment? (with E = Qw an
+        # add waits for the 2nd bookie: one stalled bookie is hidden, two are not)
+        rare = collections.defaultdict(list)
+        for p in ps:
+            for x in p["stalls"]:
+                if _within(x[0], wins):
+                    for k in ("journal roll", "storage._start_flush", "storage._finish"):
+                        if k in x[5]:
+                            rare[k].append((x[0], p["pid"], x[1]))
+        t0 = min(s for s, _ in wins) if wins else 0.0
+        for k, xs in sorted(rare.items()):
+            print(f"    stalls holding {k} (s into the runs, pid, ms): " + ", ".join(
+                f"{t - t0:.2f} {pid} {w * 1000:.1f}" for t, pid, w in sorted(xs)[:12]))
+        if wk:
+            print(f"    late wake-ups: {len(wk) / max(secs * loops, 1e-9):.1f} per loop-second, "
+                  f"run-queue wait ms p50 / max {pct([x[2] for x in wk], .5):.1f} / "
+                  f"{max(x[2] for x in wk) * 1000:.1f}, timeouts overslept "
+                  f"{sum(1 for x in wk if x[3] > 0)}, woken while other threads ran "
+                  f"{stall:g} ms or more {sum(1 for x in wk if x[4] * 1000 >= stall)}")
+    g = [x for x in gcs if _within(x[0], wins) and x[1] * 1000 >= stall / 2]
+    if g:
+        print(f"  cyclic collections of {stall / 2:g} ms or more: " + ", ".join(
+            f"gen{x[2]} {x[1] * 1000:.1f} ms ({x[3]}, pid {x[4]})" for x in g[:12]))
+    fl = [f for f in flushes if _within(f[0], wins)]
+    if fl:
+        print(f"  flushes swapped: {len(fl)}, each {pct([(f[1] or f[0]) - f[0] for f in fl], .5):.0f}"
+              f" ms until taken back (median)")
+    if len(adds) < 100:
+        return
+    slow = sorted(adds, key=lambda a: a[0])[-max(1, int(len(adds) * SLOW)):]
+    client = [x for p in by_kind.get("client I/O", ()) for x in p["stalls"] + [
+        (w[0], w[1], 0, w[2], w[4], {"(late wake-up)": w[1]}) for w in p["wakes"]]]
+    per_pid = collections.defaultdict(list)
+    for p in by_kind.get("worker", ()):
+        per_pid[p["pid"]].extend(p["stalls"])
+        per_pid[p["pid"]].extend((w[0], w[1], 0, w[2], w[4], {"(late wake-up)": w[1]})
+                                 for w in p["wakes"])
+
+    def overlap(xs, a, b):
+        return [(x, min(b, x[0] + x[1]) - max(a, x[0])) for x in xs
+                if x[0] < b and x[0] + x[1] > a]
+    n_c = n_w = n_none = 0
+    ov_c = ov_w = 0.0
+    in_flush = rolled = 0
+    why = collections.Counter()
+    for total, _, m in slow:
+        oc = overlap(client, m["sub"], m["end"])
+        ow = overlap(per_pid.get(m["pid"], ()), m["sent"], m["released"])
+        n_c += bool(oc)
+        n_w += bool(ow)
+        n_none += not oc and not ow
+        ov_c += sum(o for _, o in oc) / total
+        ov_w += sum(o for _, o in ow) / total
+        in_flush += any(f[0] <= m["sent"] <= (f[1] or 1e18) for f in flushes)
+        rolled += any("journal roll" in x[5] for x, _ in ow)
+        for x, o in oc + ow:
+            k = max(x[5], key=x[5].get) if x[5] else "?"
+            why[k] += o
+    k = len(slow)
+    print(f"  the slowest {SLOW:.0%} ({k} adds): a client I/O stall on the path of "
+          f"{n_c / k:.0%} (covering {ov_c / k:.0%} of their latency), a stall of the worker "
+          f"of the 2nd acknowledgement on {n_w / k:.0%} ({ov_w / k:.0%}), neither "
+          f"{n_none / k:.0%}; sent while a flush ran {in_flush / k:.0%}; behind that "
+          f"worker's journal segment roll {rolled / k:.0%}")
+    s = sum(why.values()) or 1e-9
+    if why:
+        print("    the largest step of those stalls, by their time: " + ", ".join(
+            f"{a} {b / s:.0%}" for a, b in why.most_common(8)))
+    shown = []
+    for total, hops, m in slow[::-1]:
+        if len(shown) >= show:
+            break
+        if any(abs(m["sub"] - t) < 0.02 for t in shown):
+            continue                # the same moment as one listed already
+        shown.append(m["sub"])
+        big = max(hops, key=hops.get)
+        print(f"  an add of {total * 1000:.1f} ms (largest hop {big.strip()} "
+              f"{hops[big] * 1000:.1f} ms), stalls on its path (ms after it was submitted: "
+              f"loop, wall, own CPU, run-queue wait, other threads' CPU; steps):")
+        for who, xs, a, b in (("client I/O", client, m["sub"], m["end"]),
+                              (f"worker {m['pid']}", per_pid.get(m["pid"], ()), m["sent"],
+                               m["released"])):
+            for x, _ in sorted(overlap(xs, a, b), key=lambda xo: xo[0][0])[:6]:
+                steps = ", ".join(f"{k} {v * 1000:.1f}" for k, v in
+                                  sorted(x[5].items(), key=lambda kv: -kv[1])[:4])
+                print(f"    +{(x[0] - m['sub']) * 1000:6.1f} {who:14s} {x[1] * 1000:6.1f} "
+                      f"{x[2] * 1000:5.1f} {x[3] * 1000:5.1f} {x[4] * 1000:5.1f}  {steps}")
 
 
 def slow_table(name, adds):
@@ -414,10 +770,10 @@ def slow_table(name, adds):
           f"ms mean (all adds) / mean (slowest) / largest hop of a slow add (share)")
     keys = [f"{x} -> {y}" for x, y in HOPS] + [f"  {x} -> {y}" for x, y in SYNC_HOPS]
     top = collections.Counter(max((k for k in p if not k.startswith(" ")), key=p.get)
-                              for _, p in slow)
+                              for _, p, _ in slow)
 
     def mean(rows, k):
-        xs = [p[k] for _, p in rows if k in p]
+        xs = [p[k] for _, p, _ in rows if k in p]
         return sum(xs) / len(xs) * 1000 if xs else float("nan")
     for k in keys:
         print(f"  {k:40s} {mean(adds, k):7.3f} {mean(slow, k):7.3f}   "

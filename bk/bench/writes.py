@@ -117,7 +117,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
     if own:
         conf.setdefault("throttle", max(window, 1))
         client = BookKeeper(uri, **conf)
-    rec = delays = None
+    rec = delays = snaps = None
     gcw = GCWatch()
     gc.callbacks.append(gcw)
     try:
@@ -130,6 +130,8 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
                    for _ in range(ledgers)]
         b = _Bench()
         stats = [_LedgerStats(b) for _ in handles]
+        if proc:                    # /proc is read by a helper process (see Snapshots)
+            snaps = procstats.Snapshots()
         if gc_mode != "default":
             gc.collect()
             if gc_mode == "freeze":
@@ -140,6 +142,7 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
         t_measure = t_start + warmup
         t_end = t_measure + duration
         marks = None
+        lag = 0.0
         step = max(1, window // 8)
         i = 0
         n = len(handles)
@@ -151,7 +154,8 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             if marks is None and now >= t_measure:
                 marks = (now, b.acked, [len(s.lat) for s in stats], time.process_time())
                 gcw.on = True
-                snap0 = procstats.snapshot() if proc else None
+                if snaps is not None:
+                    snaps.request()     # returns at once: the helper reads /proc
                 mono0 = time.monotonic()
             if b.error is not None:
                 raise b.error
@@ -170,9 +174,13 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             if rate:
                 # Open loop at a fixed rate, paced in 1 ms steps: sleeping between
                 # single entries would cost more (GIL hand-offs) than the adds.
-                if sent >= (now - t_start) * rate:
+                behind = (now - t_start) * rate - sent
+                if behind <= 0:
                     time.sleep(0.001)
                     continue
+                if behind > lag and marks is not None:
+                    lag = behind        # entries owed: the generator was held up
+            k = i % n
             k = i % n
             i += 1
             st = stats[k]
@@ -184,7 +192,10 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
         cpu_stop = time.process_time()
         acked_at_stop = b.acked
         mono1 = time.monotonic()
-        snap1 = procstats.snapshot() if proc and marks is not None else None
+        snap0 = snap1 = None
+        if snaps is not None and marks is not None:
+            snaps.request()
+            snap0, snap1 = snaps.result(), snaps.result()
         if rec is not None:
             delays = rec.stop(snap1 or procstats.snapshot(), mono0 if marks else 0.0, mono1)
             rec = None
@@ -212,6 +223,9 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
                            for p in (50, 95, 99, 99.9)},
             "latency_max_ms": round(lat[-1] * 1000, 3) if lat else None,
             "errors": sum(s.errors for s in stats),
+            # open loop: how far the submissions fell behind their schedule at worst
+            # (the generator held up: a pause of the bench, not of the client's adds)
+            "generator_lag_max_ms": round(lag / rate * 1000, 2) if rate else None,
             # CPU of this whole client process (all threads) per acknowledged entry
             "client_cpu_us_per_entry": round((cpu_stop - marks[3]) / count * 1e6, 1)
             if count else None,
@@ -220,6 +234,9 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             "batching": bool(client.conf.frameBatching),
             # the client process's cyclic GC over the measured time
             "gc": gcw.summary(elapsed), "gc_mode": gc_mode,
+            # the measured time on the clock every process shares (time.monotonic),
+            # to line other processes' traces up with it (scripts/trace_adds.py)
+            "window_monotonic": [mono0, mono1] if count else None,
         }
         if snap1 is not None:
             res["proc"] = procstats.per_entry(snap0, snap1, count)
@@ -232,6 +249,8 @@ def bench_writes(uri, ensemble=3, write_quorum=3, ack_quorum=2, entry_size=1024,
             gc.unfreeze()
         if rec is not None:         # the run failed before it was measured
             rec.cancel()
+        if snaps is not None:
+            snaps.close()
         if own:
             client.close()
 

@@ -152,3 +152,85 @@ def test_kill9_during_an_inline_sync(cluster_factory, tmp_path, when, how):
         for lid in want[:10] + want[-10:]:
             r = conn.call(P.add(conn.next_rid(), lid, 1, 0, KEY, b"", PAYLOAD))
             assert r[2] == EOK, (lid, r[:3])
+
+
+BATCH = 12                   # 1 KiB entries: a group within the inline bound (16 KiB)
+BATCH_PAYLOAD = b"b" * 1024
+BATCH_STOP_AT = 30
+
+
+def pump_batches(b, lid, stopping, acked):
+    """Ledger ``lid``: ADD_BATCH frames of BATCH entries of 1 KiB, the next one sent
+    when the last was acknowledged (so that a group holds a batch or two, synced inline),
+    until the kill breaks the connection; the acknowledged entry ids go to ``acked``."""
+    try:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
+            eid = 0
+            while True:
+                c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, [
+                    (lid, e, e - 1, b"", BATCH_PAYLOAD) for e in range(eid, eid + BATCH)]))
+                r = c.recv()
+                assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:5]
+                assert r[3] == [lid, eid, eid + BATCH - 1], r[3]
+                acked.extend(range(eid, eid + BATCH))
+                eid += BATCH
+    except (OSError, BKError):
+        if not stopping():
+            raise
+
+
+@pytest.mark.parametrize("when,how", [("before", "stop"), ("after", "stop"),
+                                      ("before", "kill9"), ("after", "kill9")])
+def test_kill9_during_an_inline_sync_of_a_batch(cluster_factory, tmp_path, when, how):
+    """The same moments for groups of batched adds (one ADD_BATCH of 12 KiB a group,
+    answered by a group acknowledgement, synced inline): the stopped batch was
+    never acknowledged, every acknowledged entry reads back after the restart (and
+    the stopped batch too once its sync had returned), and the ledgers go on."""
+    out = tmp_path / "stopped.json"
+    env = {"IS_TEST_STOP_AT": BATCH_STOP_AT, "IS_TEST_OUT": out, "IS_TEST_WHEN": when,
+           "IS_TEST_HOW": how}
+    with site_hook(tmp_path, HOOK, env):
+        c = cluster_factory(1, num_shards=1, conf_overrides={"gcWaitTime": 3_600_000})
+    b = c.bookies[0]
+    lids = [(1 << 52) + i for i in range(2)]
+    acked: list[list[int]] = [[] for _ in lids]
+    threads = [threading.Thread(target=pump_batches, args=(b, lid, out.exists, acked[i]))
+               for i, lid in enumerate(lids)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(out.exists, timeout=120, what="the worker reaching the inline sync")
+        stopped = json.loads(out.read_text())
+        if how == "stop":
+            wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
+                       what="the worker stopped")
+            b.kill()
+        else:
+            wait_until(lambda: process_state(stopped["pid"]) in ("gone", "Z"), timeout=10,
+                       what="the worker killed")
+    finally:
+        if not out.exists():
+            b.kill()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    unanswered = {(lid, e) for lid, e in stopped["entries"]}
+    assert len(unanswered) >= BATCH, len(unanswered)          # at least one whole batch
+    done = {(lid, e) for lid, per in zip(lids, acked) for e in per}
+    assert sum(map(len, acked)) >= BATCH * (BATCH_STOP_AT - 1)
+    assert not unanswered & done, "entries of the batch stopped in its sync were acknowledged"
+    if how == "stop":
+        b.start()
+    else:
+        wait_until(lambda: readable(b, lids[0]), timeout=60, what="the worker restarted")
+    for lid, per in zip(lids, acked):
+        want = set(per)
+        if when == "after":
+            want |= {e for lid2, e in unanswered if lid2 == lid}
+        if want:
+            read_back(b, lid, sorted(want), payload=BATCH_PAYLOAD)
+    with BookieConnection(b.bookie_id, shard=0) as conn:   # and the ledgers go on
+        for lid, per in zip(lids, acked):
+            nxt = max([e for lid2, e in unanswered if lid2 == lid] + per + [-1]) + 1
+            r = conn.call(P.add(conn.next_rid(), lid, nxt, nxt - 1, KEY, b"", BATCH_PAYLOAD))
+            assert r[2] == EOK, (lid, r[:3])

@@ -2,7 +2,9 @@
 client and the shard worker by name (a ``sitecustomize`` hook in the bookies),
 so a rename or a new ``__slots__`` there silently breaks it (it once crashed
 every bookie). This runs it end to end, plaintext and TLS, against real bookies
-and checks that every hop of a followed add was seen."""
+and checks that every hop of a followed add was seen, and that the loops'
+stall probes (client I/O thread, shard workers) saw passes: with a threshold
+of 0 ms every pass is a "stall", so every slow add must have one on its path."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def test_trace_adds_follows_every_hop_in_both_modes(tmp_path):
         [sys.executable, os.path.join(ROOT, "scripts", "trace_adds.py"), "--rate", "2000",
          "--duration", "1.5", "--rounds", "1", "--sample", "5"],
         capture_output=True, text=True, timeout=150, cwd=tmp_path,
-        env={**os.environ, "TMPDIR": str(tmp_path)})
+        env={**os.environ, "TMPDIR": str(tmp_path), "BK_TRACE_STALL_MS": "0"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     text = out.stdout
     for mode in ("plaintext", "TLS"):
@@ -36,3 +38,14 @@ def test_trace_adds_follows_every_hop_in_both_modes(tmp_path):
         for hop in HOPS:
             assert re.search(rf"^\s+{re.escape(hop)}\s+[\d.]+\s+[\d.]+\s+[\d.]+", section, re.M), \
                 f"{mode}: hop {hop!r} missing:\n{section[:3000]}"
+        stalls = section[section.index(f"{mode}: loop passes of 0 ms or more"):]
+        for kind, loops in (("client I/O", r"1"), ("worker", r"[1-6]")):
+            m = re.search(rf"^  {kind} \({loops} loops, (\d+) passes in all runs\): "
+                          rf"([\d.]+) stalls per loop-second", stalls, re.M)
+            assert m and int(m.group(1)) > 0 and float(m.group(2)) > 0, \
+                f"{mode}: no {kind} passes probed:\n{stalls[:3000]}"
+        # each loop's steps were timed inside its passes
+        assert re.search(r"^    in them .*_on_readable", stalls, re.M), stalls[:3000]
+        m = re.search(r"a client I/O stall on the path of (\d+)% .* a stall of the worker of "
+                      r"the 2nd acknowledgement on (\d+)%", stalls)
+        assert m and m.group(1) == "100" and m.group(2) == "100", stalls[:3000]

@@ -181,3 +181,29 @@ def test_others_busy_counts_a_process_outside_the_benchmark(tmp_path):
     res = procstats.per_entry(before, after, 1000)
     seconds = res["others_busy"] * (after["total"] - before["total"]) / os.sysconf("SC_CLK_TCK")
     assert seconds >= 0.3, res          # 0.35 s or more burnt (clock ticks: +-10 ms)
+
+
+def test_snapshots_taken_by_a_helper_process():
+    """The same counters through Snapshots: a helper process reads /proc for this
+    process's tree (not for itself), the client's threads keep their names."""
+    snaps = procstats.Snapshots()
+    try:
+        burnt, done = threading.Event(), threading.Event()
+        t = threading.Thread(target=_burn, args=(0.3, burnt, done), name="bk-io")
+        snaps.request()
+        before = snaps.result()          # taken before the thread burns
+        t.start()
+        assert burnt.wait(60)
+        snaps.request()
+        after = snaps.result()
+        done.set()
+        t.join()
+        helper = snaps._proc.pid
+    finally:
+        snaps.close()
+    assert before["t"][0] <= before["t"][1] <= after["t"][0] <= after["t"][1]
+    assert all(pid != helper for pid, _ in after["threads"]), "the helper counted itself"
+    res = procstats.per_entry(before, after, 1000)
+    io = res["per_entry"]["client/bk-io"]
+    assert 250 <= io["cpu_us"] <= 400, res
+    assert io["wr"] >= 2.0 and io["rd"] >= 2.0, io

@@ -66,6 +66,56 @@ def test_a_group_of_many_bytes_takes_the_sync_thread(inline_worker):
     assert c.acked() == [(LID, 0)]
 
 
+# A batch of 1 KiB entries that fits the inline bounds (16 KiB: 14 entries).
+SMALL_BATCH = W.INLINE_MAX_BYTES // 1100
+
+
+def test_a_batch_within_the_bounds_is_synced_inline_and_answered_only_after_it(inline_worker):
+    """One ADD_BATCH of 1 KiB entries within INLINE_MAX_BYTES (one answer: the
+    connection's group acknowledgement) while the loop has spare time: synced on
+    the loop's thread, no sync thread, and the acknowledgement of every entry
+    leaves only once the journal is durable to its end."""
+    w = inline_worker()
+    c = Client(w)
+    syncs = w.storage._journal.syncs
+    c.send(P.encode_add_batch(12, KEY, 0, [(LID, e, e - 1, b"d" * 16, b"p" * 1024)
+                                           for e in range(SMALL_BATCH)]))
+    assert len(w.held) == 1 and c.acked() == [] and not durable(w)
+    assert SMALL_BATCH * 1024 < w.storage.unsynced_bytes <= W.INLINE_MAX_BYTES
+    sent = []
+    release = w._release
+
+    def watch(held):                      # durable when its answer is sent
+        sent.append(durable(w))
+        release(held)
+    w._release = watch
+    w._start_sync()
+    assert sent == [True]
+    assert w.sync_job is None and not w._sync_jobs and w.held == [] and w.inflight == []
+    assert c.acked() == [(LID, e) for e in range(SMALL_BATCH)]
+    assert w.storage._journal.syncs == syncs + 1
+
+
+def test_a_failed_inline_sync_of_a_batch_answers_none_of_it(inline_worker):
+    """The batch's inline fdatasync fails: not one of its entries is acknowledged."""
+    w = inline_worker()
+    c = Client(w)
+    j = w.storage._journal
+    # the journal's file becomes one that takes the write but refuses fdatasync
+    good, j._fd = j._fd, os.open(os.devnull, os.O_WRONLY)
+    try:
+        c.send(P.encode_add_batch(13, KEY, 0, [(LID, e, e - 1, b"", b"q" * 1024)
+                                               for e in range(SMALL_BATCH)]))
+        with pytest.raises(JournalError):
+            w._start_sync()
+        assert w.sync_job is None and not w._sync_jobs      # it was the inline sync
+        assert c.acked() == [] and w._failed and w.inflight == [] and w.held == []
+        w._quiesce()
+        assert c.acked() == []
+    finally:
+        os.close(good)
+
+
 def test_a_small_group_gathered_during_a_pipelined_sync_keeps_the_pipeline(inline_worker):
     """Input that arrives while a sync runs goes on arriving: its group takes the
     thread too (begun before the synced group is answered), however small."""
