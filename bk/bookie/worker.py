@@ -408,6 +408,7 @@ class ShardWorker:
             read_ahead_entries=conf.dbStorage_readAheadCacheBatchSize,
             log_size_limit=conf.logSizeLimit,
             recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds,
+            uncache_journal=conf.journalRemovePagesFromCache,
             index_cache_bytes=conf.dbStorage_rocksDB_blockCacheSize)
         if self.deleted:
             # a zombie writer's add to one of these must be refused from the first request

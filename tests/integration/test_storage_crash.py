@@ -340,3 +340,33 @@ def test_kill9_once_the_flushed_journal_left_the_page_cache(cluster_factory):
     b.start()
     read_back(b, lid, acked)
     assert shard_info(b, 0)["journal_segments_as_logs"] >= 1
+
+
+def test_journal_pages_stay_cached_with_remove_pages_from_cache_false(cluster_factory):
+    """journalRemovePagesFromCache=false reaches the shard's storage: after several
+    flushes (the first segment full and flushed past) its pages are still cached,
+    where the default drops them (the test above)."""
+    c = cluster_factory(1, num_shards=1, conf_overrides=dict(
+        SMALL_CACHE, journalPreAllocSizeMB=2, nettyMaxFrameSizeBytes=1 << 20,
+        journalRemovePagesFromCache=False))
+    b = c.bookies[0]
+    lid = (1 << 50) + 17
+    first = os.path.join(b.dir, "journal", "shard-0", J.segment_name(1))
+    third = os.path.join(b.dir, "journal", "shard-0", J.segment_name(3))
+    before = shard_info(b, 0)["checkpoints"]
+    acked: list[int] = []
+    stop = threading.Event()
+    t = threading.Thread(target=pump, args=(b, lid, 0, 1_000_000),
+                         kwargs={"stop": stop, "acked": acked})
+    t.start()
+    try:
+        # two segments past the first and three checkpoints: with the default the
+        # first segment would have left the page cache by now
+        wait_until(lambda: os.path.exists(third)
+                   and shard_info(b, 0)["checkpoints"] >= before + 3, timeout=60, step=0.05,
+                   what="a third journal segment and three checkpoints")
+    finally:
+        stop.set()
+        t.join(30)
+    assert resident_pages(first) > 0
+    read_back(b, lid, acked)
