@@ -84,7 +84,8 @@ from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_frames
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
-                       LedgerClosedError, LedgerFencedError, MetadataVersionError, NoSuchEntryError,
+                       LedgerClosedError, LedgerFencedError, MetadataError, MetadataVersionError,
+                       NoSuchEntryError,
                        NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
