@@ -115,6 +115,7 @@ _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
 _RANGE_REQUEST_BYTES = 256 * 1024
 _PROBE_ENTRIES = 16            # first window of a read whose entry size is unknown
 _data_of = operator.attrgetter("data")
+_t_sent_of = operator.attrgetter("t_sent")
 _popleft = collections.deque.popleft
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 _REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
@@ -1222,23 +1223,22 @@ class LedgerHandle:
         if n:
             m = q_w >> off
             full = (m ^ (m + 1)).bit_length() - 1
-            now = self._loop.now
-            lats = []
-            observe = lats.append
-            popleft = pending.popleft
-            for i in range(n):
-                op = popleft()
+            ops = list(map(_popleft, itertools.repeat(pending, n)))
+            if full < n:
+                # not on every bookie of their write set yet (or confirmed out of
+                # order: dropped from the head of _unconfirmed in turn)
+                unconfirmed.extend(ops[full:] if full else ops)
+            last = ops[-1]
+            # the LAC, length and count cover all n before any callback runs:
+            # they are all acknowledged, a callback may read the LAC, and a
+            # blocking add's thread, woken by its callback, may close at once
+            # (close waits until every add is counted)
+            self._lac = last.entry_id
+            self._length = last.length
+            self._completed += n
+            lats = list(map(self._loop.now.__sub__, map(_t_sent_of, ops)))
+            for op in ops:
                 op.done = True
-                if i >= full:
-                    # not on every bookie of its write set yet (or confirmed out of
-                    # order: dropped from the head of _unconfirmed in turn)
-                    unconfirmed.append(op)
-                observe(now - op.t_sent)
-                self._lac = op.entry_id
-                self._length = op.length
-                # counted before its callback: a blocking add's thread, woken by
-                # it, may close at once, and close waits until every add is counted
-                self._completed += 1
                 cb = op.cb
                 if cb is not None:
                     try:
