@@ -119,7 +119,10 @@ _t_sent_of = operator.attrgetter("t_sent")
 _popleft = collections.deque.popleft
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 _REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
-_REBASE_AT = 4096              # entries acknowledged past a writer's _ack_base before _rebase
+# Entries acknowledged past a writer's _ack_base before _rebase: small, so that the
+# bitsets of a writer with few adds in flight (blocking adds) stay a few machine
+# words, whose ANDs and ORs cost less than the Python steps around them.
+_REBASE_AT = 256
 
 
 class LedgerEntry:
