@@ -869,6 +869,7 @@ class LedgerHandle:
         # (_rebase moves it on as they drain).
         self._acks = [0] * self._E
         self._ack_base = self._next_entry
+        self._masks = masks_for(self._E, self._qw, self._qa)
         self._change_from = None
         self._change_lock = threading.Lock()
         self._close_lock = threading.Lock()  # close() retries: one metadata write at a time
@@ -1179,19 +1180,11 @@ class LedgerHandle:
 
     def _quorum_masks(self):
         """``(qa_mask, qw_mask)``: the entries (bit ``e - _ack_base``) that at least
-        Qa, and at least Qw, slots confirmed. ``ge[k]`` collects the entries seen
-        by k or more of the slots folded in so far. A slot's bits are all in its
-        write sets (it is sent and confirms nothing else; a replaced slot's are
-        cleared from the new fragment's start), so counting over every slot is
-        counting over each entry's write set."""
-        qw = self._qw
-        ge = [0] * (qw + 1)
-        for a in self._acks:
-            if a:
-                for k in range(qw, 1, -1):
-                    ge[k] |= ge[k - 1] & a
-                ge[1] |= a
-        return ge[self._qa], ge[qw]
+        Qa, and at least Qw, slots confirmed (see :func:`quorum_masks`). A slot's
+        bits are all in its write sets (it is sent and confirms nothing else; a
+        replaced slot's are cleared from the new fragment's start), so counting
+        over every slot is counting over each entry's write set."""
+        return self._masks(self._acks)
 
     def _rebase(self):
         """Move _ack_base up to the first tracked entry (dropping the bits below it),
@@ -2037,6 +2030,50 @@ class LedgerHandle:
 
     def _lac_after(self, entry_id):
         return self._readable_last()
+
+
+def quorum_masks(acks, qw, qa):
+    """``(at least qa, at least qw)`` of the bitsets ``acks``: the bits set in at
+    least that many of them. ``ge[k]`` collects the bits seen in k or more of
+    the bitsets folded in so far."""
+    ge = [0] * (qw + 1)
+    for a in acks:
+        if a:
+            for k in range(qw, 1, -1):
+                ge[k] |= ge[k - 1] & a
+            ge[1] |= a
+    return ge[qa], ge[qw]
+
+
+def _masks_3_3_2(acks):
+    a, b, c = acks
+    ab = a & b
+    return ab | (c & (a | b)), ab & c
+
+
+def _masks_3_3_3(acks):
+    a, b, c = acks
+    m = a & b & c
+    return m, m
+
+
+def _masks_2_2_2(acks):
+    m = acks[0] & acks[1]
+    return m, m
+
+
+# Shapes whose masks are a few operators, without quorum_masks' loops: a write
+# with one entry per acknowledgement (blocking adds) computes them per entry.
+_MASKS = {(3, 3, 2): _masks_3_3_2, (3, 3, 3): _masks_3_3_3, (2, 2, 2): _masks_2_2_2}
+
+
+def masks_for(E, qw, qa):
+    """The function ``acks -> (qa_mask, qw_mask)`` for an ensemble of this shape."""
+    f = _MASKS.get((E, qw, qa))
+    if f is None:
+        def f(acks):
+            return quorum_masks(acks, qw, qa)
+    return f
 
 
 def _speculate_ref(ref, idx):

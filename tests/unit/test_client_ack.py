@@ -725,3 +725,22 @@ def test_the_bitsets_follow_what_is_in_flight():
     assert all(a.bit_length() <= L._REBASE_AT + 1000 for a in h._acks)
     _ack(conns[2], (n - 500, n - 1))
     assert not h._unconfirmed
+
+
+def test_quorum_masks_count_the_bitsets():
+    """Every shape's masks (the general fold and the few-operator ones) give, per
+    bit, whether at least Qa and at least Qw of the slots have it."""
+    from bk.client import ledger as L
+
+    rnd = random.Random(7)
+    shapes = [(E, qw, qa) for E in range(1, 6) for qw in range(1, E + 1) for qa in range(1, qw + 1)]
+    assert {(3, 3, 2), (3, 3, 3), (2, 2, 2)} <= set(shapes)
+    for E, qw, qa in shapes:
+        f = L.masks_for(E, qw, qa)
+        for _ in range(30):
+            acks = [rnd.getrandbits(64) & rnd.getrandbits(64) for _ in range(E)]
+            q_a, q_w = f(acks)
+            for bit in range(64):
+                n = sum((a >> bit) & 1 for a in acks)
+                assert (q_a >> bit) & 1 == (n >= qa) and (q_w >> bit) & 1 == (n >= qw), \
+                    (E, qw, qa, bit)
