@@ -38,9 +38,11 @@ connection encrypts the frame as it is (with a head of its own it joined head
 and records again, a copy of every entry per bookie). Otherwise (striped
 write sets, resends) each connection builds its own. The
 bookie answers a group commit with one group acknowledgement per connection
-(runs of entries, plus per-entry errors), which the loop applies entry by
-entry (a slot bit per op, no sets) and then advances each handle it touched
-once. Everything a write produces goes out with ``sendmsg`` of the buffers as
+(runs of entries, plus per-entry errors): the loop takes each run's entries
+off the connection (a ``dict.pop`` per entry, iterated in C) and confirms
+the run in its handle as one range, an OR into the bitset of that bookie's
+slot (``bk.client.ledger``), with no Python step per entry; it then advances
+each handle it touched once. Everything a write produces goes out with ``sendmsg`` of the buffers as
 they are (at most ``_IOV`` per call), not joined again per connection; what
 the socket does not take waits in ``wq``. Replies are received
 with ``recv_into`` the connection's reusable :class:`protocol.FrameBuffer`
@@ -170,6 +172,17 @@ def record_frames(ops, limit, key, rids):
         bufs[0] = head(next(rids), mk, flags, count, nbytes)
         frames.append(b"".join(bufs))
     return frames
+
+
+class _LedgerAdds(dict):
+    """The adds of one ledger outstanding on one connection: entry id -> op, or
+    the list of ops of one entry sent by several handles (a writer and a
+    recovery of the ledger in one client), oldest first. ``owner`` is the one
+    handle whose ops it holds, or None once another handle's ops or a second
+    send of an entry came (until it empties): a group acknowledgement's run
+    is then confirmed op by op instead of as one range."""
+
+    __slots__ = ("owner",)
 
 
 class _Waker:
@@ -356,15 +369,20 @@ class Connection:
         ``frames``: the same ops already encoded by :func:`record_frames` (made
         once for a whole write quorum), sent as they are to a bookie that takes
         batches."""
-        lid = ops[0].handle._lid
+        h = ops[0].handle
+        lid = h._lid
         d = self.adds.get(lid)
         if d is None:
-            d = self.adds[lid] = {}
+            d = self.adds[lid] = _LedgerAdds()
+            d.owner = h
+        elif d.owner is not h:
+            d.owner = None
         # (a loop: on 3.11 it costs less than d.update(zip(map(...))), measured)
         setdefault = d.setdefault
         for op in ops:
             prev = setdefault(op.entry_id, op)
             if prev is not op:          # the same entry of another handle (a recovery)
+                d.owner = None
                 if prev.__class__ is list:
                     if op not in prev:
                         prev.append(op)
@@ -657,34 +675,45 @@ class Connection:
             log.exception("add reply handler failed for %r", op)
 
     def _on_add_ack(self, msg):
-        """A group acknowledgement: confirm every entry of its runs (a slot bit and
-        a count per op), hand its errors to their handles, then advance each
-        handle it touched once."""
+        """A group acknowledgement: take every entry of its runs off this
+        connection, confirm each run in its handle's bitsets (one range when the
+        ledger's adds here are one handle's and the run is whole, else entry by
+        entry), hand its errors to their handles, then advance each handle it
+        touched once."""
         protocol.check_add_ack(msg)
         acked, errors = msg[3], msg[4]
         adds = self.adds
         touched = []
-        h = None
-        bit = 0
         for i in range(0, len(acked), 3):
             lid = acked[i]
             d = adds.get(lid)
             if d is None:
                 continue
-            # pop(e, None) for each e of the run, iterated in C
-            for op in map(d.pop, range(acked[i + 1], acked[i + 2] + 1), _NONES):
-                if op is None:
-                    continue
-                if op.__class__ is list:
-                    op = self._take_add(d, op[0].entry_id, op)
-                if op.handle is not h:
+            first, last = acked[i + 1], acked[i + 2]
+            h = d.owner
+            if h is not None:
+                # pop(e, None) for each e of the run, iterated in C; the ops
+                # outstanding here (never a list: one handle, one send each)
+                got = list(filter(None, map(d.pop, range(first, last + 1), _NONES)))
+                if got:
+                    if len(got) == last - first + 1:
+                        h._confirm_run(self, first, last)
+                    else:                   # entries this connection no longer holds
+                        for op in got:
+                            h._confirm_run(self, op.entry_id, op.entry_id)
+                    if h not in touched:
+                        touched.append(h)
+            else:
+                for e in range(first, last + 1):
+                    op = d.pop(e, None)
+                    if op is None:
+                        continue
+                    if op.__class__ is list:
+                        op = self._take_add(d, e, op)
                     h = op.handle
-                    touched.append(h)
-                    bit = h._ack_bits.get(self, 0)
-                if not bit or op.acked & bit:
-                    continue
-                op.acked |= bit
-                op.nacks += 1
+                    h._confirm_run(self, e, e)
+                    if h not in touched:
+                        touched.append(h)
             if not d:
                 del adds[lid]
         for i in range(0, len(errors), 3):
@@ -701,8 +730,6 @@ class Connection:
                 op.on_reply(self, [_ADD, msg[1], status, lid, e])
             except Exception:
                 log.exception("add reply handler failed for %r", op)
-        if len(touched) > 1:
-            touched = set(touched)
         for h in touched:
             try:
                 h._advance()

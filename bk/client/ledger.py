@@ -17,11 +17,15 @@ It hands each bookie of the ensemble, with one ``send_adds`` per drain, the
 ops whose write set (the Qw bookies starting at slot ``entry % E``) it is in
 (with E == Qw, with whole ADD_BATCH frames encoded once for all of them); the
 connection batches them (``bk.client.connection``) and a group
-acknowledgement confirms many at once, each confirmation setting the slot's
-bit in the op (no per-entry sets); the handle then advances once. The head of ``_pending`` is
-acknowledged once Qa bookies confirmed it; acknowledging pops every complete
-op from the head, so acknowledgement (and the LAC) follows entry-id order
-whatever order bookies answer in.
+acknowledgement confirms many at once. Confirmations are kept per ensemble
+slot, not per op: one Python int per slot whose bit ``e - _ack_base`` says
+the slot's bookie confirmed entry e, so a run of confirmed entries is one OR
+(no step per entry), a confirmation that arrives twice counts once, and the
+entries that Qa (and Qw) slots confirmed are a few ANDs and ORs of the ints
+(``_quorum_masks``). The handle then advances once: the head of ``_pending``
+is acknowledged once Qa bookies confirmed it; acknowledging pops every
+complete op from the head, so acknowledgement (and the LAC) follows entry-id
+order whatever order bookies answer in.
 
 A bookie that fails (connection error, an error status, or an add older than
 ``addEntryTimeoutSec`` it has not confirmed) starts an *ensemble change*:
@@ -84,7 +88,8 @@ from bk.client import digest as _digest
 from bk.client.connection import Call, DeadConnection, record_frames
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
                        DigestMismatchError,
-                       LedgerClosedError, LedgerFencedError, MetadataVersionError, NoSuchEntryError,
+                       LedgerClosedError, LedgerFencedError, MetadataError, MetadataVersionError,
+                       NoSuchEntryError,
                        NoSuchLedgerError,
                        TimeoutError, TooManyRequestsError, error_for_status)
 from bk.errors import EAUTH, EBADREQ, EFENCED, ENOENTRY, ENOLEDGER, EOK, ETOOMANYREQUESTS, EUA
@@ -110,9 +115,14 @@ _FIRST_ENTRY_GUESS = 64 * 1024  # entry size assumed before read_entries saw one
 _RANGE_REQUEST_BYTES = 256 * 1024
 _PROBE_ENTRIES = 16            # first window of a read whose entry size is unknown
 _data_of = operator.attrgetter("data")
+_t_sent_of = operator.attrgetter("t_sent")
 _popleft = collections.deque.popleft
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 _REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
+# Entries acknowledged past a writer's _ack_base before _rebase: small, so that the
+# bitsets of a writer with few adds in flight (blocking adds) stay a few machine
+# words, whose ANDs and ORs cost less than the Python steps around them.
+_REBASE_AT = 256
 
 
 class LedgerEntry:
@@ -139,13 +149,14 @@ class PendingAdd:
     """One add in flight (I/O-thread state after submission).
 
     ``head`` is the entry's ADD_BATCH record head (ids, LAC, digest) and ``data``
-    its payload: the two buffers every bookie of its write quorum is sent.
-    ``acked`` has bit ``1 << slot`` set for each ensemble slot that confirmed it,
-    ``nacks`` counts them. One is made per entry written, so it holds only what
-    every add needs; ``frame`` (a single ADD, for a bookie without batches),
-    ``nfenced`` and ``backoff`` are set only on the paths that need them."""
+    its payload: the two buffers every bookie of its write quorum is sent. Which
+    bookies confirmed it is not kept here but in the handle's per-slot bitsets
+    (``LedgerHandle._acks``), so that a group acknowledgement touches no op. One
+    is made per entry written, so it holds only what every add needs; ``frame``
+    (a single ADD, for a bookie without batches), ``nfenced`` and ``backoff``
+    are set only on the paths that need them."""
 
-    __slots__ = ("handle", "entry_id", "head", "data", "wlen", "length", "acked", "nacks",
+    __slots__ = ("handle", "entry_id", "head", "data", "wlen", "length",
                  "done", "cb", "t_sent", "frame", "nfenced", "backoff")
 
     def __init__(self, handle, entry_id, head, data, length, cb):
@@ -155,8 +166,6 @@ class PendingAdd:
         self.data = data
         self.wlen = len(head) + len(data)
         self.length = length
-        self.acked = 0
-        self.nacks = 0
         self.done = False
         self.cb = cb
         self.t_sent = 0.0
@@ -178,16 +187,12 @@ class PendingAdd:
     def on_reply(self, conn, msg):
         h = self.handle
         if msg[2] == EOK:
-            bit = h._ack_bits.get(conn, 0)
-            if not bit or self.acked & bit:
-                return
-            self.acked |= bit
-            self.nacks += 1
+            e = self.entry_id
+            h._confirm_run(conn, e, e)
             # (an acknowledged op still counts its late confirmations: see _unconfirmed)
-            if not self.done and self.nacks >= h._qa:
-                pending = h._pending
-                if pending and pending[0] is self:
-                    h._advance()
+            pending = h._pending
+            if pending and pending[0] is self:
+                h._advance()
         else:
             h._add_error(self, conn, msg[2])
 
@@ -855,6 +860,16 @@ class LedgerHandle:
         # entries are resent and get their Qw copies; until then they are held here
         # and by the bookie's connection, and count against the throttle.
         self._unconfirmed = collections.deque()
+        # Which slot confirmed which entry (I/O thread): bit ``e - _ack_base`` of
+        # ``_acks[slot]`` is set once the slot's bookie confirmed entry e. A group
+        # acknowledgement's run of entries is one OR into its slot's int, and how
+        # many slots confirmed an entry is counted from the ints (_quorum_masks),
+        # never kept per op: a confirmation that comes twice counts once.
+        # _ack_base is at most the first entry of _pending and of _unconfirmed
+        # (_rebase moves it on as they drain).
+        self._acks = [0] * self._E
+        self._ack_base = self._next_entry
+        self._masks = masks_for(self._E, self._qw, self._qa)
         self._change_from = None
         self._change_lock = threading.Lock()
         self._close_lock = threading.Lock()  # close() retries: one metadata write at a time
@@ -900,9 +915,9 @@ class LedgerHandle:
         conns = self._conns_of(ensemble)
         self._ens_conns = conns
         self._slot_of = {c: i for i, c in enumerate(conns)}
-        # conn -> its slot's bit in PendingAdd.acked, for the bookies whose
-        # confirmations count (not failed)
-        self._ack_bits = {c: 1 << i for i, c in enumerate(conns) if i not in self._failed_slots}
+        # conn -> its slot (in _acks), for the bookies whose confirmations count
+        # (not failed)
+        self._ack_slot = {c: i for i, c in enumerate(conns) if i not in self._failed_slots}
 
     def _what_add(self, entry_id):
         return f"add entry {entry_id} to ledger {self._lid}"
@@ -1137,44 +1152,110 @@ class LedgerHandle:
             if mine:
                 conn.send_adds(mine)
 
+    def _confirm_run(self, conn, first, last):
+        """``conn``'s bookie confirmed entries ``first..last`` (I/O thread): one OR
+        into its slot's bitset. Ignored from a bookie whose confirmations do not
+        count (failed, replaced, not in the ensemble) and below _ack_base (entries
+        no longer tracked)."""
+        s = self._ack_slot.get(conn)
+        if s is None:
+            return
+        base = self._ack_base
+        if first < base:
+            if last < base:
+                return
+            first = base
+        self._acks[s] |= ((1 << (last - first + 1)) - 1) << (first - base)
+
+    def _confirmed_by(self, entry_id, slot) -> bool:
+        """True if ``slot`` confirmed ``entry_id`` (a tracked entry; False below
+        _ack_base, where nothing is known any more)."""
+        off = entry_id - self._ack_base
+        return off >= 0 and (self._acks[slot] >> off) & 1 == 1
+
+    def _nconfirmed(self, entry_id) -> int:
+        """How many slots confirmed ``entry_id`` (0 below _ack_base)."""
+        off = entry_id - self._ack_base
+        return 0 if off < 0 else sum((a >> off) & 1 for a in self._acks)
+
+    def _quorum_masks(self):
+        """``(qa_mask, qw_mask)``: the entries (bit ``e - _ack_base``) that at least
+        Qa, and at least Qw, slots confirmed (see :func:`quorum_masks`). A slot's
+        bits are all in its write sets (it is sent and confirms nothing else; a
+        replaced slot's are cleared from the new fragment's start), so counting
+        over every slot is counting over each entry's write set."""
+        return self._masks(self._acks)
+
+    def _rebase(self):
+        """Move _ack_base up to the first tracked entry (dropping the bits below it),
+        so that the bitsets span what is in flight, not the ledger."""
+        pending, unc = self._pending, self._unconfirmed
+        first = self._lac + 1
+        if pending:
+            first = pending[0].entry_id
+        if unc and unc[0].entry_id < first:
+            first = unc[0].entry_id
+        k = first - self._ack_base
+        if k > 0:
+            self._acks = [a >> k for a in self._acks]
+            self._ack_base = first
+
     def _advance(self):
         if self._state.changing:
             return
         pending = self._pending
-        qa = self._qa
-        n = 0
-        now = self._loop.now
-        lats = []
-        observe = lats.append
-        qw = self._qw
         unconfirmed = self._unconfirmed
-        while pending:
-            op = pending[0]
-            if op.nacks < qa:
-                break
-            pending.popleft()
-            op.done = True
-            if op.nacks < qw:
-                unconfirmed.append(op)
-            observe(now - op.t_sent)
-            self._lac = op.entry_id
-            self._length = op.length
-            n += 1
-            # counted before its callback: a blocking add's thread, woken by it,
-            # may close at once, and close waits until every add is counted
-            self._completed += 1
-            cb = op.cb
-            if cb is not None:
-                try:
-                    cb(None, op.entry_id)
-                except Exception:
-                    log.exception("add callback failed")
+        if not pending and not unconfirmed:
+            return
+        base = self._ack_base
+        q_a, q_w = self._quorum_masks()
+        n = 0
+        if pending:
+            off = pending[0].entry_id - base
+            m = q_a >> off
+            # the run of entries from the head that Qa slots confirmed (its
+            # trailing ones), and the part of it all Qw slots confirmed
+            n = min((m ^ (m + 1)).bit_length() - 1, len(pending))
+        if n:
+            m = q_w >> off
+            full = (m ^ (m + 1)).bit_length() - 1
+            ops = list(map(_popleft, itertools.repeat(pending, n)))
+            if full < n:
+                # not on every bookie of their write set yet (or confirmed out of
+                # order: dropped from the head of _unconfirmed in turn)
+                unconfirmed.extend(ops[full:] if full else ops)
+            last = ops[-1]
+            # the LAC, length and count cover all n before any callback runs:
+            # they are all acknowledged, a callback may read the LAC, and a
+            # blocking add's thread, woken by its callback, may close at once
+            # (close waits until every add is counted)
+            self._lac = last.entry_id
+            self._length = last.length
+            self._completed += n
+            lats = list(map(self._loop.now.__sub__, map(_t_sent_of, ops)))
+            for op in ops:
+                op.done = True
+                cb = op.cb
+                if cb is not None:
+                    try:
+                        cb(None, op.entry_id)
+                    except Exception:
+                        log.exception("add callback failed")
         popped = False
-        while unconfirmed and unconfirmed[0].nacks >= qw:
-            unconfirmed.popleft()
+        while unconfirmed:
+            off = unconfirmed[0].entry_id - base
+            m = q_w >> off
+            k = (m ^ (m + 1)).bit_length() - 1
+            if not k:
+                break
+            end = base + off + k            # entries below it: on every bookie
+            while unconfirmed and unconfirmed[0].entry_id < end:
+                unconfirmed.popleft()
             popped = True
         if n:
             observe_many(self._m_add_ok, lats)
+            if self._lac - base >= _REBASE_AT:
+                self._rebase()
         if (n or popped) and self._waiting:
             with self._cond:
                 self._cond.notify_all()
@@ -1243,7 +1324,7 @@ class LedgerHandle:
         """ETOOMANYREQUESTS: the bookie is alive but overloaded. Replacing it would
         move load around and cost a metadata write, so resend to it after a back-off
         doubling from 2 ms; fail it only once the add is addEntryTimeoutSec old."""
-        if self._state.broken or conn not in self._ack_bits:
+        if self._state.broken or conn not in self._ack_slot:
             return
         left = op.t_sent + self._add_timeout - self._loop.now
         if left <= 0:
@@ -1260,8 +1341,8 @@ class LedgerHandle:
 
     def _resend_busy(self, op, conn):
         # The bookie confirmed it meanwhile, or was replaced: nothing left to do.
-        bit = self._ack_bits.get(conn)
-        if self._state.broken or bit is None or op.acked & bit:
+        slot = self._ack_slot.get(conn)
+        if self._state.broken or slot is None or self._confirmed_by(op.entry_id, slot):
             return
         conn.send_adds([op])
 
@@ -1283,7 +1364,7 @@ class LedgerHandle:
             self._failed_slots.add(slot)
             if first is not None and (self._change_from is None or first < self._change_from):
                 self._change_from = first
-        self._ack_bits.pop(conn, None)
+        self._ack_slot.pop(conn, None)
         if not self._state.changing:
             self._move("change")
             self._client._executor.submit(self._change_ensemble)
@@ -1294,12 +1375,12 @@ class LedgerHandle:
         unc = self._unconfirmed
         if not unc:
             return None
-        bit = 1 << slot
         E, qw = self._E, self._qw
         frag = self._md.ensembles[-1][0]
+        confirmed = self._confirmed_by
         for op in unc:
             e = op.entry_id
-            if e >= frag and not op.acked & bit and (slot - e) % E < qw:
+            if e >= frag and (slot - e) % E < qw and not confirmed(e, slot):
                 return e
         return None
 
@@ -1318,7 +1399,7 @@ class LedgerHandle:
             # fragment (its ensemble is history: auto-recovery's to repair)
             qw, frag = self._qw, self._md.ensembles[-1][0]
             n = len(unc)
-            while unc and (unc[0].nacks >= qw or unc[0].entry_id < frag):
+            while unc and (unc[0].entry_id < frag or self._nconfirmed(unc[0].entry_id) >= qw):
                 unc.popleft()
             if n != len(unc) and self._waiting:
                 with self._cond:
@@ -1330,7 +1411,7 @@ class LedgerHandle:
             for i in range(self._qw):
                 s = (e + i) % self._E
                 conn = self._ens_conns[s]
-                if not op.acked & (1 << s):
+                if not self._confirmed_by(e, s):
                     self._bookie_failed(conn, TimeoutError(
                         f"{self._what_add(e)}: bookie {conn.bookie_id} did not confirm within "
                         f"{self._add_timeout:g}s"))
@@ -1420,6 +1501,11 @@ class LedgerHandle:
         with self._change_lock:
             self._failed_slots -= set(new_conns)
         self._set_ensemble(new_md.last_ensemble)
+        # the new bookies confirmed nothing of the new fragment yet: their slots'
+        # bits from its start go (below it, the replaced bookie's stay: history)
+        keep = start - self._ack_base
+        for s in new_conns:
+            self._acks[s] &= (1 << keep) - 1 if keep > 0 else 0
         if not self._state.broken:
             E, qw = self._E, self._qw
             still_failed = self._failed_slots
@@ -1430,14 +1516,9 @@ class LedgerHandle:
                 resent = False
                 for i in range(qw):
                     s = (e + i) % E
-                    if s in new_conns:
-                        bit = 1 << s
-                        if op.acked & bit:
-                            op.acked &= ~bit
-                            op.nacks -= 1
-                        if s not in still_failed:
-                            resend.setdefault(s, []).append(op)
-                            resent = True
+                    if s in new_conns and s not in still_failed:
+                        resend.setdefault(s, []).append(op)
+                        resent = True
                 if resent:
                     op.t_sent = self._loop.now
             for s, ops in resend.items():
@@ -1949,6 +2030,50 @@ class LedgerHandle:
 
     def _lac_after(self, entry_id):
         return self._readable_last()
+
+
+def quorum_masks(acks, qw, qa):
+    """``(at least qa, at least qw)`` of the bitsets ``acks``: the bits set in at
+    least that many of them. ``ge[k]`` collects the bits seen in k or more of
+    the bitsets folded in so far."""
+    ge = [0] * (qw + 1)
+    for a in acks:
+        if a:
+            for k in range(qw, 1, -1):
+                ge[k] |= ge[k - 1] & a
+            ge[1] |= a
+    return ge[qa], ge[qw]
+
+
+def _masks_3_3_2(acks):
+    a, b, c = acks
+    ab = a & b
+    return ab | (c & (a | b)), ab & c
+
+
+def _masks_3_3_3(acks):
+    a, b, c = acks
+    m = a & b & c
+    return m, m
+
+
+def _masks_2_2_2(acks):
+    m = acks[0] & acks[1]
+    return m, m
+
+
+# Shapes whose masks are a few operators, without quorum_masks' loops: a write
+# with one entry per acknowledgement (blocking adds) computes them per entry.
+_MASKS = {(3, 3, 2): _masks_3_3_2, (3, 3, 3): _masks_3_3_3, (2, 2, 2): _masks_2_2_2}
+
+
+def masks_for(E, qw, qa):
+    """The function ``acks -> (qa_mask, qw_mask)`` for an ensemble of this shape."""
+    f = _MASKS.get((E, qw, qa))
+    if f is None:
+        def f(acks):
+            return quorum_masks(acks, qw, qa)
+    return f
 
 
 def _speculate_ref(ref, idx):

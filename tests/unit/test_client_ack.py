@@ -9,8 +9,8 @@ from bk import protocol as P
 from bk.client.health import BookieHealth
 from bk.client.ledger import _TRANSITIONS, LedgerHandle, WriterState
 from bk.config import Config
-from bk.errors import (EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, LedgerClosedError,
-                       LedgerFencedError)
+from bk.errors import (EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, BookieUnavailableError,
+                       LedgerClosedError, LedgerFencedError, TimeoutError)
 from bk.meta.ledger import LedgerMetadata
 
 
@@ -315,7 +315,9 @@ def test_busy_bookie_still_gets_its_copy_once_qa_acked():
     # acknowledged by Qa, but b2 must still get its copy: resent, no ensemble change
     assert len(b2.sent) == 2 and client._executor.jobs == []
     reply(b2, b2.sent[1][0])
-    assert h._unconfirmed and h._unconfirmed[0].nacks == 3
+    assert h._nconfirmed(0) == 3
+    h._tick(client._io.now)
+    assert not h._unconfirmed
 
 
 def test_read_only_bookie_is_replaced_at_once():
@@ -365,10 +367,33 @@ def test_record_frames_split_at_the_frame_limits():
     assert C.record_frames([], 1000, key, it.count(1)) == []
 
 
-def test_group_ack_confirms_the_oldest_send_of_an_entry_first():
-    """Two handles of one ledger in one client (a writer and its recovery) send
-    the same entry ids on one connection: each acknowledgement confirms the
-    oldest outstanding send of an entry, one handle's op at a time."""
+class _RunHandle:
+    """What a connection asks of a write handle: the runs it confirms, advances."""
+
+    def __init__(self, lid=7):
+        self._lid = lid
+        self.runs = []          # (conn, first, last) as confirmed
+        self.advanced = 0
+
+    def _confirm_run(self, conn, first, last):
+        self.runs.append((conn.bookie_id, first, last))
+
+    def _advance(self):
+        self.advanced += 1
+
+    def confirmed(self):
+        return [e for _, a, b in self.runs for e in range(a, b + 1)]
+
+
+class _RunOp:
+    def __init__(self, h, e):
+        self.handle, self.entry_id, self.done = h, e, False
+
+    def on_reply(self, conn, msg):
+        self.reply = msg
+
+
+def _ready_conn():
     from bk.client import connection as C
 
     class Loop:
@@ -376,40 +401,51 @@ def test_group_ack_confirms_the_oldest_send_of_an_entry_first():
         _timeouts = {}
         _dirty = []
 
-    class Handle:
-        def __init__(self):
-            self._lid = 7
-            self._ack_bits = {}
-            self.advanced = 0
-
-        def _advance(self):
-            self.advanced += 1
-
-    class Op:
-        def __init__(self, h, e):
-            self.handle, self.entry_id = h, e
-            self.done, self.acked, self.nacks = False, 0, 0
-
     conn = C.Connection(Loop(), "b0", 0, ("127.0.0.1", 1))
     conn.state, conn.dirty = C.READY, True
-    writer, recovery = Handle(), Handle()
-    for h in (writer, recovery):
-        h._ack_bits[conn] = 1 << 1
-    w_ops = [Op(writer, e) for e in range(3)]
-    r_ops = [Op(recovery, e) for e in range(1, 3)]
-    conn.send_adds(w_ops)
-    conn.send_adds(r_ops)
+    return conn
+
+
+def test_group_ack_confirms_the_oldest_send_of_an_entry_first():
+    """Two handles of one ledger in one client (a writer and its recovery) send
+    the same entry ids on one connection: each acknowledgement confirms the
+    oldest outstanding send of an entry, one handle's op at a time."""
+    conn = _ready_conn()
+    writer, recovery = _RunHandle(), _RunHandle()
+    conn.send_adds([_RunOp(writer, e) for e in range(3)])
+    conn.send_adds([_RunOp(recovery, e) for e in range(1, 3)])
     conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 2], []])
-    assert [op.nacks for op in w_ops] == [1, 1, 1]
-    assert [op.acked for op in w_ops] == [2, 2, 2]
-    assert [op.nacks for op in r_ops] == [0, 0] and writer.advanced == 1
+    assert writer.confirmed() == [0, 1, 2] and recovery.confirmed() == []
+    assert writer.advanced == 1 and recovery.advanced == 0
     assert sorted(conn.adds[7]) == [1, 2]
     conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 1, 2], []])
-    assert [op.nacks for op in r_ops] == [1, 1] and recovery.advanced == 1
+    assert recovery.confirmed() == [1, 2] and recovery.advanced == 1
     assert 7 not in conn.adds
     # a run naming entries nobody sent, or a ledger without adds, is ignored
     conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 5, 8, 0, 1], []])
-    assert [op.nacks for op in w_ops + r_ops] == [1] * 5
+    assert writer.confirmed() == [0, 1, 2] and recovery.confirmed() == [1, 2]
+
+
+def test_group_ack_confirms_a_whole_run_as_one_range():
+    """One handle's adds on a connection: a run is confirmed as one range when
+    the connection held every entry of it, and only the entries it held when
+    some are missing (answered already, or never sent here); errors of the same
+    acknowledgement go to their ops, and the handle advances once."""
+    conn = _ready_conn()
+    h = _RunHandle()
+    ops = [_RunOp(h, e) for e in range(10)]
+    conn.send_adds(ops[:6])
+    conn.send_adds(ops[6:])
+    assert conn.adds[7].owner is h
+    conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 3, 7, 5, 5], [7, 4, ETOOMANYREQUESTS]])
+    assert h.runs == [("b0", 0, 3), ("b0", 5, 5)] and h.advanced == 1
+    assert ops[4].reply[2:] == [ETOOMANYREQUESTS, 7, 4]
+    assert sorted(conn.adds[7]) == [6, 7, 8, 9]
+    # 2..3 answered already, 6..7 still held: only 6 and 7 are confirmed
+    conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 2, 7], []])
+    assert h.runs[2:] == [("b0", 6, 6), ("b0", 7, 7)] and h.advanced == 2
+    conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 8, 9], []])
+    assert h.runs[4:] == [("b0", 8, 9)] and 7 not in conn.adds
 
 
 def test_silent_bookie_is_replaced_after_qa_and_gets_the_entries():
@@ -527,3 +563,184 @@ def test_failure_while_changing_or_closed_keeps_the_handle_broken():
     assert h._state is W.BROKEN_CLOSED
     with pytest.raises(LedgerClosedError):           # closed is said before broken
         h.add_entry_async(b"after close")
+
+
+# --- group acknowledgements through real connections into a real handle ------------------
+def _make_wired(E=3, qw=3, qa=2):
+    """A write handle whose bookies are real Connections (READY, no socket): adds go
+    into their ``adds``, and group acknowledgements are fed to ``_on_add_ack``."""
+    from bk.client import connection as C
+
+    client, _ = make(E, qw, qa)
+    loop = client._io
+    loop._dirty, loop._timeouts, loop._connecting, loop.health = [], {}, set(), None
+
+    def connection(bid, lid):
+        c = client.conns.get(bid)
+        if not isinstance(c, C.Connection):
+            c = client.conns[bid] = C.Connection(loop, bid, 0, ("127.0.0.1", 1))
+            c.state, c.features = C.READY, P.FEATURE_ADD_BATCH
+        return c
+
+    client._connection = connection
+    md = LedgerMetadata(ledger_id=5, ensemble_size=E, write_quorum_size=qw, ack_quorum_size=qa,
+                        ensembles=[(0, [f"b{i}:1" for i in range(E)])])
+    h = LedgerHandle(client, md, 1, b"", writable=True)
+    return client, h, [client.conns[f"b{i}:1"] for i in range(E)]
+
+
+def _ack(conn, *runs, errors=()):
+    acked = [x for first, last in runs for x in (5, first, last)]
+    conn._on_add_ack([P.ADD_BATCH, 0, 0, acked, [x for e, st in errors for x in (5, e, st)]])
+
+
+def _submit(client, h, n, done):
+    for i in range(n):
+        h.add_entry_async(b"e%d" % i, lambda exc, eid: done.append((exc, eid)))
+    run(client)
+
+
+def test_runs_acknowledge_in_order_and_a_duplicate_counts_once():
+    client, h, (b0, b1, b2) = _make_wired()
+    done = []
+    _submit(client, h, 10, done)
+    _ack(b0, (0, 9))
+    assert done == [] and h.last_add_confirmed == -1          # one bookie of Qa=2
+    _ack(b0, (0, 9))                                           # again: nothing held, nothing counted
+    h._confirm_run(b0, 0, 9)                                   # a second confirmation by its slot
+    h._advance()
+    assert done == [] and [h._nconfirmed(e) for e in range(10)] == [1] * 10
+    _ack(b1, (4, 9))                                           # out of order: the head waits
+    assert done == [] and h.last_add_confirmed == -1
+    _ack(b1, (0, 1))
+    assert [e for _, e in done] == [0, 1] and h.last_add_confirmed == 1
+    _ack(b2, (2, 3))                                           # 2, 3 complete the gap: 0..9
+    assert [e for _, e in done] == list(range(10)) and all(x is None for x, _ in done)
+    assert h.last_add_confirmed == 9
+    assert [op.entry_id for op in h._unconfirmed] == list(range(10))   # two of three each
+    _ack(b2, (0, 1), (4, 9))
+    # 2, 3 lack b1; 4..9 are on all three but wait behind them (held in order)
+    assert [op.entry_id for op in h._unconfirmed] == list(range(2, 10))
+    _ack(b1, (2, 3))
+    assert not h._unconfirmed and not any(c.adds for c in (b0, b1, b2))
+
+
+def test_a_bookie_failing_between_two_acks_of_one_run():
+    """b1 confirms the first half of a run, then its connection breaks: acks freeze
+    (the second half has only b0), the new fragment starts after what b1 and b0
+    confirmed, and b1's replacement gets exactly the entries from there."""
+    client, h, (b0, b1, b2) = _make_wired()
+    done = []
+    _submit(client, h, 10, done)
+    _ack(b0, (0, 9))
+    _ack(b1, (0, 4))
+    assert [e for _, e in done] == [0, 1, 2, 3, 4]
+    b1._fail(BookieUnavailableError("b1 broke"), fast=True)    # 5..9 fail on b1
+    run(client)
+    assert h._state.changing and h._failed_slots == {1} and len(client._executor.jobs) == 1
+    _ack(b1, (5, 9))                                           # (a late answer: not counted)
+    _ack(b2, (0, 9))
+    assert [e for _, e in done] == [0, 1, 2, 3, 4]             # frozen while changing
+    assert h._change_from is None                              # b1 confirmed all it acked
+    new_md = h.metadata.replace(ensembles=[(0, ["b0:1", "b1:1", "b2:1"]),
+                                           (5, ["b0:1", "b3:1", "b2:1"])])
+    h._prepare_conns(["b3:1"])
+    b3 = client.conns["b3:1"]
+    h._commit_change(new_md, 2, {1: b3})
+    assert [e for _, e in done] == list(range(10))             # b0 + b2
+    assert sorted(b3.adds[5]) == [5, 6, 7, 8, 9]               # resent from the new fragment
+    assert [op.entry_id for op in h._unconfirmed] == [5, 6, 7, 8, 9]
+    assert [h._nconfirmed(e) for e in range(5, 10)] == [2] * 5  # b1's went with it
+    _ack(b3, (5, 7))
+    assert [op.entry_id for op in h._unconfirmed] == [8, 9]
+    _ack(b3, (8, 9))
+    assert not h._unconfirmed and not h._state.changing
+
+
+def test_a_replaced_bookie_loses_its_confirmations_from_the_new_fragment():
+    """E3 Qw3 Qa3. b1 confirmed entries 0..3, then is failed (timed out); what it
+    answers after that does not count, and once it is replaced from entry 3 its
+    confirmation of 3 goes too: 3..5 are acknowledged only when the replacement
+    has them, never on a bookie that left their write set."""
+    client, h, (b0, b1, b2) = _make_wired(qa=3)
+    done = []
+    _submit(client, h, 6, done)
+    _ack(b0, (0, 5))
+    _ack(b2, (0, 2))
+    _ack(b1, (0, 3))
+    assert [e for _, e in done] == [0, 1, 2]
+    h._bookie_failed(b1, TimeoutError("b1 timed out"))
+    assert h._state.changing
+    _ack(b1, (4, 5))                                # after it failed: not counted
+    assert [h._confirmed_by(e, 1) for e in range(6)] == [True] * 4 + [False] * 2
+    _ack(b2, (3, 5))
+    assert [e for _, e in done] == [0, 1, 2]        # frozen while changing
+    new_md = h.metadata.replace(ensembles=[(0, ["b0:1", "b1:1", "b2:1"]),
+                                           (3, ["b0:1", "b3:1", "b2:1"])])
+    h._prepare_conns(["b3:1"])
+    b3 = client.conns["b3:1"]
+    h._commit_change(new_md, 2, {1: b3})
+    assert [e for _, e in done] == [0, 1, 2] and sorted(b3.adds[5]) == [3, 4, 5]
+    assert [h._confirmed_by(e, 1) for e in range(6)] == [True] * 3 + [False] * 3
+    _ack(b3, (3, 4))
+    assert [e for _, e in done] == [0, 1, 2, 3, 4]
+    _ack(b3, (5, 5))
+    assert [e for _, e in done] == list(range(6)) and not h._unconfirmed
+
+
+def test_a_hole_in_a_run_waits_for_the_resend():
+    """b0 answers 0..5 but refuses 3 as overloaded (two runs and an error in one
+    acknowledgement): entry 3 has b1 only, so the LAC stops at 2 until the resend
+    of 3 is confirmed; then 3..5 follow at once."""
+    client, h, (b0, b1, b2) = _make_wired()
+    done = []
+    _submit(client, h, 6, done)
+    _ack(b1, (0, 5))
+    _ack(b0, (0, 2), (4, 5), errors=[(3, ETOOMANYREQUESTS)])
+    assert [e for _, e in done] == [0, 1, 2] and h.last_add_confirmed == 2
+    client._io.next_timer()                                    # the back-off: resent to b0
+    assert sorted(b0.adds[5]) == [3]
+    _ack(b0, (3, 3))
+    assert [e for _, e in done] == list(range(6)) and h.last_add_confirmed == 5
+
+
+def test_the_bitsets_follow_what_is_in_flight():
+    """Many entries through: _ack_base moves on, so each slot's int spans the
+    entries in flight, not the ledger; entries are still counted right after it."""
+    from bk.client import ledger as L
+
+    client, h, conns = _make_wired()
+    done = []
+    n = 0
+    for _ in range(30):
+        _submit(client, h, 500, done)
+        for c in conns[:2]:
+            _ack(c, (n, n + 499))
+        if n:
+            _ack(conns[2], (n - 500, n - 1))          # b2 one batch behind
+        n += 500
+        assert len(done) == n and h.last_add_confirmed == n - 1
+        assert [op.entry_id for op in h._unconfirmed] == list(range(n - 500, n))
+    assert h._ack_base > n - L._REBASE_AT - 1000
+    assert all(a.bit_length() <= L._REBASE_AT + 1000 for a in h._acks)
+    _ack(conns[2], (n - 500, n - 1))
+    assert not h._unconfirmed
+
+
+def test_quorum_masks_count_the_bitsets():
+    """Every shape's masks (the general fold and the few-operator ones) give, per
+    bit, whether at least Qa and at least Qw of the slots have it."""
+    from bk.client import ledger as L
+
+    rnd = random.Random(7)
+    shapes = [(E, qw, qa) for E in range(1, 6) for qw in range(1, E + 1) for qa in range(1, qw + 1)]
+    assert {(3, 3, 2), (3, 3, 3), (2, 2, 2)} <= set(shapes)
+    for E, qw, qa in shapes:
+        f = L.masks_for(E, qw, qa)
+        for _ in range(30):
+            acks = [rnd.getrandbits(64) & rnd.getrandbits(64) for _ in range(E)]
+            q_a, q_w = f(acks)
+            for bit in range(64):
+                n = sum((a >> bit) & 1 for a in acks)
+                assert (q_a >> bit) & 1 == (n >= qa) and (q_w >> bit) & 1 == (n >= qw), \
+                    (E, qw, qa, bit)
