@@ -11,6 +11,8 @@ defragmentation), etcd's RSS, and the CPU etcd and the bookies burn idle.
     scripts/bench_metadata.py --listing-only --ledgers 300000   # listing alone
     scripts/bench_metadata.py --reconcile 100000,300000   # one GC full reconcile, old vs new
     scripts/bench_metadata.py --reconcile-cluster 100000 --old-tree /tmp/main  # real bookie
+    scripts/bench_metadata.py --reconcile-cluster 100000 --share 20 --old-tree /tmp/main
+                                        # ... holding one ledger in 20, scattered
     scripts/bench_metadata.py --breakdown 10000   # where one ledger's CPU goes
     scripts/bench_metadata.py --compare-threads 32,64 --rounds 4   # rate by thread count
     scripts/bench_metadata.py --compare-threads 64,a256   # 64 threads vs async, 256 in flight
@@ -31,7 +33,7 @@ from bk.meta.store import LIST_PAGE  # noqa: E402
 
 
 def format_reconcile(row: dict) -> str:
-    parts = [f"{row['ledgers']:,} held:"]
+    parts = [f"{row['held']:,} of {row['ledgers']:,} held:"]
     for name in ("old", "new"):
         x = row[name]
         parts.append(f"{name} etcd {x['etcd_cpu_s']}s CPU, bookie {x['bookie_cpu_s']}s CPU, "
@@ -68,15 +70,19 @@ def main():
                          "by id windows of 1,000 and of 10,000 ids, and by plain pages")
     ap.add_argument("--reconcile", default=None, metavar="N,M,...",
                     help="only: one bookie's GC full reconcile (its 2 shards' ids checked at a "
-                         "pinned revision) at each of these ledger counts held, on an etcd "
-                         "alone with ledger keys put directly: point reads (old) and ranges "
-                         "(new) alternating --rounds times; etcd CPU, bookie CPU, requests, "
+                         "pinned revision) at each of these ledger counts, on an etcd "
+                         "alone with ledger keys put directly: each shard alone (old) and "
+                         "the shards together by windows (new) alternating --rounds times; etcd CPU, bookie CPU, requests, "
                          "wall time")
     ap.add_argument("--reconcile-cluster", type=int, default=0, metavar="N",
                     help="only: a real bookie's full reconcile (SIGUSR1) on a local cluster of "
                          "3 holding N ledgers: etcd CPU, bookie CPU, requests, seconds; with "
                          "--old-tree the bookie alternates between that tree's code and this "
                          "one's, --rounds times")
+    ap.add_argument("--share", type=int, default=0, metavar="K",
+                    help="with --reconcile or --reconcile-cluster: the bookie holds one ledger "
+                         "in K of the cluster's, scattered at random (a bookie among 3K with "
+                         "E3), instead of all of them (--reconcile) or ~2/3 (--reconcile-cluster)")
     ap.add_argument("--old-tree", default=None, metavar="DIR",
                     help="with --reconcile-cluster: a checkout of the code to compare with")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
@@ -113,7 +119,7 @@ def main():
         return
     if a.reconcile:
         r = bench_reconcile([int(x) for x in a.reconcile.split(",")], rounds=a.rounds,
-                            base_dir=a.dir, progress=(lambda row: None) if a.json else
+                            share=max(1, a.share), base_dir=a.dir, progress=(lambda row: None) if a.json else
                             (lambda row: print(format_reconcile(row), flush=True)))
         if a.json:
             print(json.dumps(r, indent=1))
@@ -122,7 +128,7 @@ def main():
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         trees = {"old": os.path.abspath(a.old_tree), "new": here} if a.old_tree else None
         r = bench_reconcile_cluster(a.reconcile_cluster, rounds=a.rounds, trees=trees,
-                                    base_dir=a.dir, progress=(lambda n, row: None) if a.json
+                                    share=a.share, base_dir=a.dir, progress=(lambda n, row: None) if a.json
                                     else lambda n, row: print(f"{n}: {row}", flush=True))
         if a.json:
             print(json.dumps(r, indent=1))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import re
 import resource
 import signal
@@ -496,20 +497,26 @@ def bench_listing(ledgers: int, base_dir: str | None = None, progress=print) -> 
 
 
 def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
-                    writers: int = 1, base_dir: str | None = None, progress=print) -> dict:
+                    writers: int = 1, share: int = 1, base_dir: str | None = None,
+                    progress=print) -> dict:
     """One bookie's full GC reconcile of what it holds, as its arbiter runs it
-    (:meth:`bk.bookie.gc.GarbageCollector.check`: each shard's ids asked at one
-    pinned revision, ``existing_ledgers``), on an etcd holding only ledger keys,
-    at each of ``steps`` ledgers held (a bookie of 3 with E3 holds every ledger;
-    ``shards`` shards), ids as ``writers`` clients hand them out (one: each block
-    of 1024 is reserved when the last is used up, ~80 revisions later, so blocks
-    are dense runs far apart, as from the bench's one client). Old (point reads
-    only, ``waste=0``: the code before) and new (ranges over dense runs) alternate
-    ``rounds`` times in one process against the same etcd; each reports etcd
-    CPU, this process's CPU (the bookie's side), etcd's Range
-    calls and wall seconds of the whole reconcile (best of the rounds), and the
-    two must find the same ledgers (a few deleted first, after the revision)."""
-    out: dict = {"steps": []}
+    (:meth:`bk.bookie.gc.GarbageCollector.check`), on an etcd holding only ledger
+    keys, at each of ``steps`` ledgers in the cluster, ids as ``writers`` clients
+    hand them out (one: each block of 1024 is reserved when the last is used up,
+    ~80 revisions later, so blocks are dense runs far apart, as from the bench's
+    one client). The bookie holds one in ``share`` of them, picked at random (1:
+    every one, a bookie of 3 with E3; 20: a bookie among 60 with E3), in
+    ``shards`` shards. Old (the code before: each shard's ids checked alone,
+    ranges over their dense runs, point reads elsewhere) and new (the shards' ids
+    together, :meth:`~bk.meta.store.MetadataStore.existing_ledgers`: windows of
+    the prefix read whole where the held ids are one in 64 of the keys or more)
+    alternate ``rounds`` times in one process against the same etcd, at one
+    pinned revision; each reports etcd CPU, this process's CPU (the bookie's
+    side), etcd's Range calls and wall seconds of the whole reconcile (best of
+    the rounds), and the two must find the same ledgers (a few deleted first,
+    after the revision)."""
+    out: dict = {"steps": [], "share": share}
+    pick = random.Random(share)
     with tempfile.TemporaryDirectory(prefix="bk-bench-reconcile-", dir=base_dir) as d, \
             EtcdServer(d, extra_args=etcd_flags()) as etcd:
         store = MetadataStore(etcd.uri("ledgers"), timeout=60)
@@ -517,34 +524,40 @@ def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
         etcd_procs = _tree(etcd.pid)
         blocks = [store.reserve_ledger_ids() for _ in range(writers)]
         ids: list[int] = []
+        held: list[int] = []
         for n in steps:
-            ids += _fill(store, n - len(ids), blocks)
+            made = _fill(store, n - len(ids), blocks)
+            ids += made
+            held += [lid for lid in made if share <= 1 or pick.randrange(share) == 0]
             store.compact(store.revision(), physical=True)
             rev = store.revision()
-            gone = ids[:: max(1, len(ids) // 50)]       # deleted after the pinned revision
+            gone = held[:: max(1, len(held) // 50)]     # deleted after the pinned revision
             for lid in gone:
                 store.delete_json(ledger_key_name(lid))
             per_shard: dict[int, list[int]] = {}
-            for lid in ids:
+            for lid in held:
                 per_shard.setdefault(P.shard_of(lid, shards), []).append(lid)
-            row: dict = {"ledgers": len(ids)}
-            for _ in range(rounds):
-                for name, waste in (("old", 0), ("new", RANGE_WASTE)):
+            row: dict = {"ledgers": len(ids), "held": len(held)}
+            for r in range(rounds):
+                for name in ("old", "new") if r % 2 == 0 else ("new", "old"):   # A B B A
                     gc.collect()
                     e0, c0 = _etcd_counters(etcd.client_url), _own_cpu()
                     ecpu0, t0 = _cpu_seconds(etcd_procs), time.monotonic()
-                    live = set()
-                    for part in per_shard.values():
-                        live.update(store._ledger_id_of(kv.key) for kv in store._ledger_kvs(
-                            "check ledgers", part, True, rev, waste=waste))
+                    if name == "old":
+                        live = set()
+                        for part in per_shard.values():
+                            live.update(store._ledger_id_of(kv.key) for kv in store._ledger_kvs(
+                                "check ledgers", part, True, rev, waste=RANGE_WASTE))
+                    else:
+                        live = store.existing_ledgers(held, revision=rev)
                     wall = time.monotonic() - t0
                     res = {"wall_s": wall, "bookie_cpu_s": _own_cpu() - c0,
                            "etcd_cpu_s": _cpu_seconds(etcd_procs) - ecpu0,
                            "requests": _etcd_counters(etcd.client_url).get("Range calls", 0)
                            - e0.get("Range calls", 0)}
-                    if live != set(ids):
-                        raise BKError(f"{name}: {len(set(ids) - live)} ledgers missed, "
-                                      f"{len(live - set(ids))} extra")
+                    if live != set(held):
+                        raise BKError(f"{name}: {len(set(held) - live)} ledgers missed, "
+                                      f"{len(live - set(held))} extra")
                     best = row.setdefault(name, {})
                     for k, v in res.items():
                         best[k] = round(min(best.get(k, v), v), 3)
@@ -573,25 +586,69 @@ def _wait(pred, what: str, timeout: float = 1800.0) -> None:
         time.sleep(0.2)
 
 
+def _scattered(cluster: LocalCluster, client: BookKeeper, ledgers: int, share: int) -> int:
+    """``ledgers`` ledger ids from the cluster's blocks, one in ``share`` (at random)
+    a real ledger on every bookie (E3 Qw3 Qa2, one entry, closed), the others
+    empty closed ledgers put directly (no bookie holds an entry of them): what a
+    bookie among ``3 * share`` holds of a cluster of E3 ledgers. Returns how many
+    are real."""
+    pick = random.Random(share)
+    store = cluster.store
+    bookies = sorted(store.list_bookies())
+    empty = json.dumps({
+        "ctime": 1764200000000, "customMetadata": {}, "digestType": "CRC32C",
+        "ensembles": [[0, bookies[:3]]], "ensembleSize": 3, "formatVersion": 3,
+        "lastEntryId": -1, "length": 0, "password": "", "state": "CLOSED",
+        "writeQuorumSize": 3, "ackQuorumSize": 2,
+        "creatorToken": "bench-0000000000000000"}).encode()
+    real: list[int] = []
+    c = store._client()
+    made = 0
+    while made < ledgers:
+        block = list(store.reserve_ledger_ids())[:ledgers - made]
+        made += len(block)
+        mine = [lid for lid in block if pick.randrange(share) == 0]
+        real += mine
+        others = sorted(set(block) - set(mine))
+        for i in range(0, len(others), 100):
+            store._txn_full("fill", [], [c.transactions.put(
+                store._key(ledger_key_name(lid)), empty) for lid in others[i:i + 100]])
+
+    def make(lid):
+        h = client.create_ledger(3, 3, 2, password=b"bench", ledger_id=lid)
+        h.add_entry(PAYLOAD)
+        h.close()
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(make, real))
+    return len(real)
+
+
 def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = None,
-                            base_dir: str | None = None, progress=print) -> dict:
+                            share: int = 0, base_dir: str | None = None,
+                            progress=print) -> dict:
     """One real bookie's full reconcile (SIGUSR1) on a local cluster of 3 (2 shards
-    each) holding ``ledgers`` ledgers created and closed by the asynchronous API
-    (E3 Qw2 Qa2, one entry: a bookie holds about two thirds of them). ``trees``
+    each) holding ``ledgers`` ledgers: created and closed by the asynchronous API
+    (E3 Qw2 Qa2, one entry: a bookie holds about two thirds of them), or with
+    ``share`` > 1 scattered (:func:`_scattered`: the bookie holds one in ``share``
+    of the ids, at random). ``trees``
     (name -> a source tree, e.g. ``{"old": "/tmp/main", "new": "."}``): the first
     bookie is restarted on each tree's code in turn (``PYTHONPATH``), on the same
-    data, alternating, ``rounds`` times; none: this code only. Per reconcile: etcd
-    CPU, the bookie's CPU (arbiter and shards), etcd's Range calls, the ledgers the
-    reconcile checked and found deleted, the round's seconds."""
+    data, alternating (A B B A ...), ``rounds`` times; none: this code only. Per
+    reconcile: etcd CPU, the bookie's CPU (arbiter and shards), etcd's Range
+    calls, the ledgers the reconcile checked and found deleted, the round's
+    seconds."""
     trees = trees or {"this": ""}
-    out: dict = {"ledgers": ledgers, "runs": {}}
+    out: dict = {"ledgers": ledgers, "share": share, "runs": {}}
     conf = {"httpServerEnabled": True, "httpServerPort": 0, "gcWaitTime": 5000}
     with tempfile.TemporaryDirectory(prefix="bk-bench-reconcile-", dir=base_dir) as d, \
             LocalCluster(num_bookies=3, base_dir=d, num_shards=2,
                          conf_overrides=conf) as cluster:
         with BookKeeper(cluster.metadata_uri) as client:
-            out["create_close_per_s"] = round(run_create_close(client, ledgers,
-                                                               f"a{INFLIGHT}"))
+            if share > 1:
+                out["held"] = _scattered(cluster, client, ledgers, share)
+            else:
+                out["create_close_per_s"] = round(run_create_close(client, ledgers,
+                                                                   f"a{INFLIGHT}"))
         b = cluster.bookies[0]
         etcd = _tree(cluster.etcd.pid)
         names = list(trees)

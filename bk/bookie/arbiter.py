@@ -158,6 +158,10 @@ class Arbiter:
         self.gc_forced = False                 # a full round asked for (SIGUSR1) meanwhile
         self.gc_running = False
         self.gc_pending: set[int] = set()      # shards whose GC round is not done
+        # a full round: the shards yet to report what they hold (None: all reported,
+        # the one check of the bookie is under way), and what those that did hold
+        self.gc_listing: set[int] | None = None
+        self.gc_held: dict[int, list[int]] = {}
         self.handed: ShardDeletions | None = None   # the deletions a shard gets with its fork
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
@@ -618,7 +622,20 @@ class Arbiter:
         w.gc_ledgers.extend(ids)
         if last:
             ids, w.gc_ledgers = w.gc_ledgers, []
-            self.tasks.put(("gc_check", w.shard, ids))
+            if self.gc_listing is not None and w.shard in self.gc_listing:
+                self.gc_held[w.shard] = ids
+                self.gc_listing.discard(w.shard)
+                self._gc_check_when_listed()
+
+    def _gc_check_when_listed(self):
+        """Every shard of the full round reported (or died): one check for the bookie,
+        at a revision taken after all the lists (bk.bookie.gc.GarbageCollector.check)."""
+        if self.gc_listing is None or self.gc_listing:
+            return
+        self.gc_listing = None
+        held, self.gc_held = self.gc_held, {}
+        if held:
+            self.tasks.put(("gc_check", held))
 
     def handle_gc_dropped(self, w: _Worker, count=0):
         ev = self.dropped.get(w.shard)
@@ -631,6 +648,9 @@ class Arbiter:
 
     def _gc_shard_done(self, shard: int):
         """A shard finished (or left: it died) the running GC round."""
+        if self.gc_listing is not None and shard in self.gc_listing:
+            self.gc_listing.discard(shard)      # died before it listed: the others go on
+            self._gc_check_when_listed()
         if shard in self.gc_pending:
             self.gc_pending.discard(shard)
             if not self.gc_pending and self.gc_running:
@@ -818,14 +838,18 @@ class Arbiter:
         if not rnd.full:
             self.tasks.put(("gc_incremental", rnd))
             return
+        self.gc_held = {}
         for w in ready:
+            w.gc_ledgers = []
             try:
                 with w.lock:
                     control.send(w.ctrl, "gc_begin")
             except OSError:
                 self.gc_pending.discard(w.shard)
+        self.gc_listing = set(self.gc_pending)
         if not self.gc_pending:
             self.gc_running = False
+            self.gc_listing = None
 
     def _meta_thread(self):
         """Blocking metadata work, off the loop: GC checks and read-only re-registration."""
@@ -837,7 +861,7 @@ class Arbiter:
                 if task[0] == "readonly":
                     self.registration.set_readonly(task[1])
                 elif task[0] == "gc_check":
-                    self._gc_check(task[1], task[2])
+                    self._gc_check(task[1])
                 elif task[0] == "gc_incremental":
                     dead = self.gc.incremental(task[1])
                     for shard in task[1].shards:
@@ -848,21 +872,24 @@ class Arbiter:
                 log.warning("metadata task %s failed (retried): %s", task[0], e)
                 if task[0] == "gc_check":
                     self.gc_round.failed = True
-                    self._gc_send(task[1], [])
+                    for shard in task[1]:
+                        self._gc_send(shard, [])
                 elif task[0] == "gc_incremental":
                     task[1].failed = True
                     for shard in task[1].shards:
                         self._gc_send(shard, [])
 
-    def _gc_check(self, shard: int, local_ids: list[int]):
-        # A full round: the worker reported its ledgers before the check, so one it
+    def _gc_check(self, held: dict[int, list[int]]):
+        # A full round: every shard reported its ledgers before the check, so one it
         # holds that has no metadata at the checked revision was deleted (ids are
         # never reused); bk.bookie.gc checks only this bookie's cluster.
-        dead = self.gc.check(self.gc_round, shard, local_ids)
-        if self.gc_round.overreplicated and not self.gc_round.failed:
-            gone = set(dead)
-            self._gc_overreplicated(shard, [lid for lid in local_ids if lid not in gone])
-        self._gc_send(shard, dead)
+        dead = self.gc.check(self.gc_round, held)
+        for shard, local_ids in sorted(held.items()):
+            mine = dead.get(shard, [])
+            if self.gc_round.overreplicated and not self.gc_round.failed:
+                gone = set(mine)
+                self._gc_overreplicated(shard, [lid for lid in local_ids if lid not in gone])
+            self._gc_send(shard, mine)
 
     def _gc_overreplicated(self, shard: int, ledger_ids: list[int]):
         """Drop the entries of ledgers this bookie holds but was replaced in (it was

@@ -452,19 +452,23 @@ class GarbageCollector:
             rnd.failed = True
             return None
 
-    def check(self, rnd: GcRound, shard: int, local_ids) -> list[int]:
-        """Full round: the ids of ``local_ids`` (what ``shard`` holds) and of the
-        round's candidates of ``shard`` that have no metadata at a revision of this
-        bookie's cluster (the shard refuses late entries of deleted ledgers it
-        holds nothing of: see ``bk.bookie.storage.RecentDeletions``)."""
-        ids = sorted(set(local_ids).union(
-            lid for lid in rnd.candidates if P.shard_of(lid, self.num_shards) == shard))
-        progress = _Progress(self, rnd, shard, len(ids))
+    def check(self, rnd: GcRound, held: dict) -> dict[int, list[int]]:
+        """Full round: per shard, the ids of ``held`` (shard -> the ids it reported
+        holding) and of the round's candidates that have no metadata at a revision
+        of this bookie's cluster (a shard refuses late entries of deleted ledgers
+        it holds nothing of: see ``bk.bookie.storage.RecentDeletions``). One check
+        for the whole bookie, at one revision taken after every list arrived: the
+        shards' ids together are denser in the id space than each shard's (a
+        shard holds every numShards-th id at most), and each key is read once."""
+        shards = set(held)
+        ids = sorted(set().union(*held.values()).union(
+            lid for lid in rnd.candidates if P.shard_of(lid, self.num_shards) in shards))
+        progress = _Progress(self, rnd, sorted(shards), len(ids))
         try:
             for attempt in range(2):
                 rev = self._member_revision(rnd)
                 if rev is None:
-                    return []
+                    return {}
                 try:
                     live = self.store.existing_ledgers(ids, revision=rev,
                                                        progress=progress) if ids else set()
@@ -472,14 +476,19 @@ class GarbageCollector:
                     if attempt:
                         raise
                     continue        # compacted while we read: once more at a new revision
-                rnd.revisions[shard] = rev
-                dead = [lid for lid in ids if lid not in live]
+                out: dict[int, list[int]] = {s: [] for s in shards}
+                for lid in ids:
+                    if lid not in live:
+                        out[P.shard_of(lid, self.num_shards)].append(lid)
+                dead = sum(len(d) for d in out.values())
                 with self._lock:
-                    rnd.dead.update(dead)
+                    for s in shards:
+                        rnd.revisions[s] = rev
+                        rnd.dead.update(out[s])
                     rnd.checked += len(ids)
-                progress.finished(len(dead))
-                return dead
-            return []
+                progress.finished(dead)
+                return out
+            return {}
         finally:
             with self._lock:
                 self._checking = None
@@ -565,15 +574,16 @@ class GarbageCollector:
 
 
 class _Progress:
-    """A full reconcile's progress in one shard: in the GC state (``reconciling``) as
+    """A full reconcile's progress (the bookie's shards together): in the GC state (``reconciling``) as
     groups of ids are checked, and in the log every :data:`PROGRESS_EVERY` seconds
     of a long one (hundreds of thousands of ledgers held), then when it ends."""
 
-    def __init__(self, gc: GarbageCollector, rnd: GcRound, shard: int, total: int):
-        self.gc, self.rnd, self.shard, self.total = gc, rnd, shard, total
+    def __init__(self, gc: GarbageCollector, rnd: GcRound, shards: list[int], total: int):
+        self.gc, self.rnd, self.total = gc, rnd, total
+        self.shards = ",".join(str(s) for s in shards)
         self.started = self.logged = time.monotonic()
         with gc._lock:
-            gc._checking = {"shard": shard, "reason": rnd.reason, "checked": 0,
+            gc._checking = {"shards": list(shards), "reason": rnd.reason, "checked": 0,
                             "ledgers": total}
 
     def __call__(self, done: int, total: int) -> None:
@@ -583,11 +593,12 @@ class _Progress:
         now = time.monotonic()
         if now - self.logged >= PROGRESS_EVERY:
             self.logged = now
-            log.info("gc: full reconcile (%s), shard %d: %d of %d ledgers checked, %.0f s",
-                     self.rnd.reason, self.shard, done, total, now - self.started)
+            log.info("gc: full reconcile (%s), shards %s: %d of %d ledgers checked, %.0f s",
+                     self.rnd.reason, self.shards, done, total, now - self.started)
 
     def finished(self, dead: int) -> None:
         took = time.monotonic() - self.started
         if took >= PROGRESS_EVERY:
-            log.info("gc: full reconcile (%s), shard %d: %d ledgers checked in %.0f s, "
-                     "%d without metadata", self.rnd.reason, self.shard, self.total, took, dead)
+            log.info("gc: full reconcile (%s), shards %s: %d ledgers checked in %.0f s, "
+                     "%d without metadata", self.rnd.reason, self.shards, self.total, took,
+                     dead)

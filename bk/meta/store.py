@@ -113,6 +113,14 @@ VALUE_RANGE_WASTE = 16
 RANGE_SPAN = 10_000
 RANGE_PAGE = 10_000
 GROUP_KEYS = 50_000
+# existing_ledgers reads a block of ids (2**ID_BLOCK_BITS: one idgen write, so at
+# most that many keys) as one range when the asked ids in it are at least one in
+# SCAN_RATIO of the span they cover, wherever they fall in it (adjacent blocks
+# so read share a request, RANGE_SPAN ids at most). A key of such a range cost
+# ~4.4 us of etcd CPU and ~0.8 us of the reader's, a pipelined point read ~180
+# and ~270 us (60,000 keys, 3,000 asked; docs/performance.md, "Metadata at
+# scale"), so reading 64 keys for one asked id still costs ~0.7x its point read.
+SCAN_RATIO = 64
 # Ids per range request of a listing (keys only, ~45 bytes each: ~0.5 MB a page).
 # Listing 1M ids by pages of 10,000 cost etcd ~25% and this client ~35% less CPU
 # than by pages of 1,000 (a request costs both sides a fixed share).
@@ -150,6 +158,41 @@ def id_windows(ids: list[int], waste: int = RANGE_WASTE) -> list[list[int]]:
         run = [lid]
     if run:
         out.append(run)
+    return out
+
+
+def block_windows(ids: list[int], ratio: int | None = None) -> list[list[int]]:
+    """``ids`` (sorted, distinct) cut into windows as :func:`id_windows`, decided
+    per block of ids (``id >> ID_BLOCK_BITS``: one idgen write, whose ids one
+    client hands out in order, so at most 2**ID_BLOCK_BITS keys): the asked
+    ids of a block are one range when they are at least one in ``ratio``
+    (:data:`SCAN_RATIO`) of the span they cover, however scattered inside it,
+    and consecutive such windows merge while the merged one stays as dense and
+    within :data:`RANGE_SPAN`; in a sparser block, :func:`id_windows` finds the
+    dense runs, if any, and leaves the rest to point reads."""
+    ratio = SCAN_RATIO if ratio is None else ratio
+    out: list[list[int]] = []
+    merging = False                 # the last window of out is a block range
+    i = 0
+    while i < len(ids):
+        block = ids[i] >> ID_BLOCK_BITS
+        j = i + 1
+        while j < len(ids) and ids[j] >> ID_BLOCK_BITS == block:
+            j += 1
+        part = ids[i:j]
+        i = j
+        if len(part) < 2 or len(part) * ratio < part[-1] - part[0] + 1:
+            out.extend(id_windows(part))
+            merging = False
+            continue
+        if merging:
+            last = out[-1]
+            span = part[-1] - last[0] + 1
+            if span <= RANGE_SPAN and (len(last) + len(part)) * ratio >= span:
+                last.extend(part)
+                continue
+        out.append(part)
+        merging = True
     return out
 
 
@@ -967,7 +1010,8 @@ class MetadataStore:
 
     def _ledger_kvs(self, what: str, ledger_ids, keys_only: bool,
                     revision: int | None = None, waste: int = RANGE_WASTE,
-                    progress: Callable[[int, int], None] | None = None) -> Iterator:
+                    progress: Callable[[int, int], None] | None = None,
+                    plan: Callable | None = None) -> Iterator:
         """The kvs of those of ``ledger_ids`` that exist (at ``revision`` when
         given), in id order, a group of requests at a time (pipelined, at one
         revision), so the cost follows ``len(ledger_ids)``, never the number of
@@ -975,13 +1019,15 @@ class MetadataStore:
         several is one range request over its span, which holds at most ``waste``
         ids per asked id (etcd 3.5 visits every key of a range to count it, so a
         span is only read where the asked ids are dense); a lone id is a point
-        read. ``waste=0``: point reads only. ``progress(done, total)`` after each
+        read. ``waste=0``: point reads only. ``plan``: another way to cut the ids
+        into windows (:func:`block_windows`). ``progress(done, total)`` after each
         group (ids covered so far, of the distinct ids asked)."""
         ids = sorted({_check_ledger_id(i) for i in ledger_ids})
         done = 0
         # values (~0.5 KB each) are read a tenth as many at a time as keys alone
         max_keys = GROUP_KEYS if keys_only else GROUP_KEYS // 10
-        for group in _request_groups(id_windows(ids, waste), max_keys):
+        windows = plan(ids) if plan is not None else id_windows(ids, waste)
+        for group in _request_groups(windows, max_keys):
             yield from self._read_windows(what, group, keys_only, revision)
             done += sum(len(w) for w in group)
             if progress is not None:
@@ -1044,12 +1090,14 @@ class MetadataStore:
                          progress: Callable[[int, int], None] | None = None) -> set[int]:
         """Those of ``ledger_ids`` that have metadata (at ``revision`` when given:
         pass a :meth:`member_revision`); MetadataCompactedError if etcd no longer
-        keeps that revision (ask again at a new one). Keys only, in range requests
-        over the spans where the ids are dense, point reads elsewhere.
-        ``progress(done, total)``: called as groups of ids are checked."""
+        keeps that revision (ask again at a new one). Keys only: a block of ids
+        in which the asked ones are dense enough (:func:`block_windows`) is one
+        range request, the others are point reads (or ranges over a dense run),
+        pipelined a group at a time at one revision. ``progress(done, total)``:
+        called as groups of ids are checked."""
         out = set()
         for kv in self._ledger_kvs("check ledgers", ledger_ids, True, revision,
-                                   progress=progress):
+                                   progress=progress, plan=block_windows):
             out.add(self._ledger_id_of(kv.key))
         return out
 
@@ -1266,7 +1314,6 @@ class MetadataStore:
             raise ValueError(f"registration ttl must be >= 1 second, not {ttl}")
         guards = None
         if member:
-            c = self._client()
             resp = self._call("read the layout", "get",
                               lambda cl: cl.get_response(self._key("layout")), idempotent=True)
             if not resp.kvs:

@@ -7,6 +7,7 @@ metadata, are collected once etcd answers again or after the restart."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -15,7 +16,7 @@ import time
 import pytest
 
 import bk
-from bk.testing import closed_ledger, wait_until
+from bk.testing import closed_ledger, site_hook, wait_until
 from test_gc_watch import PW, add_to, gc_state, held, remembered_on_disk
 
 # no round but those asked for (SIGUSR1); a stopped etcd fails a request in 2 s
@@ -182,3 +183,96 @@ def test_interrupted_between_two_groups_of_reads_drops_nothing_that_exists(clust
                what="the entries without metadata collected")
     for lid in kept:
         assert held(b, lid) == {0}, lid
+
+
+# Stops the bookie's GC at two moments of a full reconcile, each until the test
+# creates a file: "listed" (every shard reported what it holds; no revision taken
+# yet) and "pinned" (the member revision taken, no ledger read at it yet).
+PAUSE_HOOK = r'''
+import json, os, time
+DIR = os.environ.get("GC_PAUSE_DIR")
+
+
+def pause(name, **info):
+    with open(os.path.join(DIR, name + ".tmp"), "w") as f:
+        json.dump({"pid": os.getpid(), **info}, f)
+    os.rename(os.path.join(DIR, name + ".tmp"), os.path.join(DIR, name))
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(DIR, "go-" + name)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+if DIR:
+    import bk.bookie.gc as G
+    from bk.meta.store import MetadataStore
+    _check, _existing = G.GarbageCollector.check, MetadataStore.existing_ledgers
+
+    def check(self, rnd, held):
+        pause("listed", shards=sorted(held), ledgers=sorted(set().union(*held.values())))
+        return _check(self, rnd, held)
+
+    def existing(self, ids, revision=None, progress=None):
+        if progress is not None:        # the reconcile's read, not a round's candidates
+            pause("pinned", revision=revision)
+        return _existing(self, ids, revision=revision, progress=progress)
+
+    G.GarbageCollector.check = check
+    MetadataStore.existing_ledgers = existing
+'''
+
+
+def paused_at(d, name) -> dict:
+    wait_until(lambda: (d / name).exists(), timeout=60, what=f"the reconcile paused: {name}")
+    return json.loads((d / name).read_text())
+
+
+@pytest.mark.parametrize("then", ["finish", "kill the bookie"])
+def test_ledgers_deleted_and_created_around_the_pinned_revision(cluster_factory, tmp_path, then):
+    """One check for the bookie's two shards at a revision taken after both lists:
+    a listed ledger deleted before that revision is dropped, one deleted after it
+    is not (it existed there; the watch nominates it later), a ledger created
+    after the lists is not looked at. Killed -9 at the pinned revision instead,
+    the bookie drops nothing that exists, and the next reconcile collects."""
+    d = tmp_path / "pause"
+    d.mkdir()
+    with site_hook(tmp_path, PAUSE_HOOK, {"GC_PAUSE_DIR": d}):
+        c = cluster_factory(1, num_shards=2, conf_overrides=CONF)
+    b = c.bookies[0]
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lids = [closed_ledger(client, ENTRIES, 1, 1, 1, password=PW) for _ in range(8)]
+        assert {lid % 2 for lid in lids} == {0, 1}          # both shards hold some
+        gc_state(c, b)
+        os.kill(b.pid, signal.SIGUSR1)
+        listed = paused_at(d, "listed")
+        assert listed["shards"] == [0, 1] and set(lids) <= set(listed["ledgers"])
+        before, after = lids[0], lids[1]          # deleted before / after the revision
+        client.delete_ledger(before)
+        born = closed_ledger(client, ENTRIES, 1, 1, 1, password=PW)   # not in the lists
+        meanwhile = c.store.revision()
+        (d / "go-listed").touch()
+        pinned = paused_at(d, "pinned")
+        assert pinned["revision"] >= meanwhile         # taken after the lists
+        client.delete_ledger(after)
+        if then == "kill the bookie":
+            b.kill(signal.SIGKILL)
+            (d / "go-pinned").touch()
+            assert remembered_on_disk(b) == 0
+            b.start()
+            for lid in lids + [born]:                # nothing dropped yet
+                assert held(b, lid) == set(range(5)), lid
+            os.kill(b.pid, signal.SIGUSR1)
+            collected(b, [lid for lid in lids + [born] if lid not in (before, after)],
+                      [before, after], [])
+            return
+        (d / "go-pinned").touch()
+
+        def done():
+            last = gc_state(c, b).get("lastReconcile") or {}
+            return last.get("complete") is True and gc_state(c, b).get("reconciling") is None
+        wait_until(done, timeout=60, what="the reconcile finished")
+        st = gc_state(c, b)["lastReconcile"]
+        assert st["checked"] == len(listed["ledgers"]) and st["dead"] == 1, st
+        wait_until(lambda: not held(b, before), what="the ledger deleted before dropped")
+        assert held(b, after) == set(range(5))      # existed at the revision: kept
+        for lid in lids[2:] + [born]:
+            assert held(b, lid) == set(range(5)), lid
