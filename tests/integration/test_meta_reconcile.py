@@ -4,6 +4,7 @@ answer as point reads alone, at the pinned revision, with etcd's errors."""
 
 from __future__ import annotations
 
+import random
 import re
 import urllib.request
 
@@ -82,6 +83,16 @@ def test_dense_ids_cost_a_few_range_requests_sparse_ones_a_point_read_each(store
     assert range_calls(etcd) - r0 >= len(asks["sparse"])
 
 
+def test_ids_scattered_one_in_forty_of_a_block_cost_one_range_request(store, etcd, layout):
+    # a bookie among 120 (E3): one ledger in 40 of each client's block, at random
+    created, asks = layout
+    scattered = sorted(random.Random(5).sample(asks["dense"], len(asks["dense"]) // 40))
+    r0 = range_calls(etcd)
+    got = store.existing_ledgers(scattered)
+    assert range_calls(etcd) - r0 == 1, range_calls(etcd) - r0
+    assert got == created & set(scattered) == point_reads(store, scattered)
+
+
 def test_the_pinned_revision_wins_over_deletions_and_creations_since(store, layout):
     created, asks = layout
     ids = asks["mixed"] + asks["dense"]
@@ -140,12 +151,19 @@ def test_etcd_refusals_are_metadata_errors_with_its_reason(store, layout, tmp_pa
 
 def test_the_reconcile_bench_runs_old_and_new_and_they_agree(tmp_path):
     """scripts/bench_metadata.py --reconcile at a small size: both paths found the
-    same ledgers (it raises otherwise) and the new one sent far fewer requests."""
+    same ledgers (it raises otherwise); every ledger held: the old one read each
+    block once per shard, the new one once; one in 40 held, scattered: the old one
+    read most of them alone, the new one a block at a time."""
     out = bench_reconcile([5000], rounds=1, base_dir=str(tmp_path), progress=lambda r: None)
     row = out["steps"][0]
-    assert row["ledgers"] == 5000
-    assert row["old"]["requests"] >= 5000 - 1
-    assert 0 < row["new"]["requests"] <= 40, row
+    assert row["ledgers"] == row["held"] == 5000
+    assert 0 < row["new"]["requests"] <= row["old"]["requests"] // 2 + 1, row
+    out = bench_reconcile([20000], rounds=1, share=40, base_dir=str(tmp_path),
+                          progress=lambda r: None)
+    row = out["steps"][0]
+    assert 350 <= row["held"] <= 650, row
+    assert row["old"]["requests"] >= row["held"] // 4, row
+    assert 0 < row["new"]["requests"] <= 20000 // 1024 + 2, row
 
 
 def test_read_ledgers_by_ranges_reads_what_each_read_ledger_reads(store):
@@ -176,3 +194,16 @@ def test_the_real_bookie_reconcile_bench_times_one_reconcile(tmp_path):
     assert row["dead"] == 0, row
     # ranges over dense id blocks: a few requests, not one per ledger checked
     assert 1 <= row["requests"] <= row["checked"] // 20, row
+
+
+def test_the_real_bookie_reconcile_bench_with_scattered_ledgers(tmp_path):
+    """--reconcile-cluster --share 20: the bookie holds one ledger in 20 of the
+    cluster's, scattered in each block; its reconcile reads a block a request."""
+    out = bench_reconcile_cluster(3000, rounds=1, share=20, base_dir=str(tmp_path),
+                                  progress=lambda n, r: None)
+    (row,) = out["runs"]["this"]
+    assert 60 <= out["held"] <= 300, out
+    assert row["checked"] == out["held"] and row["dead"] == 0, (out, row)
+    # (a point read each would be one per ledger held; etcd also counts what the
+    # other bookies ask meanwhile)
+    assert 1 <= row["requests"] <= out["held"] // 4, (out, row)
