@@ -298,30 +298,91 @@ class Admin:
 
     def decommission_bookie(self, bookie_id: str, progress=None,
                             use_autorecovery: bool | None = None,
-                            poll: float = 0.5) -> RecoveryReport:
+                            poll: float = 0.5, auditor_wait: float = 0.0,
+                            on_path=None, on_wait=None) -> RecoveryReport:
         """Recover everything of a bookie that is no longer running, then delete its
         cookie. Refuses while it is registered (alive).
 
-        When auto-recovery runs (``use_autorecovery`` None: if an auditor is
-        elected), its ledgers are marked under-replicated and the cluster's
-        replication workers copy them (paced, spread over workers, open ledgers
-        given their grace period); this waits until none is left, calling
+        By auto-recovery (:meth:`decommission_path` decides, and says why through
+        ``on_path(message)``): its ledgers are marked under-replicated and the
+        cluster's replication workers copy them (paced, spread over workers, open
+        ledgers given their grace period); this waits until none is left, calling
         ``progress(done, total, report)``. Ledgers a worker reports it cannot
-        repair end the wait as failures. Otherwise this process copies."""
+        repair end the wait as failures. Otherwise this process copies, paced to
+        the admin's ``rate_bytes``."""
         if self.store.bookie_info(bookie_id) is not None:
             raise BKError(f"bookie {bookie_id} is still registered (running); stop it first, "
                           f"then decommission it")
-        if use_autorecovery is None:
-            use_autorecovery = self.autorecovery_running()
-        if use_autorecovery:
+        by_ar, how = self.decommission_path(use_autorecovery, auditor_wait, poll, on_wait)
+        if on_path is not None:
+            on_path(how)
+        if by_ar:
             report = self._decommission_by_autorecovery(bookie_id, progress, poll)
         else:
             report = self.replicator.recover_bookie(bookie_id, progress=progress)
+        report.how = how
         if report.ok and not report.skipped_open:
             cookie, version = self.store.read_cookie(bookie_id)
             if cookie is not None:
                 self.store.delete_cookie(bookie_id)
         return report
+
+    def decommission_path(self, use_autorecovery: bool | None = None,
+                          auditor_wait: float = 0.0, poll: float = 0.5,
+                          on_wait=None) -> tuple[bool, str]:
+        """(by auto-recovery?, why) for a decommission. An auditor elected now:
+        auto-recovery. None, but processes run auto-recovery
+        (``underreplication/candidates/``: a hand-over, ~0.5 s after a clean stop
+        of the auditor, a lease's TTL after it died) or ``use_autorecovery`` asks
+        for it: wait up to ``auditor_wait`` seconds for one, calling
+        ``on_wait(waited, auditor_wait, why)`` every ``poll`` seconds; none by
+        then: this process copies (BKError if auto-recovery was asked for). No
+        auto-recovery in the cluster, ``use_autorecovery`` False, or
+        auto-recovery disabled cluster-wide: this process copies."""
+        if use_autorecovery is False:
+            return False, self._copy_here("--no-autorecovery")
+        if UR.settings(self.store).get("enabled", True) is False:
+            if use_autorecovery:
+                raise BKError("auto-recovery is disabled cluster-wide ('bkshell autorecovery "
+                              "--enable' resumes it); --no-autorecovery copies from here")
+            return False, self._copy_here("auto-recovery is disabled cluster-wide")
+        auditor = auditor_id(self.store)
+        if auditor is not None:
+            return True, (f"auto-recovery: auditor {auditor} is elected; the cluster's "
+                          f"replication workers re-replicate the ledgers")
+        running = UR.candidates(self.store)
+        if running:
+            why = (f"{len(running)} auto-recovery process(es) run ({', '.join(running[:3])}"
+                   f"{', ...' if len(running) > 3 else ''}) but no auditor is elected")
+        elif use_autorecovery:
+            why = "auto-recovery asked for (--autorecovery) but no auditor is elected"
+        else:
+            return False, self._copy_here("no process runs auto-recovery (no auditor, no "
+                                          "candidate)")
+        t0 = time.monotonic()
+        while True:
+            waited = time.monotonic() - t0
+            if on_wait is not None:
+                on_wait(waited, auditor_wait, why)
+            if waited >= auditor_wait:
+                break
+            time.sleep(min(poll, max(0.0, auditor_wait - waited)))
+            auditor = auditor_id(self.store)
+            if auditor is not None:
+                return True, (f"auto-recovery: auditor {auditor} elected after "
+                              f"{time.monotonic() - t0:.1f}s of waiting; the cluster's "
+                              f"replication workers re-replicate the ledgers")
+        if use_autorecovery:
+            raise BKError(f"{why}, and none was within {auditor_wait:g}s: is auto-recovery "
+                          f"running ('bkshell whoisauditor')? --no-autorecovery copies "
+                          f"from here")
+        return False, self._copy_here(f"{why}, and none was within {auditor_wait:g}s")
+
+    def _copy_here(self, why: str) -> str:
+        rate = self.replicator.rate_bytes
+        pace = (f"paced to {rate} bytes/s" if rate and rate > 0 else
+                "not paced (--rate-bytes paces it)")
+        return f"{why}: this process copies the ledgers, {pace}"
 
     def _decommission_by_autorecovery(self, bookie_id, progress, poll) -> RecoveryReport:
         t0 = time.monotonic()

@@ -114,6 +114,7 @@ class RecoveryReport:
     fragments: list = field(default_factory=list)        # FragmentReport
     seconds: float = 0.0
     by_autorecovery: bool = False      # the cluster's replication workers did the copying
+    how: str = ""                      # which of the two, and why (decommissioning)
 
     @property
     def entries_copied(self) -> int:
@@ -135,6 +136,7 @@ class RecoveryReport:
             "entries_already_there": sum(f.already for f in self.fragments),
             "seconds": round(self.seconds, 3),
             "by_autorecovery": self.by_autorecovery,
+            **({"how": self.how} if self.how else {}),
             "fragment_details": [f.to_dict() for f in self.fragments],
         }
 

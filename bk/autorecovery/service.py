@@ -45,6 +45,10 @@ class AutoRecovery:
         self._wake_auditor = threading.Event()
         self._wake_worker = threading.Event()
         self._cancel_watches: list = []
+        # underreplication/candidates/<id> (bk.meta.underreplication): says that this
+        # process runs auto-recovery, so that a tool finding no auditor elected at
+        # some instant (a hand-over) waits for one (bkshell decommissionbookie)
+        self._candidate: LeaseLock | None = None
 
     # --- life cycle ---------------------------------------------------------------------
     def start(self) -> "AutoRecovery":
@@ -85,6 +89,8 @@ class AutoRecovery:
         self._cancel_watches = []
         for t in self._threads:
             t.join(timeout)
+        if self._candidate is not None:
+            self._candidate.release()
         if self._replicator is not None:
             self._replicator.close()
             self._pool.close()
@@ -105,9 +111,18 @@ class AutoRecovery:
 
     # --- auditor ------------------------------------------------------------------------
     def _auditor_loop(self):
-        election = Election(self.store, UR.AUDITOR, self.identifier,
-                            ttl=max(1, int(self.conf.registrationTtlSeconds)))
+        ttl = max(1, int(self.conf.registrationTtlSeconds))
+        election = Election(self.store, UR.AUDITOR, self.identifier, ttl=ttl)
+        if self._candidate is None:         # (the loop may be run again after an error)
+            self._candidate = LeaseLock(self.store, UR.CANDIDATES + self.identifier,
+                                        {"id": self.identifier, "since": time.time()}, ttl)
         while not self._stop.is_set():
+            if not self._candidate.held:
+                # (a restarted bookie finds its former key until that lease expires)
+                try:
+                    self._candidate.try_acquire()
+                except MetadataError as e:
+                    log.debug("cannot register as an auto-recovery candidate: %s", e)
             if not election.campaign(timeout=1.0):
                 continue
             log.info("%s is the auditor (epoch %d)", self.identifier, election.epoch)

@@ -55,13 +55,14 @@ class Ctx:
         from bk.security.etcd import EtcdCredentials
         return EtcdCredentials.from_conf(self.conf)
 
-    def admin(self):
+    def admin(self, rate_bytes: int = -1):
         from bk.admin import Admin
         from bk.client.placement import PlacementPolicy
         # re-replication (recover, decommissionbookie) places by the conf's policy; TLS
         # and the token towards bookies come from the conf too
         return Admin(self.uri(), timeout=self.timeout, password=self.password,
-                     placement=PlacementPolicy.from_conf(self.conf), conf=self.conf)
+                     placement=PlacementPolicy.from_conf(self.conf), conf=self.conf,
+                     rate_bytes=rate_bytes)
 
     def client(self, **overrides):
         import bk
@@ -720,18 +721,26 @@ def _print_plan(report):
         click.echo(f"ledger {lid}: open, skipped (--skip-open)")
 
 
+def _waiting(label):
+    """An on_wait callback printing at most one line per second on stderr."""
+    state = {"t": -1.0}
+
+    def cb(waited, bound, why):
+        if waited - state["t"] >= 1.0 or waited >= bound:
+            state["t"] = waited
+            click.echo(f"{label} ({why}): {waited:.0f} of at most {bound:g} s", err=True)
+    return cb
+
+
 def _run_recover(c, bookie_id, dry_run, skip_open, as_json, decommission=False,
-                 use_autorecovery=None):
-    with c.admin() as a:
+                 use_autorecovery=None, auditor_wait=0.0, rate_bytes=-1):
+    with c.admin(rate_bytes=rate_bytes) as a:
         cb = None if as_json else _progress(f"recovering {bookie_id}: ledgers")
         if decommission:
-            if use_autorecovery is None:
-                use_autorecovery = a.autorecovery_running()
-            if use_autorecovery and not as_json:
-                click.echo(f"auto-recovery is running: its replication workers re-replicate "
-                           f"the ledgers of {bookie_id}", err=True)
-            report = a.decommission_bookie(bookie_id, progress=cb,
-                                           use_autorecovery=use_autorecovery)
+            report = a.decommission_bookie(
+                bookie_id, progress=cb, use_autorecovery=use_autorecovery,
+                auditor_wait=auditor_wait, on_path=lambda how: click.echo(how, err=True),
+                on_wait=_waiting("waiting for an auditor"))
         else:
             report = a.recover_bookie(bookie_id, dry_run=dry_run, skip_open=skip_open,
                                       progress=cb)
@@ -777,30 +786,53 @@ def recover(c, bookie_id, dry_run, skip_open, as_json):
     _run_recover(c, bookie_id, dry_run, skip_open, as_json)
 
 
+# Bytes/s the shell copies a decommissioned bookie's data at when it copies itself
+# and the conf sets no replicationRateByBytes: one process moving a whole bookie's
+# data, unpaced, competes with the clients for the other bookies' disks and network
+# (auto-recovery spreads the same work over its workers, each paced by that key).
+DECOMMISSION_RATE = 32 << 20
+
+
 @cli.command()
 @click.argument("bookie_id")
 @click.option("--autorecovery/--no-autorecovery", "use_ar", default=None,
               help="Let the cluster's replication workers copy (default when an auditor "
-                   "is elected and auto-recovery is enabled), or copy from this process.")
+                   "is elected, or processes run auto-recovery and one is elected within "
+                   "--auditor-wait), or copy from this process.")
+@click.option("--auditor-wait", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds to wait for an auditor when processes run auto-recovery but none "
+                   "is elected at that instant (a hand-over).")
+@click.option("--rate-bytes", type=int, default=None,
+              help="Bytes/s this process copies at when it copies itself (default: "
+                   f"replicationRateByBytes of --conf if set, else {DECOMMISSION_RATE}; "
+                   "<= 0: no limit).")
 @_json_opt
 @pass_ctx
 @handled
-def decommissionbookie(c, bookie_id, use_ar, as_json):
+def decommissionbookie(c, bookie_id, use_ar, auditor_wait, rate_bytes, as_json):
     """Retire a stopped bookie: recover all its fragments, then delete its cookie.
 
     Refuses while the bookie is registered (running). When auto-recovery runs,
     its ledgers are marked under-replicated and the replication workers copy
     them (open ledgers after openLedgerRereplicationGracePeriod); this waits,
     showing progress, until none is left. A ledger the workers cannot repair
-    ends it with an error; the cookie is then kept.
+    ends it with an error; the cookie is then kept. When processes run
+    auto-recovery but no auditor is elected at that instant (one stopped, the
+    next not yet elected) it waits for one, up to --auditor-wait seconds. With
+    no auto-recovery (or none elected by then, or --no-autorecovery) this
+    process copies, paced to --rate-bytes. It says on stderr which it does.
 
     \b
     Example:
       bookie stop --conf /etc/bk/bk_server.conf
       bkshell decommissionbookie 127.0.0.1:3181
     """
+    if rate_bytes is None:
+        conf_rate = c.conf.replicationRateByBytes if c.conf_file else -1
+        rate_bytes = conf_rate if conf_rate > 0 else DECOMMISSION_RATE
     report = _run_recover(c, bookie_id, False, False, as_json, decommission=True,
-                          use_autorecovery=use_ar)
+                          use_autorecovery=use_ar, auditor_wait=auditor_wait,
+                          rate_bytes=rate_bytes)
     if not as_json:
         click.echo(f"bookie {bookie_id} decommissioned (cookie deleted)")
     return report

@@ -13,6 +13,12 @@ Keys under the store's prefix (every write a transaction):
 ``underreplication/checks``                  ``{"ledgers": {...}, "replicas": {...}}``:
                                              when each periodic check last finished,
                                              how many ledgers it saw and marked
+``underreplication/candidates/<id>``         ``{"id": ..., "since": t}``, bound to the
+                                             lease of a process that runs
+                                             auto-recovery (an auditor candidate and
+                                             a worker): while any is there, a moment
+                                             with no auditor is a hand-over, not a
+                                             cluster without auto-recovery
 ``auditor``                                  the elected auditor (an Election)
 ``autorecovery``                             ``{"enabled": bool, "lostBookieRecoveryDelay":
                                              s or null, "trigger": n}``: what
@@ -35,6 +41,7 @@ LOCKS = "underreplication/locks/"
 AUDITOR = "auditor"
 SETTINGS = "autorecovery"
 CHECKS = "underreplication/checks"
+CANDIDATES = "underreplication/candidates/"
 
 
 def ledger_rel(ledger_id: int) -> str:
@@ -122,3 +129,9 @@ def checks(store) -> dict:
     """The last run of each periodic check (see :func:`record_check`)."""
     value, _ = store.get_json(CHECKS)
     return value if isinstance(value, dict) else {}
+
+
+def candidates(store) -> list[str]:
+    """The ids of the processes that run auto-recovery now (their lease lives)."""
+    return sorted(v.get("id", rel.rsplit("/", 1)[1]) if isinstance(v, dict)
+                  else rel.rsplit("/", 1)[1] for rel, v, _ in store.list_json(CANDIDATES))

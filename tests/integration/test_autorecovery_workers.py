@@ -1,6 +1,7 @@
 """Replication workers against real etcd, bookies and standalone `bookie
 autorecovery` processes: open ledgers and their grace period, two workers and
-a SIGSTOPped one, decommissioning through auto-recovery."""
+a SIGSTOPped one, decommissioning through auto-recovery (also when no auditor
+is elected at that instant, and without auto-recovery at all)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import bk
 from bk.autorecovery.status import auditor_id
 from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
-from bk.testing import closed_ledger, http_get, wait_until
+from bk.testing import closed_ledger, http_get, site_hook, wait_until
 from bk.util import free_port
 
 PW = b"workers"
@@ -257,3 +258,118 @@ def test_standalone_autorecovery_serves_heartbeat_metrics_and_status(cluster_fac
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# A standalone auto-recovery process started with this hook registers as a
+# candidate but does not campaign for auditor until the file $AR_HOLD_CAMPAIGN
+# exists: the test decides when the next auditor is elected.
+HOLD_HOOK = r'''
+import os, time
+HOLD = os.environ.get("AR_HOLD_CAMPAIGN")
+if HOLD:
+    from bk.meta import recipes
+    _campaign = recipes.Election.campaign
+
+    def campaign(self, timeout=None):
+        if self.lock.rel == "auditor" and not os.path.exists(HOLD):
+            time.sleep(min(timeout or 1.0, 0.2))
+            return False
+        return _campaign(self, timeout)
+    recipes.Election.campaign = campaign
+'''
+
+
+def _victim_with_ledgers(c, client, n=3):
+    lids = [closed_ledger(client, [b"d%d" % e for e in range(20)], password=PW)
+            for _ in range(n)]
+    victim = c.bookie(client.ledger_metadata(lids[0]).ensembles[0][1][0])
+    return lids, victim
+
+
+def _shell(uri, *args):
+    return subprocess.Popen([sys.executable, "-m", "bk.cli.shell", "--metadata", uri, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _retired(c, client, lids, victim):
+    assert c.store.read_cookie(victim.bookie_id)[0] is None
+    for lid in lids:
+        md = client.ledger_metadata(lid)
+        assert all(victim.bookie_id not in ens for _, ens in md.ensembles), lid
+        assert fully_replicated(c, md), lid
+
+
+def test_decommissionbookie_waits_for_the_next_auditor_after_one_stopped(cluster_factory,
+                                                                         tmp_path):
+    c = cluster_factory(4)
+    settings = {"registrationTtlSeconds": 3, "lostBookieRecoveryDelay": 3600}
+    first = _start_worker(c.metadata_uri, tmp_path / "ar1.log", **settings)
+    go = tmp_path / "campaign"
+    with site_hook(tmp_path, HOLD_HOOK, {"AR_HOLD_CAMPAIGN": go}):
+        second = _start_worker(c.metadata_uri, tmp_path / "ar2.log", **settings)
+    procs = [first, second]
+    try:
+        wait_until(lambda: (auditor_id(c.store) or "").endswith(f"-{first.pid}"),
+                   timeout=30, what="the first process elected auditor")
+        wait_until(lambda: len(UR.candidates(c.store)) == 2, timeout=30,
+                   what="both processes registered as candidates")
+        with bk.BookKeeper(c.metadata_uri) as client:
+            lids, victim = _victim_with_ledgers(c, client)
+            victim.stop()
+            wait_until(lambda: victim.bookie_id not in c.store.all_bookies(),
+                       what="its registration gone")
+            first.terminate()                   # a clean stop: the key goes at once
+            first.wait(30)
+            wait_until(lambda: auditor_id(c.store) is None, what="no auditor")
+            # the second still runs auto-recovery: a hand-over, not a cluster without it
+            assert [x.rsplit("-", 1)[1] for x in UR.candidates(c.store)] == [str(second.pid)]
+            p = _shell(c.metadata_uri, "decommissionbookie", victim.bookie_id, "--json")
+            lines: list[str] = []
+            reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
+            reader.start()
+            wait_until(lambda: any("waiting for an auditor" in ln for ln in lines),
+                       timeout=30, what="the shell waiting for an auditor")
+            assert auditor_id(c.store) is None and p.poll() is None
+            go.touch()                            # the second process campaigns now
+            out, _ = p.communicate(timeout=180)
+            reader.join(10)
+            assert p.returncode == 0, "".join(lines)
+            report = json.loads(out)
+            assert report["by_autorecovery"] is True, report
+            assert "elected after" in report["how"], report
+            assert report["ledgers"] >= 1 and report["failed"] == {}
+            assert any("elected after" in ln for ln in lines), lines
+            _retired(c, client, lids, victim)
+            assert not list(UR.list_marked(c.store))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(30)
+
+
+def test_decommissionbookie_without_autorecovery_copies_itself_paced(cluster_factory):
+    c = cluster_factory(4)
+    with bk.BookKeeper(c.metadata_uri) as client:
+        lids, victim = _victim_with_ledgers(c, client)
+        victim.stop()
+        wait_until(lambda: victim.bookie_id not in c.store.all_bookies(),
+                   what="its registration gone")
+        assert auditor_id(c.store) is None and UR.candidates(c.store) == []
+        # auto-recovery asked for, none there: a clear refusal after the wait
+        p = _shell(c.metadata_uri, "decommissionbookie", victim.bookie_id,
+                   "--autorecovery", "--auditor-wait", "1")
+        out, err = p.communicate(timeout=60)
+        assert p.returncode != 0 and "no auditor is elected" in err, err
+        assert c.store.read_cookie(victim.bookie_id)[0] is not None
+        # by default: at once, from the shell's process, paced
+        p = _shell(c.metadata_uri, "decommissionbookie", victim.bookie_id, "--json",
+                   "--rate-bytes", "200000")
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        assert "no process runs auto-recovery" in err and "paced to 200000 bytes/s" in err, err
+        assert "waiting for an auditor" not in err, err
+        report = json.loads(out)
+        assert report["by_autorecovery"] is False and report["failed"] == {}, report
+        assert report["entries_copied"] >= 20, report
+        _retired(c, client, lids, victim)
