@@ -118,8 +118,11 @@ class AutoRecovery:
                                         {"id": self.identifier, "since": time.time()}, ttl)
         while not self._stop.is_set():
             if not self._candidate.held:
-                # (a restarted bookie finds its former key until that lease expires)
+                # (a restarted bookie finds its former key until that lease expires;
+                # a key whose lease expired under us, in an etcd outage, is taken anew)
                 try:
+                    if self._candidate.token is not None:
+                        self._candidate.release()
                     self._candidate.try_acquire()
                 except MetadataError as e:
                     log.debug("cannot register as an auto-recovery candidate: %s", e)
