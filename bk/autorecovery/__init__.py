@@ -18,7 +18,10 @@ or ``bookie autorecovery``) runs two threads:
   lost bookies (:mod:`bk.meta.underreplication`). ``bkshell triggeraudit``
   skips the delay; every ``auditorPeriodicBookieCheckInterval`` the lost
   bookies are audited again. Another candidate takes over within the lease TTL
-  when the leader dies.
+  when the leader dies (within ~0.5 s, a look interval, when it stops
+  cleanly). Each candidate also keeps ``underreplication/candidates/<id>``
+  bound to a lease of its own: a tool that finds no auditor at some instant
+  (``bkshell decommissionbookie``) knows from it whether one is coming.
 * **Periodic checks** (a thread of the leader, :mod:`bk.autorecovery.checker`).
   Every ``auditorPeriodicCheckInterval`` the first and last entry each bookie
   of each fragment should hold are read on it; every

@@ -34,7 +34,9 @@ than ``workerTimeoutMSec`` is killed and so restarted.
 Blocking etcd work (read-only re-registration, the metadata checks of GC)
 runs on one background thread so the loop keeps handing over connections.
 What GC deletes is decided by :mod:`bk.bookie.gc` (deletions learned by a
-watch, full reconciles rarely); the arbiter relays its rounds to the shards.
+watch, full reconciles rarely); the arbiter relays its rounds to the shards. A
+full round gathers every shard's list of held ledgers (``gc_ledgers``; a shard
+that dies meanwhile is left out) before it queues one check for the bookie.
 
 Metrics: each worker's heartbeat carries its counts; the loop keeps them in
 :class:`bk.metrics.BookieMetrics`, which sums them over shards and carries a

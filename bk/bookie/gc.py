@@ -23,16 +23,21 @@ costs. The cluster may hold millions of ledgers, so nothing here reads them all:
   behind a compaction, and when the over-replicated scan is due: every
   ``gcOverreplicatedLedgerWaitTime``, it reads the metadata of the ledgers the
   bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`).
-  Each shard reports its ledgers (``gc_begin``);
-  those absent at the member revision are dropped. It asks only about the
-  shard's own ids (``existing_ledgers``), all at that one revision: ids come
-  in blocks (a client's 1024), so where the shard's ids are dense it reads the
-  keys only of the span they cover, one range request per run (the other
-  keys in it, of other shards' or bookies' ledgers, are skipped), and where
-  they are sparse it reads each id alone: a few hundred requests for 300,000
-  ledgers held instead of one each. A long reconcile says how far it got in
+  Each shard reports its ledgers (``gc_begin``); once every shard has (or
+  died), the arbiter hands the lists to one check for the whole bookie
+  (:meth:`GarbageCollector.check`), at one member revision taken after the
+  last list arrived: those absent there are dropped. It asks only about the
+  bookie's own ids (``existing_ledgers``), the shards' together: a shard holds
+  every numShards-th id at most, so together they are denser, and a range
+  read once serves every shard. Ids come in blocks (one idgen write, which a
+  client hands out in order), so a block in which the held ids are one in 64
+  of the span they cover, however scattered (a bookie among a few dozen),
+  is one keys-only range request (the other keys in it, of other bookies'
+  ledgers, are skipped); sparser ids are read alone, or by ranges over their
+  dense runs: ~60 requests for 60,000 ledgers held, ~300 for 10,000
+  scattered one in 30 among 300,000. A long reconcile says how far it got in
   the log every ``PROGRESS_EVERY`` seconds and in the GC state
-  (``reconciling``). It also catches
+  (``reconciling``: its shards, ledgers checked and held). It also catches
   what a watch cannot: entries written with no metadata at all, or that reached
   a bookie long after their ledger was deleted.
 
@@ -56,8 +61,9 @@ Safety does not rest on the watch: an event only nominates a ledger; the
 decision is always "absent at a revision at which the cluster was verified to
 be this bookie's", so a wiped, re-formatted or foreign etcd (whose watch sends a
 deletion for every key) makes the bookie drop nothing, and a crash anywhere only
-repeats work. A reconcile decides nothing until every id of the shard was
-read at the member revision: a range read says "absent" only for an id inside
+repeats work. A reconcile decides nothing until every id of the bookie was
+read at the member revision (taken after every shard listed what it holds, so
+a ledger a list names existed before it unless it was deleted): a range read says "absent" only for an id inside
 a span etcd returned whole at that revision (a page cut short is followed to
 the span's end), and an etcd that stops answering, or a revision compacted
 while it reads, fails the round (one retry at a new revision for the latter),

@@ -36,8 +36,10 @@ Cost at scale: nothing here lists what it does not need. Listings of every
 ledger page over id windows (etcd 3.5 visits every key to the end of a range
 to count it, so plain paging is quadratic); reads of given ledgers
 (:meth:`existing_ledgers`, :meth:`read_ledgers`) are range requests over the id
-spans where the asked ids are dense (ids come in blocks) and point reads where
-they are sparse, pipelined at one revision; no request asks etcd to sort.
+spans where the asked ids are dense (ids come in blocks: existing_ledgers reads
+a block whole where they are one in 64 of it, however scattered) and point
+reads where they are sparse, pipelined at one revision; no request asks etcd
+to sort.
 
 Security (``bk.security.etcd``): ``credentials`` give TLS to etcd (its CA, a
 client certificate) and a user whose password etcd trades for a token when
