@@ -63,13 +63,13 @@ be this bookie's", so a wiped, re-formatted or foreign etcd (whose watch sends a
 deletion for every key) makes the bookie drop nothing, and a crash anywhere only
 repeats work. A reconcile decides nothing until every id of the bookie was
 read at the member revision (taken after every shard listed what it holds, so
-a ledger a list names existed before it unless it was deleted): a range read says "absent" only for an id inside
-a span etcd returned whole at that revision (a page cut short is followed to
-the span's end), and an etcd that stops answering, or a revision compacted
-while it reads, fails the round (one retry at a new revision for the latter),
-which deletes nothing and leaves the revision where it was. The remembered
-revision advances only once every shard has
-finished a round that covered every deletion up to it; killed before that, the
+a ledger a list names existed before it unless it was deleted): a range read
+says "absent" only for an id inside a span etcd returned whole at that
+revision (a page cut short is followed to the span's end), and an etcd that
+stops answering, or a revision compacted while it reads, fails the round (one
+retry at a new revision for the latter), which deletes nothing and leaves the
+revision where it was. The remembered revision advances only once every shard
+has finished a round that covered every deletion up to it; killed before that, the
 bookie watches again from the older revision and learns the same deletions
 again. If etcd compacted that revision away meanwhile, the watch fails with
 MetadataCompactedError, the bookie watches from now on, and a full reconcile
@@ -580,8 +580,8 @@ class GarbageCollector:
 
 
 class _Progress:
-    """A full reconcile's progress (the bookie's shards together): in the GC state (``reconciling``) as
-    groups of ids are checked, and in the log every :data:`PROGRESS_EVERY` seconds
+    """A full reconcile's progress (the bookie's shards together): in the GC state
+    (``reconciling``) as groups of ids are checked, and in the log every :data:`PROGRESS_EVERY` seconds
     of a long one (hundreds of thousands of ledgers held), then when it ends."""
 
     def __init__(self, gc: GarbageCollector, rnd: GcRound, shards: list[int], total: int):
