@@ -763,6 +763,11 @@ class Journal:
                                       f"segment of {self.segment_size} bytes")
         if self._off + n <= self._size:
             return
+        self._roll()
+
+    def _roll(self) -> None:
+        """Continue in the next segment: write out and sync the active one's tail,
+        then activate the prepared one (see the module docstring)."""
         old = self._active
         self._write_out()
         if self.sync_data and self._off > self._synced:
