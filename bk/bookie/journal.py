@@ -37,12 +37,14 @@ above, then fsyncs the directory and maps it; the roll only takes it (waiting
 for the thread if it is not done, or creating the segment itself if the thread
 failed, under the same sequence number). The prepared segment takes its
 sequence number when its preparation starts, so numbers stay contiguous, and it
-is not one of the journal's segments (:meth:`Journal.segments`) until the roll
-activates it. A crash after its rename and before its first record leaves a
-valid segment holding no record after the last one written: the next open's
-replay reaches its clean end and appends continue in it (or, after a torn
-segment before it, it is removed as any empty later segment is, and the next
-number follows the last segment kept).
+is not one of the journal's segments (:meth:`Journal.segments`,
+:meth:`Journal.disk_usage`) until the roll activates it; :meth:`Journal.close`
+waits for a preparation under way and leaves its file. A crash after its
+rename and before its first record leaves a valid segment holding no record
+after the last one written: the next open's replay reaches its clean end and
+appends continue in it (or, after a torn segment before it, it is removed as
+any empty later segment is, and the next number follows the last segment
+kept).
 
 Records. Records follow the header back to back, little-endian::
 
