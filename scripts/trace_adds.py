@@ -316,8 +316,10 @@ def patch_worker(m):
     for name in ("maintain", "_start_flush", "_finish", "_trim_index", "begin_sync", "sync"):
         if hasattr(S, name):
             timed(of_loop, S, name, "storage." + name)
-    if hasattr(jr.Journal, "_create_segment"):
-        timed(of_loop, jr.Journal, "_create_segment", "journal roll")
+    # the whole roll on the loop (older journals: _room, which rolls and, rarely,
+    # only checks; their segment was created there, now it is prepared off the loop)
+    timed(of_loop, jr.Journal, "_roll" if hasattr(jr.Journal, "_roll") else "_room",
+          "journal roll")
     if hasattr(jr.Journal, "_write_out"):
         timed(of_loop, jr.Journal, "_write_out", "journal pwrite")
     aio = sys.modules.get("bk.bookie.aiosync")

@@ -24,7 +24,27 @@ refused with :class:`ForeignSegmentError`: we never append to or delete a
 file we did not write. Other names in the directory are ignored (the index
 and lock files may share it). A new segment is written as ``*.seg.tmp``,
 fallocated, its header fsync'd, then renamed into place, so a crash never
-leaves a half-initialised ``.seg``.
+leaves a half-initialised ``.seg`` (a ``.seg.tmp`` left by a crash is deleted
+at the next open).
+
+Preparing the next segment. Creating a segment takes the disk milliseconds
+(the fallocate, the header's fsync, the directory's fsync) for little CPU, and
+with every bookie of an ensemble writing the same bytes their rolls come at the
+same moment: done at the roll, on the shard's loop, it stalled all of them at
+once. So once the active segment is more than ``PREPARE_AT`` full (checked at
+each group commit), a thread of the journal's own creates the next one as
+above, then fsyncs the directory and maps it; the roll only takes it (waiting
+for the thread if it is not done, or creating the segment itself if the thread
+failed, under the same sequence number). The prepared segment takes its
+sequence number when its preparation starts, so numbers stay contiguous, and it
+is not one of the journal's segments (:meth:`Journal.segments`,
+:meth:`Journal.disk_usage`) until the roll activates it; :meth:`Journal.close`
+waits for a preparation under way and leaves its file. A crash after its
+rename and before its first record leaves a valid segment holding no record
+after the last one written: the next open's replay reaches its clean end and
+appends continue in it (or, after a torn segment before it, it is removed as
+any empty later segment is, and the next number follows the last segment
+kept).
 
 Records. Records follow the header back to back, little-endian::
 
@@ -77,8 +97,12 @@ ms (``scripts/bench_sync.py``). A process killed mid-``pwrite`` leaves a
 record that fails its CRC, as a torn write does. When a record does not fit,
 the journal *rolls*: the old segment is written out and, with ``sync_data``,
 fdatasync'd first (so an older segment is always durable before anything is
-written to a newer one), then the next segment is created; the directory is
-fsync'd by the next :meth:`Journal.sync`.
+written to a newer one), then the prepared segment is activated (see above;
+if none is at hand it is created there, and the directory is then fsync'd by
+the next :meth:`Journal.sync`). That fdatasync stays on the roll's thread: the
+records that follow go to the new segment at the next group commit, and
+handing the old segment's sync to that group's sync thread would let the new
+segment's pages reach the disk before the old one's tail.
 
 Sync (group commit). :meth:`Journal.sync` makes everything appended since
 the last sync durable: the staging buffer is written out, then with
@@ -128,6 +152,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 import time
 from typing import Iterator, NamedTuple
 
@@ -182,6 +207,7 @@ _SEG_NAME = re.compile(r"^(\d{16})\.seg$")
 _ZEROS = bytes(1 << 20)
 STAGING_SIZE = 4 << 20            # bytes of records built before a pwrite is forced
 QUARANTINE_DIR = "quarantine"
+PREPARE_AT = 0.5                  # fill of the active segment past which the next is prepared
 LOCK_FILE = "journal.lock"
 
 
@@ -403,6 +429,71 @@ def _map(path: str, writable: bool) -> tuple[object, int]:
         os.close(fd)
 
 
+def _make_segment(directory: str, seq: int, size: int, sync_dir: bool) -> tuple[str, object]:
+    """Create segment ``seq`` of ``size`` bytes: as ``.seg.tmp``, fallocated, its
+    header written and fsync'd, then renamed into place (and with ``sync_dir``
+    the directory fsync'd). Returns its path and a read-write mapping."""
+    path = os.path.join(directory, segment_name(seq))
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, size)      # filesystem without fallocate: sparse file
+        os.pwrite(fd, _segment_header(seq, size), 0)
+        os.fsync(fd)
+        os.rename(tmp, path)
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+    if sync_dir:
+        try:
+            _fsync_dir(directory)
+        except BaseException:
+            mm.close()
+            raise
+    return path, mm
+
+
+class _Preparation:
+    """The next segment, made by a thread of its own while the loop appends to
+    the active one (see "Segments" in the module docstring). :meth:`result`
+    waits for it: the segment's path and mapping, or the OSError it met."""
+
+    __slots__ = ("seq", "_thread", "_out", "_error")
+
+    def __init__(self, directory: str, seq: int, size: int):
+        self.seq = seq
+        self._out = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(directory, seq, size),
+                                        name=f"journal-prep-{seq}", daemon=True)
+        self._thread.start()
+
+    def _run(self, directory, seq, size):
+        try:
+            self._out = _make_segment(directory, seq, size, True)
+        except BaseException as e:    # handed to the roll, which creates it itself
+            self._error = e
+
+    def result(self) -> tuple[str, object]:
+        self._thread.join()
+        if self._error is not None:
+            if isinstance(self._error, OSError):
+                raise self._error
+            raise OSError(errno.EIO, f"preparing a journal segment failed: {self._error!r}")
+        return self._out
+
+
 class Record(NamedTuple):
     """One decoded record, as :func:`iter_records` yields it."""
     position: int
@@ -465,11 +556,7 @@ class Journal:
             self._close_maps()
             self._lock.close()
             raise
-        self._next_seq = (max(self._segs) + 1) if self._segs else 1
-        qdir = os.path.join(directory, QUARANTINE_DIR)
-        if os.path.isdir(qdir):
-            for seq, _ in _list_segment_files(qdir):
-                self._next_seq = max(self._next_seq, seq + 1)
+        self._next_seq = self._following_seq()
         # Append state: set by replay. _size 0 makes every append take the slow
         # path, which refuses until replay has run (and after a failed sync).
         self._active: _Segment | None = None
@@ -483,6 +570,9 @@ class Journal:
         self._size = 0
         self._synced = 0
         self._dir_dirty = False
+        self._prep: _Preparation | None = None   # the next segment, being made off the loop
+        self._prep_at = 1 << 62        # offset past which it is (set when a segment is activated)
+        self.prepared = 0              # segments prepared off the loop (for tests and traces)
         self._ready = False
         self._failed: BaseException | None = None
         self._unsynced = 0
@@ -542,6 +632,15 @@ class Journal:
             self._ready = True
             return
 
+    def _following_seq(self) -> int:
+        """The sequence number after every segment, kept or quarantined."""
+        nxt = (max(self._segs) + 1) if self._segs else 1
+        qdir = os.path.join(self.directory, QUARANTINE_DIR)
+        if os.path.isdir(qdir):
+            for seq, _ in _list_segment_files(qdir):
+                nxt = max(nxt, seq + 1)
+        return nxt
+
     def _truncate(self, seg: _Segment, off: int) -> None:
         if not seg.writable:
             self._remap(seg, writable=True)
@@ -580,6 +679,8 @@ class Journal:
                 os.rename(seg.path, dest)
         if later:
             _fsync_dir(self.directory)
+            # the next segment follows the last one kept (or quarantined): no gap
+            self._next_seq = self._following_seq()
 
     def _remap(self, seg: _Segment, writable: bool) -> None:
         seg.close()
@@ -599,37 +700,57 @@ class Journal:
         self._wbase = off
         self._synced = off
         self._size = seg.size
+        self._prep_at = int(seg.size * PREPARE_AT)
 
-    def _create_segment(self) -> _Segment:
-        seq = self._next_seq
-        path = os.path.join(self.directory, segment_name(seq))
-        tmp = path + ".tmp"
-        size = self.segment_size
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)      # filesystem without fallocate: sparse file
-            os.pwrite(fd, _segment_header(seq, size), 0)
-            os.fsync(fd)
-            os.rename(tmp, path)
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        finally:
-            os.close(fd)
-        self._next_seq = seq + 1
+    def _create_segment(self, seq: int | None = None) -> _Segment:
+        """Create the next segment on this thread (the first one, and the fallback
+        when no prepared one is at hand); ``seq``: the one a failed preparation
+        had taken, so that sequence numbers stay contiguous."""
+        if seq is None:
+            seq = self._next_seq
+            self._next_seq = seq + 1
+        path, mm = _make_segment(self.directory, seq, self.segment_size, False)
         self._dir_dirty = True
-        seg = _Segment(seq, path, size, mm, True)
+        seg = _Segment(seq, path, self.segment_size, mm, True)
         self._segs[seq] = seg
         return seg
+
+    # --- the next segment, prepared off the loop --------------------------------
+    def _maybe_prepare(self) -> None:
+        """Start preparing the next segment once the active one is past
+        PREPARE_AT of its size (one compare per group commit)."""
+        if self._off > self._prep_at and self._prep is None and self._failed is None:
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            self._prep = _Preparation(self.directory, seq, self.segment_size)
+            self.prepared += 1
+
+    def _take_prepared(self) -> _Segment:
+        """The next segment for a roll: the prepared one (waiting for its thread if
+        it is still at work), else one created here."""
+        prep, self._prep = self._prep, None
+        if prep is None:
+            return self._create_segment()
+        try:
+            path, mm = prep.result()
+        except OSError as e:
+            log.warning("journal %s: preparing segment %s failed (%s); creating it at the "
+                        "roll", self.directory, segment_name(prep.seq), e)
+            return self._create_segment(prep.seq)
+        seg = _Segment(prep.seq, path, self.segment_size, mm, True)
+        self._segs[prep.seq] = seg
+        return seg
+
+    def _drop_preparation(self) -> None:
+        """Wait for a preparation under way and unmap its segment (at close): the
+        file stays, an empty segment that the next open's replay continues into."""
+        prep, self._prep = self._prep, None
+        if prep is not None:
+            try:
+                _, mm = prep.result()
+                mm.close()
+            except OSError:
+                pass
 
     # --- appends --------------------------------------------------------------
     def _room(self, n: int) -> None:
@@ -644,6 +765,11 @@ class Journal:
                                       f"segment of {self.segment_size} bytes")
         if self._off + n <= self._size:
             return
+        self._roll()
+
+    def _roll(self) -> None:
+        """Continue in the next segment: write out and sync the active one's tail,
+        then activate the prepared one (see the module docstring)."""
         old = self._active
         self._write_out()
         if self.sync_data and self._off > self._synced:
@@ -654,7 +780,7 @@ class Journal:
             except OSError as e:
                 self._fail(e)
                 raise JournalError(f"fdatasync of {old.path} failed: {e}") from e
-        new = self._create_segment()
+        new = self._take_prepared()
         self.rolled_at = self._seqbase | self._off
         self._activate(new)
         self._synced = HEADER_SIZE
@@ -884,6 +1010,7 @@ class Journal:
                 self._fail(e)
                 raise JournalError(f"fdatasync of journal {self._active.path} failed: {e}") from e
         self._synced = self._off
+        self._maybe_prepare()
         self.syncs += 1
         self.synced_records += self._unsynced_records
         self.synced_bytes += self._unsynced
@@ -910,6 +1037,7 @@ class Journal:
         self._dir_dirty = False
         self._unsynced = 0
         self._unsynced_records = 0
+        self._maybe_prepare()
         return job
 
     def end_sync(self, job: "SyncJob") -> None:
@@ -1051,9 +1179,11 @@ class Journal:
         if self._lock.closed:
             return
         try:
+            self._prep_at = 1 << 62       # the last sync prepares no segment
             if self._ready and self._failed is None:
                 self.sync()
         finally:
+            self._drop_preparation()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1

@@ -403,19 +403,21 @@ def test_empty_later_segment_after_a_torn_record_is_removed(tmp_path):
     j.sync()
     j.close()
     last_seq = split_position(pos[-1])[0]
-    # a crash right after creating the next segment, before any record reached it
-    j = Journal(str(tmp_path), SEG)
-    list(j.replay())
-    j._dir_dirty = False
-    j._create_segment()
+    # the sync (past PREPARE_AT of the segment) prepared the next segment, which
+    # no record reached: as a crash right after its preparation leaves it
+    assert j.prepared == 1
     j.close()
-    assert len(seg_files(tmp_path)) == last_seq + 1
+    assert seg_files(tmp_path) == [segment_name(s) for s in range(1, last_seq + 2)]
     seq, off = split_position(pos[-1])
     corrupt(tmp_path, seq, off + 20, b"\x42")
     j, recs = open_journal(tmp_path)
     assert [p for p, *_ in recs] == pos[:-1]
     assert seg_files(tmp_path) == [segment_name(s) for s in range(1, last_seq + 1)]
     assert not os.path.exists(tmp_path / J.QUARANTINE_DIR)
+    # and the next segment takes the number of the removed one: no gap
+    while j.active_seq == last_seq:
+        j.append_add(1, 999, -1, b"", add_payload(0))
+    assert j.active_seq == last_seq + 1
     j.close()
 
 
@@ -618,3 +620,91 @@ def test_a_wire_run_cut_by_a_record_too_large_counts_what_went_in(tmp_path):
     assert [b.read_add(p) for p in pb] == ents[:3]
     a.close()
     b.close()
+
+
+# --- the next segment, prepared off the loop -------------------------------------
+
+def _fill_past_prepare_at(j, ledger=3):
+    """Append and group-commit until the active segment is past PREPARE_AT: the
+    positions appended."""
+    out = []
+    while j.mark[1] <= SEG * J.PREPARE_AT:
+        out.append(j.append_add(ledger, len(out), -1, b"", add_payload(len(out))))
+        job = j.begin_sync()
+        job.run()
+        j.end_sync(job)
+    return out
+
+
+def _wait_prepared(j):
+    j._prep._thread.join(30)
+    assert not j._prep._thread.is_alive()
+
+
+def test_the_roll_takes_the_segment_prepared_off_the_loop(tmp_path):
+    j, _ = open_journal(tmp_path)
+    pos = _fill_past_prepare_at(j)
+    assert j.prepared == 1
+    _wait_prepared(j)
+    # made, renamed into place and synced, but not a segment of the journal yet
+    assert seg_files(tmp_path) == [segment_name(1), segment_name(2)]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert j.segments() == [1] and j.disk_usage() == SEG
+    prepared_ino = os.stat(tmp_path / segment_name(2)).st_ino
+    while j.active_seq == 1:
+        pos.append(j.append_add(3, len(pos), -1, b"", add_payload(len(pos))))
+    assert j.segments() == [1, 2]
+    assert os.stat(tmp_path / segment_name(2)).st_ino == prepared_ino   # that very file
+    assert not j._dir_dirty                 # its preparation synced the directory
+    j.sync()
+    assert [j.read_add(p)[1] for p in pos] == list(range(len(pos)))
+    j.close()
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos
+    assert [split_position(p)[0] for p in pos][-1] == 2
+    j.close()
+
+
+def test_a_prepared_segment_left_by_a_crash_is_where_appends_continue(tmp_path):
+    j, _ = open_journal(tmp_path)
+    pos = _fill_past_prepare_at(j)
+    _wait_prepared(j)
+    j._prep.result()[1].close()
+    del j
+    gc.collect()                  # "crash" after the preparation, before any record reached it
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos
+    assert j.segments() == [1, 2] and j.active_seq == 2 and j.mark == (2, HEADER_SIZE)
+    p = j.append_add(3, len(pos), -1, b"", add_payload(0))
+    assert split_position(p) == (2, HEADER_SIZE)
+    j.close()
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos + [p]
+    assert seg_files(tmp_path) == [segment_name(1), segment_name(2)]
+    j.close()
+
+
+def test_a_failed_preparation_leaves_the_roll_to_create_the_segment(tmp_path, monkeypatch,
+                                                                   caplog):
+    made = J._make_segment
+
+    def failing(directory, seq, size, sync_dir):
+        if sync_dir:              # the preparing thread's call
+            path, mm = made(directory, seq, size, sync_dir)   # renamed into place, then fails
+            mm.close()
+            raise OSError(28, "No space left on device")
+        return made(directory, seq, size, sync_dir)
+
+    monkeypatch.setattr(J, "_make_segment", failing)
+    j, _ = open_journal(tmp_path)
+    pos = _fill_past_prepare_at(j)
+    with caplog.at_level(logging.WARNING, logger="bk.journal"):
+        while j.active_seq == 1:
+            pos.append(j.append_add(3, len(pos), -1, b"", add_payload(len(pos))))
+    assert "preparing segment 0000000000000002.seg failed" in caplog.text
+    assert j.active_seq == 2 and j._dir_dirty     # made at the roll, under the same number
+    j.close()
+    assert seg_files(tmp_path) == [segment_name(1), segment_name(2)]
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos
+    j.close()

@@ -1,0 +1,202 @@
+"""kill -9 and SIGSTOP at the moments the journal's segment roll makes matter,
+now that the next segment is prepared by a thread of the journal's own (see
+"Preparing the next segment" in ``bk.bookie.journal``):
+
+* ``preparing``: the next segment is a fallocated ``.seg.tmp`` with its header
+  fsync'd, not renamed yet;
+* ``prepared``: it has been renamed into place and the directory fsync'd, and
+  no record has reached it;
+* ``roll``: a roll has written out and fdatasync'd the old segment and is about
+  to activate the prepared one.
+
+The shard worker stops itself (SIGSTOP, every thread of it) at the second such
+moment through a hook put first on the bookie's PYTHONPATH (``site_hook``). With
+``kill`` the bookie is then killed with SIGKILL; with ``stop`` it is continued,
+takes more adds, and is killed later. After the restart every acknowledged entry
+reads back exactly once, the journal holds each entry's ADD record at most once,
+no ``.seg.tmp`` is left and the segments' sequence numbers have no gap. Real etcd
+and bookie processes; 1 MiB segments, so that rolls come every ~1000 entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from bk import protocol as P
+from bk.bookie import journal as J
+from bk.errors import BKError, EOK
+from bk.rawclient import BookieConnection
+from bk.testing import site_hook, wait_until
+
+from test_group_commit_kill import process_state
+
+PAYLOAD = bytes(range(256)) * 4          # 1 KiB
+KEY = b"r" * 20
+BATCH = 16
+
+HOOK = r'''
+import json, os, signal, threading
+import bk.bookie.journal as J
+
+WHERE = os.environ.get("ROLL_TEST_WHERE", "")
+OUT = os.environ.get("ROLL_TEST_OUT")
+_seen = [0]
+
+
+def moment(what, directory=None):
+    _seen[0] += 1
+    if _seen[0] == 2:                    # the second: data in more than one segment
+        with open(OUT + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "where": what,
+                       "thread": threading.current_thread().name,
+                       "names": sorted(os.listdir(directory)) if directory else []}, f)
+        os.rename(OUT + ".tmp", OUT)
+        # directed at this thread: it stops before going on (a process-directed
+        # SIGSTOP may be taken by another thread while this one runs on a while)
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
+if WHERE == "preparing":
+    _rename = os.rename
+
+    def rename(src, dst, *a, **kw):
+        if str(src).endswith(".seg.tmp") and threading.current_thread().name.startswith(
+                "journal-prep"):
+            moment("preparing", os.path.dirname(str(src)))
+        return _rename(src, dst, *a, **kw)
+    os.rename = rename
+elif WHERE == "prepared":
+    _make = J._make_segment
+
+    def make(directory, seq, size, sync_dir):
+        out = _make(directory, seq, size, sync_dir)
+        if sync_dir:
+            moment("prepared")
+        return out
+    J._make_segment = make
+elif WHERE == "roll":
+    _take = J.Journal._take_prepared
+
+    def take(self):
+        moment("roll")
+        return _take(self)
+    J.Journal._take_prepared = take
+'''
+
+
+def pump(b, lid, stop, acked, first=0):
+    """Batches of BATCH entries (window of 8 batches) from ``first`` until ``stop``;
+    the entries acknowledged with EOK go to ``acked``. A connection broken by the
+    kill ends it."""
+    try:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
+            eid, outstanding = first, 0
+            while not stop.is_set() or outstanding:
+                while outstanding < 8 and not stop.is_set():
+                    c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, [
+                        (lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]))
+                    eid += BATCH
+                    outstanding += 1
+                r = c.recv()
+                assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:3]
+                runs = r[3]
+                for i in range(0, len(runs), 3):
+                    acked += list(range(runs[i + 1], runs[i + 2] + 1))
+                outstanding -= 1
+    except (OSError, BKError):
+        if not stop.is_set():
+            raise
+
+
+def run_pump(b, lid, acked, first=0):
+    """Start pumping (see :func:`pump`): the thread and its stop event."""
+    stop = threading.Event()
+    t = threading.Thread(target=pump, args=(b, lid, stop, acked, first))
+    t.start()
+    return t, stop
+
+
+def read_all(b, lid, last):
+    """The entry ids READ_RANGE returns for 0..last, in order, with their payloads checked."""
+    got = []
+    with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
+        first = 0
+        while first <= last:
+            r = c.call(P.read_range(c.next_rid(), lid, first, last, 4 << 20))
+            assert r[2] == EOK, r[:3]
+            entries = r[5]
+            assert all(p == PAYLOAD for p in entries[3::4])
+            got += entries[0::4]
+            first = r[4]
+    return got
+
+
+def check_journal(jdir, lid):
+    names = os.listdir(jdir)
+    assert not [n for n in names if n.endswith(".tmp")], names
+    seqs = sorted(int(n[:16]) for n in names if n.endswith(".seg"))
+    assert seqs and seqs == list(range(seqs[0], seqs[-1] + 1)), seqs
+    adds = [r.fields[1] for r in J.iter_records(jdir)
+            if r.type == J.ADD and r.fields[0] == lid]
+    assert len(adds) == len(set(adds)), "an entry's ADD record is in the journal twice"
+    return seqs
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+@pytest.mark.parametrize("where", ["preparing", "prepared", "roll"])
+def test_kill_or_stop_at_a_segment_roll_loses_nothing(cluster_factory, tmp_path, where, how):
+    out = tmp_path / "stopped.json"
+    conf = {"gcWaitTime": 3_600_000, "journalPreAllocSizeMB": 1,
+            "nettyMaxFrameSizeBytes": 512 * 1024}
+    with site_hook(tmp_path, HOOK, {"ROLL_TEST_WHERE": where, "ROLL_TEST_OUT": out}):
+        c = cluster_factory(1, num_shards=1, conf_overrides=conf)
+    b = c.bookies[0]
+    jdir = os.path.join(b.dir, "journal", "shard-0")
+    lid = (1 << 50) + 31
+    acked: list[int] = []
+    t, stop = run_pump(b, lid, acked)
+    try:
+        wait_until(out.exists, timeout=120, what=f"the worker stopping at {where}")
+        stopped = json.loads(out.read_text())
+        assert stopped["where"] == where
+        wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
+                   what="the worker stopped")
+        names = os.listdir(jdir)
+        if where == "preparing":          # the moment: made, not renamed into place yet
+            assert any(n.endswith(".seg.tmp") for n in names), names
+        if how == "stop":
+            os.kill(stopped["pid"], signal.SIGCONT)
+            n = len(acked)
+            wait_until(lambda: len(acked) > n + 3000, timeout=120,
+                       what="adds acknowledged after the worker went on")
+        stop.set()
+        b.kill()
+    finally:
+        stop.set()
+        t.join(30)
+    assert not t.is_alive()
+    assert acked, "nothing was acknowledged"
+    b.start()
+    seqs = check_journal(jdir, lid)
+    assert len(seqs) >= 2
+    got = read_all(b, lid, max(acked))
+    assert len(got) == len(set(got)), "an entry read back twice"
+    assert set(acked) <= set(got), sorted(set(acked) - set(got))[:10]
+    # and the bookie goes on taking adds of that ledger, across further rolls
+    more: list[int] = []
+    first = max(got) + 1
+    t, stop = run_pump(b, lid, more, first)
+    try:
+        wait_until(lambda: len(more) > 3000, timeout=120, what="adds after the restart")
+    finally:
+        stop.set()
+        t.join(30)
+    assert not t.is_alive()
+    assert more[0] == first
+    b.stop()
+    after = check_journal(jdir, lid)
+    assert after[-1] > seqs[-1]
