@@ -44,10 +44,9 @@ def main():
     if a.tls:
         if bookie is not None:
             ap.error("--tls starts its own bookie (with a throwaway CA): no --bookie")
-        import tempfile
         from bk.security import ClientSecurity, pki, tls
         from bk.config import Config
-        ca = pki.make_ca(tempfile.mkdtemp(prefix="bk-bench-ca-"))
+        ca = pki.throwaway_ca("bk-bench-ca-")
         crt, key = ca.issue("bookie", ["127.0.0.1"])
         tls_conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
         tls_client = ClientSecurity(tls.client_context(Config.load(overrides={

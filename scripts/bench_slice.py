@@ -43,7 +43,7 @@ def main():
                    help="CPU us and context switches per entry (all processes, bk-io, workers)")
     p.add_argument("--json", metavar="FILE", help="write every run's result to FILE")
     a = p.parse_args()
-    ca = pki.make_ca(tempfile.mkdtemp(prefix="bk-bench-ca-"))
+    ca = pki.throwaway_ca("bk-bench-ca-")
     crt, key = ca.issue("bookie", ["127.0.0.1"])
     tls_conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
     modes = {"tls": {"tlsEnabled": True, "tlsTrustStore": ca.cert_path}}

@@ -64,7 +64,7 @@ def main():
         if a.uri:
             p.error("--tls starts its own cluster (with a throwaway CA): no --uri")
         from bk.security import pki
-        ca = pki.make_ca(tempfile.mkdtemp(prefix="bk-bench-ca-"))
+        ca = pki.throwaway_ca("bk-bench-ca-")
         crt, key = ca.issue("bookie", ["127.0.0.1"])
         tls_conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
         tls_client = {"tlsEnabled": True, "tlsTrustStore": ca.cert_path}

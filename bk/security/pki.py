@@ -108,3 +108,14 @@ def make_ca(directory: str, name: str = "bk local CA") -> LocalCA:
         f.write(cert.public_bytes(serialization.Encoding.PEM))
     _write_key(os.path.join(directory, "ca.key"), key)
     return ca
+
+
+def throwaway_ca(prefix: str = "bk-throwaway-ca-") -> LocalCA:
+    """A CA in a new temporary directory that is removed when the process exits
+    (benchmarks' TLS runs: its key and the certificates it issues go with it)."""
+    import atexit
+    import shutil
+    import tempfile
+    directory = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, directory, True)
+    return make_ca(directory)

@@ -2,6 +2,7 @@
 workers, over real non-blocking sockets and real TLS contexts: frames larger
 than a record, records split over socket reads, the frame buffer's size."""
 
+import os
 import socket
 import ssl
 
@@ -219,3 +220,18 @@ def test_close_notify_ends_the_stream_after_the_frames_before_it(pair):
     assert got == 5 * len(P.encode_frame([P.PING, 0, b"z" * 2000]))
     assert [m[1] for m in fb.frames()] == list(range(5))
     assert server.eof
+
+
+def test_a_throwaway_ca_leaves_nothing_behind_when_its_process_exits():
+    """pki.throwaway_ca (the benchmarks' TLS runs): its directory, private keys
+    included, exists while the process runs and is gone once it exits."""
+    import subprocess
+    import sys
+    code = ("from bk.security import pki; ca = pki.throwaway_ca(); "
+            "crt, key = ca.issue('b', ['127.0.0.1']); import os; "
+            "assert os.path.exists(key) and os.path.exists(os.path.join(ca.dir, 'ca.key')); "
+            "print(ca.dir)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out.startswith("/") and "throwaway" in out
+    assert not os.path.exists(out)
