@@ -341,6 +341,33 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition", step: float
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
+def process_state(pid: int) -> str:
+    """Process ``pid``'s state letter from /proc (R, S, D, T: stopped, Z: zombie),
+    or "gone" once it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def hooked_stop(out, how: str = "stop", what: str = "the worker reaching the hooked line",
+                timeout: float = 120.0) -> dict:
+    """Wait for the report a :func:`site_hook` writes to ``out`` (JSON with at least
+    the ``pid`` of the worker it stops at its line), then until that worker is
+    stopped (``how == "stop"``: SIGSTOPped there) or dead (any other ``how``: it
+    killed itself -9); the report."""
+    wait_until(out.exists, timeout=timeout, what=what)
+    stopped = json.loads(out.read_text())
+    if how == "stop":
+        wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
+                   what="the worker stopped")
+    else:
+        wait_until(lambda: process_state(stopped["pid"]) in ("gone", "Z"), timeout=10,
+                   what="the worker killed")
+    return stopped
+
+
 def entries_held(store, bookie_id: str, ledger_id: int, num_shards: int | None = None) -> set[int]:
     """The entry ids of ``ledger_id`` that ``bookie_id`` holds (GET_LIST_OF_ENTRIES on
     the shard that owns the ledger); empty if it has none. ``num_shards`` asks the

@@ -12,15 +12,13 @@ and bookie processes; two ledgers interleaved in runs of 8 in each batch."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 from bk import protocol as P
 from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
-from bk.testing import site_hook, wait_until
+from bk.testing import hooked_stop, site_hook
 
-from test_group_commit_kill import process_state
 
 KEY = b"r" * 20
 RUN = 8
@@ -122,10 +120,7 @@ def test_kill9_when_a_batch_run_rolls_the_journal(cluster_factory, tmp_path):
     t = threading.Thread(target=pump, args=(b, lids, stop, acked))
     t.start()
     try:
-        wait_until(lambda: out.exists(), timeout=120, what="the worker stopping in a run")
-        stopped = json.loads(out.read_text())
-        wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
-                   what="the worker stopped")
+        stopped = hooked_stop(out, "stop", what="the worker stopping in a run")
         stop.set()
         b.kill()                                 # SIGKILL while the worker is stopped there
     finally:

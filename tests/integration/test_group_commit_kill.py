@@ -10,7 +10,6 @@ the path that now overlaps the next sync). Real etcd and bookie processes."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -20,7 +19,7 @@ from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
 from bk.config import Config
 from bk.security import ClientSecurity, pki
-from bk.testing import site_hook, wait_until
+from bk.testing import hooked_stop, site_hook
 
 from test_storage_crash import read_back
 
@@ -90,14 +89,6 @@ def pump(b, lid, security, stop, acked):
             raise
 
 
-def process_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
-
-
 @pytest.mark.parametrize("mode", ["plaintext", "tls"])
 def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, mode):
     out = tmp_path / "stopped.json"
@@ -121,10 +112,7 @@ def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, 
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: out.exists(), timeout=120, what="the worker stopping at the moment")
-        stopped = json.loads(out.read_text())
-        wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
-                   what="the worker stopped")
+        stopped = hooked_stop(out, "stop", what="the worker stopping at the moment")
         stop.set()
         b.kill()                                 # SIGKILL while the worker is stopped there
     finally:

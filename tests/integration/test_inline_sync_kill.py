@@ -13,7 +13,6 @@ processes."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from bk import protocol as P
 from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
-from bk.testing import site_hook, wait_until
+from bk.testing import hooked_stop, site_hook, wait_until
 
 from test_bookie_add_first import KEY, PAYLOAD, pump
 from test_storage_crash import read_back
@@ -86,14 +85,6 @@ if AT:
 '''
 
 
-def process_state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
-
-
 def readable(b, lid) -> bool:
     try:
         with BookieConnection(b.bookie_id, shard=0) as c:
@@ -119,15 +110,9 @@ def test_kill9_during_an_inline_sync(cluster_factory, tmp_path, when, how):
     for t in threads:
         t.start()
     try:
-        wait_until(out.exists, timeout=120, what="the worker reaching the inline sync")
-        stopped = json.loads(out.read_text())
+        stopped = hooked_stop(out, how, what="the worker reaching the inline sync")
         if how == "stop":
-            wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
-                       what="the worker stopped")
             b.kill()                             # SIGKILL while the worker is stopped there
-        else:
-            wait_until(lambda: process_state(stopped["pid"]) in ("gone", "Z"), timeout=10,
-                       what="the worker killed")
     finally:
         if not out.exists():
             b.kill()
@@ -159,21 +144,28 @@ BATCH_PAYLOAD = b"b" * 1024
 BATCH_STOP_AT = 30
 
 
-def pump_batches(b, lid, stopping, acked):
-    """Ledger ``lid``: ADD_BATCH frames of BATCH entries of 1 KiB, the next one sent
-    when the last was acknowledged (so that a group holds a batch or two, synced inline),
-    until the kill breaks the connection; the acknowledged entry ids go to ``acked``."""
+def pump_batches(b, lids, stopping, acked):
+    """ADD_BATCH frames of BATCH entries of 1 KiB, an equal run of each ledger of
+    ``lids`` (one shard) in each, the next one sent when the last was acknowledged:
+    every group holds one batch, within the inline bounds, so every group is synced
+    inline; until the kill breaks the connection. The acknowledged entry ids go to
+    ``acked`` (a list per ledger)."""
+    per = BATCH // len(lids)
     try:
-        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lids[0], b.num_shards)) as c:
             eid = 0
             while True:
                 c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, [
-                    (lid, e, e - 1, b"", BATCH_PAYLOAD) for e in range(eid, eid + BATCH)]))
+                    (lid, e, e - 1, b"", BATCH_PAYLOAD) for lid in lids
+                    for e in range(eid, eid + per)]))
                 r = c.recv()
                 assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:5]
-                assert r[3] == [lid, eid, eid + BATCH - 1], r[3]
-                acked.extend(range(eid, eid + BATCH))
-                eid += BATCH
+                runs = r[3]
+                assert sorted(tuple(runs[i:i + 3]) for i in range(0, len(runs), 3)) == \
+                    sorted((lid, eid, eid + per - 1) for lid in lids), runs
+                for got in acked:
+                    got.extend(range(eid, eid + per))
+                eid += per
     except (OSError, BKError):
         if not stopping():
             raise
@@ -182,10 +174,11 @@ def pump_batches(b, lid, stopping, acked):
 @pytest.mark.parametrize("when,how", [("before", "stop"), ("after", "stop"),
                                       ("before", "kill9"), ("after", "kill9")])
 def test_kill9_during_an_inline_sync_of_a_batch(cluster_factory, tmp_path, when, how):
-    """The same moments for groups of batched adds (one ADD_BATCH of 12 KiB a group,
-    answered by a group acknowledgement, synced inline): the stopped batch was
-    never acknowledged, every acknowledged entry reads back after the restart (and
-    the stopped batch too once its sync had returned), and the ledgers go on."""
+    """The same moments for groups of batched adds (one ADD_BATCH of 12 KiB, 6 entries
+    of each of 2 ledgers, a group; answered by one group acknowledgement, synced
+    inline): the stopped batch was never acknowledged, every acknowledged entry
+    reads back after the restart (and the stopped batch too once its sync had
+    returned), and the ledgers go on."""
     out = tmp_path / "stopped.json"
     env = {"IS_TEST_STOP_AT": BATCH_STOP_AT, "IS_TEST_OUT": out, "IS_TEST_WHEN": when,
            "IS_TEST_HOW": how}
@@ -194,20 +187,13 @@ def test_kill9_during_an_inline_sync_of_a_batch(cluster_factory, tmp_path, when,
     b = c.bookies[0]
     lids = [(1 << 52) + i for i in range(2)]
     acked: list[list[int]] = [[] for _ in lids]
-    threads = [threading.Thread(target=pump_batches, args=(b, lid, out.exists, acked[i]))
-               for i, lid in enumerate(lids)]
+    threads = [threading.Thread(target=pump_batches, args=(b, lids, out.exists, acked))]
     for t in threads:
         t.start()
     try:
-        wait_until(out.exists, timeout=120, what="the worker reaching the inline sync")
-        stopped = json.loads(out.read_text())
+        stopped = hooked_stop(out, how, what="the worker reaching the inline sync")
         if how == "stop":
-            wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
-                       what="the worker stopped")
             b.kill()
-        else:
-            wait_until(lambda: process_state(stopped["pid"]) in ("gone", "Z"), timeout=10,
-                       what="the worker killed")
     finally:
         if not out.exists():
             b.kill()

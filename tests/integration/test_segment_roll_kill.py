@@ -19,7 +19,6 @@ and bookie processes; 1 MiB segments, so that rolls come every ~1000 entries."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -30,9 +29,8 @@ from bk import protocol as P
 from bk.bookie import journal as J
 from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
-from bk.testing import site_hook, wait_until
+from bk.testing import hooked_stop, site_hook, wait_until
 
-from test_group_commit_kill import process_state
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"r" * 20
@@ -160,11 +158,8 @@ def test_kill_or_stop_at_a_segment_roll_loses_nothing(cluster_factory, tmp_path,
     acked: list[int] = []
     t, stop = run_pump(b, lid, acked)
     try:
-        wait_until(out.exists, timeout=120, what=f"the worker stopping at {where}")
-        stopped = json.loads(out.read_text())
+        stopped = hooked_stop(out, "stop", what=f"the worker stopping at {where}")
         assert stopped["where"] == where
-        wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
-                   what="the worker stopped")
         names = os.listdir(jdir)
         if where == "preparing":          # the moment: made, not renamed into place yet
             assert any(n.endswith(".seg.tmp") for n in names), names

@@ -2,12 +2,13 @@
 group's sync through Linux AIO (bk.bookie.aiosync) where it can, through the
 descriptor of the segment it keeps open from one group to the next, and hands
 it to the sync thread otherwise (a deque and an eventfd, bk.park; the thread
-keeps its own descriptor), always for the first group after a roll, whose sync
-covers the journal directory too. The test uses 1 MiB journal segments, so that
-rolls come often, and stops the shard worker (a hook put first on the bookie's
-PYTHONPATH, ``sitecustomize``, as tests/integration/test_group_commit_kill.py
-does) at the first group of a new segment (the sync thread, a new descriptor)
-or at its second (AIO, the loop's descriptor moved to the new segment): just
+keeps its own descriptor), where AIO is off or a group's sync covers the journal
+directory too (a segment the roll had to create itself). The test uses 1 MiB
+journal segments, so that rolls come often, and stops the shard worker (a hook
+put first on the bookie's PYTHONPATH, ``sitecustomize``, as
+tests/integration/test_group_commit_kill.py does) at the first group of a new
+segment (through the sync thread, AIO off: its own new descriptor) or at its
+second (AIO, the loop's descriptor moved to the new segment): just
 after the loop began its sync (``handed``: it may or may not have completed)
 or just after the sync completed, its answers not sent (``synced``). The worker is stopped with SIGSTOP and the whole bookie
 killed with SIGKILL, or killed with SIGKILL alone (its arbiter restarts it,
@@ -17,7 +18,6 @@ stopped group's. Real etcd and bookie processes."""
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -26,9 +26,9 @@ from bk import protocol as P
 from bk.errors import BKError, EOK
 from bk.rawclient import BookieConnection
 from bk.security import ClientSecurity
-from bk.testing import site_hook, wait_until
+from bk.testing import hooked_stop, site_hook, wait_until
 
-from test_group_commit_kill import KEY, PAYLOAD, process_state, pump
+from test_group_commit_kill import KEY, PAYLOAD, pump
 from test_storage_crash import read_back
 
 STOP_AT = 3         # the first group of the third segment after the first
@@ -134,10 +134,13 @@ def test_kill9_at_a_segments_first_group_syncs(cluster_factory, tmp_path, nth, w
     # The raw ledgers have no metadata: GC must not drop them while the test waits.
     env = {"ST_TEST_STOP_AT": STOP_AT, "ST_TEST_OUT": out, "ST_TEST_WHEN": when,
            "ST_TEST_HOW": how, "ST_TEST_NTH": nth}
+    # The next segment is prepared (and its directory entry synced) off the loop, so
+    # AIO takes a new segment's first group too; the sync thread's hand-off is the
+    # one of a bookie without AIO (journalSyncThroughAio=false), tested at nth 1.
     with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
         c = cluster_factory(1, num_shards=1, conf_overrides={
             "gcWaitTime": 3_600_000, "journalPreAllocSizeMB": 1,
-            "nettyMaxFrameSizeBytes": 512 << 10})
+            "nettyMaxFrameSizeBytes": 512 << 10, "journalSyncThroughAio": nth != 1})
     b = c.bookies[0]
     lids = [(1 << 50) + 31 + i for i in range(3)]
     stop = _Stop(out.exists)
@@ -147,17 +150,10 @@ def test_kill9_at_a_segments_first_group_syncs(cluster_factory, tmp_path, nth, w
     for t in threads:
         t.start()
     try:
-        wait_until(out.exists, timeout=120, what="the worker reaching a new segment's group")
-        stopped = json.loads(out.read_text())
+        stopped = hooked_stop(out, how, what="the worker reaching a new segment's group")
+        stop.set()
         if how == "stop":
-            wait_until(lambda: process_state(stopped["pid"]) == "T", timeout=10,
-                       what="the worker stopped")
-            stop.set()
             b.kill()                             # SIGKILL while the worker is stopped there
-        else:
-            wait_until(lambda: process_state(stopped["pid"]) in ("gone", "Z"), timeout=10,
-                       what="the worker killed")
-            stop.set()
     finally:
         stop.set()
         if not out.exists():
@@ -165,7 +161,6 @@ def test_kill9_at_a_segments_first_group_syncs(cluster_factory, tmp_path, nth, w
         for t in threads:
             t.join(30)
     assert not any(t.is_alive() for t in threads)
-    # the first group of a segment syncs the directory too: the sync thread does
     assert stopped["via"] == ("thread" if nth == 1 else "aio"), stopped["via"]
     unanswered = {tuple(x) for x in stopped["entries"]}
     got = {(lid, e) for per in acked for lid, e in per}
