@@ -280,7 +280,7 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
-        self.fb = P.FrameBuffer(max_frame)
+        self.fb = P.FrameBuffer(max_frame, views=True)   # (dispatch uses a frame at once)
         self.out = bytearray()
         try:
             self.peer = "%s:%s" % sock.getpeername()[:2]
