@@ -81,6 +81,10 @@ that runs past the bin, a negative id, a count that does not match, or a count o
 ``MAX_BATCH_ENTRIES`` is a protocol error (the connection is closed). A bookie
 checks each record as it appends it (one pass over the batch), so the entries
 before a malformed record may be in its journal; none of them is acknowledged.
+A bookie's :class:`FrameBuffer` (``views``) does not let msgpack copy a large
+ADD_BATCH's records out of the received bytes: it reads the head as
+:func:`add_batch_head` frames it and hands the records on as a view of its
+buffer, which the worker journals before it reads more.
 
 A bookie does not answer ADD_BATCH frame by frame: after the group commit
 that made them durable, it sends each connection ONE group acknowledgement
