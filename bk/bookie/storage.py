@@ -704,9 +704,9 @@ class ShardStorage:
         if type(count) is not int or not 0 < count <= MAX_BATCH_ENTRIES:
             raise ProtocolError(f"ADD_BATCH with a bad entry count {count!r} "
                                 f"(1..{MAX_BATCH_ENTRIES})")
-        if type(records) is not bytes:
-            raise ProtocolError("ADD_BATCH records are not a bin")
-        src = memoryview(records)
+        if type(records) is not bytes and type(records) is not memoryview:
+            raise ProtocolError("ADD_BATCH records are not a bin")   # (a view: the
+        src = memoryview(records)          # frame buffer's, see protocol.FrameBuffer)
         try:
             return self._add_batch(src, count, master_key, recovery, acked, errors)
         finally:

@@ -22,7 +22,9 @@ Batched adds (``ADD_BATCH``, see ``bk.protocol``): every entry of a batch is
 checked and appended at once, straight from the received frame, in ONE pass
 over its records (``ShardStorage.add_batch``, ``Journal.append_wire_run``:
 located, checked and copied into the journal's staging buffer in the same
-loop, the records being journal-shaped; no list of them first), with
+loop, the records being journal-shaped, runs of equal-sized records in
+chunks of a few C calls; no list of them first; the records a view of the
+connection's receive buffer, not msgpack's copy), with
 the same per-entry rules as a single ADD (a fenced ledger refuses each entry
 that is not a recovery add, EFENCED). Their answers are not frames per entry:
 each connection has at most one *group acknowledgement* per group, held like
@@ -280,7 +282,7 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
-        self.fb = P.FrameBuffer(max_frame)
+        self.fb = P.FrameBuffer(max_frame, views=True)   # (dispatch uses a frame at once)
         self.out = bytearray()
         try:
             self.peer = "%s:%s" % sock.getpeername()[:2]

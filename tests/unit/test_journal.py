@@ -629,6 +629,118 @@ def test_a_wire_run_cut_by_a_record_too_large_counts_what_went_in(tmp_path):
     b.close()
 
 
+def _reference_run(ents, i0):
+    """How many entries from ``ents[i0]`` one ``append_wire_run`` takes: the same
+    ledger's next entries (the walk's rule, record by record)."""
+    k = 1
+    while i0 + k < len(ents) and ents[i0 + k][0] == ents[i0][0] \
+            and ents[i0 + k][1] == ents[i0][1] + k:
+        k += 1
+    return k
+
+
+@pytest.mark.parametrize("staging", [J.STAGING_SIZE, 5000])
+def test_chunks_of_equal_records_write_what_single_adds_write(tmp_path, monkeypatch, staging):
+    """Runs of equal-sized records go in chunks (``append_wire_run``'s bulk
+    path): byte for byte the records ``append_add`` writes, the same positions,
+    the greatest LAC (not the last one), across run lengths around the chunk
+    sizes, runs that end inside a chunk (another ledger, a gap, a size that
+    changes), a gap whose chunk's last head still looks right, a record whose
+    (plen, dlen) differ at the same size, a staging buffer that fills inside
+    a run, and rolls; every record replays and reads back."""
+    monkeypatch.setattr(J, "STAGING_SIZE", staging)
+    ents = []
+    nxt = {}
+
+    def run(lid, k, size=300, dlen=3, lacs=None):
+        for m in range(k):
+            e = nxt.get(lid, 0)
+            nxt[lid] = e + 1
+            lac = lacs[m] if lacs else e - 1
+            ents.append((lid, e, lac, b"d" * dlen, add_payload(e, size)))
+
+    for k in (1, 2, 3, 7, 8, 9, 63, 64, 65, 130):
+        run(4, k)
+        run(5, 1)
+    run(4, 20, lacs=[10**9 if m == 5 else m for m in range(20)])   # the max LAC mid-chunk
+    run(4, 5)
+    run(4, 6, size=301)                 # the size changes: the chunk ends there
+    run(4, 6, size=300, dlen=4)         # same dlen + plen as 301/3: not one chunk
+    run(6, 5)
+    nxt[6] += 1                         # a gap inside what would be a chunk of 8
+    run(6, 2)
+    ents.append((6, 7, 0, b"ddd", add_payload(7, 300)))   # (its last head: entry 7)
+    a, _ = open_journal(tmp_path / "a")
+    b, _ = open_journal(tmp_path / "b")
+    pa = [a.append_add(*x) for x in ents]
+    src = memoryview(_wire(ents))
+    pb = []
+    off = i = 0
+    lacs = []
+    while i < len(ents):
+        k = _reference_run(ents, i)
+        n0 = len(pb)
+        off, lac = b.append_wire_run(src, off, ents[i][0], ents[i][1], pb)
+        assert len(pb) - n0 == k, (i, k, len(pb) - n0)
+        lacs.append(lac)
+        assert lac == max(x[2] for x in ents[i:i + k]), i
+        assert off == len(_wire(ents[:i + k]))
+        i += k
+    assert 10**9 in lacs
+    assert pb == pa
+    a.sync()
+    b.sync()
+    assert len(b.segments()) > 1
+    assert (b.unsynced_bytes, b._unsynced_records, b.synced_records) == \
+        (a.unsynced_bytes, a._unsynced_records, a.synced_records)
+    for seq in b.segments():
+        n = b.segment_size_of(seq)
+        assert read_bytes(tmp_path / "a", seq, 0, n)[HEADER_SIZE:] == \
+            read_bytes(tmp_path / "b", seq, 0, n)[HEADER_SIZE:]
+    for p, x in zip(pb, ents):
+        assert b.read_add(p) == x
+    a.close()
+    b.close()
+    b, recs = open_journal(tmp_path / "b")
+    assert [(r[2], r[3][:3]) for r in recs] == [(J.ADD, x[:3]) for x in ents]
+    b.close()
+
+
+def test_a_torn_chunk_is_truncated_at_its_first_bad_record(tmp_path):
+    """A chunk's records are ordinary ADD records, each with its own CRC: a
+    write torn inside a chunk (a byte flipped in its fifth record's payload)
+    ends replay there, the four before it stay, the rest of the segment is
+    zeroed, and appends continue at the tear."""
+    ents = [(4, e, e - 1, b"dg", add_payload(e, 500)) for e in range(16)]
+    j, _ = open_journal(tmp_path)
+    pos = []
+    j.append_wire_run(memoryview(_wire(ents)), 0, 4, 0, pos)
+    assert len(pos) == 16
+    j.sync()
+    j.close()
+    seq, off = J.split_position(pos[4])
+    corrupt(tmp_path, seq, off + 100, b"\xff")
+    j, recs = open_journal(tmp_path)
+    assert [r[3] for r in recs] == [x[:3] for x in ents[:4]]
+    assert j.position == pos[4]
+    assert read_bytes(tmp_path, seq, off, pos[15] - pos[4]) == bytes(pos[15] - pos[4])
+    assert j.read_add(pos[3]) == ents[3]
+    j.close()
+
+
+def test_the_chunk_structs_stay_few(tmp_path):
+    """Runs of many record sizes do not keep a struct per size forever."""
+    j, _ = open_journal(tmp_path)
+    pos = []
+    for size in range(100, 400, 3):
+        ents = [(4, len(pos) + m, 0, b"", add_payload(m, size)) for m in range(4)]
+        j.append_wire_run(memoryview(_wire(ents)), 0, 4, len(pos), pos)
+        j.sync()
+    assert len(pos) == 400
+    assert 0 < len(J._RUN_STRUCTS) <= 64
+    j.close()
+
+
 # --- the next segment, prepared off the loop -------------------------------------
 
 def _fill_past_prepare_at(j, ledger=3):

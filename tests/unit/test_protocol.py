@@ -263,3 +263,57 @@ def test_ranges_round_trip(ids):
 
 def test_ranges_are_compact():
     assert P.ids_to_ranges([0, 1, 2, 5, 7, 8]) == [0, 2, 5, 5, 7, 8]
+
+
+@pytest.mark.parametrize("rid", [0, 127, 128, 255, 256, 70_000, 2**32, 2**63])
+@pytest.mark.parametrize("key", [b"k" * 20, b"", None, b"x" * 255])
+@pytest.mark.parametrize("count", [9, 200, 300])
+def test_a_large_add_batch_keeps_its_records_in_place(rid, key, count):
+    """A bookie's FrameBuffer (``views``) gives a large ADD_BATCH's records as a
+    view of its buffer, with the same fields the general decoding gives; a
+    small frame, or any FrameBuffer without ``views``, decodes them to bytes."""
+    ents = [(5, e, e - 1, b"dg", bytes([e % 251]) * (9000 // count)) for e in range(count)]
+    frame = P.encode_add_batch(rid, key, 1, ents)
+    assert len(frame) > P.IN_PLACE_MIN
+    general = P.decode_body(frame[4:])
+    fb = P.FrameBuffer(views=True)
+    fb.feed(frame + P.encode_frame(P.ping(3)))
+    got = list(fb.frames())
+    assert type(got[0][5]) is memoryview and got[1] == [P.PING, 3]
+    assert got[0][:5] == general[:5] and bytes(got[0][5]) == general[5]
+    assert P.decode_add_batch(got[0][5], count) == [tuple(e) for e in ents]
+    plain = P.FrameBuffer()
+    plain.feed(frame)
+    (pm,) = plain.frames()
+    assert pm == general and type(pm[5]) is bytes
+    small = P.encode_add_batch(rid, key, 1, ents[:1])
+    fb.feed(small)
+    (msg,) = fb.frames()
+    assert type(msg[5]) is bytes and msg == P.decode_body(small[4:])
+
+
+def test_an_add_batch_framed_otherwise_is_decoded_the_general_way():
+    """Anything but add_batch_head's framing (a str key, a negative rid, records in
+    a bin16, a bin32 whose length is not the rest of the body) is left to
+    msgpack: the same list (or the same ProtocolError) as without views."""
+    records = _records([(5, e, e - 1, b"", b"p" * 1000) for e in range(10)])
+    bodies = [
+        P._packb([P.ADD_BATCH, 1, "key", 0, 10, records]),
+        P._packb([P.ADD_BATCH, -1, b"key", 0, 10, records]),
+        P._packb([P.ADD_BATCH, 1, b"key", 0, 10, records]),   # the records in a bin16
+        P._packb([P.ADD_BATCH, 1, b"key", 0, 10, records, 7])[:-1],   # a 7-array, cut
+        b"\x96\x08\x01\xc4\x03key\x00\x0a\xc6" + struct.pack(">I", len(records) + 1) + records,
+    ]
+    for body in bodies:
+        frame = struct.pack(">I", len(body)) + body
+        fb = P.FrameBuffer(views=True)
+        fb.feed(frame)
+        try:
+            want = [P.decode_body(body)]
+        except P.ProtocolError as e:
+            with pytest.raises(P.ProtocolError) as got:
+                list(fb.frames())
+            assert str(got.value) == str(e)
+            continue
+        got = list(fb.frames())
+        assert got == want and all(type(m[5]) is not memoryview for m in got)
