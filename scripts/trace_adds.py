@@ -37,7 +37,10 @@ timeout, is a late wake-up. The report gives, per mode, stalls per loop-second
 and their make-up, every step that once took that long (calls, mean wall, mean
 CPU, max), and for the slowest 1% of adds the share with a stall of the client's
 I/O thread or of the worker of their 2nd acknowledgement on their path, and the
-steps those stalls were in. Only the measured time of each run counts (not the
+steps those stalls were in; and the flushes each shard swapped, how many of them
+began while another bookie's flush ran, and the share of the slowest adds sent
+while flushes ran on one bookie and on two or more (the ack quorum, 2 of 3,
+rides out a stall of one). Only the measured time of each run counts (not the
 client's start or the warm-up).
 
 A diagnostic: it wraps private methods of the worker and the client by name (in
