@@ -148,8 +148,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "flush together.", minimum=1 << 20),
     _S("dbStorage_writeCacheMaxSizeMb", int, 64, "Size (MiB) of a shard's write cache: the "
        "journal bytes written since the last flush, whose locations the shard keeps in "
-       "memory (8 bytes an entry). A flush starts at half of it, on the flusher thread; "
-       "if the other half fills before it ends, the shard waits for it.", minimum=2),
+       "memory (8 bytes an entry). A flush starts at a random point of the last quarter "
+       "below half of it (drawn anew each time, so that bookies receiving the same writes "
+       "do not flush together), on the flusher thread; if the other half fills before it "
+       "ends, the shard waits for it.", minimum=2),
     _S("dbStorage_readAheadCacheMaxSizeMb", int, 32, "Size (MiB) of a shard's read-ahead "
        "cache: entries read from entry logs ahead of a reader of one ledger. Also how far "
        "(at most 8 MiB) past a READ_RANGE's answer the disk is asked to read that "

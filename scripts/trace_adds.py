@@ -37,7 +37,10 @@ timeout, is a late wake-up. The report gives, per mode, stalls per loop-second
 and their make-up, every step that once took that long (calls, mean wall, mean
 CPU, max), and for the slowest 1% of adds the share with a stall of the client's
 I/O thread or of the worker of their 2nd acknowledgement on their path, and the
-steps those stalls were in. Only the measured time of each run counts (not the
+steps those stalls were in; and the flushes each shard swapped, how many of them
+began while another bookie's flush ran, and the share of the slowest adds sent
+while flushes ran on one bookie and on two or more (the ack quorum, 2 of 3,
+rides out a stall of one). Only the measured time of each run counts (not the
 client's start or the warm-up).
 
 A diagnostic: it wraps private methods of the worker and the client by name (in
@@ -529,7 +532,7 @@ def main():
                 workers[(w["bookie"], lid, eid)] = v
             probes.extend(w.get("probes", ()))
             gcs.extend(tuple(g) + (w.get("pid"),) for g in w.get("gcs", ()))
-            flushes.extend(w.get("flushes", ()))
+            flushes.extend([f[0], f[1], w.get("pid")] for f in w.get("flushes", ()))
             end = None
             for t0, dt, nbytes in sorted(w["syncs"]):
                 for s, e, name in windows:
@@ -619,6 +622,11 @@ def main():
                      flushes, whole[name], a.show)
 
 
+def _flushing(flushes, t, but=None):
+    """How many bookies (other than pid ``but``) had a flush running at ``t``."""
+    return len({f[2] for f in flushes if f[2] != but and f[0] <= t <= (f[1] or 1e18)})
+
+
 def _within(t, wins):
     return any(s <= t <= e for s, e in wins)
 
@@ -697,7 +705,8 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
     fl = [f for f in flushes if _within(f[0], wins)]
     if fl:
         print(f"  flushes swapped: {len(fl)}, each {pct([(f[1] or f[0]) - f[0] for f in fl], .5):.0f}"
-              f" ms until taken back (median)")
+              f" ms until taken back (median); swapped while another bookie's flush ran: "
+              f"{sum(_flushing(flushes, f[0], f[2]) > 0 for f in fl)}")
     if len(adds) < 100:
         return
     slow = sorted(adds, key=lambda a: a[0])[-max(1, int(len(adds) * SLOW)):]
@@ -714,7 +723,7 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
                 if x[0] < b and x[0] + x[1] > a]
     n_c = n_w = n_none = 0
     ov_c = ov_w = 0.0
-    in_flush = rolled = 0
+    in_flush = in_two = rolled = 0
     why = collections.Counter()
     for total, _, m in slow:
         oc = overlap(client, m["sub"], m["end"])
@@ -725,6 +734,7 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
         ov_c += sum(o for _, o in oc) / total
         ov_w += sum(o for _, o in ow) / total
         in_flush += any(f[0] <= m["sent"] <= (f[1] or 1e18) for f in flushes)
+        in_two += _flushing(flushes, m["sent"]) >= 2
         rolled += any("journal roll" in x[5] for x, _ in ow)
         for x, o in oc + ow:
             k = max(x[5], key=x[5].get) if x[5] else "?"
@@ -733,7 +743,8 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
     print(f"  the slowest {SLOW:.0%} ({k} adds): a client I/O stall on the path of "
           f"{n_c / k:.0%} (covering {ov_c / k:.0%} of their latency), a stall of the worker "
           f"of the 2nd acknowledgement on {n_w / k:.0%} ({ov_w / k:.0%}), neither "
-          f"{n_none / k:.0%}; sent while a flush ran {in_flush / k:.0%}; behind that "
+          f"{n_none / k:.0%}; sent while a flush ran {in_flush / k:.0%} (on two bookies or "
+          f"more {in_two / k:.0%}); behind that "
           f"worker's journal segment roll {rolled / k:.0%}")
     s = sum(why.values()) or 1e-9
     if why:

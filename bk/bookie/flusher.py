@@ -6,9 +6,11 @@ Entries written since the last flush are durable in the journal already; the
 shard's loop keeps only their journal positions (the *write cache* of
 ``bk.bookie.storage``). When that tail reaches half of
 ``dbStorage_writeCacheMaxSizeMb`` (or ``flushIntervalBytes``, or every
-``flushInterval`` ms), the loop *swaps* it: the filled tail, the ledger states
-that changed and the journal mark become a :class:`FlushJob` and a new empty
-tail takes the writes. The loop goes on serving meanwhile; reads of the
+``flushInterval`` ms; a random point of the last quarter below that size,
+drawn at every swap, so that an ensemble's bookies do not flush together:
+``bk.bookie.storage.flush_threshold``), the loop *swaps* it: the filled
+tail, the ledger states that changed and the journal mark become a
+:class:`FlushJob` and a new empty tail takes the writes. The loop goes on serving meanwhile; reads of the
 swapped tail still go to the journal until the job is done.
 
 A flush, on this thread:

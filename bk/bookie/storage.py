@@ -14,10 +14,14 @@ BookKeeper's DbLedgerStorage, with the journal as the write cache:
   the journal. The tail is bounded: at half of ``dbStorage_writeCacheMaxSizeMb``
   of journal (or ``flushIntervalBytes``, or ``flushInterval`` ms) it is
   swapped and flushed by the flusher thread (``bk.bookie.flusher``) while a
-  new tail takes the writes. The flush writes at twice the rate its tail
-  filled at (:func:`flush_rate`), so its writeback does not crowd the
-  journal's syncs on the same disk; once the new tail is half full it goes
-  at full speed, and if the new one fills too before the flush ends,
+  new tail takes the writes; each swap comes at a random point of the last
+  quarter below that size (the first after opening: anywhere below it; see
+  :func:`flush_threshold`), so that the bookies of
+  an ensemble, which receive the same bytes, do not flush at the same
+  moment. The flush writes at twice the rate its tail filled at
+  (:func:`flush_rate`), so its writeback does not crowd the journal's syncs
+  on the same disk; once the new tail is half full it goes at full speed,
+  and if the new one fills too before the flush ends,
   :meth:`ShardStorage.maintain` waits for it (back-pressure).
 * **Entry logs** (``bk.bookie.entrylog``): a flush writes each ledger's
   entries sorted and together, so a catch-up reader reads sequentially; a
@@ -99,6 +103,7 @@ import bisect
 import heapq
 import logging
 import os
+import random
 import struct
 import sys
 import time
@@ -133,6 +138,7 @@ READ_AHEAD_MAX_BYTES = 1 << 20      # one read-ahead pread reads at most this mu
 PREFETCH_MAX_BYTES = 8 << 20        # how far past its answer a READ_RANGE starts reads
 PREFETCH_LEDGERS = 1024             # ledgers whose prefetch position is remembered
 FLUSH_RETRY_SECONDS = 1.0           # a failed flush (a disk error) is retried after this
+FLUSH_STAGGER = 0.25                # a swap happens this fraction below flush_bytes at most
 _PAGE_MASK = ~(os.sysconf("SC_PAGE_SIZE") - 1)
 INDEX_TRIM_SECONDS = 1.0            # how often the index map's resident size is checked
 
@@ -147,6 +153,26 @@ def _skip_records(src, off: int, k: int) -> tuple[int, int]:
         if lac > maxlac:
             maxlac = lac
     return off, maxlac
+
+
+def flush_threshold(flush_bytes: int, rng: random.Random, spread: float = 0.0) -> int:
+    """The tail size at which the next swap happens: a random point in the last
+    ``spread`` (default :data:`FLUSH_STAGGER`, a quarter) below ``flush_bytes``,
+    drawn anew at every swap; the first swap after the shard opens draws from
+    the whole of it (``spread`` 1), since bookies started together would
+    otherwise start in phase.
+
+    The bookies of an ensemble receive the same bytes at the same moments, so
+    with one fixed threshold their flushes (the flush's syncs and index commit,
+    the page-cache drop after it: a burst of CPU and disk work on each) fell on
+    the same instant on all three, every ~2 s at 30,000 entries/s: a stall of
+    two bookies at once is one the client's ack quorum cannot ride out. A new
+    draw each time makes the shards' phases drift apart by a random walk, so
+    after a few flushes they are spread over the whole cycle (a threshold
+    drawn once would keep whatever phase the draw gave, colliding forever
+    when two draws were close). Lower, never higher: ``flush_bytes`` still
+    bounds the tail."""
+    return max(1, flush_bytes - int(flush_bytes * (spread or FLUSH_STAGGER) * rng.random()))
 
 
 def flush_rate(nbytes: int, fill_seconds: float) -> float:
@@ -516,6 +542,9 @@ class ShardStorage:
         self.write_cache_bytes = write_cache_bytes
         half = max(1 << 20, write_cache_bytes // 2)
         self.flush_bytes = min(half, flush_bytes) if flush_bytes else half
+        # Where the next swap happens: drawn again at every swap (see flush_threshold)
+        self._rng = random.Random()
+        self._flush_at = self.flush_bytes
         self.flush_interval = flush_interval
         self.read_ahead_entries = max(1, read_ahead_entries)
         self._ledgers: dict[int, _Ledger] = {}
@@ -587,6 +616,9 @@ class ShardStorage:
                 self._swap_at = self._journal_bytes() - self._replayed_bytes
             self._drop_old_segments()
             self.replay_seconds = time.monotonic() - t0
+            # the first swap after opening: anywhere below flush_bytes (bookies
+            # started together would otherwise start in phase)
+            self._flush_at = flush_threshold(self.flush_bytes, self._rng, spread=1.0)
         except BaseException:
             self._shutdown()
             raise
@@ -1200,7 +1232,7 @@ class ShardStorage:
             if self._flush_failed is not None and now - self._last_swap < FLUSH_RETRY_SECONDS:
                 self._calm(now, due)
                 return                # the journal keeps it all meanwhile
-            if due >= self.flush_bytes or (due and now - self._last_swap >= self.flush_interval):
+            if due >= self._flush_at or (due and now - self._last_swap >= self.flush_interval):
                 self._start_flush()
             elif not fl.pending:
                 self._calm(now, due)
@@ -1220,7 +1252,7 @@ class ShardStorage:
         flush interval (once the tail holds anything: a first byte past an expired
         interval makes the next pass look) and the tail's size limit."""
         until = self._next_trim
-        limit = self._swap_at + self.flush_bytes
+        limit = self._swap_at + self._flush_at
         if self._flush_failed is not None:
             until = min(until, self._last_swap + FLUSH_RETRY_SECONDS)
         interval_at = self._last_swap + self.flush_interval
@@ -1267,6 +1299,7 @@ class ShardStorage:
         self._wc_entries = 0
         self._dirty = set()
         self._swap_at = self._journal_bytes()
+        self._flush_at = flush_threshold(self.flush_bytes, self._rng)
         self._last_swap = time.monotonic()
         self._calm_until = 0.0
         self._flusher.submit(job)

@@ -79,6 +79,56 @@ def test_kill9_during_flushes_loses_no_acknowledged_entry(cluster_factory):
         read_back(b, lid, acked)
 
 
+def test_bookies_given_the_same_writes_flush_apart_and_kill9_mid_flush(cluster_factory):
+    """Three bookies receive the same adds (as an ensemble's do): each swaps its
+    write cache at its own random point of the last quarter below half of it,
+    drawn at every swap, so their flushes differ in size although their journals
+    hold the same bytes (one fixed threshold made all three flush at the same
+    moments). Then kill -9 one of them while such a flush is in flight: every
+    acknowledged entry reads back."""
+    c = cluster_factory(3, num_shards=1, conf_overrides={
+        "dbStorage_writeCacheMaxSizeMb": 8, "flushInterval": 3_600_000})
+    lid = (1 << 50) + 21
+    n = 10_000                                # ~10.5 MB each: two flushes or more
+    acked = [[] for _ in c.bookies]
+    # A small window: a swap comes at most a few records past its point (the
+    # loop looks once per pass), far less than the quarter (1 MiB) it is drawn in.
+    threads = [threading.Thread(target=pump, args=(b, lid, 0, n),
+                                kwargs={"acked": a, "window": 8})
+               for b, a in zip(c.bookies, acked)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(a == list(range(n)) for a in acked)
+    for b in c.bookies:
+        wait_until(lambda b=b: not shard_info(b, 0)["flushing"], timeout=30, what="flush done")
+    infos = [shard_info(b, 0) for b in c.bookies]
+    assert all(i["checkpoints"] >= 2 for i in infos), infos
+    sizes = [i["last_flush_bytes"] for i in infos]
+    # drawn apart: three draws within 16 KiB of each other are a ~0.1% chance
+    assert max(sizes) - min(sizes) > 16 << 10, sizes
+    assert all((3 << 20) - (16 << 10) <= x <= (4 << 20) + (16 << 10) for x in sizes), sizes
+    b = c.bookies[0]
+    more = acked[0]
+    stop = threading.Event()
+    t = threading.Thread(target=pump, args=(b, lid, n, 1_000_000),
+                         kwargs={"stop": stop, "acked": more})
+    t.start()
+    try:
+        before = shard_info(b, 0)["checkpoints"]
+        wait_until(lambda: (lambda i: i["flushing"] and i["checkpoints"] > before)(
+            shard_info(b, 0)), timeout=60, step=0.002, what="a flush in flight")
+        stop.set()
+        b.kill()                              # kill -9 while the flusher works
+    finally:
+        stop.set()
+        t.join(30)
+    assert len(more) > n
+    b.start()
+    read_back(b, lid, more)
+
+
 def test_kill9_during_compaction_loses_nothing(cluster_factory):
     c = cluster_factory(1, num_shards=1, conf_overrides={
         "gcWaitTime": 200, "minorCompactionInterval": 0, "minorCompactionThreshold": 0.9,

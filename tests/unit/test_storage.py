@@ -1296,6 +1296,49 @@ def test_a_flush_is_written_in_half_the_time_its_tail_took_to_fill():
     assert flush_rate(1 << 20, 0.0) == 0.0                     # no time measured: unpaced
 
 
+def test_each_swap_comes_at_a_new_random_point_of_the_last_quarter(tmp_path):
+    """The bookies of an ensemble receive the same bytes: a fixed flush threshold
+    made their flushes fall on the same moment. Every swap draws its own point
+    in the last quarter below flush_bytes, never above it; the first one (the
+    shards of bookies started together start in phase) anywhere below it."""
+    fb = 64 << 10
+    s = open_storage(tmp_path, sync_data=False, size=1 << 20, flush_bytes=fb,
+                     write_cache_bytes=1 << 20)
+    sizes = []
+    start = s._start_flush
+
+    def recording_start():
+        sizes.append(s._journal_bytes() - s._swap_at)
+        start()
+    s._start_flush = recording_start
+    try:
+        e = 0
+        while len(sizes) < 12:
+            assert add(s, 3, e) == EOK
+            e += 1
+            seen = len(sizes)
+            s.maintain()
+            if len(sizes) > seen:
+                s._wait_flusher()             # the next tail is measured from this swap
+        rec = 800                             # one record's bytes, at most
+        assert 0 < sizes[0] <= fb + rec
+        later = sizes[1:]
+        assert all(fb - fb // 4 <= n <= fb + rec for n in later), sizes
+        assert max(later) - min(later) > 4 * rec, sizes     # drawn anew each time
+        s.checkpoint()
+        for x in (0, e // 2, e - 1):
+            assert_entry(s, 3, x)
+    finally:
+        s.close()
+    firsts = []                               # the first swap's point: below all of it
+    for k in range(8):
+        t = open_storage(tmp_path / str(k), flush_bytes=fb, write_cache_bytes=1 << 20)
+        firsts.append(t._flush_at)
+        t.close()
+    assert all(0 < x <= fb for x in firsts), firsts
+    assert min(firsts) < fb - fb // 4, firsts     # 8 draws all in the last quarter: 1.5e-5
+
+
 def test_a_flush_the_loop_waits_for_is_not_held_to_its_rate(tmp_path, monkeypatch):
     """A flush started by the loop is paced (here at 1 byte/s: it would never
     end); the back-pressure wait and a checkpoint hurry it, so every entry is

@@ -96,13 +96,15 @@ def test_a_calm_maintain_still_flushes_when_the_tail_is_full(tmp_path):
         s.maintain()
         assert s._calm_until > time.monotonic()    # nothing due: later passes skip
         e, flushes = 0, s.checkpoints
+        at = s._flush_at                           # this shard's point, at most 1 MiB
+        assert 0 < at <= 1 << 20
         while s._flushing is None and s.checkpoints == flushes:
             assert e < 200, "no flush after the tail passed flush_bytes"
             assert s.add_entry(8, e, e - 1, KEY, b"d", b"x" * 16384, False) == EOK
             s.sync()
             s.maintain()
             e += 1
-        assert 60 <= e                             # 1 MiB of 16 KiB entries, not before
+        assert (e - 2) * 16384 < at <= e * 16500   # its tail passed the point, not before
         s.checkpoint()
         assert s.read_entry(8, e - 1)[3] == b"x" * 16384
     finally:
