@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
 
 from bk.client.bookkeeper import BookKeeper
 from bk.localcluster import BookieProcess
@@ -20,29 +19,28 @@ from bk.util import free_port
 
 ENTRIES = 40
 
-# The parent: starts a cluster of two bookies (forked by bk.testing's launcher, or
-# Popen'd by bk.localcluster as benches do), writes ENTRIES entries to an open
-# ledger on both, prints what runs, and waits to be killed.
+# The parent: starts a cluster of three bookies, two forked by bk.testing's launcher
+# (as tests start them) and one Popen'd by bk.localcluster (as benches and `bookie
+# localcluster` do), writes ENTRIES entries to an open ledger on all three, prints
+# what runs, and waits to be killed.
 PARENT = r"""
 import json, os, signal, sys
 import bk
 from bk import localcluster, testing
-kind, base, entries = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if kind == "launcher":
-    c = testing.LocalCluster(num_bookies=2, base_dir=base)
-else:
-    c = localcluster.LocalCluster(num_bookies=2, base_dir=base,
-                                  conf_overrides=testing.TEST_DEFAULTS)
-c.start()
+from bk.util import free_port
+base, entries = sys.argv[1], int(sys.argv[2])
+c = testing.LocalCluster(num_bookies=2, base_dir=base).start()
+popen = localcluster.BookieProcess(c.metadata_uri, os.path.join(base, "bookie-2"), free_port(),
+                                   2, testing.TEST_DEFAULTS, store=c.store).start()
 client = bk.BookKeeper(c.metadata_uri)
-lh = client.create_ledger(ensemble_size=2, write_quorum_size=2, ack_quorum_size=2,
+lh = client.create_ledger(ensemble_size=3, write_quorum_size=3, ack_quorum_size=3,
                           password=b"orphans")
 for i in range(entries):
     lh.add_entry(b"entry %d" % i)
 launchers = [l.proc.pid for l in testing._Launcher._launchers.values()]
 print(json.dumps({"etcd": c.etcd.pid, "ledger": lh.ledger_id, "launchers": launchers,
                   "bookies": [{"pid": b.pid, "workers": b.worker_pids(), "dir": b.dir,
-                               "id": b.bookie_id} for b in c.bookies]}), flush=True)
+                               "id": b.bookie_id} for b in [*c.bookies, popen]]}), flush=True)
 signal.pause()
 """
 
@@ -65,15 +63,14 @@ def _kill9(p: subprocess.Popen) -> None:
     p.stdout.close()
 
 
-@pytest.mark.parametrize("kind", ["launcher", "popen"])
-def test_cluster_ends_with_its_parent(tmp_path, kind):
+def test_cluster_ends_with_its_parent(tmp_path):
     base = tmp_path / "cluster"
-    p, up = _start_parent(PARENT, kind, base, ENTRIES)
+    p, up = _start_parent(PARENT, base, ENTRIES)
     pids = [up["etcd"], *up["launchers"]]
     for b in up["bookies"]:
         pids += [b["pid"], *b["workers"]]
-    assert all(len(b["workers"]) == 2 for b in up["bookies"])
-    assert (kind == "launcher") == bool(up["launchers"])
+    assert [len(b["workers"]) for b in up["bookies"]] == [2, 2, 2]
+    assert len(up["launchers"]) == 1
     try:
         assert not any(_dead(pid) for pid in pids)
         _kill9(p)
@@ -94,8 +91,8 @@ def test_cluster_ends_with_its_parent(tmp_path, kind):
         assert "did not stop" not in log and "Traceback" not in log
         assert not os.path.exists(os.path.join(b["dir"], "bookie.pid"))
 
-    # The same directories, restarted: both bookies replay every entry of the ledger
-    with LocalCluster(num_bookies=2, base_dir=str(base)) as c:
+    # The same directories, restarted: every bookie replays every entry of the ledger
+    with LocalCluster(num_bookies=3, base_dir=str(base)) as c:
         assert sorted(b.bookie_id for b in c.bookies) == sorted(b["id"] for b in up["bookies"])
         for b in up["bookies"]:
             assert c.entries_on(b["id"], up["ledger"]) == set(range(ENTRIES))
