@@ -9,7 +9,12 @@
 
 Every bookie is a ``bookie start`` child process in its own process group, with
 its own directory holding its conf file, data and log. Nothing outlives
-:meth:`LocalCluster.stop` (also called on ``with`` exit and at interpreter exit).
+:meth:`LocalCluster.stop` (also called on ``with`` exit and at interpreter exit),
+nor the process that started the cluster: a bookie is started with
+``--stop-with <that pid>`` and stops as on SIGTERM (draining, journals synced)
+once that process has exited, however it ended (kill -9 included), and etcd dies
+with it (``PR_SET_PDEATHSIG``, bk.meta.etcd_server). Bookies started any other way
+(``bookie start`` by an operator or systemd) are not affected.
 
 ``LocalCluster(secure=True)`` (``bookie localcluster --secure``) makes a CA,
 certificates, a token key, tokens and etcd passwords under
@@ -117,7 +122,9 @@ class BookieProcess:
     def start(self, timeout: float = 60.0, wait: bool = True) -> "BookieProcess":
         if self.alive:
             raise BKError(f"bookie {self.bookie_id} is already running")
-        self.proc = self._spawn(["start", "--conf", self.conf_file])
+        # stop with the process holding this BookieProcess, whoever forks the bookie
+        self.proc = self._spawn(["start", "--conf", self.conf_file,
+                                 "--stop-with", str(os.getpid())])
         _live.add(self)
         if wait:
             self.wait_registered(timeout)

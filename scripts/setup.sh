@@ -20,12 +20,15 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
+# The stamp holds the setup.cfg it installed (not its mtime): a git worktree sharing
+# this .venv through a symlink has a setup.cfg as new as its checkout, and an mtime
+# test re-installed bk editable from that worktree, for every user of the venv.
 stamp=.venv/.bk-installed
-if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || ! cmp -s setup.cfg "$stamp"; then
   echo "setup: installing bk and its dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -e '.[test,spark]' 2>&1 | grep -v '^WARNING: Location' || true
   .venv/bin/python -c 'import bk, msgpack, pyetcd, crc32c, psutil, click, pytest, pyspark, pyarrow' \
     || { echo "setup: installation failed" >&2; exit 1; }
-  touch "$stamp"
+  cp setup.cfg "$stamp"
 fi

@@ -22,6 +22,16 @@ wake-up pipe. Signal handlers only enqueue the signal and write to the pipe
   wait for them, remove the pid file, exit 0.
 * SIGUSR1: run a garbage collection now (a full reconcile, see bk.bookie.gc).
 
+With ``stop_with=PID`` (``bookie start --stop-with PID``, passed only by
+:mod:`bk.localcluster`: its tests, benches and ``bookie localcluster``) a thread
+waits on a pidfd of that process and, once it has exited, sends this process a
+SIGTERM: the bookie stops exactly as above (workers drain and sync their
+journals), so a killed test or bench leaves no bookie behind. The process is
+named rather than taken as the parent: a test's bookies are children of its
+launcher (bk.testing), and one already gone when the watch begins (it died while
+the bookie was starting) stops the bookie before it binds. A bookie started
+without it (an operator's, systemd's) ignores every other process.
+
 Each signal is handled by ``handle_<name>`` (``handle_term``, ...), each
 control message of a worker by ``handle_<message>``
 (:func:`bk.bookie.control.dispatch`, vocabulary in :mod:`bk.bookie.control`).
@@ -51,6 +61,7 @@ import errno
 import logging
 import os
 import queue
+import select
 import selectors
 import signal
 import socket
@@ -88,6 +99,16 @@ BOOT_TIMEOUT = 300.0
 HANDOVER_TIMEOUT = 30.0
 # retries of an unreachable metadata store at start (metadataServiceStartTimeoutSeconds)
 _START_BACKOFF = Backoff(first=0.25, factor=2.0, cap=2.0, jitter=0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class BookieExit(Exception):
@@ -133,7 +154,8 @@ class Arbiter:
     without auto-recovery never loads the client stack it copies with, and one
     without HTTP never loads prometheus_client and http.server."""
 
-    def __init__(self, conf: Config, on_ready=None, autorecovery=None, views=None):
+    def __init__(self, conf: Config, on_ready=None, autorecovery=None, views=None,
+                 stop_with: int | None = None):
         if conf.autoRecoveryDaemonEnabled and autorecovery is None:
             raise ValueError("autoRecoveryDaemonEnabled is set: pass the auto-recovery to host")
         if conf.httpServerEnabled and views is None:
@@ -141,6 +163,8 @@ class Arbiter:
         self.conf = conf
         self._views = views
         self.on_ready = on_ready          # called once the bookie serves (daemon hand-off)
+        self.stop_with = stop_with        # stop when this process exits (None: never)
+        self._stop_with_fd: int | None = None
         self._make_autorecovery = autorecovery
         self.workers: list[_Worker] = []
         self.num_shards = 0
@@ -212,6 +236,8 @@ class Arbiter:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGUSR1, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        if self.stop_with is not None:
+            self._watch_stop_with(self.stop_with)
         # Bind before the cookie check: a bookie that cannot have its port must leave
         # no cookie behind (on a fresh bookie the check creates it), or the cluster
         # would know a bookie that never ran and audit it as lost.
@@ -261,6 +287,27 @@ class Arbiter:
         # registrationTtlSeconds): the loop serves meanwhile, so clients that know this
         # bookie (their ledgers' ensembles) are served at once after a restart.
         threading.Thread(target=self._register, name="bk-register", daemon=True).start()
+
+    def _watch_stop_with(self, pid: int):
+        """SIGTERM this process once process ``pid`` has exited (``--stop-with``)."""
+        try:
+            self._stop_with_fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            log.warning("process %d (--stop-with) is gone: not starting", pid)
+            raise BookieExit(EXIT_OK, "stopped") from None
+        except (AttributeError, OSError):     # no pidfd (not Linux >= 5.3): poll below
+            pass
+        fd = self._stop_with_fd
+
+        def watch():
+            if fd is not None:
+                select.select([fd], [], [])     # readable once the process has exited
+            else:
+                while _alive(pid):
+                    time.sleep(0.5)
+            log.warning("process %d (--stop-with) exited: stopping", pid)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=watch, name="bk-stop-with", daemon=True).start()
 
     def _check_security(self):
         """Load the TLS files, the token key and the roles once before forking, so
@@ -425,6 +472,8 @@ class Arbiter:
                         s.close()
                 os.close(self._wake_r)
                 os.close(self._wake_w)
+                if self._stop_with_fd is not None:
+                    os.close(self._stop_with_fd)
                 ShardWorker(self.conf, w.shard, self.num_shards, w_end, deleted=deleted).run()
             finally:
                 os._exit(EXIT_ERROR)

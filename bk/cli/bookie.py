@@ -119,8 +119,12 @@ def main():
 @_conf_options
 @_override_options
 @click.option("--daemon", "-d", is_flag=True, help="Detach from the terminal (logs to logFile).")
+@click.option("--stop-with", type=click.IntRange(min=1), default=None, metavar="PID",
+              help="Stop (as SIGTERM does) once process PID exits. bk's local clusters "
+                   "(tests, benchmarks, bookie localcluster) pass their own pid, so that "
+                   "no bookie outlives them; not for deployed bookies.")
 @one_line_errors(PROG)
-def start(conf_file, settings, daemon, **flags):
+def start(conf_file, settings, daemon, stop_with, **flags):
     """Start a bookie (in the foreground unless --daemon).
 
     Empty directories are formatted on the first start. Exits non-zero with a
@@ -131,6 +135,8 @@ def start(conf_file, settings, daemon, **flags):
     Example:
       bookie start --conf conf/bk_server.conf --port 3182 --journal-dir /data/j2
     """
+    if daemon and stop_with is not None:
+        fail(PROG, "--stop-with and --daemon exclude each other", EXIT_CONFIG)
     conf = load_conf(conf_file, settings, **flags)
     if not conf.metadataServiceUri:
         fail(PROG, "metadataServiceUri is not set (in the conf file, BK_metadataServiceUri "
@@ -180,7 +186,7 @@ def start(conf_file, settings, daemon, **flags):
             pipe.close()
         os._exit(code)
     setup_logging(conf.logLevel, conf.logFile or None)
-    arbiter = Arbiter(conf, autorecovery=hosted, views=views)
+    arbiter = Arbiter(conf, autorecovery=hosted, views=views, stop_with=stop_with)
     code = arbiter.run()
     if code:
         click.echo(f"{PROG}: error: {arbiter.exit_message or f'bookie exited with code {code}'}",

@@ -522,7 +522,9 @@ def test_bookie_killed_mid_stream(cluster_factory):
 
         def writer():
             try:
-                for i in range(3000):
+                # one add at a time (each waits for its group commit): 1000 of them
+                # outlast the kill after 300 and the ensemble change by far
+                for i in range(1000):
                     eid = lh.add_entry_async(b"k%d" % i).result(30)
                     acked[eid] = b"k%d" % i
             except Exception as e:  # pragma: no cover - asserted below
@@ -546,7 +548,7 @@ def test_bookie_killed_mid_stream(cluster_factory):
         assert len(md.ensembles) >= 2 and victim not in md.last_ensemble
         rh = client.open_ledger(lh.ledger_id, password=PW)
         got = {e.entry_id: e.data for e in rh.read_entries(0, rh.last_add_confirmed)}
-        assert len(got) == 3500
+        assert len(got) == 1500
         for eid, data in acked.items():
             assert got[eid] == data
         assert sorted(ids) == ids and all(got[eid].startswith(b"f") for eid in ids)

@@ -16,7 +16,9 @@ def _log(b):
 
 
 def test_bookie_started_during_an_etcd_outage_waits_for_it(cluster_factory):
-    cluster = cluster_factory(1)
+    # an attempt on an unreachable etcd takes metadataTimeoutMillis: 2 s, not 5, so
+    # that the retries this test waits for come sooner
+    cluster = cluster_factory(1, conf_overrides={"metadataTimeoutMillis": 2000})
     b = cluster.bookies[0]
     b.stop()
     cluster.etcd.stop()
@@ -37,7 +39,7 @@ def test_bookie_started_during_an_etcd_outage_waits_for_it(cluster_factory):
     assert b.stop() == EXIT_OK and "stop requested while waiting" in _log(b)
 
     # a bounded wait: exit 5 once it is over, and after one attempt with 0
-    for seconds in (8, 0):      # (one attempt takes metadataTimeoutMillis, 5 s)
+    for seconds in (4, 0):      # (one attempt takes metadataTimeoutMillis, 2 s)
         b.write_conf(metadataServiceStartTimeoutSeconds=seconds)
         before = _log(b).count("metadata store unreachable")
         b.start(wait=False)

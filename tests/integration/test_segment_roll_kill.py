@@ -89,22 +89,24 @@ elif WHERE == "roll":
 def pump(b, lid, stop, acked, first=0):
     """Batches of BATCH entries (window of 8 batches) from ``first`` until ``stop``;
     the entries acknowledged with EOK go to ``acked``. A connection broken by the
-    kill ends it."""
+    kill ends it. The window counts entries: one group acknowledgement covers every
+    batch of the group (bk.protocol), so counting answers as batches would wait, at
+    the stop, for answers that never come (the connection's 10 s timeout)."""
     try:
         with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
             eid, outstanding = first, 0
             while not stop.is_set() or outstanding:
-                while outstanding < 8 and not stop.is_set():
+                while outstanding < 8 * BATCH and not stop.is_set():
                     c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, [
                         (lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]))
                     eid += BATCH
-                    outstanding += 1
+                    outstanding += BATCH
                 r = c.recv()
                 assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:3]
                 runs = r[3]
                 for i in range(0, len(runs), 3):
                     acked += list(range(runs[i + 1], runs[i + 2] + 1))
-                outstanding -= 1
+                    outstanding -= runs[i + 2] + 1 - runs[i + 1]
     except (OSError, BKError):
         if not stop.is_set():
             raise
