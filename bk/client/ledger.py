@@ -116,6 +116,7 @@ _RANGE_REQUEST_BYTES = 256 * 1024
 _PROBE_ENTRIES = 16            # first window of a read whose entry size is unknown
 _data_of = operator.attrgetter("data")
 _t_sent_of = operator.attrgetter("t_sent")
+_entry_id_of = operator.attrgetter("entry_id")
 _popleft = collections.deque.popleft
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 _REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
@@ -995,8 +996,8 @@ class LedgerHandle:
         return ops
 
     def _submit_one(self, data, cb):
-        """``_submit`` of one checked payload, the path of every add_entry_async:
-        one op, no lists."""
+        """``_submit`` of one checked payload: one op, no lists (a blocking add;
+        ``add_entry_async`` has the same lines inline)."""
         if self._submitted - self._completed + len(self._unconfirmed) >= self._throttle:
             self._check_open()
             self._wait_window(1)
@@ -1110,11 +1111,32 @@ class LedgerHandle:
         if data.__class__ is not bytes or len(data) > self._max_payload:
             data = self._check_payload(data)
         if callback is None:
-            fut = _AddFuture()
-            self._submit_one(data, fut)
-            return fut
-        self._submit_one(data, callback)
-        return None
+            fut = callback = _AddFuture()
+        else:
+            fut = None
+        # _submit_one(data, callback), inline: this runs once per entry, and on a
+        # busy machine each Python call of the path costs more than its body
+        if self._submitted - self._completed + len(self._unconfirmed) >= self._throttle:
+            self._check_open()
+            self._wait_window(1)
+        with self._lock:
+            if not self._state.takes_adds or not self._writable:
+                self._check_open()
+            entry = self._next_entry
+            lac = self._lac
+            n = len(data)
+            length = self._pushed_length + n
+            self._outbox.append(PendingAdd(
+                self, entry, self._rec(n, self._lid, entry, lac, self._dlen,
+                                       self._sign(entry, lac, length, data)),
+                data, length, callback))
+            self._next_entry = entry + 1
+            self._pushed_length = length
+            self._submitted += 1
+            if not self._flush_armed:
+                self._flush_armed = True
+                self._loop.call_soon(self._io_flush)
+        return fut
 
     # --- I/O thread -------------------------------------------------------------------
     def _io_send(self, ops):
@@ -1141,9 +1163,12 @@ class LedgerHandle:
             loop = self._loop
             frames = record_frames(ops, loop.batch_bytes, self._bkey, loop.rids) \
                 if loop.batching and E > 1 else None
+            # and the ops by entry id once: each connection registers them with
+            # one dict.update
+            by_id = dict(zip(map(_entry_id_of, ops), ops))
             for s, conn in enumerate(conns):
                 if not failed or s not in failed:
-                    conn.send_adds(ops, frames)
+                    conn.send_adds(ops, frames, by_id)
             return
         for s, conn in enumerate(conns):
             if failed and s in failed:
@@ -1208,15 +1233,34 @@ class LedgerHandle:
         if not pending and not unconfirmed:
             return
         base = self._ack_base
-        q_a, q_w = self._quorum_masks()
+        q_a, q_w = self._masks(self._acks)      # _quorum_masks(), inline
         n = 0
         if pending:
             off = pending[0].entry_id - base
             m = q_a >> off
-            # the run of entries from the head that Qa slots confirmed (its
-            # trailing ones), and the part of it all Qw slots confirmed
-            n = min((m ^ (m + 1)).bit_length() - 1, len(pending))
-        if n:
+            if m & 1 and (not m & 2 or len(pending) == 1):
+                # Only the head: a blocking add's case (one entry per
+                # acknowledgement), without the lists of a run below.
+                n = 1
+                op = _popleft(pending)
+                if not (q_w >> off) & 1:
+                    unconfirmed.append(op)
+                e = self._lac = op.entry_id
+                self._length = op.length
+                self._completed += 1
+                lats = (self._loop.now - op.t_sent,)
+                op.done = True
+                cb = op.cb
+                if cb is not None:
+                    try:
+                        cb(None, e)
+                    except Exception:
+                        log.exception("add callback failed")
+            else:
+                # the run of entries from the head that Qa slots confirmed (its
+                # trailing ones), and the part of it all Qw slots confirmed
+                n = min((m ^ (m + 1)).bit_length() - 1, len(pending))
+        if n > 1:
             m = q_w >> off
             full = (m ^ (m + 1)).bit_length() - 1
             ops = list(map(_popleft, itertools.repeat(pending, n)))
@@ -1248,6 +1292,11 @@ class LedgerHandle:
             k = (m ^ (m + 1)).bit_length() - 1
             if not k:
                 break
+            # the k entries from the head's on: on every bookie. The usual case:
+            # the first of them (or all that are held) contiguous, popped in C
+            j = min(k, len(unconfirmed)) - 1
+            if unconfirmed[j].entry_id - j == base + off:
+                list(map(_popleft, itertools.repeat(unconfirmed, j + 1)))
             end = base + off + k            # entries below it: on every bookie
             while unconfirmed and unconfirmed[0].entry_id < end:
                 unconfirmed.popleft()

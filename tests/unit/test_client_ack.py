@@ -58,7 +58,10 @@ class FakeConn:
         self.bookie_id = bid
         self.sent = []          # (rid, op)
 
-    def send_adds(self, ops, frames=None):
+    def send_adds(self, ops, frames=None, by_id=None):
+        if by_id is not None:
+            # the same ops, by entry id (what a connection registers them by)
+            assert list(by_id.items()) == [(op.entry_id, op) for op in ops]
         if frames is not None:
             # whole ADD_BATCH frames encoded once for the write quorum: the same
             # records, in order, under the handle's master key
