@@ -160,12 +160,13 @@ class PendingAdd:
     __slots__ = ("handle", "entry_id", "head", "data", "wlen", "length",
                  "done", "cb", "t_sent", "frame", "nfenced", "backoff")
 
-    def __init__(self, handle, entry_id, head, data, length, cb):
+    def __init__(self, handle, entry_id, head, data, length, cb, wlen):
+        # wlen: len(head) + len(data), which the submitter knows without a call
         self.handle = handle
         self.entry_id = entry_id
         self.head = head
         self.data = data
-        self.wlen = len(head) + len(data)
+        self.wlen = wlen
         self.length = length
         self.done = False
         self.cb = cb
@@ -850,6 +851,7 @@ class LedgerHandle:
         self._rec = rec
         self._sign = self._digest.sign
         self._dlen = self._digest.size
+        self._hlen = _REC_HEAD + self._dlen    # an entry's ADD_BATCH record head
         self._completed = 0                 # I/O thread only
         self._pending = collections.deque()  # I/O thread only
         self._error = None                  # (exception class, reason) once the handle is broken
@@ -972,6 +974,7 @@ class LedgerHandle:
         sign = self._sign
         rec = self._rec
         dlen = self._dlen
+        hlen = self._hlen
         with self._lock:
             self._check_open()
             ops = []
@@ -984,7 +987,7 @@ class LedgerHandle:
                 length += n
                 append(PendingAdd(self, entry, rec(n, lid, entry, lac, dlen,
                                                    sign(entry, lac, length, data)),
-                                  data, length, each_cb))
+                                  data, length, each_cb, hlen + n))
                 entry += 1
             if last_cb is not None and ops:
                 ops[-1].cb = last_cb
@@ -1011,7 +1014,7 @@ class LedgerHandle:
             self._outbox.append(PendingAdd(
                 self, entry, self._rec(n, self._lid, entry, lac, self._dlen,
                                        self._sign(entry, lac, length, data)),
-                data, length, cb))
+                data, length, cb, self._hlen + n))
             self._next_entry = entry + 1
             self._pushed_length = length
             self._submitted += 1
@@ -1050,7 +1053,8 @@ class LedgerHandle:
                 return
             assert entry_id == self._next_entry, (entry_id, self._next_entry)
             head = protocol.add_record_head(self._lid, entry_id, entry_lac, digest, len(data))
-            self._outbox.append(PendingAdd(self, entry_id, head, data, length, None))
+            self._outbox.append(PendingAdd(self, entry_id, head, data, length, None,
+                                           len(head) + len(data)))
             self._next_entry = entry_id + 1
             self._pushed_length = length
             self._submitted += 1
@@ -1108,8 +1112,11 @@ class LedgerHandle:
         on the client's I/O thread (keep it short) and returns None. Blocks only
         while ``throttle`` adds are already outstanding.
         """
-        if data.__class__ is not bytes or len(data) > self._max_payload:
+        if data.__class__ is not bytes:
             data = self._check_payload(data)
+        n = len(data)
+        if n > self._max_payload:
+            self._check_payload(data)           # raises
         if callback is None:
             fut = callback = _AddFuture()
         else:
@@ -1124,12 +1131,11 @@ class LedgerHandle:
                 self._check_open()
             entry = self._next_entry
             lac = self._lac
-            n = len(data)
             length = self._pushed_length + n
             self._outbox.append(PendingAdd(
                 self, entry, self._rec(n, self._lid, entry, lac, self._dlen,
                                        self._sign(entry, lac, length, data)),
-                data, length, callback))
+                data, length, callback, self._hlen + n))
             self._next_entry = entry + 1
             self._pushed_length = length
             self._submitted += 1
