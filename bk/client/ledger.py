@@ -704,6 +704,12 @@ class LedgerHandle:
         self._prepare_conns(b for _, ens in md.ensembles for b in ens)
         if writable:
             self._init_writer()
+        else:
+            # add_entry_async's first step, the throttle check, then finds the
+            # window full and _check_open refuses the add (LedgerClosedError):
+            # a reader's refusal costs the writer's path no check of its own
+            self._submitted = self._completed = self._throttle = 0
+            self._unconfirmed = ()
 
     # --- public properties ------------------------------------------------------
     @property

@@ -835,3 +835,18 @@ def test_a_write_quorums_adds_registered_at_once_or_one_by_one():
     conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 4], []])
     assert h.confirmed() == [0, 1, 2, 3] and other.confirmed() == [4]
     assert conn.adds[7] == {3: again}
+
+
+def test_a_read_handle_refuses_adds_as_closed():
+    """Every add of a handle opened for reading fails with LedgerClosedError (not
+    an AttributeError of the writer's state it lacks), and consumes nothing."""
+    bookies = ["b0:1", "b1:1", "b2:1"]
+    client = FakeClient(bookies)
+    md = LedgerMetadata(ledger_id=5, ensemble_size=3, write_quorum_size=3,
+                        ack_quorum_size=2, ensembles=[(0, bookies)])
+    h = LedgerHandle(client, md, 1, b"", writable=False)
+    for add in (h.add_entry_async, lambda d: h.add_entry_async(d, lambda *a: None),
+                h.add_entry, lambda d: h.add_entries([d])):
+        with pytest.raises(LedgerClosedError, match="read-only"):
+            add(b"x")
+    assert client._io.q == [] and h.last_add_confirmed == -1
