@@ -692,6 +692,24 @@ class Connection:
         protocol.check_add_ack(msg)
         acked, errors = msg[3], msg[4]
         adds = self.adds
+        if not errors and len(acked) == 3 and acked[1] == acked[2]:
+            # one entry of one ledger (every acknowledgement of blocking adds):
+            # no loops, no list of touched handles
+            lid, e = acked[0], acked[1]
+            d = adds.get(lid)
+            if d is None:
+                return
+            h = d.owner
+            if h is not None:
+                if d.pop(e, None) is not None:
+                    if not d:
+                        del adds[lid]
+                    h._confirm_run(self, e, e)
+                    try:
+                        h._advance()
+                    except Exception:
+                        log.exception("advancing %r failed", h)
+                return
         touched = []
         for i in range(0, len(acked), 3):
             lid = acked[i]
@@ -700,12 +718,7 @@ class Connection:
                 continue
             first, last = acked[i + 1], acked[i + 2]
             h = d.owner
-            if h is not None and first == last:     # one entry (blocking adds)
-                if d.pop(first, None) is not None:
-                    h._confirm_run(self, first, first)
-                    if h not in touched:
-                        touched.append(h)
-            elif h is not None:
+            if h is not None:
                 # pop(e, None) for each e of the run, iterated in C; the ops
                 # outstanding here (never a list: one handle, one send each)
                 got = list(filter(None, map(d.pop, range(first, last + 1), _NONES)))
