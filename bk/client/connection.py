@@ -21,7 +21,9 @@ counter per loop. A broken connection fails all of its requests with
 Adds are not requests by id: a write handle hands a connection its adds with
 :meth:`Connection.send_adds`, and the connection keeps them by (ledger,
 entry) in ``adds`` until the bookie acknowledges or refuses each (a broken
-connection fails them all). When the loop writes a connection, the adds queued
+connection fails them all); a write quorum's adds come with their map by
+entry id, made once by the handle, which a connection holding none of those
+entries takes with one ``dict.update``. When the loop writes a connection, the adds queued
 on it since its last write are coalesced: to a bookie that announced
 ``FEATURE_ADD_BATCH`` at HELLO (and with ``frameBatching`` on) as ADD_BATCH
 frames of up to ``BATCH_BYTES`` / ``BATCH_ENTRIES``, grouped by master key;
@@ -42,7 +44,8 @@ bookie answers a group commit with one group acknowledgement per connection
 off the connection (a ``dict.pop`` per entry, iterated in C) and confirms
 the run in its handle as one range, an OR into the bitset of that bookie's
 slot (``bk.client.ledger``), with no Python step per entry; it then advances
-each handle it touched once. Everything a write produces goes out with ``sendmsg`` of the buffers as
+each handle it touched once. An acknowledgement of one entry of one ledger
+(all of them, for blocking adds) takes a path without those loops. Everything a write produces goes out with ``sendmsg`` of the buffers as
 they are (at most ``_IOV`` per call), not joined again per connection; what
 the socket does not take waits in ``wq``. Replies are received
 with ``recv_into`` the connection's reusable :class:`protocol.FrameBuffer`

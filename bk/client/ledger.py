@@ -15,7 +15,9 @@ submitter signs), and which from then on owns every piece of mutable write
 state: the ``_pending`` deque, the acknowledgements, the LAC, the ensemble.
 It hands each bookie of the ensemble, with one ``send_adds`` per drain, the
 ops whose write set (the Qw bookies starting at slot ``entry % E``) it is in
-(with E == Qw, with whole ADD_BATCH frames encoded once for all of them); the
+(with E == Qw, with whole ADD_BATCH frames encoded once for all of them, and
+the ops mapped by entry id once, which each connection registers with one
+``dict.update``); the
 connection batches them (``bk.client.connection``) and a group
 acknowledgement confirms many at once. Confirmations are kept per ensemble
 slot, not per op: one Python int per slot whose bit ``e - _ack_base`` says
@@ -25,7 +27,9 @@ entries that Qa (and Qw) slots confirmed are a few ANDs and ORs of the ints
 (``_quorum_masks``). The handle then advances once: the head of ``_pending``
 is acknowledged once Qa bookies confirmed it; acknowledging pops every
 complete op from the head, so acknowledgement (and the LAC) follows entry-id
-order whatever order bookies answer in.
+order whatever order bookies answer in. When only the head is complete (a
+blocking add's every acknowledgement) it is popped alone, without the lists a
+run is handled with.
 
 A bookie that fails (connection error, an error status, or an add older than
 ``addEntryTimeoutSec`` it has not confirmed) starts an *ensemble change*:
