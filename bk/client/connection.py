@@ -1032,7 +1032,11 @@ class IOLoop:
         return call
 
     def stop(self, timeout=5.0):
-        t = self._thread
+        # Read under the lock _ensure starts the thread under: a thread another
+        # caller is starting right now is joined once started, never before
+        # (Thread.join raises then).
+        with self._lock:
+            t = self._thread
         if t is None or self._forked or self._dead is not None:
             return
         self.call_soon(self._shutdown)
