@@ -15,9 +15,7 @@ submitter signs), and which from then on owns every piece of mutable write
 state: the ``_pending`` deque, the acknowledgements, the LAC, the ensemble.
 It hands each bookie of the ensemble, with one ``send_adds`` per drain, the
 ops whose write set (the Qw bookies starting at slot ``entry % E``) it is in
-(with E == Qw, with whole ADD_BATCH frames encoded once for all of them, and
-the ops mapped by entry id once, which each connection registers with one
-``dict.update``); the
+(with E == Qw, with whole ADD_BATCH frames encoded once for all of them); the
 connection batches them (``bk.client.connection``) and a group
 acknowledgement confirms many at once. Confirmations are kept per ensemble
 slot, not per op: one Python int per slot whose bit ``e - _ack_base`` says
@@ -120,7 +118,6 @@ _RANGE_REQUEST_BYTES = 256 * 1024
 _PROBE_ENTRIES = 16            # first window of a read whose entry size is unknown
 _data_of = operator.attrgetter("data")
 _t_sent_of = operator.attrgetter("t_sent")
-_entry_id_of = operator.attrgetter("entry_id")
 _popleft = collections.deque.popleft
 _BUSY_BACKOFF = 0.002          # first wait before resending an add refused as ETOOMANYREQUESTS
 _REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record head (made once)
@@ -1179,12 +1176,9 @@ class LedgerHandle:
             loop = self._loop
             frames = record_frames(ops, loop.batch_bytes, self._bkey, loop.rids) \
                 if loop.batching and E > 1 else None
-            # and the ops by entry id once: each connection registers them with
-            # one dict.update
-            by_id = dict(zip(map(_entry_id_of, ops), ops))
             for s, conn in enumerate(conns):
                 if not failed or s not in failed:
-                    conn.send_adds(ops, frames, by_id)
+                    conn.send_adds(ops, frames)
             return
         for s, conn in enumerate(conns):
             if failed and s in failed:

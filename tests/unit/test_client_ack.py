@@ -58,10 +58,7 @@ class FakeConn:
         self.bookie_id = bid
         self.sent = []          # (rid, op)
 
-    def send_adds(self, ops, frames=None, by_id=None):
-        if by_id is not None:
-            # the same ops, by entry id (what a connection registers them by)
-            assert list(by_id.items()) == [(op.entry_id, op) for op in ops]
+    def send_adds(self, ops, frames=None):
         if frames is not None:
             # whole ADD_BATCH frames encoded once for the write quorum: the same
             # records, in order, under the handle's master key
@@ -813,28 +810,6 @@ def test_fully_confirmed_entries_leave_unconfirmed_around_a_gap():
     assert [op.entry_id for op in h._unconfirmed] == [5]
     _ack(b2, (5, 5))
     assert not h._unconfirmed and [e for _, e in done] == list(range(6))
-
-
-def test_a_write_quorums_adds_registered_at_once_or_one_by_one():
-    """Adds sent with their ``by_id`` map are taken with one update when the
-    connection holds none of those entries of the handle; an entry it holds
-    already (sent again by the same handle) or another handle's ops fall back to
-    the per-entry registration, which keeps both sends."""
-    conn = _ready_conn()
-    h, other = _RunHandle(), _RunHandle()
-    ops = [_RunOp(h, e) for e in range(4)]
-    conn.send_adds(ops[:2], None, {op.entry_id: op for op in ops[:2]})
-    conn.send_adds(ops[2:], None, {op.entry_id: op for op in ops[2:]})
-    assert conn.adds[7] == {e: ops[e] for e in range(4)} and conn.adds[7].owner is h
-    again = _RunOp(h, 3)
-    conn.send_adds([again], None, {3: again})
-    assert conn.adds[7][3] == [ops[3], again] and conn.adds[7].owner is None
-    theirs = _RunOp(other, 4)
-    conn.send_adds([theirs], None, {4: theirs})
-    assert conn.adds[7][4] is theirs
-    conn._on_add_ack([P.ADD_BATCH, 0, 0, [7, 0, 4], []])
-    assert h.confirmed() == [0, 1, 2, 3] and other.confirmed() == [4]
-    assert conn.adds[7] == {3: again}
 
 
 def test_a_read_handle_refuses_adds_as_closed():
