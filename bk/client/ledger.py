@@ -1302,11 +1302,6 @@ class LedgerHandle:
             k = (m ^ (m + 1)).bit_length() - 1
             if not k:
                 break
-            # the k entries from the head's on: on every bookie. The usual case:
-            # the first of them (or all that are held) contiguous, popped in C
-            j = min(k, len(unconfirmed)) - 1
-            if unconfirmed[j].entry_id - j == base + off:
-                list(map(_popleft, itertools.repeat(unconfirmed, j + 1)))
             end = base + off + k            # entries below it: on every bookie
             while unconfirmed and unconfirmed[0].entry_id < end:
                 unconfirmed.popleft()
