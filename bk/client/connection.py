@@ -42,7 +42,8 @@ bookie answers a group commit with one group acknowledgement per connection
 off the connection (a ``dict.pop`` per entry, iterated in C) and confirms
 the run in its handle as one range, an OR into the bitset of that bookie's
 slot (``bk.client.ledger``), with no Python step per entry; it then advances
-each handle it touched once. Everything a write produces goes out with ``sendmsg`` of the buffers as
+each handle it touched once. An acknowledgement of one entry of one ledger
+(all of them, for blocking adds) takes a path without those loops. Everything a write produces goes out with ``sendmsg`` of the buffers as
 they are (at most ``_IOV`` per call), not joined again per connection; what
 the socket does not take waits in ``wq``. Replies are received
 with ``recv_into`` the connection's reusable :class:`protocol.FrameBuffer`
@@ -377,7 +378,10 @@ class Connection:
             d.owner = h
         elif d.owner is not h:
             d.owner = None
-        # (a loop: on 3.11 it costs less than d.update(zip(map(...))), measured)
+        # (a loop: on 3.11 it costs less than d.update(zip(map(...))), measured,
+        # and less than one {entry: op} map per drain that each connection
+        # takes with update() after an isdisjoint() check: 540-560 against
+        # 665-755 ns per entry for three connections, client11)
         setdefault = d.setdefault
         for op in ops:
             prev = setdefault(op.entry_id, op)
@@ -683,6 +687,24 @@ class Connection:
         protocol.check_add_ack(msg)
         acked, errors = msg[3], msg[4]
         adds = self.adds
+        if not errors and len(acked) == 3 and acked[1] == acked[2]:
+            # one entry of one ledger (every acknowledgement of blocking adds):
+            # no loops, no list of touched handles
+            lid, e = acked[0], acked[1]
+            d = adds.get(lid)
+            if d is None:
+                return
+            h = d.owner
+            if h is not None:
+                if d.pop(e, None) is not None:
+                    if not d:
+                        del adds[lid]
+                    h._confirm_run(self, e, e)
+                    try:
+                        h._advance()
+                    except Exception:
+                        log.exception("advancing %r failed", h)
+                return
         touched = []
         for i in range(0, len(acked), 3):
             lid = acked[i]
@@ -1002,7 +1024,11 @@ class IOLoop:
         return call
 
     def stop(self, timeout=5.0):
-        t = self._thread
+        # Read under the lock _ensure starts the thread under: a thread another
+        # caller is starting right now is joined once started, never before
+        # (Thread.join raises then).
+        with self._lock:
+            t = self._thread
         if t is None or self._forked or self._dead is not None:
             return
         self.call_soon(self._shutdown)

@@ -744,3 +744,84 @@ def test_quorum_masks_count_the_bitsets():
                 n = sum((a >> bit) & 1 for a in acks)
                 assert (q_a >> bit) & 1 == (n >= qa) and (q_w >> bit) & 1 == (n >= qw), \
                     (E, qw, qa, bit)
+
+
+def _observed(hist):
+    return sum(b.get() for b in hist._buckets)
+
+
+def test_blocking_adds_one_entry_per_acknowledgement():
+    """One entry in flight at a time (blocking adds: the single-entry path of
+    _advance and of the group acknowledgement): each is acknowledged by its
+    second bookie, not its first, held until its third, its latency observed
+    once, and the connections keep nothing of it afterwards."""
+    client, h, conns = _make_wired()
+    done = []
+    seen = _observed(h._m_add_ok)
+    for e in range(300):                       # past _REBASE_AT: the bitsets move on
+        _submit(client, h, 1, done)
+        first, second, third = conns[e % 3], conns[(e + 1) % 3], conns[(e + 2) % 3]
+        _ack(first, (e, e))
+        assert len(done) == e and h.last_add_confirmed == e - 1
+        _ack(second, (e, e))
+        assert done[-1] == (None, e) and h.last_add_confirmed == e
+        assert [op.entry_id for op in h._unconfirmed] == [e]
+        _ack(second, (e, e))                   # a duplicate: nothing held, nothing counted
+        _ack(third, (e, e))
+        assert not h._unconfirmed and not any(c.adds for c in conns)
+        assert _observed(h._m_add_ok) == seen + e + 1
+    assert h.length == sum(len(b"e0") for _ in range(300))
+    # the head alone acknowledged while the next entry waits for its second bookie
+    _submit(client, h, 2, done)
+    _ack(conns[0], (300, 301))
+    _ack(conns[1], (300, 300))
+    assert done[-1] == (None, 300) and h.last_add_confirmed == 300
+    assert [op.entry_id for op in h._pending] == [301]
+    _ack(conns[2], (301, 301))
+    assert done[-1] == (None, 301) and [op.entry_id for op in h._unconfirmed] == [300, 301]
+    _ack(conns[2], (300, 300))
+    assert [op.entry_id for op in h._unconfirmed] == [301]
+
+
+def test_fully_confirmed_entries_leave_unconfirmed_around_a_gap():
+    """An entry every bookie confirmed by the time it is acknowledged (answers
+    that came while acknowledgements were frozen) is not held in _unconfirmed,
+    which then has a gap: a later run of the third bookie frees the entries
+    below its end, and only those."""
+    client, h, (b0, b1, b2) = _make_wired()
+    done = []
+    _submit(client, h, 6, done)
+    _ack(b0, (0, 5))
+    _ack(b1, (0, 0))
+    assert [op.entry_id for op in h._unconfirmed] == [0]
+    h._move("change")                   # frozen, as during an ensemble change
+    _ack(b1, (1, 2))
+    _ack(b2, (1, 1))                    # 1 on all three, 2 on two
+    assert [e for _, e in done] == [0]
+    h._move("changed")
+    h._advance()
+    assert [e for _, e in done] == [0, 1, 2]
+    assert [op.entry_id for op in h._unconfirmed] == [0, 2]
+    _ack(b2, (0, 0))                    # b2 now has 0..1: 0 goes, 2 stays
+    assert [op.entry_id for op in h._unconfirmed] == [2]
+    _ack(b1, (3, 5))
+    assert [op.entry_id for op in h._unconfirmed] == [2, 3, 4, 5]
+    _ack(b2, (2, 4))                    # contiguous: 2..4 go, 5 stays
+    assert [op.entry_id for op in h._unconfirmed] == [5]
+    _ack(b2, (5, 5))
+    assert not h._unconfirmed and [e for _, e in done] == list(range(6))
+
+
+def test_a_read_handle_refuses_adds_as_closed():
+    """Every add of a handle opened for reading fails with LedgerClosedError (not
+    an AttributeError of the writer's state it lacks), and consumes nothing."""
+    bookies = ["b0:1", "b1:1", "b2:1"]
+    client = FakeClient(bookies)
+    md = LedgerMetadata(ledger_id=5, ensemble_size=3, write_quorum_size=3,
+                        ack_quorum_size=2, ensembles=[(0, bookies)])
+    h = LedgerHandle(client, md, 1, b"", writable=False)
+    for add in (h.add_entry_async, lambda d: h.add_entry_async(d, lambda *a: None),
+                h.add_entry, lambda d: h.add_entries([d])):
+        with pytest.raises(LedgerClosedError, match="read-only"):
+            add(b"x")
+    assert client._io.q == [] and h.last_add_confirmed == -1
