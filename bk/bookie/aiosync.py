@@ -15,7 +15,12 @@ eventfd the loop's epoll watches; the loop then reaps the result with
 ``io_getevents`` (0, or minus the errno ``fdatasync`` would have raised).
 Measured against the thread hand-off in one process with 0.3 ms of Python per
 cycle (32 KiB groups): ~1 voluntary switch and 7-12 µs of the process's CPU
-per group against ~5 and 30-58 µs, the kernel's worker 15-25 µs.
+per group against ~5 and 30-58 µs, the kernel's worker 15-25 µs. Linux
+queues the request on the *submitting CPU's* workqueue, so its kworker is
+woken on the loop's core and usually preempts the loop on its way out of
+``io_submit``: a profile of a busy loop shows that wait inside :meth:`submit`
+(15% of its samples), not the ``ctypes`` call (~0.5 µs of conversion; see
+docs/performance.md, "The AIO sync's submit").
 
 The durability rule does not change: a group is answered only once its
 completion is reaped with a result of 0. At most one request is in flight (the

@@ -101,8 +101,10 @@ sync: on ext4 a page dirtied through a shared mapping goes through
 journal commit — measured on this project's VM with three concurrent
 journals, fdatasync after mmap stores has p99 5-8 ms, after ``pwrite`` 0.5-0.75
 ms (``scripts/bench_sync.py``). A process killed mid-``pwrite`` leaves a
-record that fails its CRC, as a torn write does. When a record does not fit,
-the journal *rolls*: the old segment is written out and, with ``sync_data``,
+record that fails its CRC, as a torn write does. When a record does not fit
+before the segment's roll point (drawn per segment in its last eighth, so that
+the bookies of an ensemble do not roll at once: :func:`roll_point`; a fresh
+segment takes any record that fits a segment), the journal *rolls*: the old segment is written out and, with ``sync_data``,
 fdatasync'd first (so an older segment is always durable before anything is
 written to a newer one), then the prepared segment is activated (see above;
 if none is at hand it is created there, and the directory is then fsync'd by
@@ -157,6 +159,7 @@ import fcntl
 import logging
 import mmap
 import os
+import random
 import re
 import struct
 import threading
@@ -215,6 +218,7 @@ _ZEROS = bytes(1 << 20)
 STAGING_SIZE = 4 << 20            # bytes of records built before a pwrite is forced
 QUARANTINE_DIR = "quarantine"
 PREPARE_AT = 0.5                  # fill of the active segment past which the next is prepared
+ROLL_STAGGER = 0.125              # the last part of a segment its roll point is drawn in
 LOCK_FILE = "journal.lock"
 
 
@@ -290,6 +294,22 @@ def _segment_header(seq: int, size: int) -> bytes:
     head = _SEG_HDR.pack(SEGMENT_MAGIC, FORMAT_VERSION, HEADER_SIZE, 0, seq, size)
     head += _SEG_CRC.pack(crc32c(head))
     return head + bytes(HEADER_SIZE - len(head))
+
+
+def roll_point(size: int, rng: random.Random, spread: float = ROLL_STAGGER) -> int:
+    """The offset past which appends to a segment of ``size`` bytes roll: a random
+    point in its last ``spread`` of the room after the header, drawn anew for
+    every segment activated.
+
+    The bookies of an ensemble receive the same bytes, so with every segment
+    full to its size their rolls (the old segment's ``fdatasync`` and the
+    remap on the loop, a ~1-3 ms stall) fell on the same moment on all three:
+    a stall of two bookies at once, which the ack quorum cannot ride out. A
+    draw per segment makes their phases drift apart by a random walk (as
+    ``bk.bookie.storage.flush_threshold`` does for the flushes). Lower, never
+    higher: the segment's size still bounds it, and a fresh segment takes any
+    record that fits one (:meth:`Journal._room`)."""
+    return size - int((size - HEADER_SIZE) * spread * rng.random())
 
 
 def _check_header(path: str, buf, seq: int, file_size: int) -> None:
@@ -544,13 +564,16 @@ class Journal:
     continue.
     """
 
-    def __init__(self, directory: str, segment_size: int, sync_data: bool = True):
+    def __init__(self, directory: str, segment_size: int, sync_data: bool = True,
+                 roll_stagger: float = ROLL_STAGGER):
         if not MIN_SEGMENT_SIZE <= segment_size <= MAX_SEGMENT_SIZE:
             raise JournalError(f"segment size {segment_size} out of range "
                                f"[{MIN_SEGMENT_SIZE}, {MAX_SEGMENT_SIZE}]")
         self.directory = directory
         self.segment_size = segment_size
         self.sync_data = sync_data
+        self.roll_stagger = roll_stagger       # see roll_point; 0: roll only when full
+        self._rng = random.Random()
         os.makedirs(directory, exist_ok=True)
         # A file object (not a bare fd) so that a Journal dropped without close()
         # (a simulated crash) releases its lock when it is garbage collected.
@@ -727,7 +750,7 @@ class Journal:
         self._off = off
         self._wbase = off
         self._synced = off
-        self._size = seg.size
+        self._size = roll_point(seg.size, self._rng, self.roll_stagger)
         self._prep_at = int(seg.size * PREPARE_AT)
 
     def _create_segment(self, seq: int | None = None) -> _Segment:
@@ -794,6 +817,8 @@ class Journal:
         if self._off + n <= self._size:
             return
         self._roll()
+        if self._off + n > self._size:   # past a fresh segment's roll point: it still
+            self._size = self._active.size   # takes any record that fits a segment
 
     def _roll(self) -> None:
         """Continue in the next segment: write out and sync the active one's tail,

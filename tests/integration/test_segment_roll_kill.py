@@ -43,6 +43,9 @@ import bk.bookie.journal as J
 WHERE = os.environ.get("ROLL_TEST_WHERE", "")
 OUT = os.environ.get("ROLL_TEST_OUT")
 _seen = [0]
+if os.environ.get("ROLL_TEST_EARLY"):    # every segment rolls at the lowest point of its draw
+    J.roll_point = lambda size, rng, spread=J.ROLL_STAGGER: (
+        size - int((size - J.HEADER_SIZE) * spread))
 
 
 def moment(what, directory=None):
@@ -149,10 +152,49 @@ def check_journal(jdir, lid):
 @pytest.mark.parametrize("how", ["kill", "stop"])
 @pytest.mark.parametrize("where", ["preparing", "prepared", "roll"])
 def test_kill_or_stop_at_a_segment_roll_loses_nothing(cluster_factory, tmp_path, where, how):
+    kill_or_stop_at_a_roll(cluster_factory, tmp_path, where, how)
+
+
+def test_kill_at_an_early_roll_loses_nothing(cluster_factory, tmp_path):
+    """The same with every segment rolled at the lowest point its roll can be
+    drawn at (the last eighth of its room, ``bk.bookie.journal.roll_point``):
+    killed at the second such roll (the first segment closed early, the second
+    written out and synced to its early end), the records of both replay, and
+    the restarted bookie (without the hook: its draws are random again) goes on
+    in the second and across further rolls."""
+    lowest = (1 << 20) - int(((1 << 20) - J.HEADER_SIZE) * J.ROLL_STAGGER)
+    killed = []
+
+    def check(jdir, lid):
+        ends = {}
+        for r in J.iter_records(jdir):
+            if r.type == J.ADD and r.fields[0] == lid:
+                ends[r.seq] = r.offset + r.length
+        killed.append(ends)
+        assert len(ends) >= 2, ends
+        # every segment with data ended at its (early) roll point, a record short at most
+        assert all(lowest - 2048 < e <= lowest for e in ends.values()), (ends, lowest)
+
+    kill_or_stop_at_a_roll(cluster_factory, tmp_path, "roll", "kill", early=True,
+                           after_kill=check)
+    assert killed
+
+
+def kill_or_stop_at_a_roll(cluster_factory, tmp_path, where, how, early=False,
+                           after_kill=None):
     out = tmp_path / "stopped.json"
+    # No flush: a flush deletes the segments wholly before its mark but keeps those
+    # the index adopted as entry logs, which leaves gaps that check_journal's test
+    # of the sequence numbers cannot tell from a lost segment (the first swap after
+    # an open is drawn anywhere below flushIntervalBytes: here 1 in ~400 would come
+    # within the test's ~10 MiB, against 1 in 3-10 with the defaults).
     conf = {"gcWaitTime": 3_600_000, "journalPreAllocSizeMB": 1,
-            "nettyMaxFrameSizeBytes": 512 * 1024}
-    with site_hook(tmp_path, HOOK, {"ROLL_TEST_WHERE": where, "ROLL_TEST_OUT": out}):
+            "nettyMaxFrameSizeBytes": 512 * 1024, "dbStorage_writeCacheMaxSizeMb": 8192,
+            "flushIntervalBytes": 4 << 30, "flushInterval": 3_600_000}
+    env = {"ROLL_TEST_WHERE": where, "ROLL_TEST_OUT": out}
+    if early:
+        env["ROLL_TEST_EARLY"] = "1"
+    with site_hook(tmp_path, HOOK, env):
         c = cluster_factory(1, num_shards=1, conf_overrides=conf)
     b = c.bookies[0]
     jdir = os.path.join(b.dir, "journal", "shard-0")
@@ -177,6 +219,8 @@ def test_kill_or_stop_at_a_segment_roll_loses_nothing(cluster_factory, tmp_path,
         t.join(30)
     assert not t.is_alive()
     assert acked, "nothing was acknowledged"
+    if after_kill is not None:
+        after_kill(jdir, lid)
     b.start()
     seqs = check_journal(jdir, lid)
     assert len(seqs) >= 2
@@ -197,3 +241,4 @@ def test_kill_or_stop_at_a_segment_roll_loses_nothing(cluster_factory, tmp_path,
     b.stop()
     after = check_journal(jdir, lid)
     assert after[-1] > seqs[-1]
+    return jdir

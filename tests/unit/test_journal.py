@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,8 +19,8 @@ from bk.bookie.journal import (HEADER_SIZE, ForeignSegmentError, Journal, Journa
 SEG = 64 * 1024
 
 
-def open_journal(path, mark=None, size=SEG, sync_data=True):
-    j = Journal(str(path), size, sync_data)
+def open_journal(path, mark=None, size=SEG, sync_data=True, stagger=J.ROLL_STAGGER):
+    j = Journal(str(path), size, sync_data, stagger)
     recs = list(j.replay(mark))
     return j, recs
 
@@ -574,8 +575,8 @@ def test_a_wire_run_writes_the_same_records_as_single_adds(tmp_path):
     LAC; the records replay and read back."""
     ents = [(4, e, (e * 7) % 11, b"d%d" % e, add_payload(e, 200 + e * 137 % 1500))
             for e in range(100)]
-    a, _ = open_journal(tmp_path / "a")
-    b, _ = open_journal(tmp_path / "b")
+    a, _ = open_journal(tmp_path / "a", stagger=0)     # the same roll points
+    b, _ = open_journal(tmp_path / "b", stagger=0)
     pa = [a.append_add(*x) for x in ents]
     src = _wire(ents) + _wire([(5, 0, -1, b"", b"x")])
     pb = []
@@ -614,8 +615,8 @@ def test_a_wire_run_cut_by_a_record_too_large_counts_what_went_in(tmp_path):
     in the unsynced bytes and records (as single appends count them), and sync."""
     ents = [(4, e, e - 1, b"d", add_payload(e, 300)) for e in range(5)]
     ents[3] = (4, 3, 2, b"d", bytes(SEG))
-    a, _ = open_journal(tmp_path / "a")
-    b, _ = open_journal(tmp_path / "b")
+    a, _ = open_journal(tmp_path / "a", stagger=0)
+    b, _ = open_journal(tmp_path / "b", stagger=0)
     for x in ents[:3]:
         a.append_add(*x)
     pb = []
@@ -670,8 +671,8 @@ def test_chunks_of_equal_records_write_what_single_adds_write(tmp_path, monkeypa
     nxt[6] += 1                         # a gap inside what would be a chunk of 8
     run(6, 2)
     ents.append((6, 7, 0, b"ddd", add_payload(7, 300)))   # (its last head: entry 7)
-    a, _ = open_journal(tmp_path / "a")
-    b, _ = open_journal(tmp_path / "b")
+    a, _ = open_journal(tmp_path / "a", stagger=0)
+    b, _ = open_journal(tmp_path / "b", stagger=0)
     pa = [a.append_add(*x) for x in ents]
     src = memoryview(_wire(ents))
     pb = []
@@ -826,4 +827,64 @@ def test_a_failed_preparation_leaves_the_roll_to_create_the_segment(tmp_path, mo
     assert seg_files(tmp_path) == [segment_name(1), segment_name(2)]
     j, recs = open_journal(tmp_path)
     assert [p for p, *_ in recs] == pos
+    j.close()
+
+
+# --- staggered rolls ----------------------------------------------------------
+
+def test_each_segment_rolls_at_its_own_point_in_its_last_eighth(tmp_path):
+    """Every segment rolls at a point drawn anew in the last ROLL_STAGGER of its
+    room (the bookies of an ensemble receive the same bytes: with one fixed
+    point they rolled at once), never past its size; the records replay in
+    order across the early rolls."""
+    j, _ = open_journal(tmp_path)
+    j._rng = random.Random(7)
+    ents = [(3, e, e - 1, b"dd", add_payload(e, 300)) for e in range(4000)]
+    pos = [j.append_add(*x) for x in ents]
+    j.sync()
+    n = split_position(pos[1])[1] - split_position(pos[0])[1]     # one record's bytes
+    ends = {}
+    for p in pos:
+        seq, off = split_position(p)
+        ends[seq] = off + n
+    last = max(ends)
+    full = [ends[s] for s in sorted(ends) if s != last]
+    assert len(full) >= 15
+    lowest = SEG - (SEG - HEADER_SIZE) * J.ROLL_STAGGER
+    for end in full:
+        assert lowest - n < end <= SEG, (end, lowest)
+    assert len(set(full)) >= len(full) // 2, full       # drawn, not one fixed point
+    j.close()
+    j, recs = open_journal(tmp_path)
+    assert [(r[2], r[3][:3]) for r in recs] == [(J.ADD, x[:3]) for x in ents]
+    for p, x in zip(pos, ents):
+        assert j.read_add(p) == x
+    j.close()
+
+
+def test_a_fresh_segment_takes_any_record_that_fits_a_segment(tmp_path):
+    """A roll point drawn below a record that fits a segment does not refuse it:
+    the largest record a segment can hold goes into a fresh segment whatever
+    its draw; one byte more is RecordTooLargeError."""
+    j, _ = open_journal(tmp_path)
+
+    class Low:                           # every draw at the bottom of the eighth
+        def random(self):
+            return 0.999
+    j._rng = Low()
+    p0 = j.append_add(3, 0, -1, b"", b"x")
+    p1 = j.append_add(3, 1, 0, b"", b"y")
+    n = split_position(p1)[1] - split_position(p0)[1] - 1     # a record's bytes besides its payload
+    big = add_payload(2, SEG - HEADER_SIZE - n)
+    with pytest.raises(RecordTooLargeError):
+        j.append_add(3, 2, 1, b"", big + b"z")
+    p2 = j.append_add(3, 2, 1, b"", big)
+    assert split_position(p2) == (split_position(p1)[0] + 1, HEADER_SIZE)
+    p3 = j.append_add(3, 3, 2, b"", b"w")                # the segment is full: rolls
+    assert split_position(p3) == (split_position(p2)[0] + 1, HEADER_SIZE)
+    j.sync()
+    j.close()
+    j, recs = open_journal(tmp_path)
+    assert [r[3][1] for r in recs if r[2] == J.ADD] == [0, 1, 2, 3]
+    assert j.read_add(p2)[4] == big
     j.close()
