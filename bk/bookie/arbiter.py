@@ -36,6 +36,15 @@ Each signal is handled by ``handle_<name>`` (``handle_term``, ...), each
 control message of a worker by ``handle_<message>``
 (:func:`bk.bookie.control.dispatch`, vocabulary in :mod:`bk.bookie.control`).
 
+Every object the arbiter holds at a fork is *frozen* for the fork
+(``gc.freeze()`` just before ``os.fork()``, ``gc.unfreeze()`` in the arbiter
+right after): the worker inherits them in Python's permanent generation, where
+its cyclic collector never looks at them. Otherwise a worker's first full
+collection walks the ~31,000 inherited objects and writes to each one's GC
+header, copying every inherited page (on this project's VM a full collection in
+a fresh fork took 19-31 ms against 0.5 ms frozen, `docs/performance.md`); the
+worker's loop would stall that long, and the pages would stop being shared.
+
 A new connection's HELLO frame is read here (exactly that frame, nothing
 more), then the socket is passed to the worker of the shard it names with
 ``send_fds``; the worker answers the HELLO. A worker whose heartbeat is older
@@ -58,6 +67,7 @@ binds before the workers are forked (they close it) and never blocks the loop.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import queue
@@ -457,7 +467,14 @@ class Arbiter:
         log.debug("forked shard %d as pid %d", w.shard, w.pid)
 
     def _fork(self, w: _Worker, a_end, w_end, deleted):
-        pid = os.fork()
+        gc.freeze()          # the child's collector never walks what it inherits
+        try:
+            pid = os.fork()
+        except BaseException:
+            gc.unfreeze()
+            raise
+        if pid:
+            gc.unfreeze()    # the arbiter collects its own as before; the child keeps them
         if pid == 0:   # child: never returns
             try:
                 signal.set_wakeup_fd(-1)

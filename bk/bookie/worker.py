@@ -149,6 +149,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import gc
 import logging
 import os
 import select
@@ -430,6 +431,11 @@ class ShardWorker:
         self._aio = self._open_aio()
         if self._aio is not None:
             self.sel.register(self._aio.fd, selectors.EVENT_READ, "aio")
+        # What boot built (the storage, the replayed index and ledger states: as
+        # many objects as the shard holds ledgers) lives as long as the worker:
+        # frozen, the cyclic collector's full passes skip it, as they skip what
+        # the fork inherited (see bk.bookie.arbiter), and do not stall the loop.
+        gc.freeze()
         control.send(self.ctrl, "ready", {"shard": self.shard, "pid": os.getpid()})
 
     def _on_term(self, signum, frame):
