@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
 
@@ -60,3 +61,19 @@ def parse_host_port(text: str, default_port: int | None = None) -> tuple[str, in
         return host.strip("[]"), int(port)
     except ValueError:
         raise ValueError(f"bad port in {text!r}") from None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running: it exists (or exists but is not ours
+    to signal) and is not a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:        # no /proc (not Linux), or it went meanwhile: signalled fine
+        return True

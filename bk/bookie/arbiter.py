@@ -99,6 +99,7 @@ from bk.rawclient import BookiePool
 from bk.retry import Backoff
 from bk.security import ClientSecurity, auth, http_security, tls
 from bk.security.etcd import EtcdCredentials
+from bk.util import pid_alive
 
 log = logging.getLogger("bk.bookie")
 
@@ -109,16 +110,6 @@ BOOT_TIMEOUT = 300.0
 HANDOVER_TIMEOUT = 30.0
 # retries of an unreachable metadata store at start (metadataServiceStartTimeoutSeconds)
 _START_BACKOFF = Backoff(first=0.25, factor=2.0, cap=2.0, jitter=0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class BookieExit(Exception):
@@ -313,7 +304,7 @@ class Arbiter:
             if fd is not None:
                 select.select([fd], [], [])     # readable once the process has exited
             else:
-                while _alive(pid):
+                while pid_alive(pid):
                     time.sleep(0.5)
             log.warning("process %d (--stop-with) exited: stopping", pid)
             os.kill(os.getpid(), signal.SIGTERM)

@@ -23,6 +23,7 @@ from bk.bookie.upgrade import needs_upgrade, upgrade_shard  # noqa: E402
 from bk.cli.common import fail, one_line_errors, setup_logging  # noqa: E402
 from bk.config import Config  # noqa: E402
 from bk.exitcodes import EXIT_CONFIG, EXIT_NOT_RUNNING  # noqa: E402
+from bk.util import pid_alive  # noqa: E402
 
 PROG = "bookie"
 
@@ -83,23 +84,9 @@ def _read_pid(path: str) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:   # a zombie is not running
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return True
-
-
 def running_pid(conf: Config) -> int | None:
     pid = _read_pid(conf.pid_file)
-    return pid if pid and _alive(pid) else None
+    return pid if pid and pid_alive(pid) else None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -215,7 +202,7 @@ def stop(conf_file, settings, pid_file, timeout):
     if pid is None:
         click.echo(f"bookie not running (no pid file at {conf.pid_file})")
         return
-    if not _alive(pid):
+    if not pid_alive(pid):
         click.echo(f"bookie not running (stale pid file {conf.pid_file} removed)")
         try:
             os.unlink(conf.pid_file)
@@ -224,7 +211,7 @@ def stop(conf_file, settings, pid_file, timeout):
         return
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while _alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             fail(PROG, f"bookie (pid {pid}) did not stop within {timeout:g}s")
         time.sleep(0.05)
