@@ -9,7 +9,6 @@ and ``scripts/bench_bookie.py``.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from array import array
 
