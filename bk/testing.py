@@ -368,6 +368,48 @@ def hooked_stop(out, how: str = "stop", what: str = "the worker reaching the hoo
     return stopped
 
 
+
+def pump_add_batches(conn: BookieConnection, next_batch, stop: threading.Event, acked: list,
+                     key: bytes, window: int = 4) -> None:
+    """The kill tests' writer: send ADD_BATCH frames of ``next_batch()`` (each call
+    the next list of ``(ledger, entry, lac, digest, payload)``) on ``conn``, at most
+    ``window`` unanswered, until ``stop`` and every frame is answered; each
+    acknowledged ``(ledger, entry)`` goes to ``acked``. A refusal fails it; a
+    connection broken once ``stop`` is set (the kill it waits for) ends it."""
+    outstanding = 0
+    try:
+        while not stop.is_set() or outstanding:
+            while outstanding < window and not stop.is_set():
+                conn.send_raw(P.encode_add_batch(conn.next_rid(), key, 0, next_batch()))
+                outstanding += 1
+            r = conn.recv()
+            assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:3]
+            runs = r[3]
+            for i in range(0, len(runs), 3):
+                acked += [(runs[i], e) for e in range(runs[i + 1], runs[i + 2] + 1)]
+            outstanding -= 1
+    except (OSError, BKError):
+        if not stop.is_set():
+            raise
+
+
+def entries_read_back(conn: BookieConnection, ledger_id: int, check=None) -> list[int]:
+    """Every entry id a bookie returns for ``ledger_id`` (READ_RANGE pages, in
+    order); ``check(entry, digest, payload)`` asserts on each if given."""
+    got: list[int] = []
+    first = 0
+    while True:
+        r = conn.call(P.read_range(conn.next_rid(), ledger_id, first, first + 100_000, 4 << 20))
+        assert r[2] == EOK, r[:3]
+        flat = r[5]
+        if check is not None:
+            for i in range(0, len(flat), 4):
+                check(flat[i], flat[i + 2], flat[i + 3])
+        got += flat[0::4]
+        if not flat:
+            return got
+        first = r[4]
+
 def entries_held(store, bookie_id: str, ledger_id: int, num_shards: int | None = None) -> set[int]:
     """The entry ids of ``ledger_id`` that ``bookie_id`` holds (GET_LIST_OF_ENTRIES on
     the shard that owns the ledger); empty if it has none. ``num_shards`` asks the

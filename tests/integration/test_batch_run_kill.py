@@ -15,9 +15,9 @@ from __future__ import annotations
 import threading
 
 from bk import protocol as P
-from bk.errors import BKError, EOK
+from bk.errors import EOK
 from bk.rawclient import BookieConnection
-from bk.testing import hooked_stop, site_hook
+from bk.testing import entries_read_back, hooked_stop, pump_add_batches, site_hook
 
 
 KEY = b"r" * 20
@@ -61,47 +61,26 @@ def payload(lid: int, e: int) -> bytes:
 def pump(b, lids, stop, acked):
     """Batches of BATCH entries, the ledgers' next entries in runs of RUN (window of
     4 batches), until ``stop``; the acknowledged (ledger, entry) go to ``acked``."""
-    try:
-        with BookieConnection(b.bookie_id, shard=0) as c:
-            nxt = dict.fromkeys(lids, 0)
-            outstanding = 0
-            while not stop.is_set() or outstanding:
-                while outstanding < 4 and not stop.is_set():
-                    ents = []
-                    while len(ents) < BATCH:
-                        for lid in lids:
-                            e0 = nxt[lid]
-                            ents += [(lid, e, e - 1, b"", payload(lid, e))
-                                     for e in range(e0, e0 + RUN)]
-                            nxt[lid] = e0 + RUN
-                    c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, ents))
-                    outstanding += 1
-                r = c.recv()
-                assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:3]
-                runs = r[3]
-                for i in range(0, len(runs), 3):
-                    acked += [(runs[i], e) for e in range(runs[i + 1], runs[i + 2] + 1)]
-                outstanding -= 1
-    except (OSError, BKError):
-        if not stop.is_set():
-            raise
+    nxt = dict.fromkeys(lids, 0)
+
+    def next_batch():
+        ents = []
+        while len(ents) < BATCH:
+            for lid in lids:
+                e0 = nxt[lid]
+                ents += [(lid, e, e - 1, b"", payload(lid, e)) for e in range(e0, e0 + RUN)]
+                nxt[lid] = e0 + RUN
+        return ents
+    with BookieConnection(b.bookie_id, shard=0) as c:
+        pump_add_batches(c, next_batch, stop, acked, KEY)
 
 
 def entries_of(b, lid) -> list[int]:
     """Every entry id the bookie returns for ``lid``, each checked for its payload."""
-    got = []
+    def check(e, _digest, data):
+        assert data == payload(lid, e), (lid, e)
     with BookieConnection(b.bookie_id, shard=0) as c:
-        first = 0
-        while True:
-            r = c.call(P.read_range(c.next_rid(), lid, first, first + 100_000, 4 << 20))
-            assert r[2] == EOK, r[:3]
-            flat = r[5]
-            for i in range(0, len(flat), 4):
-                assert flat[i + 3] == payload(lid, flat[i]), (lid, flat[i])
-            got += flat[0::4]
-            if not flat:
-                return got
-            first = r[4]
+        return entries_read_back(c, lid, check)
 
 
 def test_kill9_when_a_batch_run_rolls_the_journal(cluster_factory, tmp_path):

@@ -15,11 +15,11 @@ import threading
 import pytest
 
 from bk import protocol as P
-from bk.errors import BKError, EOK
+from bk.errors import EOK
 from bk.rawclient import BookieConnection
 from bk.config import Config
 from bk.security import ClientSecurity, pki
-from bk.testing import hooked_stop, site_hook
+from bk.testing import hooked_stop, pump_add_batches, site_hook
 
 from test_storage_crash import read_back
 
@@ -68,25 +68,15 @@ if AT:
 def pump(b, lid, security, stop, acked):
     """Batches of BATCH entries (window of 8 batches) until ``stop``; the entries
     acknowledged with EOK go to ``acked``. A connection broken by the kill ends it."""
-    try:
-        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards),
-                              security=security) as c:
-            eid = outstanding = 0
-            while not stop.is_set() or outstanding:
-                while outstanding < 8 and not stop.is_set():
-                    c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, [
-                        (lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]))
-                    eid += BATCH
-                    outstanding += 1
-                r = c.recv()
-                assert r[0] == P.ADD_BATCH and r[2] == EOK and r[4] == [], r[:3]
-                runs = r[3]
-                for i in range(0, len(runs), 3):
-                    acked += [(runs[i], e) for e in range(runs[i + 1], runs[i + 2] + 1)]
-                outstanding -= 1
-    except (OSError, BKError):
-        if not stop.is_set():
-            raise
+    nxt = [0]
+
+    def next_batch():
+        eid = nxt[0]
+        nxt[0] = eid + BATCH
+        return [(lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]
+    with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards),
+                          security=security) as c:
+        pump_add_batches(c, next_batch, stop, acked, KEY, window=8)
 
 
 @pytest.mark.parametrize("mode", ["plaintext", "tls"])
