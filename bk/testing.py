@@ -369,6 +369,26 @@ def hooked_stop(out, how: str = "stop", what: str = "the worker reaching the hoo
 
 
 
+def kill_at_hook(bookie, out, writers, what: str) -> dict:
+    """Run each ``writer(stop)`` on its own thread until the worker a
+    :func:`site_hook` stops at its line has stopped there (:func:`hooked_stop`),
+    then kill -9 the bookie while it is stopped; the writers end (``stop`` is set,
+    and a connection broken after it ends them). The hook's report."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=w, args=(stop,)) for w in writers]
+    for t in threads:
+        t.start()
+    try:
+        stopped = hooked_stop(out, "stop", what=what)
+        stop.set()
+        bookie.kill()                       # SIGKILL while the worker is stopped there
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads), "a writer did not end after the kill"
+    return stopped
+
 def pump_add_batches(conn: BookieConnection, next_batch, stop: threading.Event, acked: list,
                      key: bytes, window: int = 4) -> None:
     """The kill tests' writer: send ADD_BATCH frames of ``next_batch()`` (each call

@@ -12,12 +12,11 @@ and bookie processes; two ledgers interleaved in runs of 8 in each batch."""
 
 from __future__ import annotations
 
-import threading
 
 from bk import protocol as P
 from bk.errors import EOK
 from bk.rawclient import BookieConnection
-from bk.testing import entries_read_back, hooked_stop, pump_add_batches, site_hook
+from bk.testing import entries_read_back, kill_at_hook, pump_add_batches, site_hook
 
 
 KEY = b"r" * 20
@@ -94,18 +93,9 @@ def test_kill9_when_a_batch_run_rolls_the_journal(cluster_factory, tmp_path):
             "gcWaitTime": 3_600_000})
     b = c.bookies[0]
     lids = [(1 << 50) + 31, (1 << 50) + 32]
-    stop = threading.Event()
     acked: list = []
-    t = threading.Thread(target=pump, args=(b, lids, stop, acked))
-    t.start()
-    try:
-        stopped = hooked_stop(out, "stop", what="the worker stopping in a run")
-        stop.set()
-        b.kill()                                 # SIGKILL while the worker is stopped there
-    finally:
-        stop.set()
-        t.join(30)
-    assert not t.is_alive()
+    stopped = kill_at_hook(b, out, [lambda stop: pump(b, lids, stop, acked)],
+                           "the worker stopping in a run")
     lid, eid = stopped["ledger"], stopped["entry"]
     assert lid in lids and eid > 0
     assert acked and all(e < eid for l2, e in acked if l2 == lid), \

@@ -12,12 +12,11 @@ processes; two ledgers interleaved in runs of 40 (a chunk of 32, then 8)."""
 
 from __future__ import annotations
 
-import threading
 
 from bk import protocol as P
 from bk.errors import EOK
 from bk.rawclient import BookieConnection
-from bk.testing import entries_read_back, hooked_stop, pump_add_batches, site_hook
+from bk.testing import entries_read_back, kill_at_hook, pump_add_batches, site_hook
 
 
 KEY = b"c" * 20
@@ -90,18 +89,9 @@ def test_kill9_after_a_chunk_of_a_run_is_staged(cluster_factory, tmp_path):
         c = cluster_factory(1, num_shards=1, conf_overrides={"gcWaitTime": 3_600_000})
     b = c.bookies[0]
     lids = [(1 << 50) + 41, (1 << 50) + 42]
-    stop = threading.Event()
     acked: list = []
-    t = threading.Thread(target=pump, args=(b, lids, stop, acked))
-    t.start()
-    try:
-        stopped = hooked_stop(out, "stop", what="the worker stopping after a chunk")
-        stop.set()
-        b.kill()                                 # SIGKILL while the worker is stopped there
-    finally:
-        stop.set()
-        t.join(30)
-    assert not t.is_alive()
+    stopped = kill_at_hook(b, out, [lambda stop: pump(b, lids, stop, acked)],
+                           "the worker stopping after a chunk")
     lid, eid, k = stopped["ledger"], stopped["entry"], stopped["k"]
     assert lid in lids and eid > 0 and k > 1
     assert acked and all(e < eid for l2, e in acked if l2 == lid), \

@@ -10,7 +10,6 @@ the path that now overlaps the next sync). Real etcd and bookie processes."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -19,7 +18,7 @@ from bk.errors import EOK
 from bk.rawclient import BookieConnection
 from bk.config import Config
 from bk.security import ClientSecurity, pki
-from bk.testing import hooked_stop, pump_add_batches, site_hook
+from bk.testing import kill_at_hook, pump_add_batches, site_hook
 
 from test_storage_crash import read_back
 
@@ -95,21 +94,10 @@ def test_kill9_between_a_groups_sync_and_its_answers(cluster_factory, tmp_path, 
         c = cluster_factory(1, num_shards=1, conf_overrides=conf)
     b = c.bookies[0]
     lids = [(1 << 50) + 21 + i for i in range(3)]
-    stop = threading.Event()
     acked: list[list] = [[] for _ in lids]
-    threads = [threading.Thread(target=pump, args=(b, lid, security, stop, acked[i]))
-               for i, lid in enumerate(lids)]
-    for t in threads:
-        t.start()
-    try:
-        stopped = hooked_stop(out, "stop", what="the worker stopping at the moment")
-        stop.set()
-        b.kill()                                 # SIGKILL while the worker is stopped there
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads)
+    stopped = kill_at_hook(
+        b, out, [lambda stop, lid=lid, a=a: pump(b, lid, security, stop, a)
+                 for lid, a in zip(lids, acked)], "the worker stopping at the moment")
     done = set(map(tuple, stopped["entries"]))
     assert done, "the stopped group held no batched entries"
     got = {(lid, e) for per in acked for lid, e in per}
