@@ -220,8 +220,9 @@ def test_etcd_stopped_fails_every_queued_create_within_the_timeout(cluster_facto
     with cluster.client(timeout=3, metadataTimeoutMillis=int(timeout * 1000)) as client:
         client.create_ledger_async(3, 2, 2, password=PW).result(10)   # connected, ids
         try:
-            # every thread of etcd stopped, not only its main one (bk.testing.sigstop):
-            # a thread still running would answer the first creates
+            # every thread of etcd stopped (bk.testing.sigstop): until one took the
+            # signal they all run on, and on a loaded machine answered the first
+            # creates (CI, when this test did not wait)
             sigstop(cluster.etcd.pid)
             futs = [client.create_ledger_async(3, 2, 2, password=PW) for _ in range(300)]
             # 300 writes are 5 batches: one timeout each would take 5 timeouts
