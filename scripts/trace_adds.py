@@ -36,7 +36,9 @@ it ran (reads, the journal's ``pwrite``, ``io_submit``, the heartbeat,
 timeout, is a late wake-up. The report gives, per mode, stalls per loop-second
 and their make-up, every step that once took that long (calls, mean wall, mean
 CPU, max), and for the slowest 1% of adds the share with a stall of the client's
-I/O thread or of the worker of their 2nd acknowledgement on their path, and the
+I/O thread (from submit to the acknowledgement read) or of the worker of their
+2nd acknowledgement (from the earlier of the client's ``sent`` and that
+worker's select that returned with the add, to its ``released``) on their path, and the
 steps those stalls were in; and the flushes each shard swapped, how many of them
 began while another bookie's flush ran, and the share of the slowest adds sent
 while flushes ran on one bookie and on two or more (the ack quorum, 2 of 3,
@@ -583,9 +585,7 @@ def main():
                 parts = {f"{x} -> {y}": t[y] - t[x] for x, y in HOPS}
                 if "s_end" in t:
                     parts.update({f"  {x} -> {y}": t[y] - t[x] for x, y in SYNC_HOPS})
-                whole[mode].append((total, parts, {"sub": c["sub"], "end": t["c_read"],
-                                                   "sent": t["sent"], "released": t["released"],
-                                                   "pid": w["pid"]}))
+                whole[mode].append((total, parts, add_path(t, w["pid"])))
     shutil.rmtree(d, ignore_errors=True)     # the bookies' data: hundreds of MB a run
     for name, _ in modes:
         h = hops[name]
@@ -629,6 +629,20 @@ def _flushing(flushes, t, but=None):
 
 def _within(t, wins):
     return any(s <= t <= e for s, e in wins)
+
+
+def add_path(t, pid):
+    """The moments of one add's path that the stall report looks at, from its
+    hops ``t`` through the worker ``pid`` of its 2nd acknowledgement: the client's
+    part from submit to the acknowledgement read; the worker's from the earlier
+    of the client's ``sent`` and the worker's select that returned with the add,
+    to its ``released``. Not ``sent`` alone: it is read after the write returned,
+    and a client thread held up there (the GIL, no core) reads it late, once the
+    worker may have answered already (on a loaded machine: 47 ms after the
+    worker's select, 3 ms after its answer), which left no pass of the worker on
+    the path of an add slow for the client's sake."""
+    return {"sub": t["sub"], "end": t["c_read"], "sent": t["sent"], "released": t["released"],
+            "at_worker": min(t["sent"], t["w_select"]), "pid": pid}
 
 
 def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
@@ -727,7 +741,7 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
     why = collections.Counter()
     for total, _, m in slow:
         oc = overlap(client, m["sub"], m["end"])
-        ow = overlap(per_pid.get(m["pid"], ()), m["sent"], m["released"])
+        ow = overlap(per_pid.get(m["pid"], ()), m["at_worker"], m["released"])
         n_c += bool(oc)
         n_w += bool(ow)
         n_none += not oc and not ow
@@ -762,8 +776,8 @@ def stall_report(name, wins, probes, gcs, flushes, adds, show=5):
               f"{hops[big] * 1000:.1f} ms), stalls on its path (ms after it was submitted: "
               f"loop, wall, own CPU, run-queue wait, other threads' CPU; steps):")
         for who, xs, a, b in (("client I/O", client, m["sub"], m["end"]),
-                              (f"worker {m['pid']}", per_pid.get(m["pid"], ()), m["sent"],
-                               m["released"])):
+                              (f"worker {m['pid']}", per_pid.get(m["pid"], ()),
+                               m["at_worker"], m["released"])):
             for x, _ in sorted(overlap(xs, a, b), key=lambda xo: xo[0][0])[:6]:
                 steps = ", ".join(f"{k} {v * 1000:.1f}" for k, v in
                                   sorted(x[5].items(), key=lambda kv: -kv[1])[:4])

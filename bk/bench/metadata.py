@@ -47,7 +47,8 @@ from bk.errors import BKError
 from bk.localcluster import LocalCluster, etcd_flags
 from bk.meta.etcd_server import EtcdServer
 from bk.meta import underreplication as UR
-from bk.meta.store import LIST_PAGE, RANGE_WASTE, MetadataStore, ledger_key_name
+from bk.meta.store import (ID_BLOCK_BITS, LIST_PAGE, RANGE_WASTE, MetadataStore, id_windows,
+                           ledger_key_name)
 
 PAYLOAD = b"x" * 100
 # client threads creating and closing ledgers: 64 carried 1.46x the ledgers of 32
@@ -512,9 +513,12 @@ def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
     the prefix read whole where the held ids are one in 64 of the keys or more)
     alternate ``rounds`` times in one process against the same etcd, at one
     pinned revision; each reports etcd CPU, this process's CPU (the bookie's
-    side), etcd's Range calls and wall seconds of the whole reconcile (best of
-    the rounds), and the two must find the same ledgers (a few deleted first,
-    after the revision)."""
+    side), the Range requests it sent (the store's own count, ``requests``) and
+    wall seconds of the whole reconcile (best of the rounds), and the two must
+    find the same ledgers (a few deleted first, after the revision). Each row
+    also says what the layout implies: ``blocks``, the id blocks holding a
+    held id, and ``old_windows``, the windows the old way cuts each shard's
+    ids into (a request each)."""
     out: dict = {"steps": [], "share": share}
     pick = random.Random(share)
     with tempfile.TemporaryDirectory(prefix="bk-bench-reconcile-", dir=base_dir) as d, \
@@ -537,11 +541,14 @@ def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
             per_shard: dict[int, list[int]] = {}
             for lid in held:
                 per_shard.setdefault(P.shard_of(lid, shards), []).append(lid)
-            row: dict = {"ledgers": len(ids), "held": len(held)}
+            row: dict = {"ledgers": len(ids), "held": len(held),
+                         "blocks": len({lid >> ID_BLOCK_BITS for lid in held}),
+                         "old_windows": sum(len(id_windows(sorted(part), RANGE_WASTE))
+                                            for part in per_shard.values())}
             for r in range(rounds):
                 for name in ("old", "new") if r % 2 == 0 else ("new", "old"):   # A B B A
                     gc.collect()
-                    e0, c0 = _etcd_counters(etcd.client_url), _own_cpu()
+                    e0, c0 = store.rpc_counts["ledger ranges"], _own_cpu()
                     ecpu0, t0 = _cpu_seconds(etcd_procs), time.monotonic()
                     if name == "old":
                         live = set()
@@ -553,8 +560,7 @@ def bench_reconcile(steps: list[int], rounds: int = 2, shards: int = 2,
                     wall = time.monotonic() - t0
                     res = {"wall_s": wall, "bookie_cpu_s": _own_cpu() - c0,
                            "etcd_cpu_s": _cpu_seconds(etcd_procs) - ecpu0,
-                           "requests": _etcd_counters(etcd.client_url).get("Range calls", 0)
-                           - e0.get("Range calls", 0)}
+                           "requests": store.rpc_counts["ledger ranges"] - e0}
                     if live != set(held):
                         raise BKError(f"{name}: {len(set(held) - live)} ledgers missed, "
                                       f"{len(live - set(held))} extra")
@@ -586,12 +592,13 @@ def _wait(pred, what: str, timeout: float = 1800.0) -> None:
         time.sleep(0.2)
 
 
-def _scattered(cluster: LocalCluster, client: BookKeeper, ledgers: int, share: int) -> int:
+def _scattered(cluster: LocalCluster, client: BookKeeper, ledgers: int, share: int
+               ) -> list[int]:
     """``ledgers`` ledger ids from the cluster's blocks, one in ``share`` (at random)
     a real ledger on every bookie (E3 Qw3 Qa2, one entry, closed), the others
     empty closed ledgers put directly (no bookie holds an entry of them): what a
-    bookie among ``3 * share`` holds of a cluster of E3 ledgers. Returns how many
-    are real."""
+    bookie among ``3 * share`` holds of a cluster of E3 ledgers. Returns the
+    real ones' ids."""
     pick = random.Random(share)
     store = cluster.store
     bookies = sorted(store.list_bookies())
@@ -620,7 +627,18 @@ def _scattered(cluster: LocalCluster, client: BookKeeper, ledgers: int, share: i
         h.close()
     with ThreadPoolExecutor(32) as pool:
         list(pool.map(make, real))
-    return len(real)
+    return real
+
+
+def _held_by(store: MetadataStore, bookie_id: str) -> list[int]:
+    """The ledgers of which ``bookie_id`` holds an entry, by their metadata (the
+    write set of each entry up to the last)."""
+    held = []
+    for md, _ in store.list_ledger_metadata():
+        last = md.last_entry_id if md.last_entry_id is not None else -1
+        if any(bookie_id in md.write_set(e) for e in range(last + 1)):
+            held.append(md.ledger_id)
+    return held
 
 
 def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = None,
@@ -634,9 +652,14 @@ def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = 
     (name -> a source tree, e.g. ``{"old": "/tmp/main", "new": "."}``): the first
     bookie is restarted on each tree's code in turn (``PYTHONPATH``), on the same
     data, alternating (A B B A ...), ``rounds`` times; none: this code only. Per
-    reconcile: etcd CPU, the bookie's CPU (arbiter and shards), etcd's Range
-    calls, the ledgers the reconcile checked and found deleted, the round's
-    seconds."""
+    reconcile: etcd CPU, the bookie's CPU (arbiter and shards), the Range
+    requests the reconcile sent (``requests``, the bookie's own count from its
+    GC state; None from a tree that does not report it) and etcd's count of
+    Range calls meanwhile (``etcd_requests``: the other bookies' and the
+    bookie's other reads too), the ledgers the reconcile checked and found
+    deleted, the round's seconds. ``held_ids``: the ledgers the bookie holds
+    (the real ones of ``share``; else from their metadata: those with an entry
+    whose write set names it)."""
     trees = trees or {"this": ""}
     out: dict = {"ledgers": ledgers, "share": share, "runs": {}}
     conf = {"httpServerEnabled": True, "httpServerPort": 0, "gcWaitTime": 5000}
@@ -645,11 +668,14 @@ def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = 
                          conf_overrides=conf) as cluster:
         with BookKeeper(cluster.metadata_uri) as client:
             if share > 1:
-                out["held"] = _scattered(cluster, client, ledgers, share)
+                out["held_ids"] = _scattered(cluster, client, ledgers, share)
             else:
                 out["create_close_per_s"] = round(run_create_close(client, ledgers,
                                                                    f"a{INFLIGHT}"))
         b = cluster.bookies[0]
+        if share <= 1:
+            out["held_ids"] = _held_by(cluster.store, b.bookie_id)
+        out["held"] = len(out["held_ids"])
         etcd = _tree(cluster.etcd.pid)
         names = list(trees)
         for r in range(rounds):
@@ -673,7 +699,9 @@ def bench_reconcile_cluster(ledgers: int, rounds: int = 2, trees: dict | None = 
                 last = _gc_state(cluster, b)["lastReconcile"]
                 row = {"etcd_cpu_s": round(_cpu_seconds(etcd) - e0, 2),
                        "bookie_cpu_s": round(_cpu_seconds(procs) - b0, 2),
-                       "requests": round(m1.get("Range calls", 0) - m0.get("Range calls", 0)),
+                       "requests": last.get("requests"),
+                       "etcd_requests": round(m1.get("Range calls", 0)
+                                              - m0.get("Range calls", 0)),
                        "checked": last["checked"], "dead": last["dead"],
                        "seconds": last["seconds"]}
                 out["runs"].setdefault(name, []).append(row)

@@ -291,7 +291,7 @@ class GcRound:
     """One round: full (shards list their ledgers) or incremental (candidates)."""
 
     __slots__ = ("full", "reason", "candidates", "safe", "shards", "revisions", "started",
-                 "failed", "overreplicated", "dead", "checked")
+                 "failed", "overreplicated", "dead", "checked", "requests")
 
     def __init__(self, full: bool, reason: str, candidates: set, safe: int, shards):
         self.full = full
@@ -305,6 +305,7 @@ class GcRound:
         self.overreplicated = False     # also look for over-replicated ledgers
         self.dead: set = set()          # ids verified deleted, handed to the shards
         self.checked = 0                # ids a full round asked etcd about
+        self.requests = 0               # and the Range requests that took (its own)
 
 
 class GarbageCollector:
@@ -475,6 +476,10 @@ class GarbageCollector:
                 rev = self._member_revision(rnd)
                 if rev is None:
                     return {}
+                # the arbiter's metadata thread (this one) is the only reader of
+                # ledgers through this store (see its rpc_counts): the count is this
+                # check's own, whatever else etcd answers meanwhile
+                sent = self.store.rpc_counts["ledger ranges"]
                 try:
                     live = self.store.existing_ledgers(ids, revision=rev,
                                                        progress=progress) if ids else set()
@@ -482,6 +487,8 @@ class GarbageCollector:
                     if attempt:
                         raise
                     continue        # compacted while we read: once more at a new revision
+                finally:
+                    rnd.requests += self.store.rpc_counts["ledger ranges"] - sent
                 out: dict[int, list[int]] = {s: [] for s in shards}
                 for lid in ids:
                     if lid not in live:
@@ -530,7 +537,7 @@ class GarbageCollector:
                     and (not rnd.full or set(rnd.revisions) >= set(done_shards)))
         summary = {"at": rnd.started, "full": rnd.full, "reason": rnd.reason,
                    "candidates": len(rnd.candidates), "checked": rnd.checked,
-                   "dead": len(rnd.dead), "complete": complete,
+                   "requests": rnd.requests, "dead": len(rnd.dead), "complete": complete,
                    "seconds": round(time.time() - rnd.started, 3)}
         self.stats["lastRound"] = summary
         if rnd.full:

@@ -375,8 +375,12 @@ class MetadataStore:
         self._closed = False
         self._registrations: "weakref.WeakSet[BookieRegistration]" = weakref.WeakSet()
         self._watches: "weakref.WeakSet[_PrefixWatch]" = weakref.WeakSet()
-        # requests sent, by kind ("get", "range", "txn", "lease", ...): for tests and
-        # benchmarks; approximate when several threads share the store
+        # calls made, by kind ("get", "range", "txn", "lease", ...): for tests and
+        # benchmarks; approximate when several threads share the store. Also
+        # "ledger ranges": the Range requests existing_ledgers and read_ledgers
+        # sent (one call of theirs pipelines a group of them); only those two add
+        # to it, so a caller that alone runs them (the bookie's GC thread) takes an
+        # exact count around one (bk.bookie.gc: a reconcile's "requests")
         self.rpc_counts: collections.Counter = collections.Counter()
         # concurrent ledger creates and CAS writes share transactions (bk.meta.combiner)
         # an asynchronous write queued two timeouts fails unsent: one for the batch
@@ -1054,15 +1058,18 @@ class MetadataStore:
 
         def run(c):
             kw = dict(credentials=c.call_credentials, metadata=c.metadata)
+            sent = 0
             try:
                 rev = revision
                 out = []
                 rest = windows
                 if not rev:
+                    sent += 1
                     first = c.kvstub.Range(req(windows[0], 0), c.timeout, **kw)
                     rev = first.header.revision
                     out.append(first)
                     rest = windows[1:]
+                sent += len(rest)
                 futures = [c.kvstub.Range.future(req(w, rev), c.timeout, **kw) for w in rest]
                 out.extend(f.result() for f in futures)
                 for i, w in enumerate(windows):
@@ -1070,6 +1077,7 @@ class MetadataStore:
                     # more keys in the span than a page (keys that are not ids):
                     # the rest of it, a page at a time
                     while r.more and r.kvs:
+                        sent += 1
                         nxt = c.kvstub.Range(req(w, rev, r.kvs[-1].key + b"\0"),
                                              c.timeout, **kw)
                         r.kvs.extend(nxt.kvs)
@@ -1077,6 +1085,8 @@ class MetadataStore:
                 return out
             except grpc.RpcError as exc:
                 c._manage_grpc_errors(exc)
+            finally:
+                self.rpc_counts["ledger ranges"] += sent
         if not windows:
             return
         for w, r in zip(windows, self._call(what, "get", run, idempotent=True)):

@@ -19,7 +19,7 @@ import bk
 from bk.autorecovery.status import auditor_id
 from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
-from bk.testing import closed_ledger, http_get, site_hook, wait_until
+from bk.testing import closed_ledger, http_get, sigstop, site_hook, wait_until
 from bk.util import free_port
 
 PW = b"workers"
@@ -141,7 +141,7 @@ def test_two_workers_and_one_sigstopped_past_its_lease(cluster_factory, tmp_path
             def frozen_holding_a_lock():
                 if not any(o and o.endswith(owner) for o in _locks(c.store).values()):
                     return False
-                os.kill(w1, signal.SIGSTOP)
+                sigstop(w1)
                 held[:] = [lid for lid, o in _locks(c.store).items() if o and o.endswith(owner)]
                 if held:
                     return True

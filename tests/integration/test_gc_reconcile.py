@@ -10,13 +10,11 @@ import dataclasses
 import json
 import os
 import signal
-import threading
-import time
 
 import pytest
 
 import bk
-from bk.testing import closed_ledger, site_hook, wait_until
+from bk.testing import closed_ledger, sigstop, site_hook, wait_until
 from test_gc_watch import PW, add_to, gc_state, held, remembered_on_disk
 
 # no round but those asked for (SIGUSR1); a stopped etcd fails a request in 2 s
@@ -66,8 +64,8 @@ def test_etcd_stopped_during_a_full_reconcile_drops_nothing_until_it_answers(clu
     b = c.bookies[0]
     with bk.BookKeeper(c.metadata_uri) as client:
         kept, doomed, orphans = setup_ledgers(c, b, client)
-        os.kill(c.etcd.pid, signal.SIGSTOP)
         try:
+            sigstop(c.etcd.pid)
             os.kill(b.pid, signal.SIGUSR1)
             wait_until(lambda: reconciling(c, b), what="a full reconcile under way")
 
@@ -91,8 +89,8 @@ def test_bookie_killed_during_a_full_reconcile_collects_after_the_restart(cluste
     b = c.bookies[0]
     with bk.BookKeeper(c.metadata_uri) as client:
         kept, doomed, orphans = setup_ledgers(c, b, client)
-        os.kill(c.etcd.pid, signal.SIGSTOP)     # holds the reconcile in its reads
         try:
+            sigstop(c.etcd.pid)                 # holds the reconcile in its reads
             os.kill(b.pid, signal.SIGUSR1)
             wait_until(lambda: reconciling(c, b), what="a full reconcile under way")
             b.kill(signal.SIGKILL)
@@ -107,36 +105,52 @@ def test_bookie_killed_during_a_full_reconcile_collects_after_the_restart(cluste
         assert st["reconciles"] >= 1 and st["lastReconcile"]["complete"] is True, st
 
 
-class Throttle:
-    """Runs etcd a few ms in every ~40 (SIGSTOP / SIGCONT), so that a reconcile of a
-    few hundred point reads takes long enough to be caught between two groups;
-    ``hold()`` leaves it stopped."""
+# Stops the bookie's GC once, in its first full reconcile, between two groups of
+# reads (the first group's ids read at the pinned revision, the others not yet),
+# until the test creates "go": the moment cannot be missed, however loaded the
+# machine (a test that throttled etcd to catch it missed it once in CI).
+BETWEEN_HOOK = r'''
+import json, os, time
+DIR = os.environ.get("GC_BETWEEN_DIR")
 
-    def __init__(self, pid: int):
-        self.pid, self.stop = pid, threading.Event()
-        self.thread = threading.Thread(target=self.run, daemon=True)
+if DIR:
+    from bk.meta.store import MetadataStore
+    _existing = MetadataStore.existing_ledgers
+    paused = []
 
-    def run(self):
-        while True:
-            os.kill(self.pid, signal.SIGSTOP)
-            if self.stop.wait(0.04):
-                return              # stopped it is
-            os.kill(self.pid, signal.SIGCONT)
-            time.sleep(0.004)       # etcd runs meanwhile: the pacing, not a wait
+    def existing(self, ids, revision=None, progress=None):
+        if progress is None or paused:  # not the reconcile's read, or done already
+            return _existing(self, ids, revision=revision, progress=progress)
 
-    def hold(self):
-        self.stop.set()
-        self.thread.join()
+        def between(done, total):
+            progress(done, total)       # the GC state shows how far it got
+            if paused or done >= total:
+                return
+            paused.append(done)
+            with open(os.path.join(DIR, "between.tmp"), "w") as f:
+                json.dump({"pid": os.getpid(), "done": done, "total": total}, f)
+            os.rename(os.path.join(DIR, "between.tmp"), os.path.join(DIR, "between"))
+            deadline = time.monotonic() + 120
+            while not os.path.exists(os.path.join(DIR, "go")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return _existing(self, ids, revision=revision, progress=between)
+
+    MetadataStore.existing_ledgers = existing
+'''
 
 
 @pytest.mark.parametrize("then", ["kill the bookie", "let the round fail"])
 def test_interrupted_between_two_groups_of_reads_drops_nothing_that_exists(cluster_factory,
-                                                                            then):
+                                                                            tmp_path, then):
     """The moment that matters for reads by groups: some of a shard's ids were read at
-    the pinned revision, the others not yet, when etcd stops answering; then the
-    bookie is killed -9, or its round fails. Ids held far apart (one in a hundred:
-    a point read each, a hundred per group), half with metadata, half without."""
-    c = cluster_factory(1, conf_overrides=CONF)
+    the pinned revision, the others not yet (the bookie's GC held there by a site
+    hook), when etcd stops answering; then the bookie is killed -9 there, or its
+    round goes on and fails. Ids held far apart (one in a hundred: a point read
+    each, a hundred per group), half with metadata, half without."""
+    d = tmp_path / "between"
+    d.mkdir()
+    with site_hook(tmp_path, BETWEEN_HOOK, {"GC_BETWEEN_DIR": d}):
+        c = cluster_factory(1, conf_overrides=CONF)
     b = c.bookies[0]
     with bk.BookKeeper(c.metadata_uri) as client:
         model, _ = c.store.read_ledger(closed_ledger(client, ENTRIES[:1], 1, 1, 1,
@@ -149,29 +163,27 @@ def test_interrupted_between_two_groups_of_reads_drops_nothing_that_exists(clust
     for lid in sparse:
         assert add_to(b, lid, 0) == 0
     gc_state(c, b)
-    throttle = Throttle(c.etcd.pid)
+    os.kill(b.pid, signal.SIGUSR1)
+    wait_until(lambda: (d / "between").exists(), timeout=60,
+               what="the reconcile held between two groups of reads")
+    at = json.loads((d / "between").read_text())
+    # every id the bookie holds is asked about: the one closed ledger and the sparse
+    assert at["total"] == len(sparse) + 1 and 0 < at["done"] < at["total"], at
+    st = gc_state(c, b)["reconciling"]
+    assert st["checked"] == at["done"] and st["ledgers"] == at["total"], st
+    sigstop(c.etcd.pid)
     try:
-        throttle.thread.start()
-        os.kill(b.pid, signal.SIGUSR1)
-
-        def between_groups():
-            st = gc_state(c, b).get("reconciling") or {}
-            return 0 < st.get("checked", 0) < st.get("ledgers", 0)
-        wait_until(between_groups, timeout=60, step=0.005,
-                   what="a reconcile between two groups of reads")
-        throttle.hold()
-        st = gc_state(c, b)["reconciling"]
-        assert 0 < st["checked"] < st["ledgers"], st
         if then == "kill the bookie":
-            b.kill(signal.SIGKILL)
+            b.kill(signal.SIGKILL)              # held there: between the two groups
         else:
+            (d / "go").touch()                  # the next group's reads meet the stopped etcd
             wait_until(lambda: gc_state(c, b).get("reconciling") is None, timeout=60,
                        what="the round failed on the stopped etcd")
-            assert gc_state(c, b)["lastReconcile"]["complete"] is False
+            last = gc_state(c, b)["lastReconcile"]
+            assert last["complete"] is False and last["dead"] == 0, last
             for lid in sparse:
                 assert held(b, lid) == {0}, lid
     finally:
-        throttle.hold()
         os.kill(c.etcd.pid, signal.SIGCONT)
     assert remembered_on_disk(b) == 0
     if not b.alive:

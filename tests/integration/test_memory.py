@@ -17,7 +17,7 @@ import pytest
 import bk
 from bk import protocol as P
 from bk.errors import BKError, EOK
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, stop_bookie, wait_until
 
 BIG = 5 * 1024 * 1024
 FRAME = 6 * 1024 * 1024
@@ -113,7 +113,7 @@ def test_dead_io_thread_fails_waiters_instead_of_hanging(cluster):
         lh = client.create_ledger(3, 3, 3, password=PW)
         lh.add_entry(b"first")
         stopped = cluster.bookie(lh.metadata.ensembles[0][1][0])
-        stopped.kill(signal.SIGSTOP)                 # Qa=3: the next add waits
+        stop_bookie(stopped)                         # Qa=3: the next add waits
         result = {}
 
         def add():

@@ -3,8 +3,6 @@ the semantics of each write alone: every create or CAS gets the answer it would
 have had by itself, and an etcd killed mid-batch loses nothing it acknowledged."""
 
 import gc
-import os
-import signal
 import threading
 import time
 import weakref
@@ -15,7 +13,7 @@ from bk.errors import LedgerExistsError, MetadataError, MetadataVersionError
 from bk.meta.etcd_server import EtcdServer
 from bk.meta.ledger import LedgerMetadata, LedgerState
 from bk.meta.store import MetadataStore
-from bk.testing import wait_until
+from bk.testing import sigstop, wait_until
 
 
 def md(lid: int, **kw) -> LedgerMetadata:
@@ -251,7 +249,7 @@ def test_etcd_stopped_then_killed_under_full_ledger_churn_wakes_every_parked_thr
         for t in ts:
             t.start()
         wait_until(lambda: len(done) >= 200, timeout=60, what="ledgers under way")
-        os.kill(cluster.etcd.pid, signal.SIGSTOP)   # the txns in flight hang
+        sigstop(cluster.etcd.pid)                   # the txns in flight hang
         # then every thread blocks on a create or close: one leads the hung
         # transaction, the others are parked, queued or in its batch
         wait_until(lambda: all(in_meta), timeout=15, what="every thread blocked on etcd")

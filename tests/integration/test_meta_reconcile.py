@@ -68,28 +68,30 @@ def test_existing_ledgers_is_what_point_reads_say_for_dense_sparse_and_mixed_ids
         assert got == point_reads(store, ids) == created & set(ids), name
 
 
-def test_dense_ids_cost_a_few_range_requests_sparse_ones_a_point_read_each(store, etcd,
-                                                                           layout):
+def test_dense_ids_cost_one_range_request_sparse_ones_a_point_read_each(store, etcd, layout):
     created, asks = layout
+    sent = store.rpc_counts["ledger ranges"]        # the Range requests this store sent
     r0 = range_calls(etcd)
     assert store.existing_ledgers(asks["dense"]) == created & set(asks["dense"])
-    dense_calls = range_calls(etcd) - r0
-    assert dense_calls <= 2, dense_calls              # 1,024 ids: one range
-    r0 = range_calls(etcd)
+    assert store.rpc_counts["ledger ranges"] - sent == 1      # 1,024 ids: one range
+    assert range_calls(etcd) - r0 == 1              # etcd counts the same (no one else asks)
+    sent = store.rpc_counts["ledger ranges"]
     point_reads(store, asks["dense"])
-    assert range_calls(etcd) - r0 >= 1024
-    r0 = range_calls(etcd)
+    assert store.rpc_counts["ledger ranges"] - sent == 1024
+    # one in a hundred of a block and one in 97 of another: sparser than one in 64
+    # of their spans, and no two within RANGE_WASTE of each other: a point read each
+    sent = store.rpc_counts["ledger ranges"]
     store.existing_ledgers(asks["sparse"])
-    assert range_calls(etcd) - r0 >= len(asks["sparse"])
+    assert store.rpc_counts["ledger ranges"] - sent == len(asks["sparse"])
 
 
 def test_ids_scattered_one_in_forty_of_a_block_cost_one_range_request(store, etcd, layout):
     # a bookie among 120 (E3): one ledger in 40 of each client's block, at random
     created, asks = layout
     scattered = sorted(random.Random(5).sample(asks["dense"], len(asks["dense"]) // 40))
-    r0 = range_calls(etcd)
+    sent = store.rpc_counts["ledger ranges"]
     got = store.existing_ledgers(scattered)
-    assert range_calls(etcd) - r0 == 1, range_calls(etcd) - r0
+    assert store.rpc_counts["ledger ranges"] - sent == 1
     assert got == created & set(scattered) == point_reads(store, scattered)
 
 
@@ -151,19 +153,28 @@ def test_etcd_refusals_are_metadata_errors_with_its_reason(store, layout, tmp_pa
 
 def test_the_reconcile_bench_runs_old_and_new_and_they_agree(tmp_path):
     """scripts/bench_metadata.py --reconcile at a small size: both paths found the
-    same ledgers (it raises otherwise); every ledger held: the old one read each
-    block once per shard, the new one once; one in 40 held, scattered: the old one
-    read most of them alone, the new one a block at a time."""
+    same ledgers (it raises otherwise), and each sent the requests the layout
+    implies (the store's own count: one per window, no page, no retry). Every
+    ledger held: the new way reads each block once (one range), the old way once
+    per shard; one in 40 held, scattered: still one range a block for the new
+    way, the old way a request per window of each shard's ids (mostly alone)."""
     out = bench_reconcile([5000], rounds=1, base_dir=str(tmp_path), progress=lambda r: None)
     row = out["steps"][0]
     assert row["ledgers"] == row["held"] == 5000
-    assert 0 < row["new"]["requests"] <= row["old"]["requests"] // 2 + 1, row
+    # one writer's blocks of 1024, the first fresh: 5000 ids fill 5 of them
+    assert row["blocks"] == 5, row
+    assert row["new"]["requests"] == row["blocks"], row
+    assert row["old"]["requests"] == row["old_windows"] == 2 * row["blocks"], row
     out = bench_reconcile([20000], rounds=1, share=40, base_dir=str(tmp_path),
                           progress=lambda r: None)
     row = out["steps"][0]
-    assert 350 <= row["held"] <= 650, row
-    assert row["old"]["requests"] >= row["held"] // 4, row
-    assert 0 < row["new"]["requests"] <= 20000 // 1024 + 2, row
+    # the bench draws one in 40 with random.Random(40), one draw per id in id order
+    pick = random.Random(40)
+    assert row["held"] == sum(pick.randrange(40) == 0 for _ in range(20000)), row
+    assert row["blocks"] == -(-20000 // 1024), row      # every block holds some
+    assert row["new"]["requests"] == row["blocks"], row
+    assert row["old"]["requests"] == row["old_windows"], row
+    assert row["old_windows"] > row["held"] // 4, row   # mostly point reads
 
 
 def test_read_ledgers_by_ranges_reads_what_each_read_ledger_reads(store):
@@ -184,16 +195,23 @@ def test_read_ledgers_by_ranges_reads_what_each_read_ledger_reads(store):
 
 def test_the_real_bookie_reconcile_bench_times_one_reconcile(tmp_path):
     """scripts/bench_metadata.py --reconcile-cluster at a small size, this code only:
-    one reconcile of a real bookie, its requests a few ranges, not one per ledger."""
+    one reconcile of a real bookie checks exactly the ledgers it holds, with one
+    range request per block of their ids (the bookie's own count, in its GC state:
+    etcd's counts also hold the other bookies' and the bookie's other reads)."""
     out = bench_reconcile_cluster(600, rounds=1, base_dir=str(tmp_path),
                                   progress=lambda n, r: None)
     (row,) = out["runs"]["this"]
-    # one entry per ledger on 2 of the 3 bookies (Qw2): the bookie holds about two
-    # thirds of the 600; every one of them exists, so the reconcile drops none
-    assert 200 <= row["checked"] <= 600, row
+    # one entry per ledger on 2 of the 3 bookies (Qw2): the bookie holds those whose
+    # write set names it (about two thirds); every one of them exists: none dropped
+    held = out["held_ids"]
+    assert held and row["checked"] == len(held), (row, len(held))
     assert row["dead"] == 0, row
-    # ranges over dense id blocks: a few requests, not one per ledger checked
-    assert 1 <= row["requests"] <= row["checked"] // 20, row
+    # one client's ids, its blocks reserved far apart (creates in between), each
+    # held one in 64 of its span or denser: one range request a block
+    blocks = {lid >> store_mod.ID_BLOCK_BITS for lid in held}
+    assert all(sum(lid >> store_mod.ID_BLOCK_BITS == blk for lid in held)
+               * store_mod.SCAN_RATIO >= 1 << store_mod.ID_BLOCK_BITS for blk in blocks)
+    assert row["requests"] == len(blocks), (row, sorted(blocks))
 
 
 def test_the_real_bookie_reconcile_bench_with_scattered_ledgers(tmp_path):
@@ -207,6 +225,9 @@ def test_the_real_bookie_reconcile_bench_with_scattered_ledgers(tmp_path):
     pick = random.Random(20)
     assert out["held"] == sum(pick.randrange(20) == 0 for _ in range(3000)), out
     assert row["checked"] == out["held"] and row["dead"] == 0, (out, row)
-    # (a point read each would be one per ledger held; etcd also counts what the
-    # other bookies ask meanwhile)
-    assert 1 <= row["requests"] <= out["held"] // 4, (out, row)
+    # 3000 ids are three blocks of 1024 reserved apart (their other ids filled
+    # between the reservations), each holding ~50 of the bookie's: a range a block
+    # (a point read each would be one per ledger held)
+    blocks = {lid >> store_mod.ID_BLOCK_BITS for lid in out["held_ids"]}
+    assert len(blocks) == 3, sorted(blocks)
+    assert row["requests"] == len(blocks), (out["held"], row)

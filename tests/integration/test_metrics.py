@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bk import protocol as P
 from bk.errors import EBADREQ, EOK, EREADONLY
-from bk.testing import BookieConnection, bookie_localcluster, http_get, wait_until
+from bk.testing import BookieConnection, bookie_localcluster, http_get, sigstop, wait_until
 
 KEY = b"k" * 20
 HTTP = {"httpServerEnabled": "true", "httpServerPort": 0}
@@ -389,8 +389,7 @@ def test_http_answers_while_every_shard_is_stopped_and_a_taken_port_fails_the_bo
     port = http_port(c, b)
     pids = b.worker_pids()
     assert len(pids) == 2
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    sigstop(*pids)
     try:       # served by the arbiter's thread: a stuck shard loop does not block it
         assert http_get(port, "/heartbeat")[0] == 200
         assert val(scrape(port), "bookie_SERVER_STATUS") == 1

@@ -6,7 +6,7 @@ import threading
 
 import bk
 from bk.exposition import client_metrics
-from bk.testing import wait_until
+from bk.testing import stop_bookie, wait_until
 
 
 def _read_in_thread(h, first, last):
@@ -34,7 +34,7 @@ def test_speculative_read_goes_to_the_next_replica(cluster):
                        readEntryTimeoutSec=120) as r:
         h = r.open_ledger_no_recovery(lh.ledger_id)
         h.read_entries(0, 5)          # connections up: the pause below is a silent peer
-        paused.kill(signal.SIGSTOP)
+        stop_bookie(paused)
         try:
             out = _read_in_thread(h, 0, 0)
             # without speculation this waits readEntryTimeoutSec (120 s)
@@ -58,7 +58,7 @@ def test_quarantined_bookie_is_read_from_last(cluster):
     victim = cluster.bookie(lh.metadata.last_ensemble[0])
     with bk.BookKeeper(cluster.metadata_uri, speculativeReadTimeout=0,
                        readEntryTimeoutSec=1, clientConnectTimeoutMillis=1000) as r:
-        victim.kill(signal.SIGSTOP)
+        stop_bookie(victim)
         try:
             h = r.open_ledger_no_recovery(lh.ledger_id)
             assert [e.data for e in h.read_entries(0, 8)] == [b"q%d" % i for i in range(9)]

@@ -13,7 +13,7 @@ import pytest
 
 from bk.meta import EtcdServer, MetadataStore
 from bk.meta.recipes import Election, LeaseLock, LockLostError
-from bk.testing import wait_until
+from bk.testing import sigstop, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_sigstopped_holder_changes_nothing_after_its_lease_expired(store):
     try:
         assert p.stdout.readline().startswith("token")
         wait_until(lambda: p.stdout.readline().startswith("wrote"), what="the holder writing")
-        os.kill(p.pid, signal.SIGSTOP)
+        sigstop(p.pid)
         mine = LeaseLock(store, "locks/held", {"owner": "new"}, ttl=5)
         assert mine.acquire(timeout=30)              # the paused holder's lease expired
         store.put_json_if("owned-data", {"by": "new"}, [mine.guard()])

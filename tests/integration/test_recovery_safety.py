@@ -9,7 +9,7 @@ import bk
 from bk import protocol as P
 from bk.errors import EOK, BKError
 from bk.meta.ledger import LedgerState
-from bk.testing import BookieConnection
+from bk.testing import BookieConnection, stop_bookie
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +36,7 @@ def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_en
     # D's lease outlives its hang, so the recovery picks it as C's replacement.
     D = cluster.add_bookie(registrationTtlSeconds=8)
     C.kill()
-    D.kill(signal.SIGSTOP)
+    stop_bookie(D)
     try:
         with cluster.client(timeout=1) as rc, caplog.at_level("INFO", logger="bk.client"):
             with pytest.raises(BKError):
@@ -51,7 +51,7 @@ def test_failed_recovery_leaves_no_ensemble_change_that_hides_an_acknowledged_en
         D.kill()                      # crashes while hung: the write-back never reached it
     D.start()
     C.start()
-    B.kill(signal.SIGSTOP)            # B slow: the next recovery hears from C and D first
+    stop_bookie(B)                    # B slow: the next recovery hears from C and D first
     try:
         # C and D were just restarted: give their first write-back more than the
         # 1 s that replaces the hung B (under CI's load both once took longer, and

@@ -7,7 +7,7 @@ import signal
 import bk
 from bk.autorecovery.replicator import Replicator
 from bk.rawclient import BookiePool
-from bk.testing import closed_ledger
+from bk.testing import closed_ledger, stop_bookie
 
 
 def test_rereplication_avoids_a_target_it_could_not_reach(cluster_factory):
@@ -33,7 +33,7 @@ def test_rereplication_avoids_a_target_it_could_not_reach(cluster_factory):
         if cut.bookie_id not in picked.values():      # the picks hash (ledger, fragment)
             cut, good = good, cut
         to_cut = sorted(lid for lid, b in picked.items() if b == cut.bookie_id)
-        cut.kill(signal.SIGSTOP)
+        stop_bookie(cut)
         try:
             first = rep.recover_bookie(victim)
             # only the first ledger that tried the unreachable target failed; the

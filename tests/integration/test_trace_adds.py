@@ -4,7 +4,8 @@ so a rename or a new ``__slots__`` there silently breaks it (it once crashed
 every bookie). This runs it end to end, plaintext and TLS, against real bookies
 and checks that every hop of a followed add was seen, and that the loops'
 stall probes (client I/O thread, shard workers) saw passes: with a threshold
-of 0 ms every pass is a "stall", so every slow add must have one on its path."""
+of 0 ms every pass is a "stall", so every slow add must have one of each loop on
+its path."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def test_trace_adds_follows_every_hop_in_both_modes(tmp_path):
         assert re.search(r"^    in them .*_on_readable", stalls, re.M), stalls[:3000]
         m = re.search(r"a client I/O stall on the path of (\d+)% .* a stall of the worker of "
                       r"the 2nd acknowledgement on (\d+)%", stalls)
-        # with every pass kept (BK_TRACE_STALL_MS=0) the client's I/O loop is on
-        # every slow add's path; the second-acknowledging worker's was missing on
-        # 2 of 6 once in CI (TLS, loaded machine; not yet understood): on most
-        assert m and m.group(1) == "100" and int(m.group(2)) >= 50, stalls[:3000]
+        # With every pass kept (BK_TRACE_STALL_MS=0) both loops are on every slow
+        # add's path: the client I/O pass that read its acknowledgement, and the
+        # pass of the 2nd-acknowledging worker whose select returned with it (the
+        # worker's part of the path begins there at the latest, also when the
+        # client, held up after its write, took "sent" after the worker answered)
+        assert m and m.group(1) == "100" and m.group(2) == "100", stalls[:3000]
