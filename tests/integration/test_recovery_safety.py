@@ -5,7 +5,6 @@ import signal
 
 import pytest
 
-import bk
 from bk import protocol as P
 from bk.errors import EOK, BKError
 from bk.meta.ledger import LedgerState
