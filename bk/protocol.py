@@ -314,14 +314,6 @@ class FrameBuffer:
         """Bytes received but not yet returned as frames."""
         return self._end - self._pos
 
-    def missing(self) -> int:
-        """Bytes still to come before the frame begun at the front of the buffer is
-        whole: 0 if none is begun, or if not even its length is in yet."""
-        pos, end = self._pos, self._end
-        if end - pos < 4:
-            return 0
-        return max(0, _LEN.unpack_from(self._mv, pos)[0] + 4 - (end - pos))
-
     def frames(self):
         unpack_len = _LEN.unpack_from
         limit = self.max_frame_size

@@ -186,20 +186,6 @@ RECV_SIZE = 256 * 1024
 # entries without reading the answers costs at most OUT_HIGH + one frame.
 OUT_HIGH = 8 * 1024 * 1024
 OUT_LOW = 1024 * 1024
-# A frame that came in part (a large ADD_BATCH, when the machine is busy and
-# batches grow to hundreds of KiB): the socket's SO_RCVLOWAT is set to what is
-# still missing, so that epoll reports it readable once the rest is there
-# rather than at every piece (each such wake-up is an epoll_wait, a context
-# switch, a read and a pass of the loop, for nothing to dispatch). Only for
-# RCVLOWAT_MIN or more missing (a setsockopt and a getsockopt, and one more to
-# set it back, cost less than one wake-up); with TLS the ciphertext still to
-# come is at least the plaintext missing less what the TLS object may hold
-# undecrypted (under one record) and decrypted (under one more): TLS_SLACK.
-# Never over a quarter of the socket's receive buffer, so that the kernel
-# neither grows the buffer nor clamps the window for it; a peer's EOF or error
-# still wakes the loop whatever the mark.
-RCVLOWAT_MIN = 32 * 1024
-TLS_SLACK = 2 * (tls.RECORD + 512)
 HEARTBEAT_INTERVAL = 1.0
 # Bytes of live entries one GC round's compaction copies at most (on the
 # flusher thread; the loop keeps serving).
@@ -293,8 +279,7 @@ class _Poller:
 
 class _Conn:
     __slots__ = ("sock", "fb", "out", "peer", "closed", "writing", "paused", "ack", "ack_gen",
-                 "tls", "state", "allowed", "may_fence", "role", "ident", "deadline",
-                 "lowat")
+                 "tls", "state", "allowed", "may_fence", "role", "ident", "deadline")
 
     def __init__(self, sock: socket.socket, max_frame: int):
         self.sock = sock
@@ -316,7 +301,6 @@ class _Conn:
         self.role = None
         self.ident = None        # auth.Identity, checked again when token files change
         self.deadline = 0.0      # of the handshake / AUTH
-        self.lowat = 1           # the socket's SO_RCVLOWAT (see RCVLOWAT_MIN)
 
 
 class ShardWorker:
@@ -1098,8 +1082,6 @@ class ShardWorker:
             self._dispatch_frames(conn)
         elif t.eof:                      # (frames that came with the EOF went first)
             self._close(conn, None)
-        elif conn.lowat != 1:            # woken below the mark (memory pressure): what
-            self._wait_for_rest(conn, conn.fb.missing())   # is missing now, not then
 
     def _flush_tls(self, conn: _Conn) -> int:
         """Encrypt ``conn.out`` and send what the socket takes; the ciphertext bytes
@@ -1123,9 +1105,8 @@ class ShardWorker:
             self._on_readable_tls(conn)
             return
         fb = conn.fb
-        k = RECV_SIZE if conn.lowat < RECV_SIZE else conn.lowat   # a waited-for frame: whole
         try:
-            n = conn.sock.recv_into(fb.recv_buffer(k), k)
+            n = conn.sock.recv_into(fb.recv_buffer(RECV_SIZE), RECV_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -1154,26 +1135,6 @@ class ShardWorker:
         except (ProtocolError, TypeError, ValueError, IndexError, KeyError,
                 struct.error, OverflowError) as e:
             self._close(conn, f"protocol error: {e}")
-            return
-        want = conn.fb.missing()
-        if want >= RCVLOWAT_MIN or conn.lowat != 1:
-            self._wait_for_rest(conn, want)
-
-    def _wait_for_rest(self, conn: _Conn, want: int):
-        """Set the socket's low-water mark to the bytes still missing of the frame
-        begun in ``conn.fb`` (``want``), or back to 1 (see RCVLOWAT_MIN)."""
-        if conn.tls is not None:
-            want -= TLS_SLACK
-        try:
-            if want >= RCVLOWAT_MIN:
-                want = min(want, conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
-            if want < RCVLOWAT_MIN:
-                want = 1
-            if want != conn.lowat:
-                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                conn.lowat = want
-        except OSError:          # the socket broke: the next read says so
-            pass
 
     def _dispatch(self, conn: _Conn, msg: list):
         op = msg[0]

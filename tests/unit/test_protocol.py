@@ -317,19 +317,3 @@ def test_an_add_batch_framed_otherwise_is_decoded_the_general_way():
             continue
         got = list(fb.frames())
         assert got == want and all(type(m[5]) is not memoryview for m in got)
-
-
-def test_missing_counts_the_bytes_still_to_come_of_a_begun_frame():
-    frame = P.encode_frame([P.PING, 1]) + P.encode_frame([P.PING, 2, "x" * 100])
-    fb = P.FrameBuffer()
-    assert fb.missing() == 0                       # nothing begun
-    fb.feed(frame[:3])
-    assert fb.missing() == 0                       # not even its length yet
-    fb.feed(frame[3:6])
-    assert fb.missing() == len(P.encode_frame([P.PING, 1])) - 6
-    first = len(P.encode_frame([P.PING, 1]))
-    fb.feed(frame[6:first + 10])
-    assert [m[1] for m in fb.frames()] == [1]
-    assert fb.missing() == len(frame) - first - 10
-    fb.feed(frame[first + 10:])
-    assert [m[1] for m in fb.frames()] == [2] and fb.missing() == 0
