@@ -4,11 +4,13 @@
     python scripts/bench_group_cycle.py                  # groups of 43 entries (30,000/s on a quiet VM)
     python scripts/bench_group_cycle.py --entries 10 43 150
     python scripts/bench_group_cycle.py --tls            # the client's connection is TLS
+    python scripts/bench_group_cycle.py --frames 2       # two frames of 43 a group (a group wait)
 
 A real ShardWorker (real storage in a temporary directory, Linux AIO syncs as in
 production) in this process and one client socket on the loopback. A cycle is
-one group: the client sends one ADD_BATCH of N entries of 1 KiB; the worker
-reads and appends it (``_on_readable``), begins the group's sync (``_start_sync``:
+one group: the client sends one ADD_BATCH of N entries of 1 KiB (or ``--frames``
+of them, each read in a pass of its own, as a group wait gathers them); the
+worker reads and appends it (``_on_readable``), begins the group's sync (``_start_sync``:
 the journal's pwrite and ``io_submit``); once the AIO completion is signalled
 the worker reaps it and answers the group (``_on_aio_done``); the client reads
 its acknowledgement. The worker's steps are timed with the thread's CPU clock
@@ -21,6 +23,7 @@ trees (``PYTHONPATH=<tree>``) for an A/B of the worker's per-group path.
 import argparse
 import os
 import select
+import shutil
 import signal
 import socket
 import statistics
@@ -126,7 +129,7 @@ class _Client:
                 return got
 
 
-def run(entries: int, cycles: int, tls_conf: dict, ca) -> tuple:
+def run(entries: int, cycles: int, tls_conf: dict, ca, frames: int = 1) -> tuple:
     tmp = tempfile.mkdtemp(prefix="bk-group-cycle-")
     w = _boot(tmp, tls_conf)
     if w._aio is None:
@@ -141,14 +144,18 @@ def run(entries: int, cycles: int, tls_conf: dict, ca) -> tuple:
     steps = [0.0, 0.0, 0.0]
     warm = min(200, cycles)
     for i in range(warm + cycles):
-        frame = P.encode_add_batch(eid, KEY, 0, [(lid, e, e - 1, b"", payload)
-                                                 for e in range(eid, eid + entries)])
-        eid += entries
-        c.send(frame)
-        ep.poll(5)                    # the frame is there, as the loop's epoll says
-        t0 = clock()
-        w._on_readable(c.conn)
+        read = 0.0
+        for _ in range(frames):
+            frame = P.encode_add_batch(eid, KEY, 0, [(lid, e, e - 1, b"", payload)
+                                                     for e in range(eid, eid + entries)])
+            eid += entries
+            c.send(frame)
+            ep.poll(5)                # the frame is there, as the loop's epoll says
+            t0 = clock()
+            w._on_readable(c.conn)
+            read += clock() - t0
         t1 = clock()
+        t0 = t1 - read
         w._start_sync()
         t2 = clock()
         spent = 0.0
@@ -167,6 +174,7 @@ def run(entries: int, cycles: int, tls_conf: dict, ca) -> tuple:
             steps[1] += t2 - t1
             steps[2] += spent
     w.storage.close()
+    shutil.rmtree(tmp, ignore_errors=True)
     return statistics.median(per_cycle), [s / cycles for s in steps]
 
 
@@ -175,6 +183,7 @@ def main():
     p.add_argument("--entries", type=int, nargs="+", default=[43])
     p.add_argument("--cycles", type=int, default=2000)
     p.add_argument("--tls", action="store_true")
+    p.add_argument("--frames", type=int, default=1, help="ADD_BATCH frames of --entries a group")
     a = p.parse_args()
     tls_conf, ca = {}, None
     if a.tls:
@@ -183,9 +192,11 @@ def main():
         crt, key = authority.issue("bookie", ["127.0.0.1"])
         tls_conf = {"tlsCertificatePath": crt, "tlsKeyStore": key, "tlsRequired": False}
         ca = authority.cert_path
-    for n in a.entries:
-        med, (read, begin, done) = run(n, a.cycles, tls_conf, ca)
-        print(f"{n} entries a group{' (TLS)' if a.tls else ''}: worker CPU per group "
+    for per_frame in a.entries:
+        n = per_frame * a.frames
+        med, (read, begin, done) = run(per_frame, a.cycles, tls_conf, ca, a.frames)
+        how = f" in {a.frames} frames" if a.frames > 1 else ""
+        print(f"{n} entries a group{how}{' (TLS)' if a.tls else ''}: worker CPU per group "
               f"{med * 1e6:.1f} us (median), {med / n * 1e6:.2f} us an entry; means: "
               f"read+append {read * 1e6:.1f}, begin sync {begin * 1e6:.1f}, "
               f"completion+answer {done * 1e6:.1f} us")
