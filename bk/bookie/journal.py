@@ -815,6 +815,7 @@ class Journal:
             buf.close()
         self._bs = bs
         self._bounce = _Image(max(bs, mmap.PAGESIZE))   # the partial last block of a write
+        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks)", self.directory, bs)
         return True
 
     def _take_image(self, seg: _Segment, off: int) -> None:
