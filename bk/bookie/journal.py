@@ -123,6 +123,47 @@ process crash but not a power loss. A failed write or sync poisons the journal
 error the kernel may have dropped the dirty pages, so nothing may be
 acknowledged any more; the worker restarts and replays.
 
+Direct writes (``journalDirectWrites``, with ``sync_data`` only). The
+buffered write-out costs the kernel a copy into the page cache and, at each
+group's ``fdatasync``, a writeback walk of the dirty pages; an ``O_DIRECT``
+write with ``RWF_DSYNC`` of the group's whole blocks does neither (the data
+goes from our memory to the device and is durable when the write completes:
+about half the kernel's work per group measured, docs/performance.md). Direct
+writes need aligned whole blocks (the filesystem's block size, ``f_bsize``)
+from aligned memory, and they invalidate the page cache of their range, so
+that every read of a recent entry through the file would go to the disk. So
+the active segment has an *image*: an anonymous mapping of the segment's
+size, which replaces the staging buffer (``_wbase`` is 0: a record's index in
+it is its offset in the file). Appends build records there as before; a
+group's write covers from the block holding the *written mark* (``_wend``)
+up to the end of its last record, the last partial block copied into a
+one-block bounce buffer and padded with zeros (the image's bytes after the
+last record are an older segment's: never written, never read; and appends
+go on filling that block while the write is in flight). So each write
+rewrites the partial block the previous one ended in, with more records in
+it. The write is a :class:`SyncJob` like an ``fdatasync``: submitted through
+Linux AIO by the worker (``IOCB_CMD_PWRITEV`` with ``RWF_DSYNC``, see
+``bk.bookie.aiosync``) or run by the sync thread (``pwritev``). A write on
+the journal's own thread of blocks a handed-out write also covers (a roll's
+write of the old segment's tail, :meth:`Journal.write_out`, :meth:`Journal.sync`)
+first waits for that write (:meth:`SyncJob.wait`): two writes of the same
+block in flight at once could reach the disk in either order, the older
+copy last. Two images alternate: at a roll the old segment keeps its image
+(its tail stays readable from memory while it is the previous segment) and
+the new one takes the other, whose older segment is then read through its
+file again (synced long before). Images are made for the first two segments
+and reused after, so that no new page of the VM is touched per segment.
+:meth:`Journal.write_out` (a flush's, whose thread reads the journal from the
+files) writes without ``RWF_DSYNC``; the next group's write (or, with nothing
+left to write, an ``fdatasync`` job) makes it durable. The segment stays
+fallocated: the first write of each block converts its extent, metadata
+that ``RWF_DSYNC`` writes with the data. Where the filesystem refuses
+``O_DIRECT`` (one probe write of a scratch file at open) the journal logs it
+and writes through the page cache. Everything else is as without it: the
+record format, replay and truncation (which read the files), the roll order
+(the old segment's tail is written with ``RWF_DSYNC`` before the new segment
+is activated), prepared segments, segments adopted as entry logs.
+
 Replay. :meth:`Journal.replay` iterates the records from a mark, segment
 after segment, verifying each CRC. It stops at the first record that is not
 valid:
@@ -149,7 +190,9 @@ never points into them: the checkpoint mark is before the bad record.
 Reading. Every segment stays mapped (the active one read-write, for the
 repair of a torn tail; the others read-only) so :meth:`Journal.read` serves
 any record of any segment straight from the page cache; it verifies the CRC
-and raises :class:`CorruptRecordError` on a mismatch.
+and raises :class:`CorruptRecordError` on a mismatch. With direct writes the
+active and the previous segment are read from their images instead (the
+segment's ``mm`` is its image), every older one through its file.
 """
 
 from __future__ import annotations
