@@ -61,7 +61,12 @@ AIO works (``bk.bookie.aiosync``) the "sync thread" is the kernel's: the loop
 submits an ``fdatasync`` of the segment (through a descriptor it keeps from
 group to group, ``journal.SyncFile``) whose completion bumps an eventfd in
 the loop's epoll, and reaps its result there; no Python thread wakes, takes
-the GIL or preempts the loop for it. The first group after a roll, whose
+the GIL or preempts the loop for it. With ``journalDirectWrites`` the job is
+the group's write itself (``O_DIRECT`` with ``RWF_DSYNC``, see
+``bk.bookie.journal``), submitted the same way; when the journal must write
+the same blocks before its completion is seen (a roll, a flush's write-out)
+it reaps it first (``_aio_wait``) and the loop completes the group as usual.
+The first group after a roll, whose
 sync covers the journal directory too, and every group where AIO is missing
 or refused (then for good) take the sync thread. Its hand-off costs the loop
 as little GIL traffic as it can: the job goes through a deque and the
@@ -473,7 +478,7 @@ class ShardWorker:
                     aio.submit(self._aio_file.descriptor(job.path))
                 return
             except OSError as e:
-                log.warning("shard %d: fdatasync through Linux AIO refused (%s); the sync "
+                log.warning("shard %d: a sync through Linux AIO refused (%s); the sync "
                             "thread syncs from now on", self.shard, e)
                 self._close_aio()
         self._hand_sync(job)
@@ -641,10 +646,10 @@ class ShardWorker:
         job = self.sync_job
         if job is None:
             return
-        if res is None:
+        if res is None:     # unless a direct write the journal waited for was reaped then
             if job.waiter is None or not job.done.is_set():
                 return
-        else:               # (a direct write the journal waited for was reaped then)
+        else:
             self._aio_done(res)
         self._sync_completed()
 
