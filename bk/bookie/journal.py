@@ -260,6 +260,17 @@ _OFF_MASK = 0xFFFFFFFF
 _SEG_NAME = re.compile(r"^(\d{16})\.seg$")
 _ZEROS = bytes(1 << 20)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise.restype = ctypes.c_int
+        _LIBC.append(libc)
+    return _LIBC[0]
 STAGING_SIZE = 4 << 20            # bytes of records built before a pwrite is forced
 QUARANTINE_DIR = "quarantine"
 PREPARE_AT = 0.5                  # fill of the active segment past which the next is prepared
@@ -522,22 +533,21 @@ class _Image:
 
     def __init__(self, size: int):
         self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        # (private: shared anonymous memory is shmem, which gets no huge pages.) Its pages are touched here, once (made by the preparing thread, off the
-        # loop: see _Preparation), not by the appends: a page new to this VM costs
-        # a fault, zeroing and the host's fault on first touch. Huge pages where
-        # the kernel has them for the asking: 32 faults per 64 MiB, not 16384.
-        try:
-            self.mm.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):
-            pass
-        try:
-            self.mm.madvise(_MADV_POPULATE_WRITE)      # Linux 5.14
-        except OSError:
-            for off in range(0, size, mmap.PAGESIZE):
-                self.mm[off] = 0
         self.mv = memoryview(self.mm)
         self._ref = ctypes.c_char.from_buffer(self.mm)     # for its address (AIO's iovecs)
         self.addr = ctypes.addressof(self._ref)
+        # (Private: shared anonymous memory is shmem, which gets no huge pages.) Its
+        # pages are touched here, once (the second image by the preparing thread, off
+        # the loop: see _Preparation), not by the appends: a page new to this VM
+        # costs a fault, zeroing and the host's fault on first touch. Huge pages
+        # where the kernel has them for the asking: 32 faults per 64 MiB, not 16384.
+        # Through ctypes, which lets go of the GIL (mmap.madvise holds it: tens to
+        # hundreds of ms of a stalled loop when the kernel compacts memory for them).
+        madvise = _libc().madvise
+        madvise(ctypes.c_void_p(self.addr), ctypes.c_size_t(size), _MADV_HUGEPAGE)
+        if madvise(ctypes.c_void_p(self.addr), ctypes.c_size_t(size), _MADV_POPULATE_WRITE):
+            for off in range(0, size, mmap.PAGESIZE):      # before Linux 5.14
+                self.mm[off] = 0
         self.owner: _Segment | None = None
 
     def close(self) -> None:
