@@ -151,8 +151,11 @@ block in flight at once could reach the disk in either order, the older
 copy last. Two images alternate: at a roll the old segment keeps its image
 (its tail stays readable from memory while it is the previous segment) and
 the new one takes the other, whose older segment is then read through its
-file again (synced long before). Images are made for the first two segments
-and reused after, so that no new page of the VM is touched per segment.
+file again (synced long before). Both images are made, their pages touched,
+when the journal opens, and reused after, so that no new page of the VM is
+touched by an append (a first touch costs here: 0.12-0.14 s of CPU per 64
+MiB in a busy bookie). They are the memory this costs: two segments' worth
+per shard.
 :meth:`Journal.write_out` (a flush's, whose thread reads the journal from the
 files) writes without ``RWF_DSYNC``; the next group's write (or, with nothing
 left to write, an ``fdatasync`` job) makes it durable. The segment stays
@@ -260,7 +263,6 @@ _OFF_MASK = 0xFFFFFFFF
 _SEG_NAME = re.compile(r"^(\d{16})\.seg$")
 _ZEROS = bytes(1 << 20)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _LIBC = []
 
 
@@ -536,16 +538,13 @@ class _Image:
         self.mv = memoryview(self.mm)
         self._ref = ctypes.c_char.from_buffer(self.mm)     # for its address (AIO's iovecs)
         self.addr = ctypes.addressof(self._ref)
-        # (Private: shared anonymous memory is shmem, which gets no huge pages.) Its
-        # pages are touched here, once (the second image by the preparing thread, off
-        # the loop: see _Preparation), not by the appends: a page new to this VM
-        # costs a fault, zeroing and the host's fault on first touch. Huge pages
-        # where the kernel has them for the asking: 32 faults per 64 MiB, not 16384.
-        # Through ctypes, which lets go of the GIL (mmap.madvise holds it: tens to
-        # hundreds of ms of a stalled loop when the kernel compacts memory for them).
-        madvise = _libc().madvise
-        madvise(ctypes.c_void_p(self.addr), ctypes.c_size_t(size), _MADV_HUGEPAGE)
-        if madvise(ctypes.c_void_p(self.addr), ctypes.c_size_t(size), _MADV_POPULATE_WRITE):
+        # Its pages are touched here, once, when the journal opens (both images),
+        # not by the appends: a page new to this VM costs a fault, zeroing and the
+        # host's fault on first touch (measured in a busy bookie: 0.12-0.14 s of CPU
+        # per 64 MiB; with huge pages asked for, 1 s, the kernel compacting memory
+        # for them). Through ctypes, which lets go of the GIL (mmap.madvise holds it).
+        if _libc().madvise(ctypes.c_void_p(self.addr), ctypes.c_size_t(size),
+                           _MADV_POPULATE_WRITE):
             for off in range(0, size, mmap.PAGESIZE):      # before Linux 5.14
                 self.mm[off] = 0
         self.owner: _Segment | None = None
@@ -611,14 +610,12 @@ class _Preparation:
     the active one (see "Segments" in the module docstring). :meth:`result`
     waits for it: the segment's path and mapping, or the OSError it met."""
 
-    __slots__ = ("seq", "_thread", "_out", "_error", "want_image", "image")
+    __slots__ = ("seq", "_thread", "_out", "_error")
 
-    def __init__(self, directory: str, seq: int, size: int, image: bool = False):
+    def __init__(self, directory: str, seq: int, size: int):
         self.seq = seq
         self._out = None
         self._error: BaseException | None = None
-        self.want_image = image    # direct writes: make the second image here, off the loop
-        self.image: _Image | None = None
         self._thread = threading.Thread(target=self._run, args=(directory, seq, size),
                                         name=f"journal-prep-{seq}", daemon=True)
         self._thread.start()
@@ -628,11 +625,6 @@ class _Preparation:
             self._out = _make_segment(directory, seq, size, True)
         except BaseException as e:    # handed to the roll, which creates it itself
             self._error = e
-        if self.want_image:
-            try:
-                self.image = _Image(size)
-            except (OSError, ValueError, MemoryError) as e:    # the roll makes it then
-                log.warning("journal %s: making a segment image failed: %s", directory, e)
 
     def result(self) -> tuple[str, object]:
         self._thread.join()
@@ -898,20 +890,23 @@ class Journal:
         hold; the older segment holding it goes back to reading its file. Its
         first ``off`` bytes are copied from the file (a fresh segment: the header)."""
         prev = self._active
+        if not self._images:           # both at once, when the journal opens
+            self._images = [_Image(seg.size), _Image(seg.size)]
         img = None
         for im in self._images:
             if prev is None or im.owner is not prev:
                 img = im
                 break
-        if img is None:
-            img = _Image(seg.size)     # the first two segments only: then reused
-            self._images.append(img)
         old = img.owner
         if old is not None and old is not prev and self._segs.get(old.seq) is old:
             old.mv.release()           # read from its file from now on (synced long ago)
             old.mm, size = _map(old.path, writable=False)
             old.mv = memoryview(old.mm)
             old.image = None
+        if len(img.mm) < seg.size:     # segments made before journalPreAllocSizeMB grew
+            i = self._images.index(img)
+            img.close()
+            img = self._images[i] = _Image(seg.size)
         img.mv[:off] = seg.mv[:off]
         seg.mv.release()
         seg.mm.close()
@@ -1026,8 +1021,7 @@ class Journal:
         if self._off > self._prep_at and self._prep is None and self._failed is None:
             seq = self._next_seq
             self._next_seq = seq + 1
-            self._prep = _Preparation(self.directory, seq, self.segment_size,
-                                      self.direct and len(self._images) < 2)
+            self._prep = _Preparation(self.directory, seq, self.segment_size)
             self.prepared += 1
 
     def _take_prepared(self) -> _Segment:
@@ -1037,14 +1031,7 @@ class Journal:
         if prep is None:
             return self._create_segment()
         try:
-            try:
-                path, mm = prep.result()
-            finally:
-                if prep.image is not None:
-                    if len(self._images) < 2:
-                        self._images.append(prep.image)
-                    else:
-                        prep.image.close()
+            path, mm = prep.result()
         except OSError as e:
             log.warning("journal %s: preparing segment %s failed (%s); creating it at the "
                         "roll", self.directory, segment_name(prep.seq), e)
@@ -1063,8 +1050,6 @@ class Journal:
                 mm.close()
             except OSError:
                 pass
-            if prep.image is not None:
-                prep.image.close()
 
     # --- appends --------------------------------------------------------------
     def _room(self, n: int) -> None:

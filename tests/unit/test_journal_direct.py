@@ -287,3 +287,25 @@ def test_the_images_are_reused_and_freed_at_close(tmp_path):
     ims = list(j._images)
     j.close()
     assert all(im.mm.closed for im in ims)
+
+
+def test_segments_larger_than_the_images_get_larger_images(tmp_path):
+    """The images are made for the segment the journal opens with; a later,
+    larger segment (journalPreAllocSizeMB raised between runs) gets its own."""
+    j, _ = open_journal(tmp_path, size=SEG)
+    pos = [j.append_add(3, i, -1, b"", base.add_payload(i)) for i in range(10)]
+    j.sync()
+    j.close()
+    j, recs = open_journal(tmp_path, size=4 * SEG)       # continues in the small segment
+    assert [p for p, *_ in recs] == pos
+    while len(j.segments()) < 3 or j.mark[1] < 2 * SEG:  # into a large one, past SEG
+        pos.append(j.append_add(3, len(pos), -1, b"", base.add_payload(len(pos))))
+        if len(pos) % 20 == 0:
+            j.sync()
+    j.sync()
+    assert j._segs[j.active_seq].size == 4 * SEG and len(j._image.mm) == 4 * SEG
+    j.close()
+    j, recs = open_journal(tmp_path, size=4 * SEG)
+    assert [p for p, *_ in recs] == pos
+    assert j.read_add(pos[-1])[1] == len(pos) - 1
+    j.close()
