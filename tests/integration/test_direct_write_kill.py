@@ -8,6 +8,10 @@ matter, with real etcd and bookie processes:
 * ``sync-write``: right before a direct write on the loop's own thread (a roll's
   write of the old segment's tail, a flush's write-out, an inline group commit),
   its records in the segment's image only.
+* ``drain``: a roll or a flush's write-out found a group's write in flight and
+  waited for it (``Journal._drain``, the worker reaping it from AIO), the third
+  time that happened: the loop must have completed those groups as usual
+  after the first two (else no third comes: the bookie would stall).
 
 Small segments and a small write cache make rolls and flushes frequent. After
 the restart every acknowledged entry reads back intact, the stopped group's
@@ -84,10 +88,24 @@ def direct_write(self, end, dsync):
     return _write(self, end, dsync)
 
 
+_drain = j.Journal._drain
+
+
+def drain(self):
+    job = self._inflight
+    _drain(self)
+    if job is not None and job.waiter is not None:
+        _seen[0] += 1
+        if _seen[0] == AT:
+            stop_here({"end": job.end})
+
+
 if AT and SITE == "aio-submit":
     w.ShardWorker._submit_sync = submit
 elif AT and SITE == "sync-write":
     j.Journal._direct_write = direct_write
+elif AT and SITE == "drain":
+    j.Journal._drain = drain
 '''
 
 
@@ -108,7 +126,8 @@ def pump(b, lid, stop, acked, out):
 
 @pytest.mark.parametrize("site,how,at", [("aio-submit", "stop", 150),
                                          ("aio-submit", "kill", 150),
-                                         ("sync-write", "stop", 40)])
+                                         ("sync-write", "stop", 40),
+                                         ("drain", "stop", 3)])
 def test_kill9_at_a_direct_journal_write(cluster_factory, tmp_path, site, how, at):
     out = tmp_path / "stopped.json"
     env = {"DW_TEST_SITE": site, "DW_TEST_AT": at, "DW_TEST_HOW": how, "DW_TEST_OUT": out}
