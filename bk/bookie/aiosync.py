@@ -43,7 +43,9 @@ import platform
 # io_setup, io_destroy, io_getevents, io_submit
 _NR = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 IOCB_CMD_FDSYNC = 3
+IOCB_CMD_PWRITEV = 8
 IOCB_FLAG_RESFD = 1
+RWF_DSYNC = 2
 
 
 class _Iocb(ctypes.Structure):       # struct iocb, 64 bytes, little-endian layout
@@ -53,6 +55,10 @@ class _Iocb(ctypes.Structure):       # struct iocb, 64 bytes, little-endian layo
                 ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64),
                 ("offset", ctypes.c_int64), ("reserved2", ctypes.c_uint64),
                 ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_uint64), ("len", ctypes.c_uint64)]
 
 
 class _Event(ctypes.Structure):      # struct io_event
@@ -78,15 +84,43 @@ class AioSync:
         self._cbs = (ctypes.POINTER(_Iocb) * 1)(ctypes.pointer(self._cb))
         self._ev = (_Event * 1)()
         self._now = (ctypes.c_long * 2)(0, 0)      # a timespec of zero: do not wait
+        self._iov = None
         self.busy = False
 
     def submit(self, fd: int) -> None:
         """Begin ``fdatasync(fd)``; OSError if the kernel refused the request. The
         descriptor must stay open until :meth:`reap` returned its result."""
-        self._cb.fildes = fd
+        cb = self._cb
+        cb.fildes = fd
+        if cb.opcode != IOCB_CMD_FDSYNC:
+            cb.opcode, cb.rw_flags, cb.buf, cb.nbytes, cb.offset = IOCB_CMD_FDSYNC, 0, 0, 0, 0
+            self._iov = None
         if self._syscall(self._submit_nr, self._ctx, 1, self._cbs) != 1:
             e = ctypes.get_errno()
             raise OSError(e, f"io_submit of fdatasync failed: {os.strerror(e)}")
+        self.busy = True
+
+    def submit_write(self, fd: int, chunks, offset: int) -> None:
+        """Begin ``pwritev2(fd, chunks, offset, RWF_DSYNC)``: ``chunks`` are
+        ``(address, view)`` pairs (the journal's direct writes: an ``O_DIRECT``
+        descriptor, whole blocks from aligned memory, durable when it completes).
+        The memory and the descriptor must stay as they are until :meth:`reap`
+        returned the result (the bytes written, or a negative errno)."""
+        iov = (_Iovec * len(chunks))()
+        for i, (addr, view) in enumerate(chunks):
+            iov[i].base = addr
+            iov[i].len = len(view)
+        self._iov = iov                # alive while the kernel reads it
+        cb = self._cb
+        cb.fildes = fd
+        cb.opcode = IOCB_CMD_PWRITEV
+        cb.rw_flags = RWF_DSYNC
+        cb.buf = ctypes.addressof(iov)
+        cb.nbytes = len(chunks)
+        cb.offset = offset
+        if self._syscall(self._submit_nr, self._ctx, 1, self._cbs) != 1:
+            e = ctypes.get_errno()
+            raise OSError(e, f"io_submit of a direct write failed: {os.strerror(e)}")
         self.busy = True
 
     def reap(self, wait: bool = False):

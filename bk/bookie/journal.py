@@ -123,6 +123,50 @@ process crash but not a power loss. A failed write or sync poisons the journal
 error the kernel may have dropped the dirty pages, so nothing may be
 acknowledged any more; the worker restarts and replays.
 
+Direct writes (``journalDirectWrites``, with ``sync_data`` only). The
+buffered write-out costs the kernel a copy into the page cache and, at each
+group's ``fdatasync``, a writeback walk of the dirty pages; an ``O_DIRECT``
+write with ``RWF_DSYNC`` of the group's whole blocks does neither (the data
+goes from our memory to the device and is durable when the write completes:
+about half the kernel's work per group measured, docs/performance.md). Direct
+writes need aligned whole blocks (the filesystem's block size, ``f_bsize``)
+from aligned memory, and they invalidate the page cache of their range, so
+that every read of a recent entry through the file would go to the disk. So
+the active segment has an *image*: an anonymous mapping of the segment's
+size, which replaces the staging buffer (``_wbase`` is 0: a record's index in
+it is its offset in the file). Appends build records there as before; a
+group's write covers from the block holding the *written mark* (``_wend``)
+up to the end of its last record, the last partial block copied into a
+one-block bounce buffer and padded with zeros (the image's bytes after the
+last record are an older segment's: never written, never read; and appends
+go on filling that block while the write is in flight). So each write
+rewrites the partial block the previous one ended in, with more records in
+it. The write is a :class:`SyncJob` like an ``fdatasync``: submitted through
+Linux AIO by the worker (``IOCB_CMD_PWRITEV`` with ``RWF_DSYNC``, see
+``bk.bookie.aiosync``) or run by the sync thread (``pwritev``). A write on
+the journal's own thread of blocks a handed-out write also covers (a roll's
+write of the old segment's tail, :meth:`Journal.write_out`, :meth:`Journal.sync`)
+first waits for that write (:meth:`SyncJob.wait`): two writes of the same
+block in flight at once could reach the disk in either order, the older
+copy last. Two images alternate: at a roll the old segment keeps its image
+(its tail stays readable from memory while it is the previous segment) and
+the new one takes the other, whose older segment is then read through its
+file again (synced long before). Both images are made, their pages touched,
+when the journal opens, and reused after, so that no new page of the VM is
+touched by an append (a first touch costs here: 0.12-0.14 s of CPU per 64
+MiB in a busy bookie). They are the memory this costs: two segments' worth
+per shard.
+:meth:`Journal.write_out` (a flush's, whose thread reads the journal from the
+files) writes without ``RWF_DSYNC``; the next group's write (or, with nothing
+left to write, an ``fdatasync`` job) makes it durable. The segment stays
+fallocated: the first write of each block converts its extent, metadata
+that ``RWF_DSYNC`` writes with the data. Where the filesystem refuses
+``O_DIRECT`` (one probe write of a scratch file at open) the journal logs it
+and writes through the page cache. Everything else is as without it: the
+record format, replay and truncation (which read the files), the roll order
+(the old segment's tail is written with ``RWF_DSYNC`` before the new segment
+is activated), prepared segments, segments adopted as entry logs.
+
 Replay. :meth:`Journal.replay` iterates the records from a mark, segment
 after segment, verifying each CRC. It stops at the first record that is not
 valid:
@@ -149,11 +193,14 @@ never points into them: the checkpoint mark is before the bad record.
 Reading. Every segment stays mapped (the active one read-write, for the
 repair of a torn tail; the others read-only) so :meth:`Journal.read` serves
 any record of any segment straight from the page cache; it verifies the CRC
-and raises :class:`CorruptRecordError` on a mismatch.
+and raises :class:`CorruptRecordError` on a mismatch. With direct writes the
+active and the previous segment are read from their images instead (the
+segment's ``mm`` is its image), every older one through its file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -215,6 +262,17 @@ _PAGE_MASK = ~(mmap.PAGESIZE - 1)
 _OFF_MASK = 0xFFFFFFFF
 _SEG_NAME = re.compile(r"^(\d{16})\.seg$")
 _ZEROS = bytes(1 << 20)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise.restype = ctypes.c_int
+        _LIBC.append(libc)
+    return _LIBC[0]
 STAGING_SIZE = 4 << 20            # bytes of records built before a pwrite is forced
 QUARANTINE_DIR = "quarantine"
 PREPARE_AT = 0.5                  # fill of the active segment past which the next is prepared
@@ -450,7 +508,7 @@ def _scan(mv, size: int, off: int, full: bool):
 
 
 class _Segment:
-    __slots__ = ("seq", "path", "size", "mm", "mv", "writable")
+    __slots__ = ("seq", "path", "size", "mm", "mv", "writable", "image", "end")
 
     def __init__(self, seq: int, path: str, size: int, mm, writable: bool):
         self.seq = seq
@@ -459,10 +517,45 @@ class _Segment:
         self.mm = mm
         self.mv = memoryview(mm)
         self.writable = writable
+        self.image: "_Image | None" = None   # direct writes: read from this image instead
+        self.end = 0          # where the data of an image's rolled segment ends
 
     def close(self) -> None:
         self.mv.release()
-        self.mm.close()
+        if self.image is None:      # an image is the journal's, reused
+            self.mm.close()
+
+
+class _Image:
+    """A segment's image in memory (direct writes, see "Direct writes" in the module
+    docstring): an anonymous mapping of the segment's size (page-aligned, as
+    O_DIRECT wants its source), reused from one segment to another."""
+
+    __slots__ = ("mm", "mv", "addr", "_ref", "owner")
+
+    def __init__(self, size: int):
+        self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.mv = memoryview(self.mm)
+        self._ref = ctypes.c_char.from_buffer(self.mm)     # for its address (AIO's iovecs)
+        self.addr = ctypes.addressof(self._ref)
+        # Its pages are touched here, once, when the journal opens (both images),
+        # not by the appends: a page new to this VM costs a fault, zeroing and the
+        # host's fault on first touch (measured in a busy bookie: 0.12-0.14 s of CPU
+        # per 64 MiB; with huge pages asked for, 1 s, the kernel compacting memory
+        # for them). Through ctypes, which lets go of the GIL (mmap.madvise holds it).
+        if _libc().madvise(ctypes.c_void_p(self.addr), ctypes.c_size_t(size),
+                           _MADV_POPULATE_WRITE):
+            for off in range(0, size, mmap.PAGESIZE):      # before Linux 5.14
+                self.mm[off] = 0
+        self.owner: _Segment | None = None
+
+    def close(self) -> None:
+        self.mv.release()
+        self._ref = None
+        try:
+            self.mm.close()
+        except BufferError:          # a view still held somewhere: the GC unmaps it
+            pass
 
 
 def _map(path: str, writable: bool) -> tuple[object, int]:
@@ -565,7 +658,7 @@ class Journal:
     """
 
     def __init__(self, directory: str, segment_size: int, sync_data: bool = True,
-                 roll_stagger: float = ROLL_STAGGER):
+                 roll_stagger: float = ROLL_STAGGER, direct: bool = False):
         if not MIN_SEGMENT_SIZE <= segment_size <= MAX_SEGMENT_SIZE:
             raise JournalError(f"segment size {segment_size} out of range "
                                f"[{MIN_SEGMENT_SIZE}, {MAX_SEGMENT_SIZE}]")
@@ -608,6 +701,24 @@ class Journal:
             self._lock.close()
             raise
         self._next_seq = self._following_seq()
+        # Direct writes (see the module docstring): only where they make the data
+        # durable (sync_data) and the filesystem takes them.
+        self.direct = False
+        self._bs = 0
+        self._images: list[_Image] = []
+        self._image: _Image | None = None    # the active segment's
+        self._dfd = -1                 # the active segment, opened O_DIRECT
+        self._wend = 0                 # bytes before it are in the file (direct writes)
+        self._inflight: SyncJob | None = None    # a direct write handed out, not yet waited
+        self._bounce = None
+        self.direct_writes = 0         # direct writes done on this thread (roll, write_out, sync)
+        if direct and sync_data:
+            try:
+                self.direct = self._probe_direct()
+            except BaseException:
+                self._close_maps()
+                self._lock.close()
+                raise
         # Append state: set by replay. _size 0 makes every append take the slow
         # path, which refuses until replay has run (and after a failed sync).
         self._active: _Segment | None = None
@@ -738,17 +849,154 @@ class Journal:
         mm, size = _map(seg.path, writable)
         seg.mm, seg.mv, seg.size, seg.writable = mm, memoryview(mm), size, writable
 
+    # --- direct writes -------------------------------------------------------------
+    def _probe_direct(self) -> bool:
+        """Whether this directory's filesystem takes O_DIRECT writes of whole blocks
+        (its block size, ``f_bsize``) from page-aligned memory: one such write to a
+        scratch file, removed again. Refused (EINVAL, e.g. a filesystem without
+        O_DIRECT): False, with one log line; the journal then writes through the
+        page cache as without the setting."""
+        bs = os.statvfs(self.directory).f_bsize
+        if bs < 512 or bs & (bs - 1) or bs > (64 << 10) or mmap.PAGESIZE % min(bs, mmap.PAGESIZE):
+            log.warning("journal %s: block size %d does not suit direct writes; writing "
+                        "through the page cache", self.directory, bs)
+            return False
+        path = os.path.join(self.directory, ".direct-probe")
+        buf = mmap.mmap(-1, max(bs, mmap.PAGESIZE))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC,
+                         0o644)
+            try:
+                os.pwrite(fd, memoryview(buf)[:bs], 0)
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            log.warning("journal %s: the filesystem refuses O_DIRECT writes (%s); writing "
+                        "through the page cache", self.directory, e)
+            return False
+        finally:
+            buf.close()
+        self._bs = bs
+        self._bounce = _Image(max(bs, mmap.PAGESIZE))   # the partial last block of a write
+        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks)", self.directory, bs)
+        return True
+
+    def _take_image(self, seg: _Segment, off: int) -> None:
+        """Give the segment being activated an image: the one the previous active
+        segment (``self._active``, whose tail stays readable from memory) does not
+        hold; the older segment holding it goes back to reading its file. Its
+        first ``off`` bytes are copied from the file (a fresh segment: the header)."""
+        prev = self._active
+        if not self._images:           # both at once, when the journal opens
+            self._images = [_Image(seg.size), _Image(seg.size)]
+        img = None
+        for im in self._images:
+            if prev is None or im.owner is not prev:
+                img = im
+                break
+        old = img.owner
+        if old is not None and old is not prev and self._segs.get(old.seq) is old:
+            old.mv.release()           # read from its file from now on (synced long ago)
+            old.mm, size = _map(old.path, writable=False)
+            old.mv = memoryview(old.mm)
+            old.image = None
+        if len(img.mm) < seg.size:     # segments made before journalPreAllocSizeMB grew
+            i = self._images.index(img)
+            img.close()
+            img = self._images[i] = _Image(seg.size)
+        img.mv[:off] = seg.mv[:off]
+        seg.mv.release()
+        seg.mm.close()
+        seg.mm, seg.mv, seg.image, seg.writable = img.mm, memoryview(img.mm), img, False
+        img.owner = seg
+        self._image = img
+        self._buf, self._bv = img.mm, img.mv
+
+    def _direct_parts(self, end: int) -> tuple[int, list]:
+        """``(offset, [(address, view), ...])``: the write that brings the file up to
+        ``end`` from the written mark, in whole blocks: the image's from the block
+        holding the mark, then the partial last block copied into the bounce
+        buffer with zeros after the data (never the image itself: appends go on
+        filling that block while the write is in flight)."""
+        bs = self._bs
+        lo = self._wend & -bs
+        full = end & -bs
+        parts = []
+        if full > lo:
+            parts.append((self._image.addr + lo, self._bv[lo:full]))
+        tail = end - full
+        if tail:
+            b = self._bounce.mv
+            b[:tail] = self._bv[full:end]
+            b[tail:bs] = _ZEROS[:bs - tail]
+            parts.append((self._bounce.addr, b[:bs]))
+        return lo, parts
+
+    def _direct_write(self, end: int, dsync: bool) -> None:
+        """Write the file up to ``end`` on this thread (no write may be in flight)."""
+        lo, parts = self._direct_parts(end)
+        if parts:
+            views = [v for _, v in parts]
+            try:
+                n = sum(len(v) for v in views)
+                got = os.pwritev(self._dfd, views, lo, os.RWF_DSYNC if dsync else 0)
+                if got != n:
+                    raise OSError(errno.EIO, f"short direct write: {got} of {n} bytes")
+            except OSError as e:
+                self._fail(e)
+                raise JournalError(f"write to journal {self._active.path} failed: {e}") from e
+            finally:
+                for v in views:
+                    v.release()
+            self.direct_writes += 1
+        self._wend = end
+
+    def _drain(self) -> None:
+        """Wait for the direct write handed out by :meth:`begin_sync`, if one is in
+        flight: before another write of the same blocks (a roll, a write-out, a
+        sync), which could otherwise reach the disk before it and be overwritten
+        by its older copy of the block they share."""
+        job = self._inflight
+        if job is None:
+            return
+        self._inflight = None
+        job.wait()
+        if job.error is not None:
+            self._fail(job.error)
+            raise JournalError(f"write to journal {self.directory} failed: {job.error}")
+        if job.seq == self._seqbase >> 32 and job.end > self._synced:
+            self._synced = job.end
+
     def _activate(self, seg: _Segment, off: int = HEADER_SIZE) -> None:
-        if not seg.writable:
+        dfd = -1
+        if self.direct:
+            dfd = os.open(seg.path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        elif not seg.writable:
             self._remap(seg, writable=True)
-        fd = os.open(seg.path, os.O_RDWR)
+        try:
+            fd = os.open(seg.path, os.O_RDWR)
+        except BaseException:
+            if dfd >= 0:
+                os.close(dfd)
+            raise
         if self._fd >= 0:
             os.close(self._fd)
+        if self._dfd >= 0:
+            os.close(self._dfd)
         self._fd = fd
+        self._dfd = dfd
+        if dfd >= 0:
+            self._take_image(seg, off)
+            self._wbase = 0            # the image is the whole segment: index = offset
+            self._wend = off
+        else:
+            self._wbase = off
         self._active = seg
         self._seqbase = seg.seq << 32
         self._off = off
-        self._wbase = off
         self._synced = off
         self._size = roll_point(seg.size, self._rng, self.roll_stagger)
         self._prep_at = int(seg.size * PREPARE_AT)
@@ -824,6 +1072,24 @@ class Journal:
         """Continue in the next segment: write out and sync the active one's tail,
         then activate the prepared one (see the module docstring)."""
         old = self._active
+        if self.direct:
+            self._drain()
+            if self._off > self._synced:     # the tail written and durable at once
+                if self._off > self._wend:
+                    self._direct_write(self._off, dsync=True)
+                else:                        # written by write_out, not synced
+                    try:
+                        os.fdatasync(self._dfd)
+                    except OSError as e:
+                        self._fail(e)
+                        raise JournalError(f"fdatasync of {old.path} failed: {e}") from e
+            end = self._off
+            new = self._take_prepared()
+            self.rolled_at = self._seqbase | end
+            self._activate(new)
+            self._synced = HEADER_SIZE
+            old.end = end                  # its image stays readable until the next roll
+            return
         self._write_out()
         if self.sync_data and self._off > self._synced:
             # The old segment must be durable before anything lands in the new one:
@@ -852,7 +1118,13 @@ class Journal:
                 self._bv = memoryview(self._buf)
 
     def _write_out(self) -> None:
-        """pwrite the staged records to the active segment (page cache, not disk)."""
+        """pwrite the staged records to the active segment (page cache, not disk);
+        with direct writes, write the file up to the last record (not synced)."""
+        if self.direct:
+            if self._off > self._wend:
+                self._drain()
+                self._direct_write(self._off, dsync=False)
+            return
         k = self._off - self._wbase
         if k <= 0:
             return
@@ -1103,10 +1375,18 @@ class Journal:
             return
         if self._failed is not None:
             raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
-        self._write_out()
+        if self.direct:
+            self._drain()
+            durable = self._off > self._wend     # else written by write_out, not synced
+            if durable:
+                self._direct_write(self._off, dsync=True)
+        else:
+            self._write_out()
+            durable = False
         if self.sync_data:
             try:
-                os.fdatasync(self._fd)
+                if not durable:
+                    os.fdatasync(self._fd)
                 if self._dir_dirty:
                     _fsync_dir(self.directory)
                     self._dir_dirty = False
@@ -1134,10 +1414,24 @@ class Journal:
         """
         if not self._unsynced:
             return None
-        self._write_out()        # raises if the journal failed
-        job = SyncJob(self._active.path if self.sync_data else None,
-                      self.directory if self._dir_dirty and self.sync_data else None,
-                      self._seqbase >> 32, self._off, self._unsynced_records, self._unsynced)
+        if self.direct:
+            if self._failed is not None:
+                raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
+            self._drain()
+            job = SyncJob(self._active.path, self.directory if self._dir_dirty else None,
+                          self._seqbase >> 32, self._off, self._unsynced_records,
+                          self._unsynced)
+            if self._off > self._wend:   # else written by write_out: an fdatasync's job
+                lo, parts = self._direct_parts(self._off)
+                job.direct(self._dfd, lo, parts)
+                self._wend = self._off
+                self._inflight = job
+        else:
+            self._write_out()        # raises if the journal failed
+            job = SyncJob(self._active.path if self.sync_data else None,
+                          self.directory if self._dir_dirty and self.sync_data else None,
+                          self._seqbase >> 32, self._off, self._unsynced_records,
+                          self._unsynced)
         self._dir_dirty = False
         self._unsynced = 0
         self._unsynced_records = 0
@@ -1147,6 +1441,9 @@ class Journal:
     def end_sync(self, job: "SyncJob") -> None:
         """Finish a job begun by :meth:`begin_sync`; JournalError (and a poisoned
         journal) if its sync failed."""
+        if self._inflight is job:
+            self._inflight = None
+        job.release()
         if job.error is not None:
             self._fail(job.error)
             raise JournalError(f"sync of journal {self.directory} failed: {job.error}")
@@ -1183,7 +1480,7 @@ class Journal:
     def _locate(self, pos: int):
         seg = self._segs.get(pos >> 32)
         off = pos & _OFF_MASK
-        if off >= self._wbase and seg is self._active:
+        if off >= self._wbase and seg is self._active and not self.direct:
             self._write_out()     # still staged: rare (recovery reads of the open group)
         if seg is None:
             raise CorruptRecordError(f"position {format_mark(split_position(pos))}: segment "
@@ -1222,17 +1519,20 @@ class Journal:
     def record_length(self, pos: int) -> int:
         """Total bytes of the record at ``pos`` (no CRC check: for accounting only)."""
         seg = self._segs[pos >> 32]
-        if seg is self._active and (pos & _OFF_MASK) >= self._wbase:
+        if seg is self._active and (pos & _OFF_MASK) >= self._wbase and not self.direct:
             self._write_out()     # still staged: reads see the file, one rule for all
         return 8 + _LEN.unpack_from(seg.mm, (pos & _OFF_MASK) + 4)[0]
 
     def scan_segment(self, seq: int, full: bool = True):
         """Yield ``(position, record_length, type, fields)`` of every record of a segment."""
         seg = self._segs[seq]
-        if seg is self._active:
+        size = seg.size
+        if seg.image is not None:     # past its data an image holds an older segment's
+            size = self._off if seg is self._active else seg.end
+        elif seg is self._active:
             self._write_out()
         base = seq << 32
-        for off, n, rtype, fields in _scan(seg.mv, seg.size, HEADER_SIZE, full):
+        for off, n, rtype, fields in _scan(seg.mv, size, HEADER_SIZE, full):
             if rtype is None:
                 return
             yield base | off, n, rtype, fields
@@ -1287,15 +1587,30 @@ class Journal:
             if self._ready and self._failed is None:
                 self.sync()
         finally:
-            self._drop_preparation()
+            try:
+                job, self._inflight = self._inflight, None
+                if job is not None:   # (failed: its write must not outlive the image)
+                    job.wait()
+            finally:
+                self._drop_preparation()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            if self._dfd >= 0:
+                os.close(self._dfd)
+                self._dfd = -1
             self._active = None
             self._size = 0
             self._ready = False
             self._failed = self._failed or JournalError("journal closed")
             self._close_maps()
+            if self.direct:
+                self._bv = self._buf = None
+                self._image = None
+                for im in self._images:
+                    im.close()
+                self._images = []
+                self._bounce.close()
             self._lock.close()
 
 
@@ -1344,7 +1659,8 @@ class SyncJob:
     over.
     """
 
-    __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error", "seconds")
+    __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error", "seconds",
+                 "fd", "offset", "parts", "done", "waiter")
 
     def __init__(self, path, directory, seq, end, records, nbytes):
         self.path = path
@@ -1355,6 +1671,37 @@ class SyncJob:
         self.bytes = nbytes
         self.error: BaseException | None = None
         self.seconds = 0.0       # how long the disk took (run's own time, no hand-off)
+        self.parts = None        # a direct write: [(address, view)] of whole blocks
+        self.done = None         # (direct) set once its write completed, on any thread
+        self.waiter = None       # (direct, through AIO) blocks until it completed
+
+    def direct(self, fd: int, offset: int, parts: list) -> None:
+        """Make this job a direct write (``O_DIRECT`` descriptor ``fd``, at ``offset``,
+        of ``parts``' views, with ``RWF_DSYNC``) instead of an ``fdatasync``: see
+        "Direct writes" in the module docstring. Run on the sync thread with
+        ``pwritev``, or through Linux AIO from the addresses (``bk.bookie.aiosync``:
+        whoever submits it there sets :attr:`waiter`)."""
+        self.fd = fd
+        self.offset = offset
+        self.parts = parts
+        self.done = threading.Event()
+
+    def wait(self) -> None:
+        """Block until a direct write handed out has completed (the journal, before
+        it writes the same blocks again)."""
+        if self.done is None or self.done.is_set():
+            return
+        if self.waiter is not None:
+            self.waiter(self)
+            self.done.set()
+        else:
+            self.done.wait()
+
+    def release(self) -> None:
+        if self.parts is not None:
+            for _, v in self.parts:
+                v.release()
+            self.parts = None
 
     def run(self, keep: SyncFile | None = None) -> None:
         """Blocking; safe on any thread. Never raises: failures land in ``error``.
@@ -1364,7 +1711,13 @@ class SyncJob:
             return
         t0 = time.monotonic()
         try:
-            if keep is not None:
+            if self.parts is not None:
+                views = [v for _, v in self.parts]
+                n = sum(len(v) for v in views)
+                got = os.pwritev(self.fd, views, self.offset, os.RWF_DSYNC)
+                if got != n:
+                    raise OSError(errno.EIO, f"short direct write: {got} of {n} bytes")
+            elif keep is not None:
                 os.fdatasync(keep.descriptor(self.path))
             else:
                 fd = os.open(self.path, os.O_RDONLY)
@@ -1377,6 +1730,8 @@ class SyncJob:
         except OSError as e:
             self.error = e
         self.seconds = time.monotonic() - t0
+        if self.done is not None:
+            self.done.set()
 
 
 def iter_records(journal_dir: str, start_mark=None) -> Iterator[Record]:

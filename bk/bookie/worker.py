@@ -61,7 +61,12 @@ AIO works (``bk.bookie.aiosync``) the "sync thread" is the kernel's: the loop
 submits an ``fdatasync`` of the segment (through a descriptor it keeps from
 group to group, ``journal.SyncFile``) whose completion bumps an eventfd in
 the loop's epoll, and reaps its result there; no Python thread wakes, takes
-the GIL or preempts the loop for it. The first group after a roll, whose
+the GIL or preempts the loop for it. With ``journalDirectWrites`` the job is
+the group's write itself (``O_DIRECT`` with ``RWF_DSYNC``, see
+``bk.bookie.journal``), submitted the same way; when the journal must write
+the same blocks before its completion is seen (a roll, a flush's write-out)
+it reaps it first (``_aio_wait``) and the loop completes the group as usual.
+The first group after a roll, whose
 sync covers the journal directory too, and every group where AIO is missing
 or refused (then for good) take the sync thread. Its hand-off costs the loop
 as little GIL traffic as it can: the job goes through a deque and the
@@ -412,6 +417,7 @@ class ShardWorker:
             log_size_limit=conf.logSizeLimit,
             recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds,
             uncache_journal=conf.journalRemovePagesFromCache,
+            direct_journal=conf.journalDirectWrites,
             index_cache_bytes=conf.dbStorage_rocksDB_blockCacheSize)
         if self.deleted:
             # a zombie writer's add to one of these must be refused from the first request
@@ -465,10 +471,14 @@ class ShardWorker:
         aio = self._aio
         if aio is not None and job.directory is None and job.path is not None:
             try:
-                aio.submit(self._aio_file.descriptor(job.path))
+                if job.parts is not None:    # a direct write (journalDirectWrites)
+                    aio.submit_write(job.fd, job.parts, job.offset)
+                    job.waiter = self._aio_wait
+                else:
+                    aio.submit(self._aio_file.descriptor(job.path))
                 return
             except OSError as e:
-                log.warning("shard %d: fdatasync through Linux AIO refused (%s); the sync "
+                log.warning("shard %d: a sync through Linux AIO refused (%s); the sync "
                             "thread syncs from now on", self.shard, e)
                 self._close_aio()
         self._hand_sync(job)
@@ -490,6 +500,14 @@ class ShardWorker:
         job.seconds = time.monotonic() - self._sync_t0
         if res < 0:
             job.error = OSError(-res, f"fdatasync of {job.path}: {os.strerror(-res)}")
+        elif job.parts is not None and res != sum(len(v) for _, v in job.parts):
+            job.error = OSError(errno.EIO, f"short direct write to {job.path}: {res} bytes")
+
+    def _aio_wait(self, job):
+        """The journal waits for the direct write in flight before it writes the
+        same blocks again (``Journal._drain``): reap it here; the loop completes the
+        group as usual when it sees the eventfd (still set, see ``reap``)."""
+        self._aio_done(self._aio.reap(wait=True))
 
     def _hand_sync(self, job):
         """Give the sync thread a job (None: exit). It parks on an eventfd, written
@@ -625,9 +643,14 @@ class ShardWorker:
 
     def _on_aio_done(self):
         res = self._aio.reap() if self._aio is not None else None
-        if res is None or self.sync_job is None:
+        job = self.sync_job
+        if job is None:
             return
-        self._aio_done(res)
+        if res is None:     # unless a direct write the journal waited for was reaped then
+            if job.waiter is None or not job.done.is_set():
+                return
+        else:
+            self._aio_done(res)
         self._sync_completed()
 
     def _on_sync_done(self):
@@ -649,6 +672,10 @@ class ShardWorker:
     def _wait_sync(self):
         """Block until the sync in flight (if any) completed and is answered."""
         if self.sync_job is None:
+            return
+        done = self.sync_job.done
+        if done is not None and done.is_set() and self.sync_job.waiter is not None:
+            self._answer(self._end_sync())      # reaped already (see _aio_wait)
             return
         if self._aio is not None and self._aio.busy:
             self._aio_done(self._aio.reap(wait=True))
