@@ -910,7 +910,7 @@ class ShardWorker:
             self._close(conn, f"bad HELLO: {e}")
 
     def _hello(self, conn: _Conn, msg: list):
-        rid, version, _shard, flags = msg[1], msg[2], msg[3], msg[4]
+        rid, version, flags = msg[1], msg[2], msg[4]    # msg[3]: the shard (the arbiter's)
         status, reason, kind = EOK, None, None
         start_tls = type(flags) is int and flags & P.HELLO_START_TLS
         if conn.tls and start_tls:

@@ -1443,12 +1443,10 @@ def bench_bookie_cmd(c, bookie_id, entry_size, count, window, compare, as_json):
     if uri:   # resolve a registered bookie id to its address
         with c.admin() as a:
             addr = a.bookies.address(bookie_id)
-    cb = None
-    if not as_json:
-        def cb(done, total, rate):
-            click.echo(f"{done}/{total} adds, {rate:.0f}/s", err=True)
+    def progress(done, total, rate):
+        click.echo(f"{done}/{total} adds, {rate:.0f}/s", err=True)
     runs = [bench_bookie(addr, entry_size=entry_size, count=count, window=window,
-                         progress=cb, batched=b) for b in ((False, True) if compare else (True,))]
+                         progress=None if as_json else progress, batched=b) for b in ((False, True) if compare else (True,))]
     if as_json:
         return _json_out(runs if compare else runs[0])
     for r in runs:

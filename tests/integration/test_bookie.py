@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import msgpack
 import pytest
 
 from bk import protocol as P

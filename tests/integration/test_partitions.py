@@ -232,8 +232,8 @@ def test_rack_lost_with_rackaware_placement(net, hosts_cluster):
         md, _ = cluster.store.read_ledger(lid)
         for _, ens in md.ensembles:
             assert {rack_of[b] for b in ens} <= {"/dc/rack1", "/dc/rack2"}
-    got = py.eval(f"[[e.data.decode() for e in c.open_ledger(l).read_entries(0, 29)] "
-                  f"for l in closed]", timeout=120)
+    got = py.eval("[[e.data.decode() for e in c.open_ledger(l).read_entries(0, 29)] "
+                  "for l in closed]", timeout=120)
     assert got == [[f"{n}-{i}" for i in range(30)] for n in range(6)]
     lid = py.eval("open_h.ledger_id")
     assert py.eval(f"[e.data.decode() for e in c.open_ledger({lid}).read_entries(0, 59)]",

@@ -16,7 +16,7 @@ import bk
 from bk import protocol as P
 from bk.errors import EAUTH, EOK, AuthError, ConfigError, SecurityError
 from bk.rawclient import BookieConnection
-from bk.security import ClientSecurity, auth, tls
+from bk.security import ClientSecurity, auth
 from bk.security.tokens import create_token, verify_token
 from bk.config import Config
 from bk.testing import LocalCluster, wait_until

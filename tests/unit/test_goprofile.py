@@ -32,7 +32,7 @@ def test_perf_script_chains_fold_with_names_leaf_last():
 
     def frame(name, offset=3):        # perf prints an address in the binary as an offset
         return f"\t{s.entries[s.names.index(name)] + offset - s.base:x} [unknown] ({path})"
-    sample = [f"etcd  4242 100.000001:    1001001 cpu-clock:pppH: ", frame(NOTIFY),
+    sample = ["etcd  4242 100.000001:    1001001 cpu-clock:pppH: ", frame(NOTIFY),
               frame(APPLY), "\tffffffff81000130 entry_SYSCALL_64+0x76 ([kernel.kallsyms])",
               ""]
     text = "\n".join(sample * 3 + [sample[0], frame(APPLY)])     # the last has no blank line

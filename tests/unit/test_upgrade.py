@@ -94,7 +94,7 @@ def test_bookie_upgrade_converts_every_shard_with_progress(tmp_path):
     jroot, lroot = tmp_path / "journal", tmp_path / "ledgers"
     copy_fixture(str(jroot / "shard-0"), str(lroot / "shard-0"))
     args = ["upgrade", "--journal-dir", str(jroot), "--ledger-dir", str(lroot),
-            "--set", f"journalPreAllocSizeMB=1"]
+            "--set", "journalPreAllocSizeMB=1"]
     r = CliRunner().invoke(bookie_main, args)
     assert r.exit_code == 0, r.output
     assert "shard 0: 100%" in r.output and "shard 0: upgraded 5 ledgers" in r.output
