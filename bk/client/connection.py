@@ -2,10 +2,12 @@
 
 Theory of operation
 -------------------
-:class:`IOLoop` owns a ``selectors`` loop over every bookie connection of one
+:class:`IOLoop` owns an epoll loop (:class:`_Poller`; a ``selectors``
+selector where there is no epoll) over every bookie connection of one
 :class:`bk.BookKeeper`. Other threads never touch a socket: they hand work to
 the loop with :meth:`IOLoop.call_soon` (a deque plus a wake-up eventfd that is
-only written when the loop is asleep) and the loop runs it. Everything that
+only written when the loop is asleep, watched edge-triggered so that the
+loop never reads it back) and the loop runs it. Everything that
 reacts to replies (acknowledging adds, retrying reads on the next replica,
 starting ensemble changes) therefore runs on this one thread and needs no
 locks.
