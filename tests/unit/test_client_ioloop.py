@@ -1,7 +1,14 @@
 """The client's I/O loop's thread-safe entry points, without bookies."""
 
+import os
+import select
+import socket
 import threading
+import time
 
+import pytest
+
+from bk.client import connection
 from bk.client.connection import IOLoop
 
 
@@ -43,3 +50,146 @@ def test_stop_while_another_thread_starts_the_loop(monkeypatch):
     assert errors == []
     assert ran.is_set()                 # the task handed over before the stop ran
     assert loop._thread is not None and not loop._thread.is_alive()
+
+
+def _on_io_thread(loop, fn, timeout=30):
+    """Run ``fn()`` on ``loop``'s thread; its result (or exception)."""
+    done = threading.Event()
+    box = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:      # noqa: B902 - handed back to the test
+            box["e"] = e
+        done.set()
+
+    loop.call_soon(run)
+    assert done.wait(timeout), "the I/O thread did not run the task"
+    if "e" in box:
+        raise box["e"]
+    return box.get("v")
+
+
+@pytest.mark.parametrize("where", ["epoll", "no eventfd", "no epoll"])
+def test_every_wake_up_of_a_sleeping_loop_runs_its_task(monkeypatch, where):
+    """Tasks handed over one at a time, each after the loop went back to sleep
+    in its poll, all run: the waker (an eventfd the loop watches
+    edge-triggered and never reads; elsewhere a socketpair, or a ``selectors``
+    selector, both level-triggered and read) reports every wake-up. Without a
+    working wake-up each task would wait for the poll's 1 s timeout. And it
+    reports each once: the loop sleeps between them (an eventfd watched
+    level-triggered and never read would keep every poll returning at once,
+    a busy loop)."""
+    if where == "no eventfd":
+        monkeypatch.delattr(os, "eventfd")
+    elif where == "no epoll":
+        monkeypatch.delattr(select, "epoll")
+    loop = IOLoop(name="bk-io-test")
+    assert loop._waker.edge is (where == "epoll")
+    polls = []
+    poll = loop.sel.poll
+
+    def counted(timeout):
+        polls.append(timeout)
+        return poll(timeout)
+    loop.sel.poll = counted             # before the thread starts and takes it
+    try:
+        _on_io_thread(loop, lambda: None)
+        ran = []
+        deadline = time.monotonic() + 20
+        for i in range(100):
+            while not loop._sleeping:        # back in its poll (no tickers: 1 s timeout)
+                assert time.monotonic() < deadline, "the loop never went back to sleep"
+                time.sleep(0.0005)
+            ev = threading.Event()
+            loop.call_soon(lambda i=i, ev=ev: (ran.append(i), ev.set()))
+            assert ev.wait(max(0.0, deadline - time.monotonic())), \
+                f"task {i} did not run: the sleeping loop was not woken"
+        assert ran == list(range(100))
+        # one poll per task (the one it sleeps in, which the wake-up ends; 102
+        # seen), one more for each 1 s timeout that expires while the test waits
+        assert len(polls) < 300, f"{len(polls)} polls for 100 wake-ups: a busy loop"
+    finally:
+        loop.stop()
+
+
+class _FakeConn:
+    """Stands in for a Connection in the loop's poll: READY, records its events."""
+
+    def __init__(self, name, sock, log):
+        self.name, self.sock, self.log = name, sock, log
+        self.state = connection.READY
+        self.other = None
+
+    def _on_readable(self):
+        self.log.append(self.name)
+        try:
+            self.sock.recv(100)         # drained: readable once
+        except BlockingIOError:         # (a spurious event: nothing to read)
+            pass
+        if self.other is not None and self.other.sock is not None:
+            # handling this one closes the other, whose number a new socket
+            # (a reconnect, say) takes at once, within the same pass
+            other, self.other = self.other, None
+            loop = self.loop
+            fd = other.sock.fileno()
+            loop.sel.unregister(other.sock)
+            other.sock.close()
+            other.sock = None
+            a, b = socket.socketpair()
+            if a.fileno() == fd:            # it took the number itself
+                new = a
+            else:
+                os.dup2(a.fileno(), fd)
+                a.close()
+                new = socket.socket(fileno=fd)
+            assert new.fileno() == fd
+            new.setblocking(False)
+            self.keep.append(b)
+            fresh = _FakeConn("fresh", new, self.log)
+            loop.sel.register(new, connection._EV_R, fresh)
+            self.keep.append(fresh)
+
+    def _on_writable(self):
+        self.log.append(self.name + "/w")
+
+
+def test_a_connection_closed_in_a_pass_gets_none_of_its_events():
+    """Two sockets ready in one poll; handling the first closes the second and a
+    new socket takes its number before the second's event is handled: that event
+    goes to nobody (the closed connection is skipped, the new one has nothing
+    to read), never to the new socket's connection."""
+    loop = IOLoop(name="bk-io-test")
+    log, keep = [], []
+    pairs = [socket.socketpair() for _ in range(2)]
+    try:
+        for a, _ in pairs:
+            a.setblocking(False)
+        conns = [_FakeConn(n, a, log) for n, (a, _) in zip("ab", pairs)]
+        for c, o in ((conns[0], conns[1]), (conns[1], conns[0])):
+            c.other, c.loop, c.keep = o, loop, keep
+        for _, b in pairs:
+            b.send(b"x")                # both readable before they are registered
+
+        def register():
+            for c in conns:
+                loop.sel.register(c.sock, connection._EV_R, c)
+        _on_io_thread(loop, register)
+        deadline = time.monotonic() + 20
+        while not log:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        _on_io_thread(loop, lambda: None)   # a whole pass later
+        assert len(log) == 1 and log[0] in ("a", "b"), log
+        assert "fresh" not in log
+    finally:
+        loop.stop()
+        for c in keep:
+            if isinstance(c, socket.socket):
+                c.close()
+            elif c.sock is not None:
+                c.sock.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
