@@ -414,6 +414,12 @@ def patch_client(cm, lm):
             self.probe.after(timeout, len(r))
             return r
 
+        def poll(self, timeout=-1):     # the loop's own epoll (bk.client.connection._Poller)
+            self.probe.before()
+            r = self.inner.poll(timeout)
+            self.probe.after(None if timeout is None or timeout < 0 else timeout, len(r))
+            return r
+
     def _run(self):
         self.sel = Sel(self.sel, Probe("client I/O"))
         return run(self)
