@@ -439,6 +439,21 @@ def kill_at_hook(bookie, out, writers, what: str) -> dict:
     assert not any(t.is_alive() for t in threads), "a writer did not end after the kill"
     return stopped
 
+def acknowledged_entries(answers) -> list[list[int]]:
+    """The ``[ledger, entry]`` pairs that a shard worker's answers (``(conn, frame)``
+    pairs, as its ``_answer`` takes them) acknowledge: a group acknowledgement is
+    ``[rid, runs, errors]`` with runs as (ledger, first, last) triples; other
+    frames acknowledge nothing here. For the kill tests' hooks, which report what
+    was acknowledged just before the moment they stop the worker at."""
+    out = []
+    for _conn, frame in answers:
+        if type(frame) is list:
+            runs = frame[1]
+            for i in range(0, len(runs), 3):
+                out += [[runs[i], e] for e in range(runs[i + 1], runs[i + 2] + 1)]
+    return out
+
+
 def pump_add_batches(conn: BookieConnection, next_batch, stop: threading.Event, acked: list,
                      key: bytes, window: int = 4) -> None:
     """The kill tests' writer: send ADD_BATCH frames of ``next_batch()`` (each call

@@ -38,14 +38,7 @@ _answer = m.ShardWorker._answer
 _seen = [0]
 
 
-def entries(answers):
-    out = []
-    for _conn, frame in answers:
-        if type(frame) is list:                  # a group acknowledgement: [rid, runs, errors]
-            runs = frame[1]
-            for i in range(0, len(runs), 3):
-                out += [[runs[i], e] for e in range(runs[i + 1], runs[i + 2] + 1)]
-    return out
+from bk.testing import acknowledged_entries as entries
 
 
 def answer(self, done):

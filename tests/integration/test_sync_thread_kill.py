@@ -49,14 +49,7 @@ _nth = [0]
 _seen = [0]
 
 
-def entries(answers):
-    out = []
-    for _conn, frame in answers:
-        if type(frame) is list:                  # a group acknowledgement: [rid, runs, errors]
-            runs = frame[1]
-            for i in range(0, len(runs), 3):
-                out += [[runs[i], e] for e in range(runs[i + 1], runs[i + 2] + 1)]
-    return out
+from bk.testing import acknowledged_entries as entries
 
 
 _via = {}
