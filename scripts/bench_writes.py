@@ -7,6 +7,7 @@
     python scripts/bench_writes.py --profile out.prof   # cProfile the client
     python scripts/bench_writes.py --tls                # plaintext vs TLS, same cluster, same run
     python scripts/bench_writes.py --gc default         # no full collection before each run
+    python scripts/bench_writes.py --set journalDirectWrites=true   # a bookie setting
 """
 
 import argparse
@@ -56,8 +57,17 @@ def main():
                         "each measured run then held one full collection, 18-125 ms), "
                         "or a collection and gc.freeze() for the run; the library "
                         "never changes a process's GC")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a bookie setting of the local cluster (e.g. journalDirectWrites=true); "
+                        "repeat for more")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    bad = [kv for kv in a.set if "=" not in kv]
+    if bad:
+        p.error(f"--set takes KEY=VALUE, not {bad[0]!r}")
+    if a.set and a.uri:
+        p.error("--set configures the local cluster this bench starts: no --uri")
+    settings = dict(kv.split("=", 1) for kv in a.set)
     gc_mode = a.gc
     tls_conf, tls_client = {}, {}
     if a.tls:
@@ -109,7 +119,7 @@ def main():
         from bk.localcluster import LocalCluster
         with tempfile.TemporaryDirectory(prefix="bk-bench-") as d:
             with LocalCluster(num_bookies=a.bookies, base_dir=d, num_shards=a.shards,
-                              conf_overrides=tls_conf) as c:
+                              conf_overrides={**settings, **tls_conf}) as c:
                 res = run(c.metadata_uri)
     if a.json:
         print(json.dumps(res))
