@@ -132,16 +132,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "of handing it to the shard's sync thread (fewer context switches and less CPU per "
        "group; the same durability). Where AIO is missing or refused the thread is used "
        "anyway; false: always the thread."),
-    _S("journalDirectWrites", bool, True, "Write each group commit's journal blocks with "
+    _S("journalDirectWrites", bool, False, "Write each group commit's journal blocks with "
        "O_DIRECT and RWF_DSYNC (durable when the write completes: no page cache, no "
        "writeback, no separate fdatasync) from an image of the active segment kept in "
        "memory, which also serves the reads of recent entries. Memory: two segments' "
        "worth per shard (2 x journalPreAllocSizeMB), touched when the shard starts. "
        "Only with journalSyncData; where the filesystem refuses O_DIRECT the journal "
-       "writes through the page cache (logged). Measured on the project's VM: add p99 "
-       "at 30,000 entries/s 0.68x (shorter syncs), CPU per entry 1.07x there; less CPU "
-       "per add with large groups (docs/performance.md). false: buffered writes and an "
-       "fdatasync per group, no images."),
+       "writes through the page cache (logged). Measured on the project's VM, quiet: "
+       "add p99 at 30,000 entries/s 0.68x (shorter syncs), CPU per entry 1.07x there; "
+       "less CPU per add with large groups (docs/performance.md). Off by default until "
+       "the worker's unit tests run with it (see docs/performance.md)."),
     _S("journalRemovePagesFromCache", bool, True, "After each flush, drop from the page "
        "cache the journal the flush before it took (posix_fadvise DONTNEED), so that the "
        "journal holds about two flushes and the write cache per shard there and new "
