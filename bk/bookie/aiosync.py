@@ -123,9 +123,10 @@ class AioSync:
             raise OSError(e, f"io_submit of a direct write failed: {os.strerror(e)}")
         self.busy = True
 
-    def reap(self, wait: bool = False):
-        """The completed request's result: None if it has not completed (only
-        without ``wait``), else 0 or a negative errno (as ``fdatasync`` fails)."""
+    def reap(self, wait: bool = False, timeout: float | None = None):
+        """The completed request's result: None if it has not completed (without
+        ``wait``, or when ``timeout`` seconds of waiting ran out), else 0 or a
+        negative errno (as ``fdatasync`` fails), or a direct write's byte count."""
         if not wait:
             try:
                 os.eventfd_read(self.fd)     # (level-triggered: always drained)
@@ -134,31 +135,42 @@ class AioSync:
         if not self.busy:
             return None
         if wait:       # the eventfd stays set: the loop's next reap drains it
-            n = self._syscall(self._getevents, self._ctx, 1, 1, self._ev, None)
+            if timeout is None:
+                ts = None
+            else:
+                ts = (ctypes.c_long * 2)(int(timeout), int(timeout % 1 * 1e9))
+            n = self._syscall(self._getevents, self._ctx, 1, 1, self._ev, ts)
         else:
             n = self._syscall(self._getevents, self._ctx, 0, 1, self._ev, self._now)
         if n < 0:
             e = ctypes.get_errno()
             if e == errno.EINTR:
-                return None if not wait else self.reap(wait)
+                return None if not wait else self.reap(wait, timeout)
             raise OSError(e, f"io_getevents failed: {os.strerror(e)}")
         if n == 0:
             return None
         self.busy = False
         return self._ev[0].res
 
-    def close(self) -> None:
-        """Release the context (waiting for a request in flight) and the eventfd."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Release the context and the eventfd, after the request in flight (its
+        result dropped: whoever needs it reaps it first). With ``timeout``, a
+        request still in flight after that many seconds leaves both in place for
+        good (``io_destroy`` would wait for it; the kernel may still read its
+        memory) and this returns False; True once released."""
         if self.fd < 0:
-            return
+            return True
         if self.busy:
             try:
-                self.reap(wait=True)
+                self.reap(wait=True, timeout=timeout)
             except OSError:
                 pass
+            if self.busy and timeout is not None:
+                return False
         self._syscall(self._destroy, self._ctx)
         os.close(self.fd)
         self.fd = -1
+        return True
 
 
 def open_context() -> AioSync | None:

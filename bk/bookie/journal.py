@@ -278,6 +278,8 @@ QUARANTINE_DIR = "quarantine"
 PREPARE_AT = 0.5                  # fill of the active segment past which the next is prepared
 ROLL_STAGGER = 0.125              # the last part of a segment its roll point is drawn in
 LOCK_FILE = "journal.lock"
+CLOSE_WAIT = 10.0                 # seconds a close waits for a direct write in flight
+_ABANDONED: list = []             # what such a write may still read (see Journal._let_go)
 
 
 RUN_CHUNK = 64        # most records :meth:`Journal.append_wire_run` appends in one chunk
@@ -958,15 +960,30 @@ class Journal:
         """Wait for the direct write handed out by :meth:`begin_sync`, if one is in
         flight: before another write of the same blocks (a roll, a write-out, a
         sync), which could otherwise reach the disk before it and be overwritten
-        by its older copy of the block they share."""
+        by its older copy of the block they share. A write nobody has started yet
+        (handed to a sync thread that has not taken it, or never handed on: a
+        failure path between :meth:`begin_sync` and the submit) is run here, on
+        this thread (:meth:`SyncJob.run` claims it, so it is written once, by
+        whoever comes first); waiting for it instead could wait forever. A write
+        whose completion nothing can report any more (its AIO context gone)
+        poisons the journal rather than be waited for."""
         job = self._inflight
         if job is None:
             return
         self._inflight = None
-        job.wait()
+        job.run()                     # (returns at once if started elsewhere)
+        if not job.wait():
+            job.error = job.error or OSError(errno.EIO, "the completion of a direct "
+                                             "write in flight was lost")
+        self._settle(job, "write")
+
+    def _settle(self, job: "SyncJob", what: str) -> None:
+        """A finished job's outcome: its error poisons the journal (JournalError);
+        else its end moves the synced mark (unless a roll has moved on since: the
+        roll made the old segment durable itself)."""
         if job.error is not None:
             self._fail(job.error)
-            raise JournalError(f"write to journal {self.directory} failed: {job.error}")
+            raise JournalError(f"{what} of journal {self.directory} failed: {job.error}")
         if job.seq == self._seqbase >> 32 and job.end > self._synced:
             self._synced = job.end
 
@@ -1444,11 +1461,7 @@ class Journal:
         if self._inflight is job:
             self._inflight = None
         job.release()
-        if job.error is not None:
-            self._fail(job.error)
-            raise JournalError(f"sync of journal {self.directory} failed: {job.error}")
-        if job.seq == self._seqbase >> 32 and job.end > self._synced:
-            self._synced = job.end       # after a roll the old segment was flushed by _room
+        self._settle(job, "sync")
         self.syncs += 1
         self.synced_records += job.records
         self.synced_bytes += job.bytes
@@ -1585,20 +1598,24 @@ class Journal:
         try:
             self._prep_at = 1 << 62       # the last sync prepares no segment
             if self._ready and self._failed is None:
+                self._drain()         # a group's write still handed out: finished here
                 self.sync()
         finally:
+            abandoned = False
             try:
                 job, self._inflight = self._inflight, None
                 if job is not None:   # (failed: its write must not outlive the image)
-                    job.wait()
+                    abandoned = not self._let_go(job)
             finally:
                 self._drop_preparation()
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-            if self._dfd >= 0:
+            if abandoned:             # the kernel may still read them: never reused
+                _ABANDONED.append((job, self._dfd, self._images, self._bounce))
+            elif self._dfd >= 0:
                 os.close(self._dfd)
-                self._dfd = -1
+            self._dfd = -1
             self._active = None
             self._size = 0
             self._ready = False
@@ -1607,11 +1624,35 @@ class Journal:
             if self.direct:
                 self._bv = self._buf = None
                 self._image = None
-                for im in self._images:
-                    im.close()
+                if not abandoned:
+                    for im in self._images:
+                        im.close()
+                    self._bounce.close()
                 self._images = []
-                self._bounce.close()
+                self._bounce = None
             self._lock.close()
+
+    def _let_go(self, job: "SyncJob") -> bool:
+        """At close, the direct write still handed out (only after a failure: a
+        healthy close syncs, which waits for it): True once nothing will read its
+        memory any more. Never started: cancelled, so it never will be. Started
+        (the sync thread runs it, or the kernel has it through AIO): waited for,
+        but at most CLOSE_WAIT seconds, so that a close never hangs on a
+        completion that will not come (a job handed to a thread that has gone, a
+        device that stopped answering); then False, with an error log: its
+        descriptor and the images stay open and mapped for good (the kernel may
+        still read them), and the journal's lock is released all the same."""
+        if job.cancel():
+            return True
+        try:
+            if job.wait(CLOSE_WAIT):
+                return True
+        except Exception as e:        # (a waiter's io_getevents failing)
+            log.error("journal %s: waiting for the direct write in flight at close "
+                      "failed: %s", self.directory, e)
+        log.error("journal %s: a direct write in flight did not complete within %.0f s "
+                  "of the close; its segment image stays mapped", self.directory, CLOSE_WAIT)
+        return False
 
 
 class SyncFile:
@@ -1657,10 +1698,20 @@ class SyncJob:
     thread meanwhile cannot close the descriptor under it. ``fdatasync`` flushes
     the file's dirty pages: the records the journal pwrote before handing the job
     over.
+
+    A direct write (:meth:`direct`) reads the journal's memory (the segment's
+    image) until it completes, so the journal must know, before it writes those
+    blocks again or unmaps the image, whether it will still run. It is started
+    exactly once, by whoever *claims* it first: :meth:`run` (the sync thread's,
+    or the journal's own when it finds the write not started, ``Journal._drain``),
+    :meth:`started` (a submit to Linux AIO), or :meth:`cancel` (a close after a
+    failure: then it never runs). A job handed to a thread that never takes it
+    (a failure path, a test that runs no thread) is therefore never waited for
+    in vain: the journal runs it or cancels it.
     """
 
     __slots__ = ("path", "directory", "seq", "end", "records", "bytes", "error", "seconds",
-                 "fd", "offset", "parts", "done", "waiter")
+                 "fd", "offset", "parts", "done", "waiter", "_claim")
 
     def __init__(self, path, directory, seq, end, records, nbytes):
         self.path = path
@@ -1673,29 +1724,57 @@ class SyncJob:
         self.seconds = 0.0       # how long the disk took (run's own time, no hand-off)
         self.parts = None        # a direct write: [(address, view)] of whole blocks
         self.done = None         # (direct) set once its write completed, on any thread
-        self.waiter = None       # (direct, through AIO) blocks until it completed
+        self.waiter = None       # (direct, through AIO) waiter(job, timeout): reaps it
+        self._claim = None       # (direct) held by whoever started it (or cancelled it)
 
     def direct(self, fd: int, offset: int, parts: list) -> None:
         """Make this job a direct write (``O_DIRECT`` descriptor ``fd``, at ``offset``,
         of ``parts``' views, with ``RWF_DSYNC``) instead of an ``fdatasync``: see
         "Direct writes" in the module docstring. Run on the sync thread with
         ``pwritev``, or through Linux AIO from the addresses (``bk.bookie.aiosync``:
-        whoever submits it there sets :attr:`waiter`)."""
+        whoever submits it there calls :meth:`started`)."""
         self.fd = fd
         self.offset = offset
         self.parts = parts
         self.done = threading.Event()
+        self._claim = threading.Lock()
 
-    def wait(self) -> None:
-        """Block until a direct write handed out has completed (the journal, before
-        it writes the same blocks again)."""
+    def started(self, waiter) -> None:
+        """The direct write was submitted elsewhere (Linux AIO); ``waiter(job,
+        timeout)`` reaps its completion into the job (sets :attr:`error` and
+        :attr:`done`), waiting at most ``timeout`` seconds (None: until it
+        completes). Called by the submitter right after a successful submit, on
+        the journal's thread, before anything else could claim the job."""
+        if not self._claim.acquire(False):
+            raise RuntimeError("a direct write submitted twice")
+        self.waiter = waiter
+
+    def cancel(self) -> bool:
+        """Make sure a direct write nobody started never will (its :attr:`error` says
+        so and :attr:`done` is set); True if it is not running now (never started,
+        or completed, or not a direct write), False if it has started."""
         if self.done is None or self.done.is_set():
-            return
+            return True
+        if not self._claim.acquire(False):
+            return False
+        self.error = self.error or OSError(errno.ECANCELED, "the journal closed before "
+                                           "this direct write started")
+        self.release()
+        self.done.set()
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a direct write that has started completed (the journal, before
+        it writes the same blocks again), at most ``timeout`` seconds; whether it
+        did. Only for a started job (see :meth:`Journal._drain`, :meth:`cancel`):
+        one nobody starts would never complete."""
+        if self.done is None or self.done.is_set():
+            return True
         if self.waiter is not None:
-            self.waiter(self)
-            self.done.set()
+            self.waiter(self, timeout)
         else:
-            self.done.wait()
+            self.done.wait(timeout)
+        return self.done.is_set()
 
     def release(self) -> None:
         if self.parts is not None:
@@ -1706,8 +1785,12 @@ class SyncJob:
     def run(self, keep: SyncFile | None = None) -> None:
         """Blocking; safe on any thread. Never raises: failures land in ``error``.
         With ``keep`` (the calling thread's), the segment's descriptor is kept
-        there for the next job instead of being opened and closed for this one."""
+        there for the next job instead of being opened and closed for this one.
+        A direct write someone else claimed (started, or cancelled) is left to
+        them: this returns at once."""
         if self.path is None:
+            return
+        if self._claim is not None and not self._claim.acquire(False):
             return
         t0 = time.monotonic()
         try:

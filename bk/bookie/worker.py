@@ -172,7 +172,7 @@ from bk import park
 from bk import protocol as P
 from bk import sched
 from bk.bookie import aiosync, control, layout
-from bk.bookie.journal import JournalError, SyncFile
+from bk.bookie.journal import CLOSE_WAIT, JournalError, SyncFile
 from bk.bookie.storage import ShardStorage
 from bk.config import Config
 from bk.errors import (EAUTH, EBADREQ, EBADVERSION, EOK, EREADONLY, ESECURITY, ENOENTRY,
@@ -473,8 +473,8 @@ class ShardWorker:
             try:
                 if job.parts is not None:    # a direct write (journalDirectWrites)
                     aio.submit_write(job.fd, job.parts, job.offset)
-                    job.waiter = self._aio_wait
-                else:
+                    job.started(self._aio_wait)   # (only once the kernel has it: a
+                else:                             # refused one goes to the thread)
                     aio.submit(self._aio_file.descriptor(job.path))
                 return
             except OSError as e:
@@ -484,30 +484,59 @@ class ShardWorker:
         self._hand_sync(job)
 
     def _close_aio(self):
+        """Drop Linux AIO (refused, or at exit). A direct write still in flight
+        through it is reaped into its job first: the journal waits for that job
+        before it writes the same blocks or unmaps its image (``SyncJob.wait``),
+        and nothing could reap it once the context is gone. A request that does
+        not complete within the journal's close wait leaves the context in place
+        (``AioSync.close``) rather than hang the exit."""
         aio, self._aio = self._aio, None
         if aio is not None:
             try:
                 self.sel.unregister(aio.fd)
             except (KeyError, ValueError):
                 pass
-            aio.close()
+            job = self.sync_job
+            if aio.busy and job is not None and job.waiter is not None:
+                try:
+                    res = aio.reap(wait=True, timeout=CLOSE_WAIT)
+                except OSError as e:
+                    log.error("shard %d: reaping the direct write in flight failed: %s",
+                              self.shard, e)
+                    res = None
+                if res is not None:
+                    self._aio_done(res)
+            if not aio.close(timeout=CLOSE_WAIT):
+                log.error("shard %d: a request through Linux AIO did not complete within "
+                          "%.0f s; its context is left open", self.shard, CLOSE_WAIT)
         self._aio_file.close()
 
     def _aio_done(self, res):
         """Put the reaped result of the AIO sync in flight into its job, as the sync
-        thread's run would have."""
+        thread's run would have (a direct write's job is then done: see
+        ``SyncJob.wait``)."""
         job = self.sync_job
         job.seconds = time.monotonic() - self._sync_t0
         if res < 0:
             job.error = OSError(-res, f"fdatasync of {job.path}: {os.strerror(-res)}")
         elif job.parts is not None and res != sum(len(v) for _, v in job.parts):
             job.error = OSError(errno.EIO, f"short direct write to {job.path}: {res} bytes")
+        if job.done is not None:
+            job.done.set()
 
-    def _aio_wait(self, job):
+    def _aio_wait(self, job, timeout=None):
         """The journal waits for the direct write in flight before it writes the
-        same blocks again (``Journal._drain``): reap it here; the loop completes the
-        group as usual when it sees the eventfd (still set, see ``reap``)."""
-        self._aio_done(self._aio.reap(wait=True))
+        same blocks again (``Journal._drain``) or unmaps them (its close): reap it
+        here, waiting at most ``timeout`` seconds; the loop completes the group as
+        usual when it sees the eventfd (still set, see ``reap``). Nothing to reap
+        (the context gone: ``_close_aio`` reaped it into the job, if it could)
+        leaves the job as it is: the journal sees it not done."""
+        aio = self._aio
+        if aio is None or not aio.busy or job is not self.sync_job:
+            return
+        res = aio.reap(wait=True, timeout=timeout)
+        if res is not None:
+            self._aio_done(res)
 
     def _hand_sync(self, job):
         """Give the sync thread a job (None: exit). It parks on an eventfd, written
@@ -705,9 +734,20 @@ class ShardWorker:
         self._answer((held, self._take_group(held)))
 
     def _drain(self):
+        """The worker's exit: everything durable answered, then the connections and
+        the storage closed. A failed sync or write found here (the group in flight,
+        or the rest's sync) answers nothing more, and the exit goes on: the sync
+        thread and AIO are let go, the connections closed, the journal closed
+        (which never waits for ever on a write in flight, see ``Journal.close``)."""
         if self.storage is None:
             return
-        self._quiesce()
+        try:
+            self._quiesce()
+        except JournalError as e:
+            self._failed = True
+            self.held = []
+            log.error("shard %d: the last sync failed (%s); nothing more is answered",
+                      self.shard, e)
         self._close_aio()
         if self._sync_parker is not None:
             self._hand_sync(None)

@@ -5,10 +5,17 @@ groups: that choice has its own tests), so that each moment of the pipeline can
 be looked at: the next group's sync begins before the group whose
 sync completed is answered; nothing is answered before its own sync; a failed
 sync answers nothing of its group nor of any later one; a connection's answers
-keep their order."""
+keep their order. Every test runs twice, with the journal's writes buffered
+(pwrite + fdatasync) and direct (``journalDirectWrites``: the group's O_DIRECT
+write is the sync job), and the failures are injected so that they reach
+either (:meth:`StepWorker.complete`, :func:`refuse_writes`); then the failure
+paths that only a direct write in flight through Linux AIO has."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import signal
 import socket
 import sys
@@ -44,26 +51,57 @@ class StepWorker(ShardWorker):
     def _may_sync_inline(self) -> bool:
         return self.inline and super()._may_sync_inline()
 
-    def complete(self, fail_with: str | None = None):
+    def complete(self, fail: bool = False):
         """Run the sync in flight (its job, as the sync thread would) and hand the
-        completion to the worker, as its loop does."""
+        completion to the worker, as its loop does. ``fail``: the sync fails (a
+        buffered job's fdatasync: its segment is gone, the open fails; a direct
+        write: its descriptor refuses writes)."""
         job = self._sync_jobs.popleft()
         assert job is self.sync_job
-        if fail_with is not None:        # the segment is gone: the sync's open fails
-            job.path = fail_with
+        if fail and job.parts is not None:
+            job.fd = refusing_fd()
+        elif fail:
+            job.path = job.path + ".gone"
         self._run_sync(job)
         self._on_sync_done()
 
 
-@pytest.fixture
-def make_worker(tmp_path):
+_REFUSING: list[int] = []
+
+
+def refusing_fd() -> int:
+    """A descriptor every write to which fails (EPERM): a sealed memfd. Unlike a
+    missing path or /dev/null's refused fdatasync it fails a direct write too,
+    through pwritev or Linux AIO alike (closed after each test)."""
+    fd = os.memfd_create("refuses-writes", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    _REFUSING.append(fd)
+    return fd
+
+
+def refuse_writes(j) -> int:
+    """The journal's next write or sync on its own thread fails, whichever way it
+    writes: direct, its O_DIRECT descriptor refuses writes (and so does a group's
+    write handed out after this: the job takes that descriptor); buffered, its
+    descriptor takes the pwrite but refuses fdatasync (/dev/null: EINVAL). The
+    journal's own descriptor is returned: close it after."""
+    if j.direct:
+        good, j._dfd = j._dfd, refusing_fd()
+        _REFUSING.remove(j._dfd)       # the journal closes it
+    else:
+        good, j._fd = j._fd, os.open(os.devnull, os.O_WRONLY)
+    return good
+
+
+def _worker_factory(tmp_path, direct: bool):
     made = []
 
     def make(**conf):
         conf = Config.load(env={}, overrides={
             "journalDirectories": str(tmp_path / "journal"),
             "ledgerDirectories": str(tmp_path / "ledgers"),
-            "numShards": 1, "enableStatistics": True, **conf})
+            "numShards": 1, "enableStatistics": True, "journalDirectWrites": direct,
+            **conf})
         ctrl, arbiter = socket.socketpair()
         w = StepWorker(conf, 0, 1, ctrl)
         sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -76,13 +114,34 @@ def make_worker(tmp_path):
                 signal.signal(s, h)
             sys.setswitchinterval(switch)
         made.append((w, arbiter))
+        assert w.storage._journal.direct == (direct and conf.journalSyncData), \
+            "the journal did not write the way this test asked"
         return w
 
+    def close():
+        for w, arbiter in made:
+            if w.storage is not None:
+                w.storage.close()
+            arbiter.close()
+        while _REFUSING:
+            os.close(_REFUSING.pop())
+    return make, close
+
+
+@pytest.fixture(params=[False, True], ids=["buffered", "direct"])
+def make_worker(tmp_path, request):
+    """A step worker maker, once with buffered journal writes, once with direct."""
+    make, close = _worker_factory(tmp_path, request.param)
     yield make
-    for w, arbiter in made:
-        if w.storage is not None:
-            w.storage.close()
-        arbiter.close()
+    close()
+
+
+@pytest.fixture
+def make_direct_worker(tmp_path):
+    """For the tests of what only a direct write has (its write in flight)."""
+    make, close = _worker_factory(tmp_path, True)
+    yield make
+    close()
 
 
 def tcp_pair():
@@ -196,13 +255,13 @@ def one_syncing_one_held(make_worker):
     return w, c
 
 
-def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker, tmp_path):
+def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker):
     w, c = one_syncing_one_held(make_worker)
     w.complete()                          # group 1 durable and answered, group 2 syncing
     assert c.acked() == [(LID, 0)]
     c.add(2)                              # group 3, held behind group 2
     with pytest.raises(JournalError):
-        w.complete(fail_with=str(tmp_path / "no-such-segment"))
+        w.complete(fail=True)
     assert c.acked() == [] and w.sync_job is None
     w._quiesce()                          # as the exit does: still nothing answered
     assert c.acked() == [] and w.held == []
@@ -211,10 +270,10 @@ def test_a_failed_sync_answers_nothing_of_its_group_nor_later(make_worker, tmp_p
     assert c.acked() == []
 
 
-def test_a_failed_first_sync_leaves_the_held_group_unanswered(make_worker, tmp_path):
+def test_a_failed_first_sync_leaves_the_held_group_unanswered(make_worker):
     w, c = one_syncing_one_held(make_worker)
     with pytest.raises(JournalError):
-        w.complete(fail_with=str(tmp_path / "gone"))
+        w.complete(fail=True)
     w._drain()                            # the worker's exit path: no answer, closed
     assert c.fb.pending == 0
     c.sock.setblocking(True)
@@ -357,3 +416,129 @@ def test_journal_sync_through_aio_false_keeps_the_sync_thread(make_worker):
     assert w.sync_job is not None and len(w._sync_jobs) == 1 and c.acked() == []
     w.complete()
     assert c.acked() == [(LID, e) for e in range(5)]
+
+
+# --- a direct write in flight through Linux AIO: its failure paths ---------------------
+
+def aio_direct_worker(make_direct_worker):
+    """A worker whose groups' direct writes go through Linux AIO, and its client."""
+    StepWorker.aio = True
+    try:
+        w = make_direct_worker()
+    finally:
+        StepWorker.aio = False
+    assert w._aio is not None, "Linux AIO is not available here"
+    w.storage._journal.sync()                 # the directory synced: groups take AIO
+    w.storage._journal._dir_dirty = False
+    return w, Client(w)
+
+
+def submitted(w, c, first: int, n: int):
+    """A batch of ``n`` entries from ``first``, its direct write in flight through AIO."""
+    c.add_batch(range(first, first + n))
+    w._start_sync()
+    job = w.sync_job
+    assert job is not None and job.parts is not None and job.waiter is not None
+    assert w._aio.busy and not w._sync_jobs
+    return job
+
+
+def test_a_failed_direct_write_through_aio_answers_nothing_of_its_group_nor_later(
+        make_direct_worker):
+    w, c = aio_direct_worker(make_direct_worker)
+    submitted(w, c, 0, 10)
+    wait_until(lambda: _aio_completed(w), timeout=10, what="the first write")
+    assert c.acked() == [(LID, e) for e in range(10)]
+    good = refuse_writes(w.storage._journal)
+    try:
+        submitted(w, c, 10, 10)               # its write fails (EPERM)
+        c.add_batch(range(20, 25))            # held behind it
+        with pytest.raises(JournalError):
+            wait_until(lambda: _aio_completed(w), timeout=10, what="the failed write")
+        assert c.acked() == [] and w._failed and w.sync_job is None
+        w._drain()                            # the exit: nothing answered, all closed
+        assert w.storage is None and w._aio is None
+        c.sock.setblocking(True)
+        assert c.sock.recv(1 << 16) == b""
+    finally:
+        os.close(good)
+
+
+def test_an_exit_after_a_write_out_found_the_write_in_flight_failed(make_direct_worker):
+    """A flush's write-out waits for the group's write in flight (the worker reaps it
+    from AIO) and finds it failed: the journal is poisoned, the loop raises. The
+    exit that follows answers nothing of that group nor of the held one, and still
+    closes the connections and the storage (its last sync's failure must not cut
+    the exit short)."""
+    w, c = aio_direct_worker(make_direct_worker)
+    good = refuse_writes(w.storage._journal)
+    try:
+        job = submitted(w, c, 0, 10)
+        c.add_batch(range(10, 15))            # held
+        with pytest.raises(JournalError):
+            w.storage._journal.write_out()    # waits for the write in flight: failed
+        assert job.done.is_set() and job.error is not None and not w._aio.busy
+        w._drain()
+        assert w.storage is None and w._failed and w.held == []
+        c.sock.setblocking(True)
+        assert c.sock.recv(1 << 16) == b""    # closed with nothing sent
+    finally:
+        os.close(good)
+
+
+def test_letting_aio_go_with_a_direct_write_in_flight_keeps_its_result(make_direct_worker):
+    """AIO dropped while a group's direct write is in flight (the exit's _close_aio
+    after a _quiesce that did not wait): the completion is reaped into the job
+    first, so that the journal's wait for it (its close, a roll) does not look for
+    a context that is gone; the group is then answered as usual."""
+    w, c = aio_direct_worker(make_direct_worker)
+    job = submitted(w, c, 0, 10)
+    w._close_aio()
+    assert w._aio is None and job.done.is_set() and job.error is None
+    c.add_batch(range(10, 15))
+    w._quiesce()
+    assert c.acked() == [(LID, e) for e in range(15)]
+    j = w.storage._journal
+    assert w.sync_job is None and j._synced == j._off
+
+
+def test_a_direct_write_aio_refuses_goes_to_the_sync_thread(make_direct_worker, monkeypatch):
+    """io_submit refuses the group's write: AIO is dropped, the job goes to the sync
+    thread, not marked as submitted to AIO (so nothing waits for a reap that will
+    never come), and the journal's next write of its blocks runs it if the thread
+    has not yet."""
+    w, c = aio_direct_worker(make_direct_worker)
+    aio = w._aio
+
+    def refused(fd, chunks, offset):
+        raise OSError(errno.EINVAL, "io_submit of a direct write failed: Invalid argument")
+    monkeypatch.setattr(aio, "submit_write", refused)
+    c.add_batch(range(10))
+    w._start_sync()
+    job = w.sync_job
+    assert w._aio is None and job.waiter is None and list(w._sync_jobs) == [job]
+    c.add_batch(range(10, 15))
+    w.storage._journal.write_out()            # the write not started yet: run here
+    assert job.done.is_set() and job.error is None and c.acked() == []
+    w.complete()                              # the sync thread's turn: nothing to write
+    assert c.acked() == [(LID, e) for e in range(10)]
+    w.complete()                              # the held group's, on the thread too
+    assert c.acked() == [(LID, e) for e in range(10, 15)]
+
+
+def test_a_write_out_that_reaped_the_write_in_flight_leaves_one_completion(
+        make_direct_worker):
+    """The journal reaped the group's write (a flush's write-out, _aio_wait): the
+    worker's _quiesce answers that group without reaping again, and the eventfd's
+    count left behind completes nothing more."""
+    w, c = aio_direct_worker(make_direct_worker)
+    job = submitted(w, c, 0, 10)
+    c.add_batch(range(10, 15))
+    w.storage._journal.write_out()
+    assert job.done.is_set() and not w._aio.busy and c.acked() == []
+    w._quiesce()
+    assert c.acked() == [(LID, e) for e in range(15)] and w.sync_job is None
+    assert _aio_completed(w) and c.acked() == []
+    submitted(w, c, 15, 5)                    # and the next group goes on as usual
+    wait_until(lambda: _aio_completed(w), timeout=10, what="the next write")
+    assert c.acked() == [(LID, e) for e in range(15, 20)]

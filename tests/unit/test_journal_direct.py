@@ -142,7 +142,7 @@ def test_a_crash_loses_the_records_not_written_out_and_nothing_before(tmp_path):
     j.close()
 
 
-def test_a_write_out_waits_for_the_direct_write_in_flight(tmp_path):
+def test_a_write_out_waits_for_the_direct_write_in_flight(tmp_path, monkeypatch):
     """write_out (a flush's) writes the block a handed-out write writes too: it must
     wait for that write, or the older copy of the block could land last."""
     j, _ = open_journal(tmp_path)
@@ -150,20 +150,29 @@ def test_a_write_out_waits_for_the_direct_write_in_flight(tmp_path):
     job = j.begin_sync()
     assert job.parts is not None
     later = [j.append_add(4, 10 + i, -1, b"", base.add_payload(i, 700)) for i in range(3)]
-    entered = threading.Event()
+    inside, go = threading.Event(), threading.Event()
+    real = os.pwritev
+
+    def held_write(*args):        # the sync thread's write, held until write_out waits
+        if threading.current_thread() is runner:
+            inside.set()
+            go.wait(30)
+        return real(*args)
+    monkeypatch.setattr(os, "pwritev", held_write)
 
     class Done(threading.Event):
         def wait(self, timeout=None):
-            entered.set()
+            go.set()
             return super().wait(timeout)
     job.done = Done()
-    runner = threading.Thread(target=lambda: (entered.wait(30), job.run()))
+    runner = threading.Thread(target=job.run)
     runner.start()
     try:
+        assert inside.wait(30)
         j.write_out()
         assert job.done.is_set(), "write_out did not wait for the write in flight"
     finally:
-        entered.set()
+        go.set()
         runner.join()
     j.end_sync(job)
     end = j.mark[1]
@@ -175,12 +184,39 @@ def test_a_write_out_waits_for_the_direct_write_in_flight(tmp_path):
     j.close()
 
 
+def test_a_write_nobody_started_is_run_by_the_next_write_on_the_journals_thread(tmp_path):
+    """A job handed out but never started (handed to a thread that has not taken it,
+    or a failure between begin_sync and the submit) is written by the journal
+    itself before its next write of those blocks, once: the thread that takes it
+    later finds it done. Waiting for it instead would wait for ever."""
+    j, _ = open_journal(tmp_path)
+    pos = [j.append_add(4, i, -1, b"", base.add_payload(i, 700)) for i in range(10)]
+    job = j.begin_sync()
+    pos += [j.append_add(4, 10 + i, -1, b"", base.add_payload(i, 700)) for i in range(3)]
+    writes = j.direct_writes
+    j.write_out()                           # runs the job here, then writes the rest
+    assert job.done.is_set() and job.error is None and j.direct_writes == writes + 1
+    assert j._synced == job.end             # the job's write was durable (RWF_DSYNC)
+    job.run()                               # the sync thread, late: nothing to do
+    j.end_sync(job)
+    j.sync()
+    j.close()
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos
+    j.close()
+
+
 def test_a_roll_waits_for_the_write_in_flight_and_syncs_the_old_tail(tmp_path):
     j, _ = open_journal(tmp_path)
     pos = [j.append_add(6, i, -1, b"", base.add_payload(i)) for i in range(20)]
     job = j.begin_sync()
     waited = []
-    job.waiter = lambda jb: (waited.append(jb), jb.run())
+
+    def reap(jb, timeout):                  # as the worker's AIO waiter: the write completes
+        waited.append(jb)
+        os.pwritev(jb.fd, [v for _, v in jb.parts], jb.offset, os.RWF_DSYNC)
+        jb.done.set()
+    job.started(reap)                       # as if submitted to Linux AIO
     seq = j.active_seq
     while j.active_seq == seq:                  # appends until one rolls
         pos.append(j.append_add(6, len(pos), -1, b"", base.add_payload(len(pos))))
@@ -210,7 +246,8 @@ def test_a_failed_write_in_flight_poisons_the_journal(tmp_path):
     j, _ = open_journal(tmp_path)
     j.append(J.FENCE, 1)
     job = j.begin_sync()
-    job.error = OSError(errno.EIO, "injected")
+    job.started(lambda jb, timeout: None)      # as if submitted to Linux AIO...
+    job.error = OSError(errno.EIO, "injected")   # ...which reaped an I/O error
     job.done.set()
     j.append(J.FENCE, 2)
     with pytest.raises(JournalError, match="injected"):
@@ -231,7 +268,7 @@ def test_direct_writes_through_linux_aio(tmp_path):
                     for _ in range(5)]
             job = j.begin_sync()
             aio.submit_write(job.fd, job.parts, job.offset)
-            job.waiter = lambda jb: None         # (not waited for here)
+            job.started(lambda jb, timeout: None)    # (not waited for here)
             res = aio.reap(wait=True)
             assert res == sum(len(v) for _, v in job.parts)
             job.done.set()
@@ -309,3 +346,67 @@ def test_segments_larger_than_the_images_get_larger_images(tmp_path):
     assert [p for p, *_ in recs] == pos
     assert j.read_add(pos[-1])[1] == len(pos) - 1
     j.close()
+
+
+# --- close with a direct write still handed out (after a failure) -------------------
+
+def test_a_closing_journal_writes_a_job_nobody_started(tmp_path):
+    """A healthy close finishes the group's write handed out and not started (no
+    thread took it): written here, durable, and not waited for in vain."""
+    j, _ = open_journal(tmp_path)
+    pos = [j.append_add(5, i, -1, b"", base.add_payload(i)) for i in range(8)]
+    job = j.begin_sync()
+    j.close()
+    assert job.done.is_set() and job.error is None
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos
+    j.close()
+
+
+def test_a_failed_journal_cancels_at_close_a_job_nobody_started(tmp_path):
+    """After a failure the close does not write: the job nobody started is cancelled
+    (it never runs, so its image can go), and the close returns."""
+    j, _ = open_journal(tmp_path)
+    kept = [j.append_add(5, i, -1, b"", base.add_payload(i)) for i in range(4)]
+    j.sync()
+    [j.append_add(5, 4 + i, -1, b"", base.add_payload(i)) for i in range(4)]
+    job = j.begin_sync()
+    j._fail(OSError(errno.EIO, "injected"))       # e.g. a flush's write-out failed
+    j.close()
+    assert job.done.is_set() and job.error.errno == errno.ECANCELED
+    assert job.parts is None                       # its views of the image let go
+    job.run()                                      # a sync thread taking it late: no write
+    assert job.error.errno == errno.ECANCELED
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == kept
+    j.close()
+
+
+def test_a_close_waits_a_bounded_time_for_a_write_that_never_completes(tmp_path, monkeypatch,
+                                                                   caplog):
+    """A started write whose completion never comes (a device that stopped answering,
+    a waiter with nothing left to reap) is waited for CLOSE_WAIT seconds; then the
+    close logs it and returns, the lock released, the image left mapped (the kernel
+    may still read it)."""
+    monkeypatch.setattr(J, "CLOSE_WAIT", 0.2)
+    j, _ = open_journal(tmp_path)
+    [j.append_add(5, i, -1, b"", base.add_payload(i)) for i in range(4)]
+    job = j.begin_sync()
+    waits = []
+    job.started(lambda jb, timeout: waits.append(timeout))   # reaps nothing, ever
+    j._fail(OSError(errno.EIO, "injected"))
+    n = len(J._ABANDONED)
+    with caplog.at_level(logging.ERROR, logger="bk.journal"):
+        j.close()
+    assert waits == [0.2] and not job.done.is_set()
+    assert "did not complete" in caplog.text
+    assert len(J._ABANDONED) == n + 1
+    left, dfd, images, bounce = J._ABANDONED.pop()
+    assert left is job and not any(im.mm.closed for im in images + [bounce])   # mapped
+    assert job.offset == 0 and bytes(job.parts[0][1][:8]) == J.SEGMENT_MAGIC
+    j2, _ = open_journal(tmp_path)                 # the lock was released all the same
+    j2.close()
+    job.release()
+    os.close(dfd)
+    for im in images + [bounce]:
+        im.close()

@@ -1,7 +1,8 @@
 """The shard worker's choice between an inline sync (a small group, no sync in
 flight, recent syncs quick: pwrite + fdatasync on the loop's thread, answered at
 once) and the pipelined sync thread, on a real worker with real storage and real
-sockets (tests/unit/test_group_commit.py's step worker, inline syncs on). Every
+sockets (tests/unit/test_group_commit.py's step worker, inline syncs on; each test
+with buffered and with direct journal writes, as there). Every
 rule of the group commit still holds on the inline path: answered only after its
 own sync, in order after the group before it, a failed sync answers nothing; and
 a group gathered while a sync ran keeps the pipeline."""
@@ -17,7 +18,7 @@ from bk.bookie import worker as W
 from bk.bookie.journal import JournalError
 from bk.errors import EOK
 
-from test_group_commit import KEY, LID, Client, make_worker  # noqa: F401 (a fixture)
+from test_group_commit import KEY, LID, Client, make_worker, refuse_writes  # noqa: F401 (a fixture)
 
 
 # The real syncs' times reach the moving average capped at this: on a loaded machine
@@ -107,12 +108,12 @@ def test_a_batch_within_the_bounds_is_synced_inline_and_answered_only_after_it(i
 
 
 def test_a_failed_inline_sync_of_a_batch_answers_none_of_it(inline_worker):
-    """The batch's inline fdatasync fails: not one of its entries is acknowledged."""
+    """The batch's inline sync (fdatasync, or its direct write) fails: not one of its
+    entries is acknowledged."""
     w = inline_worker()
     c = Client(w)
     j = w.storage._journal
-    # the journal's file becomes one that takes the write but refuses fdatasync
-    good, j._fd = j._fd, os.open(os.devnull, os.O_WRONLY)
+    good = refuse_writes(j)               # its next write or fdatasync fails
     try:
         c.send(P.encode_add_batch(13, KEY, 0, [(LID, e, e - 1, b"", b"q" * 1024)
                                                for e in range(SMALL_BATCH)]))
@@ -194,8 +195,7 @@ def test_a_failed_inline_sync_answers_nothing_of_its_group_nor_later(inline_work
     w._start_sync()
     assert c.acked() == [(LID, 0)]
     j = w.storage._journal
-    # the journal's file becomes one that takes the write but refuses fdatasync
-    good, j._fd = j._fd, os.open(os.devnull, os.O_WRONLY)
+    good = refuse_writes(j)               # its next write or fdatasync fails
     try:
         c.add(1)
         with pytest.raises(JournalError):
