@@ -883,7 +883,10 @@ class Journal:
             buf.close()
         self._bs = bs
         self._bounce = _Image(max(bs, mmap.PAGESIZE))   # the partial last block of a write
-        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks)", self.directory, bs)
+        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks); their two segment "
+                 "images take %d MiB of memory (2 x journalPreAllocSizeMB; "
+                 "journalDirectWrites=false: none)", self.directory, bs,
+                 2 * self.segment_size >> 20)
         return True
 
     def _take_image(self, seg: _Segment, off: int) -> None:
