@@ -1,0 +1,170 @@
+"""A bookie stopped (SIGTERM) with a group's direct journal write failed or in
+flight, and kill -9 between ``begin_sync`` handing a write out and its submit,
+with real etcd and bookie processes (``journalDirectWrites``, the default):
+
+* ``fail``: the worker's Nth group write through Linux AIO is given a
+  descriptor that refuses writes (a sealed memfd: EPERM), as a failing device
+  would answer, and the bookie is stopped at once (the worker's loop ends right
+  there, as at SIGTERM, so that its drain is what meets the failed write; the
+  arbiter is sent SIGTERM). The worker must answer
+  nothing of that group nor of any later one, and exit in order (its drain
+  goes on past the failed sync: no "drain failed", no kill by the arbiter
+  after its 30 s wait).
+* ``inflight``: stopped the same way right after the Nth write was submitted:
+  the drain waits for it, and the bookie exits in order.
+* ``before-submit``: the worker stops itself (SIGSTOP) after ``begin_sync``
+  handed the Nth write out and before it is submitted; the test kills the
+  bookie -9. Nothing of that group was acknowledged.
+
+After the restart every acknowledged entry reads back intact and what the
+bookie serves of each ledger is entries 0..n without a hole."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+from bk import protocol as P
+from bk.errors import BKError, EOK
+from bk.rawclient import BookieConnection
+from bk.testing import entries_read_back, hooked_stop, pump_add_batches, site_hook, wait_until
+
+PAYLOAD = bytes(range(256)) * 4          # 1 KiB
+KEY = b"s" * 20
+BATCH = 16
+CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1,
+        "nettyMaxFrameSizeBytes": 512 << 10, "dbStorage_writeCacheMaxSizeMb": 2,
+        "flushIntervalBytes": 1 << 20, "flushInterval": 3_600_000, "gcWaitTime": 3_600_000}
+
+HOOK = r'''
+import fcntl, json, os, signal
+import bk.bookie.worker as w
+
+SITE = os.environ.get("DS_TEST_SITE", "")
+AT = int(os.environ.get("DS_TEST_AT", "0"))
+OUT = os.environ.get("DS_TEST_OUT")
+_seen = [0]
+
+from bk.testing import acknowledged_entries as entries
+
+
+def report(rep):
+    rep["pid"] = os.getpid()
+    with open(OUT + ".tmp", "w") as f:
+        json.dump(rep, f)
+    os.rename(OUT + ".tmp", OUT)
+
+
+def refusing_fd():
+    fd = os.memfd_create("refuses-writes", os.MFD_ALLOW_SEALING)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    return fd
+
+
+_submit = w.ShardWorker._submit_sync
+
+
+def submit(self, job):
+    if job.parts is None or job.directory is not None or self._aio is None:
+        return _submit(self, job)          # only a group's direct write through AIO
+    _seen[0] += 1
+    if _seen[0] != AT:
+        return _submit(self, job)
+    rep = {"entries": entries(self.inflight), "end": job.end}
+    if SITE == "before-submit":
+        report(rep)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return _submit(self, job)
+    if SITE == "fail":
+        job.fd = refusing_fd()             # the write fails (EPERM), as a device's error
+    _submit(self, job)
+    rep["aio"] = self._aio is not None and self._aio.busy
+    report(rep)
+    self.stopping = True                   # as its SIGTERM does: the drain meets the write
+    os.kill(os.getppid(), signal.SIGTERM)  # and the bookie is stopped now
+
+
+if AT and SITE:
+    w.ShardWorker._submit_sync = submit
+'''
+
+
+def pump(b, lid, stop, acked, out):
+    nxt = [0]
+
+    def next_batch():
+        eid = nxt[0]
+        nxt[0] = eid + BATCH
+        return [(lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]
+    try:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
+            pump_add_batches(c, next_batch, stop, acked, KEY, window=8)
+    except (OSError, BKError):
+        if not out.exists():       # only the stop or the kill at the hook may end it
+            raise
+
+
+@pytest.mark.parametrize("site", ["fail", "inflight", "before-submit"])
+def test_a_stop_or_kill_with_a_direct_write_failed_in_flight_or_not_submitted(
+        cluster_factory, tmp_path, site):
+    out = tmp_path / "hooked.json"
+    env = {"DS_TEST_SITE": site, "DS_TEST_AT": 60, "DS_TEST_OUT": out}
+    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
+        c = cluster_factory(1, num_shards=1, conf_overrides=CONF)
+    b = c.bookies[0]
+    log_start = os.path.getsize(b.log_file)
+    lids = [(1 << 50) + 41 + i for i in range(3)]
+    acked: list[list] = [[] for _ in lids]
+    stop = threading.Event()
+    threads = [threading.Thread(target=pump, args=(b, lid, stop, a, out))
+               for lid, a in zip(lids, acked)]
+    for t in threads:
+        t.start()
+    try:
+        if site == "before-submit":
+            hooked = hooked_stop(out, "stop", what="the worker between begin_sync and submit")
+            stop.set()
+            b.kill()                       # -9 while its worker is stopped there
+        else:
+            wait_until(out.exists, timeout=120, what="the worker at the hooked submit")
+            # the bookie stops by itself (SIGTERM): in order, within the arbiter's wait
+            wait_until(lambda: not b.alive, timeout=25, what="the bookie's exit after SIGTERM")
+            stop.set()
+            hooked = json.loads(out.read_text())
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads), "a writer did not end"
+    got = {(lid, e) for lid, per in zip(lids, acked) for _l, e in per}
+    assert len(got) > 100
+    mine = set(map(tuple, hooked["entries"]))
+    assert mine, "the hooked group covered no batched entry"
+    if site != "inflight":
+        assert not mine & got, "entries of a failed or unsubmitted write were acknowledged"
+    if site != "before-submit":
+        assert hooked["aio"], "the hooked write did not go through Linux AIO"
+        with open(b.log_file, "rb") as f:
+            f.seek(log_start)
+            text = f.read().decode(errors="replace")
+        assert "drain failed" not in text and "did not stop; killing it" not in text, text[-3000:]
+        if site == "fail":
+            assert "Operation not permitted" in text        # the write did fail
+    b.start()
+
+    def intact(entry, digest, payload):
+        assert payload == PAYLOAD, f"entry {entry} served with a bad payload"
+    for lid, per in zip(lids, acked):
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as conn:
+            served = entries_read_back(conn, lid, intact)
+        want = {e for _l, e in per}
+        assert want <= set(served), sorted(want - set(served))[:10]
+        assert served == list(range(len(served))), "a hole in what the bookie serves"
+    with BookieConnection(b.bookie_id, shard=0) as conn:
+        for lid in lids:
+            nxt = len(entries_read_back(conn, lid))
+            r = conn.call(P.add(conn.next_rid(), lid, nxt, nxt - 1, KEY, b"", PAYLOAD))
+            assert r[2] == EOK, r
