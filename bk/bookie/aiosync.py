@@ -22,8 +22,14 @@ woken on the loop's core and usually preempts the loop on its way out of
 (15% of its samples), not the ``ctypes`` call (~0.5 µs of conversion; see
 docs/performance.md, "The AIO sync's submit").
 
-The durability rule does not change: a group is answered only once its
-completion is reaped with a result of 0. At most one request is in flight (the
+The same context submits the journal's direct writes (``journalDirectWrites``:
+``IOCB_CMD_PWRITEV`` with ``RWF_DSYNC``, see ``bk.bookie.journal``), whose
+result is the bytes written. The durability rule does not change: a group is
+answered only once its completion is reaped with a result of 0 (a write: all
+its bytes). A wait for a completion can be bounded (``reap``'s ``timeout``,
+``close``'s): a close never hangs on a request the kernel does not complete;
+it then leaves the context in place, as the kernel may still read the
+request's memory. At most one request is in flight (the
 worker's rule), so one ``iocb`` and one event buffer are reused. The syscalls
 go through ``ctypes`` (no stdlib binding exists); only the architectures
 whose syscall numbers are listed here use it, and :func:`open_context`
@@ -67,7 +73,7 @@ class _Event(ctypes.Structure):      # struct io_event
 
 
 class AioSync:
-    """One in-flight ``fdatasync`` at a time through Linux AIO; :attr:`fd` is the
+    """One in-flight ``fdatasync`` (or direct write) at a time through Linux AIO; :attr:`fd` is the
     eventfd to watch (readable once the request completed). One thread only."""
 
     def __init__(self, nr: tuple, libc):

@@ -148,7 +148,16 @@ the journal's own thread of blocks a handed-out write also covers (a roll's
 write of the old segment's tail, :meth:`Journal.write_out`, :meth:`Journal.sync`)
 first waits for that write (:meth:`SyncJob.wait`): two writes of the same
 block in flight at once could reach the disk in either order, the older
-copy last. Two images alternate: at a roll the old segment keeps its image
+copy last. A handed-out write is started exactly once, by whoever claims it
+first: the sync thread's :meth:`SyncJob.run`, a submit to AIO
+(:meth:`SyncJob.started`), or the journal's own thread, which runs one that
+nobody has started instead of waiting for it (a job handed to a thread that
+never takes it, or lost on a failure path before its submit, must not hang
+the journal). A healthy :meth:`Journal.close` finishes it so; a close after a
+failure cancels one never started, waits at most ``CLOSE_WAIT`` seconds for
+one started, and then leaves its descriptor and the images mapped for good
+(the kernel may still read them), with an error log, rather than hang.
+Two images alternate: at a roll the old segment keeps its image
 (its tail stays readable from memory while it is the previous segment) and
 the new one takes the other, whose older segment is then read through its
 file again (synced long before). Both images are made, their pages touched,

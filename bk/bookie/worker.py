@@ -65,7 +65,9 @@ the GIL or preempts the loop for it. With ``journalDirectWrites`` the job is
 the group's write itself (``O_DIRECT`` with ``RWF_DSYNC``, see
 ``bk.bookie.journal``), submitted the same way; when the journal must write
 the same blocks before its completion is seen (a roll, a flush's write-out)
-it reaps it first (``_aio_wait``) and the loop completes the group as usual.
+it reaps it first (``_aio_wait``) and the loop completes the group as usual;
+dropping AIO (a refused submit, the exit) reaps a write in flight into its
+job first, so that the journal's wait for it never needs the context again.
 The first group after a roll, whose
 sync covers the journal directory too, and every group where AIO is missing
 or refused (then for good) take the sync thread. Its hand-off costs the loop
