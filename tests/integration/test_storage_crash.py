@@ -367,9 +367,12 @@ def test_kill9_once_the_flushed_journal_left_the_page_cache(cluster_factory):
     the flush before it took. kill -9 (adds going on) once the first segment,
     which serves as an entry log, has no page left in the page cache: after the
     restart every acknowledged entry reads back, from the disk."""
+    # The page cache of a journal written through it (buffered): with direct writes
+    # (the default) the journal's own writes never enter the page cache.
     c = cluster_factory(1, num_shards=1, conf_overrides=dict(SMALL_CACHE,
                                                              journalPreAllocSizeMB=2,
-                                                             nettyMaxFrameSizeBytes=1 << 20))
+                                                             nettyMaxFrameSizeBytes=1 << 20,
+                                                             journalDirectWrites=False))
     b = c.bookies[0]
     lid = (1 << 50) + 13
     first = os.path.join(b.dir, "journal", "shard-0", J.segment_name(1))
@@ -398,7 +401,7 @@ def test_journal_pages_stay_cached_with_remove_pages_from_cache_false(cluster_fa
     where the default drops them (the test above)."""
     c = cluster_factory(1, num_shards=1, conf_overrides=dict(
         SMALL_CACHE, journalPreAllocSizeMB=2, nettyMaxFrameSizeBytes=1 << 20,
-        journalRemovePagesFromCache=False))
+        journalRemovePagesFromCache=False, journalDirectWrites=False))   # (as above)
     b = c.bookies[0]
     lid = (1 << 50) + 17
     first = os.path.join(b.dir, "journal", "shard-0", J.segment_name(1))
