@@ -426,6 +426,36 @@ def test_read_range_over_index_and_tail_with_a_stride(tmp_path):
     s.close()
 
 
+def test_a_range_budget_is_of_payload_in_the_write_cache_and_the_entry_logs(tmp_path):
+    """``max_bytes`` of a READ_RANGE is of payload, the same answer before and
+    after a flush: uniform records, a stride over them, and records of varied
+    sizes. Counting digests too once flushed cut each answer one entry short,
+    and a reader that sizes its requests by its entries followed every one up."""
+    s = open_storage(tmp_path)
+    size = {5: lambda e: 600, 6: lambda e: 100 + 6 * e}     # 16-byte digests
+
+    def data(lid, e):
+        return bytes([e]) * size[lid](e)
+    for e in range(40):
+        for lid in (5, 6):
+            assert s.add_entry(lid, e, e - 1, KEY, digest(lid, e), data(lid, e), False) == EOK
+
+    def budget(lid, entries):
+        return sum(size[lid](e) for e in entries)
+    cases = [((5, 0, 39, budget(5, range(10))), list(range(10)), 10),
+             ((5, 0, 39, budget(5, range(0, 10, 2)), 2, 0), list(range(0, 10, 2)), 9),
+             ((6, 3, 39, budget(6, range(3, 10))), list(range(3, 10)), 10)]
+    for flushed in (False, True):
+        if flushed:
+            s.checkpoint()
+            assert s.stats()["write_cache_entries"] == 0
+        for args, entries, nxt in cases:
+            status, got_nxt, got = s.read_range(*args)
+            assert (status, got_nxt, got[0::4]) == (EOK, nxt, entries), (flushed, args)
+            assert got[3::4] == [data(args[0], e) for e in entries]
+    s.close()
+
+
 def catch_up(s, ledger, first, last, budget, stride=1, offset=0):
     """Read ``first..last`` with successive READ_RANGEs, as a catch-up reader
     does: each from the ``next`` of the previous answer."""
