@@ -39,7 +39,14 @@ def open_storage(tmp_path, sync_data=True, size=SEG, **kw):
 
 def crash(s):
     """Stop ``s`` like a killed process would: no final flush, no sync of what is
-    staged. The caller then drops its reference (``del s``)."""
+    staged. The caller then drops its reference (``del s``). A kill also ends
+    the thread preparing the journal's next segment: it is waited for here (it
+    leaves the segment made, as a kill after it would), else it renamed its
+    ``.seg.tmp`` into place while the reopened journal was removing it as a
+    crash's leftover (FileNotFoundError at the reopen, seen under load)."""
+    prep = s._journal._prep
+    if prep is not None:
+        prep._thread.join()
     s._flusher.stop()
     s._index.close()
     s._logs.close()
