@@ -53,6 +53,22 @@ TEST_DEFAULTS = {
 TEST_ETCD_ARGS = ["--unsafe-no-fsync", "--heartbeat-interval", "10", "--election-timeout", "100"]
 
 
+def env_settings(env=None) -> dict:
+    """Settings every test cluster's bookies get from ``BK_TEST_SETTINGS``
+    (``key=value,key=value``), under each test's own ``conf_overrides``: the
+    suite run with a setting a release is about to change (``BK_<key>``
+    variables do not reach test bookies, see bk.localcluster). An unknown key
+    fails at once, with its name."""
+    raw = (os.environ if env is None else env).get("BK_TEST_SETTINGS", "")
+    out = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in SETTINGS:
+            raise BKError(f"BK_TEST_SETTINGS: {item!r} is not key=value of a known setting")
+        out[key] = value
+    return out
+
+
 def production_settings() -> dict:
     """The registry defaults of the keys TEST_DEFAULTS changes (for tests that
     want one bookie to run as a deployed one does)."""
@@ -252,14 +268,16 @@ class _ForkedBookie(localcluster.BookieProcess):
 
 
 class LocalCluster(localcluster.LocalCluster):
-    """:class:`bk.localcluster.LocalCluster` with :data:`TEST_DEFAULTS` under the
-    caller's ``conf_overrides``, etcd run with :data:`TEST_ETCD_ARGS`, and bookies
-    forked from a process that imported their modules already."""
+    """:class:`bk.localcluster.LocalCluster` with :data:`TEST_DEFAULTS` and
+    :func:`env_settings` under the caller's ``conf_overrides``, etcd run with
+    :data:`TEST_ETCD_ARGS`, and bookies forked from a process that imported
+    their modules already."""
 
     bookie_class = _ForkedBookie
 
     def __init__(self, *args, conf_overrides: dict | None = None, **kw):
-        super().__init__(*args, conf_overrides={**TEST_DEFAULTS, **(conf_overrides or {})}, **kw)
+        super().__init__(*args, conf_overrides={**TEST_DEFAULTS, **env_settings(),
+                                                **(conf_overrides or {})}, **kw)
 
     def _make_etcd(self, tls):
         etcd = super()._make_etcd(tls)

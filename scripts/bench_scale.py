@@ -19,8 +19,13 @@ shard worker, and the MB the worker read from disk:
     python scripts/bench_scale.py --catchup-only                      # 10 x 10,000 entries read
     python scripts/bench_scale.py --catchup-only --compare /tmp/bk-old --pairs 3
 
---compare runs it alternately against another checkout's bk and this one
-(old, new, old, new, ...) and prints each run and the new/old ratios.
+--compare runs it alternately against another checkout's bk and this one and
+prints each run and the new/old ratio of each pair. The order of a pair
+alternates (--order abba, the default: old new, new old, old new, ...): a
+machine whose speed drifts during the runs (another job starting or ending,
+the page cache, the disk's own caches) favoured the side always run second
+(main against main gave catch-up MB/s new/old 0.72-0.99 with --order ab, the
+old order: old new, old new, ...).
 
 --bk-path runs the same benchmark (this checkout's bk/bench/scale.py) against
 the bk package of another checkout, e.g. `git worktree add --detach
@@ -59,8 +64,9 @@ bench_scale, parse_count = scale.bench_scale, scale.parse_count
 def _compare(a, conf_args) -> None:
     """--catchup-only runs alternating between --compare's checkout and this one."""
     rows = {"old": [], "new": []}
+    sides = (("old", a.compare), ("new", HERE))
     for k in range(a.pairs):
-        for side, path in (("old", a.compare), ("new", HERE)):
+        for side, path in (sides[::-1] if a.order == "abba" and k % 2 else sides):
             cmd = [sys.executable, os.path.abspath(__file__), "--catchup-only", "--json",
                    "--bk-path", path, "--catchup-entries", str(a.catchup_entries),
                    "--read-ledgers", str(a.read_ledgers), *conf_args]
@@ -75,6 +81,7 @@ def _compare(a, conf_args) -> None:
             r = json.loads(out.stdout)
             rows[side].append(r)
             print(f"pair {k + 1} {side}: {scale.format_catchup(r)}", flush=True)
+    print(f"order: {a.order}")
     for key in ("mb_per_sec", "client_us_per_entry", "worker_us_per_entry", "disk_mb"):
         old = [r[key] for r in rows["old"]]
         new = [r[key] for r in rows["new"]]
@@ -107,6 +114,9 @@ def main():
     p.add_argument("--compare", metavar="CHECKOUT", default=None,
                    help="--catchup-only: alternate runs of CHECKOUT's bk and this one")
     p.add_argument("--pairs", type=int, default=3, help="--compare: old/new pairs")
+    p.add_argument("--order", choices=("abba", "ab"), default="abba",
+                   help="--compare: abba alternates which side of a pair runs first "
+                   "(old new, new old, ...); ab always runs old first")
     p.add_argument("--dir", default=None, help="where the bookie's data goes (default: TMPDIR)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="bookie configuration override; repeatable")

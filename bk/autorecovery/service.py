@@ -413,7 +413,9 @@ class AutoRecovery:
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)
             return
-        except (LockLostError, MetadataError):
+        except (LockLostError, MetadataError) as e:
+            # the loop retries (and logs the trace); the ledger is named here
+            log.warning("replication of ledger %d stopped: %s", lid, e)
             raise
         except BKError as e:
             retry = self.conf.lockReleaseOfFailedLedgerGracePeriod / 1000.0

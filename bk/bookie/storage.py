@@ -455,21 +455,25 @@ def _at_or_after(run, entry: int) -> int:
     return min(run.count, (entry - run.first + run.step - 1) // run.step)
 
 
-def _fit(run, i: int, i_max: int, k: int, room: int, left: int) -> int:
+def _fit(run, i: int, i_max: int, k: int, room: int, left: int, dlen: int = 0) -> int:
     """End (exclusive position) of the records ``i, i + k, ...`` (up to
-    ``i_max``) of ``run`` whose digests and payloads fit ``room`` bytes and whose
-    count fits ``left``: what one READ_RANGE reads of the run with one pread."""
+    ``i_max``) of ``run`` whose payloads fit ``room`` bytes and whose count
+    fits ``left``: what one READ_RANGE reads of the run with one pread. The
+    index knows record sizes, not digest lengths: ``dlen`` is the digest length
+    of the ledger's records when known (0: not yet, and then digests count as
+    payload, so the pread never takes more than ``room`` of payload)."""
+    over = ADD_OVERHEAD + dlen
     if k == 1:
         most = min(i_max - i + 1, left)
         if run.rlen:
-            size = run.rlen - ADD_OVERHEAD
+            size = run.rlen - over
             return i + max(0, min(most, room // size if size > 0 else most))
         # variable sizes: the largest n with rel(i + n) - rel(i) - n * overhead <= room
         base = run.rel(i)
         lo, hi = 0, most
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if run.rel(i + mid) - base - mid * ADD_OVERHEAD <= room:
+            if run.rel(i + mid) - base - mid * over <= room:
                 lo = mid
             else:
                 hi = mid - 1
@@ -477,7 +481,7 @@ def _fit(run, i: int, i_max: int, k: int, room: int, left: int) -> int:
     j = i
     picked = got = 0
     while j <= i_max and picked < left:
-        size = run.rel(j + 1) - run.rel(j) - ADD_OVERHEAD
+        size = run.rel(j + 1) - run.rel(j) - over
         if got + size > room:
             break
         got += size
@@ -1094,8 +1098,15 @@ class ShardStorage:
                     k = stride // run.step
                     i_max = min(run.count - 1, (hi - run.first) // run.step)
                     # The records of this run to read with one pread: by their sizes,
-                    # what the byte and count budgets still allow.
-                    end = _fit(run, i, i_max, k, max_bytes - total, max_count - len(out) // 4)
+                    # what the byte and count budgets still allow. The budget is of
+                    # payload (as the journal's entries above count it): with the
+                    # digests counted too, an answer of 256 KiB of 1 KiB entries held
+                    # 255 once flushed, and every request of a reader sizing them by
+                    # its entries was followed up for the last one. A ledger's
+                    # entries share a digest type: its length is learned from the
+                    # first entry taken (until then, digests count as payload).
+                    end = _fit(run, i, i_max, k, max_bytes - total, max_count - len(out) // 4,
+                               len(out[-2]) if out else 0)
                     if end == i:
                         if out:
                             return EOK, e, out

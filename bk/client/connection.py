@@ -10,7 +10,8 @@ only written when the loop is asleep, watched edge-triggered so that the
 loop never reads it back) and the loop runs it. Everything that
 reacts to replies (acknowledging adds, retrying reads on the next replica,
 starting ensemble changes) therefore runs on this one thread and needs no
-locks.
+locks. An event of an fd no connection holds is dropped and the fd no longer
+watched (:meth:`IOLoop._known`): it killed the thread once, in a soak.
 
 A :class:`Connection` is one TCP stream to one shard of one bookie. It
 pipelines: every request has a request id, ``inflight`` maps it to the request
@@ -122,6 +123,7 @@ _EV_RW = selectors.EVENT_READ | selectors.EVENT_WRITE
 _IN, _OUT = 1, 4
 _READABLE = ~_OUT
 _WRITABLE = ~_IN
+_UNKNOWN = object()         # IOLoop._known: an fd no connection holds
 _RECV = 1 << 18
 _FAIL_FAST_SEC = 0.1
 _IOV = 1000                    # buffers per sendmsg (IOV_MAX is 1024)
@@ -311,6 +313,17 @@ class _Poller:
             self._sel.unregister(fd)
         else:
             self._ep.unregister(fd)
+
+    def forget(self, fd: int) -> None:
+        """Stop watching ``fd``, which no connection holds (no error if it is
+        closed or was not registered)."""
+        try:
+            if self._ep is None:
+                self._sel.unregister(fd)
+            else:
+                self._ep.unregister(fd)
+        except (KeyError, ValueError, OSError):
+            pass
 
     def close(self) -> None:
         (self._sel if self._ep is None else self._ep).close()
@@ -1021,6 +1034,7 @@ class IOLoop:
         _loops.add(self)
 
     def _init_state(self):
+        self.unknown_events = 0      # events of fds no connection held (see _known)
         self._waker = _Waker()
         self.sel = _Poller(self._waker)
         self._submit = collections.deque()
@@ -1196,7 +1210,11 @@ class IOLoop:
                         timeout = 0
                 # each fd's connection is taken now, before any is handled: one
                 # handled may close another, whose number a new socket may take
-                events = [(fdmap[fd], mask) for fd, mask in poll(timeout)]
+                ready = poll(timeout)
+                try:
+                    events = [(fdmap[fd], mask) for fd, mask in ready]
+                except KeyError:
+                    events = self._known(ready)
                 self._sleeping = False
                 self.now = now = time.monotonic()
                 for conn, mask in events:
@@ -1243,6 +1261,25 @@ class IOLoop:
                 pass
             if self._stopping:
                 self._waker.close()
+
+    def _known(self, ready) -> list:
+        """The events of ``ready`` of fds a connection holds. An event of an fd
+        none holds killed the I/O thread once in a soak (KeyError, with bookies
+        being killed; how the fd left the map while epoll still reported it is
+        not known): it is dropped and the fd unregistered, and the loop goes on."""
+        fdmap = self.sel.data
+        out = []
+        for fd, mask in ready:
+            conn = fdmap.get(fd, _UNKNOWN)
+            if conn is _UNKNOWN:
+                self.unknown_events += 1
+                if self.unknown_events == 1:
+                    log.warning("bk I/O loop: an event of fd %d, which no connection holds: "
+                                "no longer watched", fd)
+                self.sel.forget(fd)
+            else:
+                out.append((conn, mask))
+        return out
 
     def _run_timers(self, now):
         timers = self._timers

@@ -193,3 +193,40 @@ def test_a_connection_closed_in_a_pass_gets_none_of_its_events():
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def test_an_event_of_an_fd_no_connection_holds_is_dropped_and_the_loop_goes_on():
+    """epoll reports a ready fd that is not in the loop's map (the map lost it
+    while epoll still watched it; in a soak the I/O thread died of the
+    KeyError and the client could do no more I/O): the event is dropped, the
+    fd no longer watched, and the loop runs on, its other connections too."""
+    loop = IOLoop(name="bk-io-test")
+    log = []
+    lost, lost_peer = socket.socketpair()
+    kept, kept_peer = socket.socketpair()
+    try:
+        for s in (lost, kept):
+            s.setblocking(False)
+        conn = _FakeConn("kept", kept, log)
+
+        def register():
+            loop.sel.register(lost, connection._EV_R, _FakeConn("lost", lost, log))
+            loop.sel.register(kept, connection._EV_R, conn)
+            del loop.sel.data[lost.fileno()]     # watched, but no connection holds it
+        _on_io_thread(loop, register)
+        lost_peer.send(b"x")                     # level-triggered: ready at every poll
+        deadline = time.monotonic() + 20
+        while loop.unknown_events == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        kept_peer.send(b"y")
+        while log != ["kept"]:
+            assert time.monotonic() < deadline and loop._dead is None, (log, loop._dead)
+            time.sleep(0.001)
+        _on_io_thread(loop, lambda: None)        # passes later: the fd is no longer watched
+        _on_io_thread(loop, lambda: None)
+        assert loop.unknown_events == 1 and loop._dead is None
+    finally:
+        loop.stop()
+        for s in (lost, lost_peer, kept, kept_peer):
+            s.close()
