@@ -286,6 +286,8 @@ STAGING_SIZE = 4 << 20            # bytes of records built before a pwrite is fo
 QUARANTINE_DIR = "quarantine"
 PREPARE_AT = 0.5                  # fill of the active segment past which the next is prepared
 ROLL_STAGGER = 0.125              # the last part of a segment its roll point is drawn in
+ROLL_AHEAD = 1 / 32               # direct writes: part of the room before the roll point
+                                  # from which a group's start rolls (see Journal._roll_ahead)
 LOCK_FILE = "journal.lock"
 CLOSE_WAIT = 10.0                 # seconds a close waits for a direct write in flight
 _ABANDONED: list = []             # what such a write may still read (see Journal._let_go)
@@ -745,6 +747,10 @@ class Journal:
         self._dir_dirty = False
         self._prep: _Preparation | None = None   # the next segment, being made off the loop
         self._prep_at = 1 << 62        # offset past which it is (set when a segment is activated)
+        self._ahead_at = 1 << 62       # direct writes: offset past which a group's start rolls
+        self._retired_dfd = -1         # the rolled segment's O_DIRECT descriptor, its last
+                                       # write in flight at the roll (see _roll_ahead)
+        self.rolls_ahead = 0           # rolls at a group's start (for tests and traces)
         self.prepared = 0              # segments prepared off the loop (for tests and traces)
         self._ready = False
         self._failed: BaseException | None = None
@@ -1013,8 +1019,14 @@ class Journal:
             raise
         if self._fd >= 0:
             os.close(self._fd)
+        if self._retired_dfd >= 0:      # its write completed before any later one began
+            os.close(self._retired_dfd)
+            self._retired_dfd = -1
         if self._dfd >= 0:
-            os.close(self._dfd)
+            if self._inflight is not None:   # a roll ahead: that write goes through it
+                self._retired_dfd = self._dfd
+            else:
+                os.close(self._dfd)
         self._fd = fd
         self._dfd = dfd
         if dfd >= 0:
@@ -1029,6 +1041,8 @@ class Journal:
         self._synced = off
         self._size = roll_point(seg.size, self._rng, self.roll_stagger)
         self._prep_at = int(seg.size * PREPARE_AT)
+        if dfd >= 0:
+            self._ahead_at = self._size - int((seg.size - HEADER_SIZE) * ROLL_AHEAD)
 
     def _create_segment(self, seq: int | None = None) -> _Segment:
         """Create the next segment on this thread (the first one, and the fallback
@@ -1133,6 +1147,27 @@ class Journal:
         self._activate(new)
         self._synced = HEADER_SIZE
         self._remap(old, writable=False)
+
+    def _roll_ahead(self) -> None:
+        """Roll at the start of a group commit (direct writes), once the active
+        segment is past ``_ahead_at`` (a little before its roll point): its last
+        records have just been handed out to be written (:meth:`begin_sync`, the
+        write in flight, ``_inflight``) or written (:meth:`sync`), so the roll
+        itself writes nothing and waits for nothing. The roll order holds all
+        the same: the new segment's first write waits for the old one's
+        (:meth:`_drain` before every write on this thread; a group's write is
+        begun only after the group before it completed, one at a time). The old
+        segment's ``O_DIRECT`` descriptor stays open for that write until the
+        next roll. A group that outgrows the room left still rolls in the middle
+        of an append (:meth:`_roll`)."""
+        old = self._active
+        end = self._off
+        new = self._take_prepared()
+        self.rolled_at = self._seqbase | end
+        self._activate(new)
+        self._synced = HEADER_SIZE
+        old.end = end
+        self.rolls_ahead += 1
 
     def _reserve(self, n: int) -> None:
         """Slow path of an append: room in the segment (maybe a roll), then room
@@ -1429,6 +1464,8 @@ class Journal:
         self.synced_bytes += self._unsynced
         self._unsynced = 0
         self._unsynced_records = 0
+        if self._off > self._ahead_at:       # (direct writes only) all of it durable now
+            self._roll_ahead()
 
     # --- pipelined group commit ------------------------------------------------
     def begin_sync(self) -> "SyncJob | None":
@@ -1465,6 +1502,10 @@ class Journal:
         self._unsynced = 0
         self._unsynced_records = 0
         self._maybe_prepare()
+        if self._off > self._ahead_at and self._inflight is job:
+            # (direct writes) the segment's last write is handed out; not after a
+            # job that only fdatasyncs (a write-out's blocks): nothing would wait for it
+            self._roll_ahead()
         return job
 
     def end_sync(self, job: "SyncJob") -> None:
@@ -1609,6 +1650,7 @@ class Journal:
             return
         try:
             self._prep_at = 1 << 62       # the last sync prepares no segment
+            self._ahead_at = 1 << 62      # nor rolls
             if self._ready and self._failed is None:
                 self._drain()         # a group's write still handed out: finished here
                 self.sync()
@@ -1624,10 +1666,15 @@ class Journal:
                 os.close(self._fd)
                 self._fd = -1
             if abandoned:             # the kernel may still read them: never reused
-                _ABANDONED.append((job, self._dfd, self._images, self._bounce))
-            elif self._dfd >= 0:
-                os.close(self._dfd)
+                _ABANDONED.append((job, self._dfd, self._retired_dfd, self._images,
+                                   self._bounce))
+            else:
+                if self._dfd >= 0:
+                    os.close(self._dfd)
+                if self._retired_dfd >= 0:
+                    os.close(self._retired_dfd)
             self._dfd = -1
+            self._retired_dfd = -1
             self._active = None
             self._size = 0
             self._ready = False
