@@ -657,6 +657,10 @@ class _Preparation:
         except BaseException as e:    # handed to the roll, which creates it itself
             self._error = e
 
+    def done(self) -> bool:
+        """Whether its thread has finished (made the segment, or failed)."""
+        return not self._thread.is_alive()
+
     def result(self) -> tuple[str, object]:
         self._thread.join()
         if self._error is not None:
@@ -1177,7 +1181,11 @@ class Journal:
         begun only after the group before it completed, one at a time). The old
         segment's ``O_DIRECT`` descriptor stays open for that write until the
         next roll. A group that outgrows the room left still rolls in the middle
-        of an append (:meth:`_roll`)."""
+        of an append (:meth:`_roll`). While the next segment is still being
+        prepared (after a restart near the end of a segment) this waits for
+        nothing either: a later group's start rolls, once it is ready."""
+        if self._prep is not None and not self._prep.done():
+            return
         old = self._active
         end = self._off
         new = self._take_prepared()

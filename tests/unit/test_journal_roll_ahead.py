@@ -31,6 +31,8 @@ def fill_to_the_ahead_point(j, pos, ledger=7):
             pos.append(j.append_add(ledger, len(pos), len(pos) - 1, b"d",
                                     base.add_payload(len(pos))))
         if j.mark[1] > j._ahead_at:
+            if j._prep is not None:      # its preparation done: the roll takes it now
+                j._prep.result()
             return
         job = j.begin_sync()
         job.run()
@@ -165,6 +167,42 @@ def test_an_inline_sync_past_the_ahead_point_rolls_too(tmp_path):
     assert j._retired_dfd == -1                 # nothing in flight: closed at once
     pos.append(j.append_add(7, len(pos), -1, b"", b"z" * 100))
     j.sync()
+    j.close()
+    j, recs = open_journal(tmp_path)
+    assert [p for p, *_ in recs] == pos
+    j.close()
+
+
+def test_a_group_start_does_not_wait_for_the_next_segments_preparation(tmp_path):
+    """Past the ahead point with the next segment still being prepared (a restart
+    near a segment's end): no roll and no wait at that group's start; a later
+    group's start rolls once it is ready."""
+    j, _ = open_journal(tmp_path)
+    pos: list[int] = []
+    fill_to_the_ahead_point(j, pos)
+    seq = j.active_seq
+    gate = threading.Event()
+    real = j._prep
+
+    class Slow:                      # the preparation's thread, not finished yet
+        seq = real.seq
+
+        def done(self):
+            return gate.is_set()
+
+        def result(self):
+            return real.result()
+    j._prep = Slow()
+    job = j.begin_sync()
+    assert j.active_seq == seq and j.rolls_ahead == 0
+    job.run()
+    j.end_sync(job)
+    pos.append(j.append_add(7, len(pos), -1, b"", b"q" * 50))
+    gate.set()
+    job = j.begin_sync()
+    assert j.active_seq == seq + 1 and j.rolls_ahead == 1
+    job.run()
+    j.end_sync(job)
     j.close()
     j, recs = open_journal(tmp_path)
     assert [p for p, *_ in recs] == pos
