@@ -192,7 +192,9 @@ group's, begun only after this one completed (one job at a time), and every
 write on the journal's own thread first waits for a write in flight
 (:meth:`_drain`). The write in flight goes on through the old segment's
 ``O_DIRECT`` descriptor, kept open until the next roll. A group that starts
-before ``_ahead_at`` and outgrows the roll point still rolls in its append.
+before ``_ahead_at`` and outgrows the roll point still rolls in its append,
+and so does one whose next segment is still being prepared when it starts
+(the group-start roll does not wait for the preparation: a later one rolls).
 
 Replay. :meth:`Journal.replay` iterates the records from a mark, segment
 after segment, verifying each CRC. It stops at the first record that is not
