@@ -100,8 +100,18 @@ class FlushJob:
         self.nbytes = nbytes
         self.error: BaseException | None = None
         self.stats: dict = {}
+        # direct journal writes: set by the loop once the journal's write of the
+        # region's last records completed (ShardStorage._release_flush); until then
+        # the files may not hold them. ``abandoned``: that write failed, or the
+        # storage closed first: nothing is read, the flush fails.
+        self.written: threading.Event | None = None
+        self.abandoned = False
 
     def run(self, fl: "Flusher") -> None:
+        if self.written is not None:
+            self.written.wait()
+            if self.abandoned:
+                raise OSError("the journal's write of the flushed region did not complete")
         t0 = time.monotonic()
         views = self.views
         if views is None:

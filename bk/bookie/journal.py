@@ -1235,16 +1235,24 @@ class Journal:
             self._buf = bytearray(STAGING_SIZE)
             self._bv = memoryview(self._buf)
 
-    def write_out(self) -> None:
+    def write_out(self, wait: bool = True) -> "SyncJob | None":
         """pwrite every staged record (no sync): another thread may then read them
-        from the segment files (a flush does). With direct writes that includes
-        the write in flight, waited for even when nothing is left to write (its
-        group's records would otherwise be read from the file before they are in
-        it: a roll at a group's start leaves the new segment empty, and a group's
-        write is handed out up to the last record)."""
-        if self.direct:
+        from the segment files (a flush does). With direct writes a group's write
+        handed out (:meth:`begin_sync`) may still be in flight and hold the last
+        records (a group's write goes up to the last record; after a roll at a
+        group's start it is the old segment's tail): ``wait`` waits for it here;
+        without ``wait`` it is returned instead (None: nothing in flight), and
+        the files hold every record once :meth:`writing` says it is no longer
+        in flight and it has no ``error``."""
+        if self.direct and wait:
             self._drain()
         self._write_out()
+        return self._inflight if self.direct else None
+
+    def writing(self, job: "SyncJob") -> bool:
+        """Whether ``job`` (from :meth:`write_out`) is still in flight: not yet
+        completed and taken back (:meth:`end_sync`, or waited for by a write)."""
+        return self._inflight is job
 
     def segment_view(self, seq: int):
         """The read mapping of a segment (for an offline conversion of the whole
