@@ -15,6 +15,11 @@ swapped tail still go to the journal until the job is done.
 
 A flush, on this thread:
 
+0. with direct journal writes, waits until the journal's write of the
+   region's last records completed (:attr:`FlushJob.written`): the loop
+   swapped the tail right after handing that write out, and lets the flush go
+   on once it took the write back (``ShardStorage._release_flush``) rather
+   than wait for the disk itself;
 1. maps the journal segments between the previous mark and the job's mark
    read-only (its own mappings: the pages are in the page cache already, and
    nothing is copied into fresh buffers, whose page faults once cost more
