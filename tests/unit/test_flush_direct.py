@@ -5,6 +5,8 @@ and the loop waiting for the flusher first waits for the write itself."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import test_storage as sbase
@@ -16,6 +18,19 @@ from bk.errors import EOK
 def copying(monkeypatch):
     """Flushes that copy every entry (the path that reads the journal's files)."""
     monkeypatch.setattr(F, "ADOPT_MIN_BYTES", 1 << 62)
+
+
+def start_elsewhere(job, log):
+    """Mark a group's direct write as submitted elsewhere (as through AIO: the
+    journal cannot run it itself); waiting for it logs the job in ``log`` and
+    does the write."""
+    def waiter(jb, timeout=None):
+        log.append(jb)
+        if not jb.done.is_set():
+            views = [v for _, v in jb.parts]
+            os.pwritev(jb.fd, views, jb.offset, os.RWF_DSYNC)
+            jb.done.set()
+    job.started(waiter)
 
 
 def fill(s, n=40):
@@ -31,13 +46,13 @@ def test_a_flush_waits_for_the_groups_write_in_flight_not_the_loop(tmp_path):
     job = s.begin_sync()                       # the group's write, handed out
     assert job.parts is not None
     waited = []
-    job.waiter = lambda jb: (waited.append(jb), jb.run())
+    start_elsewhere(job, waited)
     s._start_flush()
     assert waited == [], "the loop waited for the write in flight at the flush's start"
     flush = s._flush_write[1]
     s.maintain()                                # still in flight: nothing released
     assert not flush.written.is_set() and s._flusher.done.empty()
-    job.run()                                   # the write completes...
+    job.wait()                                  # the write completes...
     s.end_sync(job)                             # ...and the loop takes it back
     s.maintain()
     assert flush.written.is_set() and not flush.abandoned and s._flush_write is None
@@ -56,7 +71,7 @@ def test_waiting_for_the_flusher_first_waits_for_the_write(tmp_path):
     fill(s)
     job = s.begin_sync()
     waited = []
-    job.waiter = lambda jb: (waited.append(jb), jb.run())
+    start_elsewhere(job, waited)
     s._start_flush()
     s.checkpoint()
     assert waited == [job]
@@ -72,7 +87,7 @@ def test_a_failed_write_fails_the_flush_and_keeps_the_tail(tmp_path):
     fill(s)
     before = s.stats()["checkpoints"]
     job = s.begin_sync()
-    job.waiter = lambda jb: None
+    job.started(lambda jb, timeout=None: None)     # in flight, never completes here
     s._start_flush()
     flush = s._flush_write[1]
     job.error = OSError(5, "injected")           # the write failed
