@@ -1708,8 +1708,9 @@ class Journal:
                 os.close(self._fd)
                 self._fd = -1
             if abandoned:             # the kernel may still read them: never reused
-                _ABANDONED.append((job, self._dfd, self._retired_dfd, self._images,
-                                   self._bounce))
+                _ABANDONED.append((job, self._dfd, self._images, self._bounce))
+                # (a rolled segment's descriptor the write may go through: left
+                # open too, as the images are left mapped)
             else:
                 if self._dfd >= 0:
                     os.close(self._dfd)
