@@ -325,6 +325,8 @@ def patch_worker(m):
     # only checks; their segment was created there, now it is prepared off the loop)
     timed(of_loop, jr.Journal, "_roll" if hasattr(jr.Journal, "_roll") else "_room",
           "journal roll")
+    if hasattr(jr.Journal, "_roll_ahead"):     # a roll at a group's start (direct writes)
+        timed(of_loop, jr.Journal, "_roll_ahead", "journal roll ahead")
     if hasattr(jr.Journal, "_write_out"):
         timed(of_loop, jr.Journal, "_write_out", "journal pwrite")
     aio = sys.modules.get("bk.bookie.aiosync")

@@ -15,6 +15,11 @@ swapped tail still go to the journal until the job is done.
 
 A flush, on this thread:
 
+0. with direct journal writes, waits until the journal's write of the
+   region's last records completed (:attr:`FlushJob.written`): the loop
+   swapped the tail right after handing that write out, and lets the flush go
+   on once it took the write back (``ShardStorage._release_flush``) rather
+   than wait for the disk itself;
 1. maps the journal segments between the previous mark and the job's mark
    read-only (its own mappings: the pages are in the page cache already, and
    nothing is copied into fresh buffers, whose page faults once cost more
@@ -100,8 +105,18 @@ class FlushJob:
         self.nbytes = nbytes
         self.error: BaseException | None = None
         self.stats: dict = {}
+        # direct journal writes: set by the loop once the journal's write of the
+        # region's last records completed (ShardStorage._release_flush); until then
+        # the files may not hold them. ``abandoned``: that write failed, or the
+        # storage closed first: nothing is read, the flush fails.
+        self.written: threading.Event | None = None
+        self.abandoned = False
 
     def run(self, fl: "Flusher") -> None:
+        if self.written is not None:
+            self.written.wait()
+            if self.abandoned:
+                raise OSError("the journal's write of the flushed region did not complete")
         t0 = time.monotonic()
         views = self.views
         if views is None:

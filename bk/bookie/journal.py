@@ -111,7 +111,9 @@ if none is at hand it is created there, and the directory is then fsync'd by
 the next :meth:`Journal.sync`). That fdatasync stays on the roll's thread: the
 records that follow go to the new segment at the next group commit, and
 handing the old segment's sync to that group's sync thread would let the new
-segment's pages reach the disk before the old one's tail.
+segment's pages reach the disk before the old one's tail. (With direct writes
+a roll usually comes at a group's start instead, and waits for nothing: see
+"Rolls at a group's start" below.)
 
 Sync (group commit). :meth:`Journal.sync` makes everything appended since
 the last sync durable: the staging buffer is written out, then with
@@ -173,8 +175,26 @@ that ``RWF_DSYNC`` writes with the data. Where the filesystem refuses
 ``O_DIRECT`` (one probe write of a scratch file at open) the journal logs it
 and writes through the page cache. Everything else is as without it: the
 record format, replay and truncation (which read the files), the roll order
-(the old segment's tail is written with ``RWF_DSYNC`` before the new segment
-is activated), prepared segments, segments adopted as entry logs.
+(an older segment durable before a newer one gets anything), prepared
+segments, segments adopted as entry logs.
+
+Rolls at a group's start (direct writes). A roll in the middle of an append
+must wait on the loop for the write in flight and then write the old tail
+with ``RWF_DSYNC`` itself (a disk round trip or two with nothing read
+meanwhile: 1-5 ms measured, every ~2 s per bookie at the issue's load). So
+once the active segment is past ``_ahead_at`` (``ROLL_AHEAD`` of its room
+before the roll point) the next group commit rolls as soon as it has handed
+out its write (:meth:`begin_sync`; or, inline, once :meth:`sync` wrote it):
+that write is the old segment's last, and the roll itself writes nothing and
+waits for nothing; the group's records all fit before the roll point. The
+order still holds without a wait: the new segment's first write is the next
+group's, begun only after this one completed (one job at a time), and every
+write on the journal's own thread first waits for a write in flight
+(:meth:`_drain`). The write in flight goes on through the old segment's
+``O_DIRECT`` descriptor, kept open until the next roll. A group that starts
+before ``_ahead_at`` and outgrows the roll point still rolls in its append,
+and so does one whose next segment is still being prepared when it starts
+(the group-start roll does not wait for the preparation: a later one rolls).
 
 Replay. :meth:`Journal.replay` iterates the records from a mark, segment
 after segment, verifying each CRC. It stops at the first record that is not
@@ -286,6 +306,8 @@ STAGING_SIZE = 4 << 20            # bytes of records built before a pwrite is fo
 QUARANTINE_DIR = "quarantine"
 PREPARE_AT = 0.5                  # fill of the active segment past which the next is prepared
 ROLL_STAGGER = 0.125              # the last part of a segment its roll point is drawn in
+ROLL_AHEAD = 1 / 32               # direct writes: part of the room before the roll point
+                                  # from which a group's start rolls (see Journal._roll_ahead)
 LOCK_FILE = "journal.lock"
 CLOSE_WAIT = 10.0                 # seconds a close waits for a direct write in flight
 _ABANDONED: list = []             # what such a write may still read (see Journal._let_go)
@@ -637,6 +659,10 @@ class _Preparation:
         except BaseException as e:    # handed to the roll, which creates it itself
             self._error = e
 
+    def done(self) -> bool:
+        """Whether its thread has finished (made the segment, or failed)."""
+        return not self._thread.is_alive()
+
     def result(self) -> tuple[str, object]:
         self._thread.join()
         if self._error is not None:
@@ -745,6 +771,10 @@ class Journal:
         self._dir_dirty = False
         self._prep: _Preparation | None = None   # the next segment, being made off the loop
         self._prep_at = 1 << 62        # offset past which it is (set when a segment is activated)
+        self._ahead_at = 1 << 62       # direct writes: offset past which a group's start rolls
+        self._retired_dfd = -1         # the rolled segment's O_DIRECT descriptor, its last
+                                       # write in flight at the roll (see _roll_ahead)
+        self.rolls_ahead = 0           # rolls at a group's start (for tests and traces)
         self.prepared = 0              # segments prepared off the loop (for tests and traces)
         self._ready = False
         self._failed: BaseException | None = None
@@ -1013,8 +1043,14 @@ class Journal:
             raise
         if self._fd >= 0:
             os.close(self._fd)
+        if self._retired_dfd >= 0:      # its write completed before any later one began
+            os.close(self._retired_dfd)
+            self._retired_dfd = -1
         if self._dfd >= 0:
-            os.close(self._dfd)
+            if self._inflight is not None:   # a roll ahead: that write goes through it
+                self._retired_dfd = self._dfd
+            else:
+                os.close(self._dfd)
         self._fd = fd
         self._dfd = dfd
         if dfd >= 0:
@@ -1029,6 +1065,8 @@ class Journal:
         self._synced = off
         self._size = roll_point(seg.size, self._rng, self.roll_stagger)
         self._prep_at = int(seg.size * PREPARE_AT)
+        if dfd >= 0:
+            self._ahead_at = self._size - int((seg.size - HEADER_SIZE) * ROLL_AHEAD)
 
     def _create_segment(self, seq: int | None = None) -> _Segment:
         """Create the next segment on this thread (the first one, and the fallback
@@ -1134,6 +1172,31 @@ class Journal:
         self._synced = HEADER_SIZE
         self._remap(old, writable=False)
 
+    def _roll_ahead(self) -> None:
+        """Roll at the start of a group commit (direct writes), once the active
+        segment is past ``_ahead_at`` (a little before its roll point): its last
+        records have just been handed out to be written (:meth:`begin_sync`, the
+        write in flight, ``_inflight``) or written (:meth:`sync`), so the roll
+        itself writes nothing and waits for nothing. The roll order holds all
+        the same: the new segment's first write waits for the old one's
+        (:meth:`_drain` before every write on this thread; a group's write is
+        begun only after the group before it completed, one at a time). The old
+        segment's ``O_DIRECT`` descriptor stays open for that write until the
+        next roll. A group that outgrows the room left still rolls in the middle
+        of an append (:meth:`_roll`). While the next segment is still being
+        prepared (after a restart near the end of a segment) this waits for
+        nothing either: a later group's start rolls, once it is ready."""
+        if self._prep is not None and not self._prep.done():
+            return
+        old = self._active
+        end = self._off
+        new = self._take_prepared()
+        self.rolled_at = self._seqbase | end
+        self._activate(new)
+        self._synced = HEADER_SIZE
+        old.end = end
+        self.rolls_ahead += 1
+
     def _reserve(self, n: int) -> None:
         """Slow path of an append: room in the segment (maybe a roll), then room
         in the staging buffer (write it out; a record larger than the buffer gets
@@ -1172,10 +1235,24 @@ class Journal:
             self._buf = bytearray(STAGING_SIZE)
             self._bv = memoryview(self._buf)
 
-    def write_out(self) -> None:
+    def write_out(self, wait: bool = True) -> "SyncJob | None":
         """pwrite every staged record (no sync): another thread may then read them
-        from the segment files (a flush does)."""
+        from the segment files (a flush does). With direct writes a group's write
+        handed out (:meth:`begin_sync`) may still be in flight and hold the last
+        records (a group's write goes up to the last record; after a roll at a
+        group's start it is the old segment's tail): ``wait`` waits for it here;
+        without ``wait`` it is returned instead (None: nothing in flight), and
+        the files hold every record once :meth:`writing` says it is no longer
+        in flight and it has no ``error``."""
+        if self.direct and wait:
+            self._drain()
         self._write_out()
+        return self._inflight if self.direct else None
+
+    def writing(self, job: "SyncJob") -> bool:
+        """Whether ``job`` (from :meth:`write_out`) is still in flight: not yet
+        completed and taken back (:meth:`end_sync`, or waited for by a write)."""
+        return self._inflight is job
 
     def segment_view(self, seq: int):
         """The read mapping of a segment (for an offline conversion of the whole
@@ -1429,6 +1506,8 @@ class Journal:
         self.synced_bytes += self._unsynced
         self._unsynced = 0
         self._unsynced_records = 0
+        if self._off > self._ahead_at:       # (direct writes only) all of it durable now
+            self._roll_ahead()
 
     # --- pipelined group commit ------------------------------------------------
     def begin_sync(self) -> "SyncJob | None":
@@ -1465,6 +1544,10 @@ class Journal:
         self._unsynced = 0
         self._unsynced_records = 0
         self._maybe_prepare()
+        if self._off > self._ahead_at and self._inflight is job:
+            # (direct writes) the segment's last write is handed out; not after a
+            # job that only fdatasyncs (a write-out's blocks): nothing would wait for it
+            self._roll_ahead()
         return job
 
     def end_sync(self, job: "SyncJob") -> None:
@@ -1609,6 +1692,7 @@ class Journal:
             return
         try:
             self._prep_at = 1 << 62       # the last sync prepares no segment
+            self._ahead_at = 1 << 62      # nor rolls
             if self._ready and self._failed is None:
                 self._drain()         # a group's write still handed out: finished here
                 self.sync()
@@ -1625,9 +1709,15 @@ class Journal:
                 self._fd = -1
             if abandoned:             # the kernel may still read them: never reused
                 _ABANDONED.append((job, self._dfd, self._images, self._bounce))
-            elif self._dfd >= 0:
-                os.close(self._dfd)
+                # (a rolled segment's descriptor the write may go through: left
+                # open too, as the images are left mapped)
+            else:
+                if self._dfd >= 0:
+                    os.close(self._dfd)
+                if self._retired_dfd >= 0:
+                    os.close(self._retired_dfd)
             self._dfd = -1
+            self._retired_dfd = -1
             self._active = None
             self._size = 0
             self._ready = False

@@ -106,6 +106,7 @@ import os
 import random
 import struct
 import sys
+import threading
 import time
 from array import array
 from collections import OrderedDict
@@ -569,6 +570,7 @@ class ShardStorage:
         self._progress = progress
         self._closed = False
         self._flush_failed = None
+        self._flush_write = None        # (journal write in flight, the flush waiting for it)
         self._compaction = None                  # a CompactJob in flight
         self._compaction_done: dict | None = None
         self._last_swap = time.monotonic()
@@ -632,6 +634,10 @@ class ShardStorage:
                  self.replay_seconds)
 
     def _shutdown(self) -> None:
+        pending, self._flush_write = getattr(self, "_flush_write", None), None
+        if pending is not None:           # (closed after a journal failure) never read
+            pending[1].abandoned = True
+            pending[1].written.set()
         if self._flusher is not None:
             self._flusher.stop()
             self._flusher = None
@@ -1233,6 +1239,8 @@ class ShardStorage:
             j = self._journal
             if j.synced_bytes + j._unsynced < self._calm_bytes:
                 return
+        if self._flush_write is not None:
+            self._release_flush()
         while fl.pending and not fl.done.empty():
             self._finish(fl.done.get())
         if now >= self._next_trim:
@@ -1287,7 +1295,10 @@ class ShardStorage:
 
     def _start_flush(self) -> None:
         j = self._journal
-        j.write_out()                       # the flusher reads the region from the files
+        # The flusher reads the region from the files. A direct write of its last
+        # records may still be in flight (the group's, handed out in this pass):
+        # the flusher waits for it, not the loop (see _release_flush).
+        write = j.write_out(wait=False)
         mark = j.mark
         regions = []
         seq0, off0 = self._flushed_mark
@@ -1302,6 +1313,9 @@ class ShardStorage:
         nbytes = self._journal_bytes() - self._swap_at
         job = FlushJob(self._wc, states, mark, regions=regions, nbytes=nbytes,
                        rate=flush_rate(nbytes, time.monotonic() - self._last_swap))
+        if write is not None:
+            job.written = threading.Event()
+            self._flush_write = (write, job)
         if self._flusher.pending:
             self._flusher.hurry()              # a compaction must not hold this flush back
         self._flushing = self._wc
@@ -1314,6 +1328,29 @@ class ShardStorage:
         self._last_swap = time.monotonic()
         self._calm_until = 0.0
         self._flusher.submit(job)
+
+    def _release_flush(self, wait: bool = False) -> None:
+        """Let the flush that waits for a journal write in flight go on once that
+        write completed (checked every pass, by :meth:`maintain`); ``wait``: wait
+        for it here (the loop is about to wait for the flusher, which would
+        otherwise wait for a write that only the loop takes back). A failed
+        write fails the flush: it reads nothing and is merged back."""
+        pending = self._flush_write
+        if pending is None:
+            return
+        write, job = pending
+        j = self._journal
+        if j.writing(write):
+            if not wait:
+                return
+            try:
+                j.write_out()              # waits for it
+            except JournalError:
+                pass                       # write.error or the journal's failure says
+        self._flush_write = None
+        if write.error is not None or j._failed is not None:
+            job.abandoned = True
+        job.written.set()
 
     def _finish(self, job) -> None:
         self._flusher.pending -= 1
@@ -1398,6 +1435,7 @@ class ShardStorage:
             self._flusher.submit(UncacheJob(ranges))
 
     def _wait_flusher(self) -> None:
+        self._release_flush(wait=True)
         fl = self._flusher
         if fl.pending:
             fl.hurry()                       # the loop waits: no job is held to a rate
