@@ -176,9 +176,12 @@ def test_interrupted_between_two_groups_of_reads_drops_nothing_that_exists(clust
         if then == "kill the bookie":
             b.kill(signal.SIGKILL)              # held there: between the two groups
         else:
+            before = gc_state(c, b)["lastReconcile"]
             (d / "go").touch()                  # the next group's reads meet the stopped etcd
-            wait_until(lambda: gc_state(c, b).get("reconciling") is None, timeout=60,
-                       what="the round failed on the stopped etcd")
+            # (the progress goes before the round's summary is recorded: wait for both)
+            wait_until(lambda: (lambda st: st.get("reconciling") is None
+                                and st["lastReconcile"] != before)(gc_state(c, b)),
+                       timeout=60, what="the round failed on the stopped etcd")
             last = gc_state(c, b)["lastReconcile"]
             assert last["complete"] is False and last["dead"] == 0, last
             for lid in sparse:
