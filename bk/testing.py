@@ -496,6 +496,27 @@ def pump_add_batches(conn: BookieConnection, next_batch, stop: threading.Event, 
             raise
 
 
+def pump_ledger_until_hooked(b, ledger_id: int, stop: threading.Event, acked: list,
+                             hooked, key: bytes, payload: bytes, batch: int = 16,
+                             window: int = 8) -> None:
+    """A kill test's writer thread: batches of ``ledger_id``'s next entries (``lac``
+    the entry before, no digest, ``payload`` each) into bookie ``b``'s shard of it
+    (:func:`pump_add_batches`), until ``stop``. The connection may break only once
+    the hook that stops or kills the bookie has reported (``hooked``, a path, exists)."""
+    nxt = [0]
+
+    def next_batch():
+        eid = nxt[0]
+        nxt[0] = eid + batch
+        return [(ledger_id, e, e - 1, b"", payload) for e in range(eid, eid + batch)]
+    try:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(ledger_id, b.num_shards)) as c:
+            pump_add_batches(c, next_batch, stop, acked, key, window=window)
+    except (OSError, BKError):
+        if not os.path.exists(hooked):
+            raise
+
+
 def entries_read_back(conn: BookieConnection, ledger_id: int, check=None) -> list[int]:
     """Every entry id a bookie returns for ``ledger_id`` (READ_RANGE pages, in
     order); ``check(entry, digest, payload)`` asserts on each if given."""

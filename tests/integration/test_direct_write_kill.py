@@ -25,9 +25,9 @@ import threading
 import pytest
 
 from bk import protocol as P
-from bk.errors import BKError, EOK
+from bk.errors import EOK
 from bk.rawclient import BookieConnection
-from bk.testing import entries_read_back, hooked_stop, pump_add_batches, site_hook
+from bk.testing import entries_read_back, hooked_stop, pump_ledger_until_hooked, site_hook
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"d" * 20
@@ -102,21 +102,6 @@ elif AT and SITE == "drain":
 '''
 
 
-def pump(b, lid, stop, acked, out):
-    nxt = [0]
-
-    def next_batch():
-        eid = nxt[0]
-        nxt[0] = eid + BATCH
-        return [(lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]
-    try:
-        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
-            pump_add_batches(c, next_batch, stop, acked, KEY, window=8)
-    except (OSError, BKError):
-        if not out.exists():       # only the kill at the hook may break the connection
-            raise
-
-
 @pytest.mark.parametrize("site,how,at", [("aio-submit", "stop", 150),
                                          ("aio-submit", "kill", 150),
                                          ("sync-write", "stop", 40),
@@ -130,7 +115,8 @@ def test_kill9_at_a_direct_journal_write(cluster_factory, tmp_path, site, how, a
     lids = [(1 << 50) + 31 + i for i in range(3)]
     acked: list[list] = [[] for _ in lids]
     stop = threading.Event()
-    threads = [threading.Thread(target=pump, args=(b, lid, stop, a, out))
+    threads = [threading.Thread(target=pump_ledger_until_hooked,
+                                args=(b, lid, stop, a, out, KEY, PAYLOAD, BATCH))
                for lid, a in zip(lids, acked)]
     for t in threads:
         t.start()

@@ -28,9 +28,10 @@ import threading
 import pytest
 
 from bk import protocol as P
-from bk.errors import BKError, EOK
+from bk.errors import EOK
 from bk.rawclient import BookieConnection
-from bk.testing import entries_read_back, hooked_stop, pump_add_batches, site_hook, wait_until
+from bk.testing import (entries_read_back, hooked_stop, pump_ledger_until_hooked, site_hook,
+                        wait_until)
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"s" * 20
@@ -92,21 +93,6 @@ if AT and SITE:
 '''
 
 
-def pump(b, lid, stop, acked, out):
-    nxt = [0]
-
-    def next_batch():
-        eid = nxt[0]
-        nxt[0] = eid + BATCH
-        return [(lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]
-    try:
-        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
-            pump_add_batches(c, next_batch, stop, acked, KEY, window=8)
-    except (OSError, BKError):
-        if not out.exists():       # only the stop or the kill at the hook may end it
-            raise
-
-
 @pytest.mark.parametrize("site", ["fail", "inflight", "before-submit"])
 def test_a_stop_or_kill_with_a_direct_write_failed_in_flight_or_not_submitted(
         cluster_factory, tmp_path, site):
@@ -119,7 +105,8 @@ def test_a_stop_or_kill_with_a_direct_write_failed_in_flight_or_not_submitted(
     lids = [(1 << 50) + 41 + i for i in range(3)]
     acked: list[list] = [[] for _ in lids]
     stop = threading.Event()
-    threads = [threading.Thread(target=pump, args=(b, lid, stop, a, out))
+    threads = [threading.Thread(target=pump_ledger_until_hooked,
+                                args=(b, lid, stop, a, out, KEY, PAYLOAD, BATCH))
                for lid, a in zip(lids, acked)]
     for t in threads:
         t.start()
