@@ -517,6 +517,26 @@ def pump_ledger_until_hooked(b, ledger_id: int, stop: threading.Event, acked: li
             raise
 
 
+def served_after_restart(b, ledger_ids, acked, key: bytes, payload: bytes) -> None:
+    """A kill test's check once the bookie is back: every acknowledged entry of each
+    ledger (``acked``: one list of ``(ledger, entry)`` a ledger) is served, each with
+    ``payload``, with no hole before the last served; and each ledger takes its
+    next add."""
+    def intact(entry, digest, got):
+        assert got == payload, f"entry {entry} served with a bad payload"
+    for lid, per in zip(ledger_ids, acked):
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as conn:
+            served = entries_read_back(conn, lid, intact)
+        want = {e for _l, e in per}
+        assert want <= set(served), sorted(want - set(served))[:10]
+        assert served == list(range(len(served))), "a hole in what the bookie serves"
+    for lid in ledger_ids:
+        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as conn:
+            nxt = len(entries_read_back(conn, lid))
+            r = conn.call(P.add(conn.next_rid(), lid, nxt, nxt - 1, key, b"", payload))
+            assert r[2] == EOK, r
+
+
 def entries_read_back(conn: BookieConnection, ledger_id: int, check=None) -> list[int]:
     """Every entry id a bookie returns for ``ledger_id`` (READ_RANGE pages, in
     order); ``check(entry, digest, payload)`` asserts on each if given."""

@@ -27,11 +27,8 @@ import threading
 
 import pytest
 
-from bk import protocol as P
-from bk.errors import EOK
-from bk.rawclient import BookieConnection
-from bk.testing import (entries_read_back, hooked_stop, pump_ledger_until_hooked, site_hook,
-                        wait_until)
+from bk.testing import (hooked_stop, pump_ledger_until_hooked, served_after_restart,
+                        site_hook, wait_until)
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"s" * 20
@@ -142,16 +139,4 @@ def test_a_stop_or_kill_with_a_direct_write_failed_in_flight_or_not_submitted(
             assert "Operation not permitted" in text        # the write did fail
     b.start()
 
-    def intact(entry, digest, payload):
-        assert payload == PAYLOAD, f"entry {entry} served with a bad payload"
-    for lid, per in zip(lids, acked):
-        with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as conn:
-            served = entries_read_back(conn, lid, intact)
-        want = {e for _l, e in per}
-        assert want <= set(served), sorted(want - set(served))[:10]
-        assert served == list(range(len(served))), "a hole in what the bookie serves"
-    with BookieConnection(b.bookie_id, shard=0) as conn:
-        for lid in lids:
-            nxt = len(entries_read_back(conn, lid))
-            r = conn.call(P.add(conn.next_rid(), lid, nxt, nxt - 1, KEY, b"", PAYLOAD))
-            assert r[2] == EOK, r
+    served_after_restart(b, lids, acked, KEY, PAYLOAD)
