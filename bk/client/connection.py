@@ -10,8 +10,12 @@ only written when the loop is asleep, watched edge-triggered so that the
 loop never reads it back) and the loop runs it. Everything that
 reacts to replies (acknowledging adds, retrying reads on the next replica,
 starting ensemble changes) therefore runs on this one thread and needs no
-locks. An event of an fd no connection holds is dropped and the fd no longer
-watched (:meth:`IOLoop._known`): it killed the thread once, in a soak.
+locks. No other thread may touch a connection: ``Connection._connect``
+refuses to run elsewhere (a recovery that connected from its own thread made
+the loop see a socket before its fd map did, and die of the KeyError in a
+soak). An event of an fd no connection holds is dropped anyway and the fd no
+longer watched (:meth:`IOLoop._known`), a guard that costs nothing until it
+fires.
 
 A :class:`Connection` is one TCP stream to one shard of one bookie. It
 pipelines: every request has a request id, ``inflight`` maps it to the request
@@ -306,13 +310,21 @@ class _Poller:
         self.data[fd] = data
 
     def unregister(self, sock) -> None:
-        """KeyError if ``sock`` is not registered (or already closed)."""
+        """Stop watching ``sock`` (before it is closed). KeyError if it is not
+        registered (or already closed). Once its map entry is gone no error
+        comes out: the caller (``Connection._fail``) must go on to close the
+        socket and fail its requests. (An epoll that no longer holds the fd
+        raised OSError here once, out of ``_fail``, which left the socket open
+        and its requests pending, and killed the I/O thread from ``_tick``.)"""
         fd = sock.fileno()
         del self.data[fd]
-        if self._ep is None:
-            self._sel.unregister(fd)
-        else:
-            self._ep.unregister(fd)
+        try:
+            if self._ep is None:
+                self._sel.unregister(fd)
+            else:
+                self._ep.unregister(fd)
+        except (KeyError, OSError):
+            pass
 
     def forget(self, fd: int) -> None:
         """Stop watching ``fd``, which no connection holds (no error if it is
@@ -546,6 +558,12 @@ class Connection:
     # --- connection setup ----------------------------------------------------
     def _connect(self):
         loop = self.loop
+        if threading.get_ident() != loop._ident:
+            # A socket registered from another thread is seen by the loop's poll
+            # before its map entry exists (see IOLoop._known): never let it happen.
+            raise RuntimeError(f"{self}: connect from thread "
+                               f"{threading.current_thread().name!r}, not the client's "
+                               f"I/O thread (connections are the I/O thread's alone)")
         self.state = CONNECTING
         self.fb = protocol.FrameBuffer(loop.max_frame_size)
         try:
@@ -1035,6 +1053,7 @@ class IOLoop:
 
     def _init_state(self):
         self.unknown_events = 0      # events of fds no connection held (see _known)
+        self._ident = None           # the I/O thread's, once it runs
         self._waker = _Waker()
         self.sel = _Poller(self._waker)
         self._submit = collections.deque()
@@ -1189,6 +1208,7 @@ class IOLoop:
                 conn._fail(exc, fast=True)
 
     def _run(self):
+        self._ident = threading.get_ident()
         sched.request_slice(self.slice_us)          # this thread only; 0: nothing
         sel = self.sel
         poll = sel.poll
@@ -1264,9 +1284,14 @@ class IOLoop:
 
     def _known(self, ready) -> list:
         """The events of ``ready`` of fds a connection holds. An event of an fd
-        none holds killed the I/O thread once in a soak (KeyError, with bookies
-        being killed; how the fd left the map while epoll still reported it is
-        not known): it is dropped and the fd unregistered, and the loop goes on."""
+        none holds killed the I/O thread in a soak (KeyError): a recovery sent
+        its READ_RANGEs from the caller's thread, and one to a bookie whose
+        connection had broken connected it there; the loop's poll saw the new
+        socket between its epoll registration and its map entry. Connections
+        are now the I/O thread's alone (``Connection._connect`` refuses another
+        thread), so this is only a guard, free on the hot path (it runs on the
+        KeyError): such an event is dropped and the fd no longer watched, and
+        the loop goes on; ``unknown_events`` counts them (0 in the tests)."""
         fdmap = self.sel.data
         out = []
         for fd, mask in ready:
