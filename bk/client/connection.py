@@ -208,7 +208,8 @@ class _Waker:
     reports it once, and the loop never reads it (``edge``), which saves the
     woken loop a syscall, itself a release of the GIL, per wake-up. (Its counter
     only grows: 2**64 - 2 writes are centuries of wake-ups.) A blocking add wakes
-    the loop once per entry, a burst of adds once."""
+    the loop once per entry, a burst of adds once. The eventfd outlives the
+    loop's stop, until the waker is garbage (:meth:`__del__`)."""
 
     __slots__ = ("fd", "_r", "_w", "edge")
 
@@ -226,7 +227,7 @@ class _Waker:
     def wake(self):
         try:
             if self._w is None:
-                if self.fd >= 0:        # closed: never a number another file took since
+                if self.fd >= 0:        # (closed only after a fork: see __del__)
                     os.eventfd_write(self.fd, 1)
             else:
                 self._w.send(b"\0")
@@ -252,6 +253,19 @@ class _Waker:
         else:
             self._r.close()
             self._w.close()
+
+    def __del__(self):
+        # A stopped loop's eventfd is closed only here, once no thread can wake
+        # it: a thread that saw the loop asleep may be between its look at
+        # ``fd`` and its write when the loop stops, and a number closed under
+        # it could belong to another file by then (another client's socket:
+        # eight bytes in a bookie's stream). (The socketpair closes itself.)
+        if self._r is None and self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
 
 
 class _Poller:
@@ -1279,8 +1293,7 @@ class IOLoop:
                 sel.close()
             except Exception:
                 pass
-            if self._stopping:
-                self._waker.close()
+            # (the waker stays open: see _Waker.__del__)
 
     def _known(self, ready) -> list:
         """The events of ``ready`` of fds a connection holds. An event of an fd

@@ -1,5 +1,6 @@
 """The client's I/O loop's thread-safe entry points, without bookies."""
 
+import gc
 import os
 import select
 import socket
@@ -293,3 +294,24 @@ def test_a_connection_epoll_no_longer_watches_still_fails_whole():
     finally:
         loop.stop()
         srv.close()
+
+
+def test_a_stopped_loop_keeps_its_eventfd_until_no_thread_can_wake_it():
+    """A thread that saw the loop asleep may be between its look at the waker's
+    fd and its write when the loop stops. The eventfd stays open as long as the
+    waker exists, so that late write lands in it, never in a file that took
+    the number since (another client's socket); it is closed once garbage."""
+    loop = IOLoop(name="bk-io-test")
+    _on_io_thread(loop, lambda: None)
+    waker = loop._waker
+    fd = waker.fd                           # what such a thread holds
+    t = loop._thread
+    loop.stop()
+    t.join(30)
+    assert not t.is_alive()
+    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    os.eventfd_write(fd, 1)                 # the late wake-up: into the eventfd
+    del loop, waker, t
+    gc.collect()
+    with pytest.raises(FileNotFoundError):
+        os.readlink(f"/proc/self/fd/{fd}")
