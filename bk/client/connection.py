@@ -263,7 +263,7 @@ class _Waker:
         if self._r is None and self.fd >= 0:
             try:
                 os.close(self.fd)
-            except OSError:
+            except Exception:       # OSError; at interpreter exit, os may be gone
                 pass
             self.fd = -1
 
