@@ -66,8 +66,11 @@ oldest pending add instead (see ``bk.client.ledger``).
 
 If the I/O thread dies of an unexpected exception, it fails every request in
 flight or handed to it, and every write handle registered with it, with a
-:class:`BKError` naming the cause; later calls raise it at once. Nothing waits
-forever on a thread that is gone.
+:class:`BKError` naming the cause; later calls raise it at once. When it ends
+because the client was closed, what reached it after its shutdown (a task of
+the same pass, or handed over during it) fails too, with
+:class:`BookieUnavailableError`. Nothing waits forever on a thread that is
+gone.
 
 TLS and identities (``bk.security``): with a TLS context the HELLO asks for
 START_TLS; after its answer the connection wraps its socket and runs the
@@ -1194,6 +1197,12 @@ class IOLoop:
         """The I/O thread is dying: fail everything that waits on it."""
         self._dead = exc
         err = self._death_error()
+        self._fail_all(err, lambda handle: handle._loop_died(str(err)))
+
+    def _fail_all(self, err, fail_handle):
+        """Fail what waits on this thread, which ends: requests handed over and
+        never sent, then each write handle (``fail_handle(handle)``), then every
+        connection's requests and adds."""
         while self._submit:
             fn, args = self._submit.popleft()
             if getattr(fn, "__func__", None) is Connection.send:   # a request never sent
@@ -1205,7 +1214,7 @@ class IOLoop:
         # change for each request the connections fail below.
         for handle in list(self._handles):
             try:
-                handle._loop_died(str(err))
+                fail_handle(handle)
             except Exception:
                 log.exception("could not fail %r", handle)
         for conn in list(self._conns.values()):
@@ -1284,6 +1293,13 @@ class IOLoop:
                         conn.dirty = False
                         if conn.state == READY:
                             conn._write()
+            # Stopped (the client was closed). Tasks of the pass that ran _shutdown
+            # ran after it, and those handed over during that pass never ran: an
+            # add among them reconnected or stayed in its handle's outbox, and its
+            # adder waited forever on this thread. They fail now, as the ones that
+            # came before did.
+            self._fail_all(BookieUnavailableError("client is closed"),
+                           lambda handle: handle._loop_stopped())
         except BaseException as e:
             log.exception("bk I/O thread died")
             self._die(e)

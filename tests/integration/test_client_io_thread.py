@@ -8,6 +8,7 @@ import time
 import pytest
 
 from bk.client import recovery
+from bk.errors import BookieUnavailableError
 from bk.testing import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,3 +103,42 @@ def test_a_recovery_reconnects_to_a_restarted_bookie_on_the_io_thread(cluster_fa
             assert loop.unknown_events == 0 and loop._dead is None
     finally:
         writer.close()
+
+
+def test_an_add_handed_over_while_the_client_closes_fails_and_never_waits_forever(cluster):
+    """``close()`` hands the I/O thread its shutdown; an add another thread hands
+    over right after it (before the thread ran it) lands in the same pass, after
+    the shutdown failed the connections: it used to reconnect them and go out
+    after the loop's end, its adder parked forever on a thread that was gone
+    (seen closing clients under a writer: 3 hangs in 150). Now whatever reached
+    the loop after its shutdown fails when the loop ends (the add with
+    BookieUnavailableError) and no socket is left open."""
+    c = cluster.client()
+    lh = c.create_ledger(3, 3, 2, password=PW)
+    assert lh.add_entry(b"first") == 0              # connections up
+    loop = c._io
+    busy, gate = threading.Event(), threading.Event()
+    loop.call_soon(lambda: (busy.set(), gate.wait(30)))
+    assert busy.wait(30)                            # the I/O thread holds its pass
+    closer = threading.Thread(target=c.close)
+    closer.start()
+    wait_until(lambda: any(fn == loop._shutdown for fn, _ in list(loop._submit)),
+               what="close() handed the shutdown over")
+    out = {}
+
+    def add():
+        try:
+            out["id"] = lh.add_entry(b"late")
+        except Exception as e:      # noqa: B902 - the test looks at what it was
+            out["error"] = e
+    adder = threading.Thread(target=add, daemon=True)
+    adder.start()
+    wait_until(lambda: len(loop._submit) == 2, what="the add handed over after the shutdown")
+    gate.set()
+    closer.join(30)
+    adder.join(30)
+    assert not closer.is_alive()
+    assert not adder.is_alive(), "the add waits forever on a closed client"
+    assert "id" not in out and isinstance(out["error"], BookieUnavailableError), out
+    assert [conn for conn in loop._conns.values() if conn.sock is not None] == []
+    assert loop.unknown_events == 0 and loop._dead is None
