@@ -1,6 +1,8 @@
-"""A client's connections are its I/O thread's alone (real etcd, real bookie
-processes): a recovery whose reads reconnect to a bookie that was killed and
-restarted connects from the I/O thread, never from the caller's."""
+"""A client's connections are its I/O thread's alone, and nothing waits on that
+thread once it is gone (real etcd, real bookie processes): a recovery whose
+reads reconnect to a bookie that was killed and restarted connects from the
+I/O thread, never from the caller's; an add handed over while the client
+closes fails."""
 
 import threading
 import time
