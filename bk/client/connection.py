@@ -10,8 +10,12 @@ only written when the loop is asleep, watched edge-triggered so that the
 loop never reads it back) and the loop runs it. Everything that
 reacts to replies (acknowledging adds, retrying reads on the next replica,
 starting ensemble changes) therefore runs on this one thread and needs no
-locks. An event of an fd no connection holds is dropped and the fd no longer
-watched (:meth:`IOLoop._known`): it killed the thread once, in a soak.
+locks. No other thread may touch a connection: ``Connection._connect``
+refuses to run elsewhere (a recovery that connected from its own thread made
+the loop see a socket before its fd map did, and die of the KeyError in a
+soak). An event of an fd no connection holds is dropped anyway and the fd no
+longer watched (:meth:`IOLoop._known`), a guard that costs nothing until it
+fires.
 
 A :class:`Connection` is one TCP stream to one shard of one bookie. It
 pipelines: every request has a request id, ``inflight`` maps it to the request
@@ -62,8 +66,11 @@ oldest pending add instead (see ``bk.client.ledger``).
 
 If the I/O thread dies of an unexpected exception, it fails every request in
 flight or handed to it, and every write handle registered with it, with a
-:class:`BKError` naming the cause; later calls raise it at once. Nothing waits
-forever on a thread that is gone.
+:class:`BKError` naming the cause; later calls raise it at once. When it ends
+because the client was closed, what reached it after its shutdown (a task of
+the same pass, or handed over during it) fails too, with
+:class:`BookieUnavailableError`. Nothing waits forever on a thread that is
+gone.
 
 TLS and identities (``bk.security``): with a TLS context the HELLO asks for
 START_TLS; after its answer the connection wraps its socket and runs the
@@ -204,7 +211,8 @@ class _Waker:
     reports it once, and the loop never reads it (``edge``), which saves the
     woken loop a syscall, itself a release of the GIL, per wake-up. (Its counter
     only grows: 2**64 - 2 writes are centuries of wake-ups.) A blocking add wakes
-    the loop once per entry, a burst of adds once."""
+    the loop once per entry, a burst of adds once. The eventfd outlives the
+    loop's stop, until the waker is garbage (:meth:`__del__`)."""
 
     __slots__ = ("fd", "_r", "_w", "edge")
 
@@ -222,7 +230,7 @@ class _Waker:
     def wake(self):
         try:
             if self._w is None:
-                if self.fd >= 0:        # closed: never a number another file took since
+                if self.fd >= 0:        # (closed only after a fork: see __del__)
                     os.eventfd_write(self.fd, 1)
             else:
                 self._w.send(b"\0")
@@ -248,6 +256,19 @@ class _Waker:
         else:
             self._r.close()
             self._w.close()
+
+    def __del__(self):
+        # A stopped loop's eventfd is closed only here, once no thread can wake
+        # it: a thread that saw the loop asleep may be between its look at
+        # ``fd`` and its write when the loop stops, and a number closed under
+        # it could belong to another file by then (another client's socket:
+        # eight bytes in a bookie's stream). (The socketpair closes itself.)
+        if self._r is None and self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except Exception:       # OSError; at interpreter exit, os may be gone
+                pass
+            self.fd = -1
 
 
 class _Poller:
@@ -306,13 +327,21 @@ class _Poller:
         self.data[fd] = data
 
     def unregister(self, sock) -> None:
-        """KeyError if ``sock`` is not registered (or already closed)."""
+        """Stop watching ``sock`` (before it is closed). KeyError if it is not
+        registered (or already closed). Once its map entry is gone no error
+        comes out: the caller (``Connection._fail``) must go on to close the
+        socket and fail its requests. (An epoll that no longer holds the fd
+        raised OSError here once, out of ``_fail``, which left the socket open
+        and its requests pending, and killed the I/O thread from ``_tick``.)"""
         fd = sock.fileno()
         del self.data[fd]
-        if self._ep is None:
-            self._sel.unregister(fd)
-        else:
-            self._ep.unregister(fd)
+        try:
+            if self._ep is None:
+                self._sel.unregister(fd)
+            else:
+                self._ep.unregister(fd)
+        except (KeyError, OSError):
+            pass
 
     def forget(self, fd: int) -> None:
         """Stop watching ``fd``, which no connection holds (no error if it is
@@ -546,6 +575,12 @@ class Connection:
     # --- connection setup ----------------------------------------------------
     def _connect(self):
         loop = self.loop
+        if threading.get_ident() != loop._ident:
+            # A socket registered from another thread is seen by the loop's poll
+            # before its map entry exists (see IOLoop._known): never let it happen.
+            raise RuntimeError(f"{self}: connect from thread "
+                               f"{threading.current_thread().name!r}, not the client's "
+                               f"I/O thread (connections are the I/O thread's alone)")
         self.state = CONNECTING
         self.fb = protocol.FrameBuffer(loop.max_frame_size)
         try:
@@ -1035,6 +1070,7 @@ class IOLoop:
 
     def _init_state(self):
         self.unknown_events = 0      # events of fds no connection held (see _known)
+        self._ident = None           # the I/O thread's, once it runs
         self._waker = _Waker()
         self.sel = _Poller(self._waker)
         self._submit = collections.deque()
@@ -1161,6 +1197,12 @@ class IOLoop:
         """The I/O thread is dying: fail everything that waits on it."""
         self._dead = exc
         err = self._death_error()
+        self._fail_all(err, lambda handle: handle._loop_died(str(err)))
+
+    def _fail_all(self, err, fail_handle):
+        """Fail what waits on this thread, which ends: requests handed over and
+        never sent, then each write handle (``fail_handle(handle)``), then every
+        connection's requests and adds."""
         while self._submit:
             fn, args = self._submit.popleft()
             if getattr(fn, "__func__", None) is Connection.send:   # a request never sent
@@ -1172,7 +1214,7 @@ class IOLoop:
         # change for each request the connections fail below.
         for handle in list(self._handles):
             try:
-                handle._loop_died(str(err))
+                fail_handle(handle)
             except Exception:
                 log.exception("could not fail %r", handle)
         for conn in list(self._conns.values()):
@@ -1189,6 +1231,7 @@ class IOLoop:
                 conn._fail(exc, fast=True)
 
     def _run(self):
+        self._ident = threading.get_ident()
         sched.request_slice(self.slice_us)          # this thread only; 0: nothing
         sel = self.sel
         poll = sel.poll
@@ -1250,6 +1293,13 @@ class IOLoop:
                         conn.dirty = False
                         if conn.state == READY:
                             conn._write()
+            # Stopped (the client was closed). Tasks of the pass that ran _shutdown
+            # ran after it, and those handed over during that pass never ran: an
+            # add among them reconnected or stayed in its handle's outbox, and its
+            # adder waited forever on this thread. They fail now, as the ones that
+            # came before did.
+            self._fail_all(BookieUnavailableError("client is closed"),
+                           lambda handle: handle._loop_stopped())
         except BaseException as e:
             log.exception("bk I/O thread died")
             self._die(e)
@@ -1259,14 +1309,18 @@ class IOLoop:
                 sel.close()
             except Exception:
                 pass
-            if self._stopping:
-                self._waker.close()
+            # (the waker stays open: see _Waker.__del__)
 
     def _known(self, ready) -> list:
         """The events of ``ready`` of fds a connection holds. An event of an fd
-        none holds killed the I/O thread once in a soak (KeyError, with bookies
-        being killed; how the fd left the map while epoll still reported it is
-        not known): it is dropped and the fd unregistered, and the loop goes on."""
+        none holds killed the I/O thread in a soak (KeyError): a recovery sent
+        its READ_RANGEs from the caller's thread, and one to a bookie whose
+        connection had broken connected it there; the loop's poll saw the new
+        socket between its epoll registration and its map entry. Connections
+        are now the I/O thread's alone (``Connection._connect`` refuses another
+        thread), so this is only a guard, free on the hot path (it runs on the
+        KeyError): such an event is dropped and the fd no longer watched, and
+        the loop goes on; ``unknown_events`` counts them (0 in the tests)."""
         fdmap = self.sel.data
         out = []
         for fd, mask in ready:

@@ -913,6 +913,17 @@ class LedgerHandle:
                                    f"when {was.name}") from None
         return was
 
+    def _loop_stopped(self):
+        """The client was closed and its I/O thread ends (called on it): adds still
+        in flight or in the outbox (handed over as it closed) fail as the ones
+        the closed connections failed did; a handle with none is left as it is."""
+        ob = self._outbox
+        if not ob and not self._pending:
+            return
+        while ob:
+            self._pending.append(ob.popleft())
+        self._error_out(BookieUnavailableError, "the client was closed")
+
     def _loop_died(self, reason):
         """The client's I/O thread is dying (called on it): fail every add in flight
         or still in the outbox, and refuse later ones."""

@@ -320,13 +320,20 @@ class _RecoveryReader:
             for b in md.write_set(e):
                 by_bookie.setdefault(b, []).append(e)
         conns = dict(zip(by_bookie, rh.connections(by_bookie)))
+        ranges = []
         for b, entries in by_bookie.items():
             conn = conns[b]
             if len(entries) == 1 or not self.client._io.batching:
                 for e in entries:
                     self._start_single(e, conn)
             else:
-                _RecoveryRange(self, conn, entries).start()
+                ranges.append(_RecoveryRange(self, conn, entries))
+        if ranges:
+            # This is the caller's thread: a connection is the I/O thread's alone.
+            # Sent from here, a READ_RANGE to a bookie whose connection had broken
+            # connected it from this thread, racing the I/O thread's poll (a soak
+            # saw the loop die of an epoll event of an fd it had no connection for).
+            self.client._io.call_soon(_RecoveryRange.start_all, ranges)
 
     def get(self, entry_id):
         if self.next is None:
@@ -367,7 +374,13 @@ class _RecoveryRange:
         self.left = entries            # ascending entry ids still unanswered
         self.last = entries[-1]
 
+    @staticmethod
+    def start_all(ranges):
+        for r in ranges:
+            r.start()
+
     def start(self):
+        """Send the READ_RANGE of the entries left (I/O thread)."""
         rh = self.reader.rh
         io = self.reader.client._io
         rid = next(io.rids)

@@ -1,5 +1,6 @@
 """The client's I/O loop's thread-safe entry points, without bookies."""
 
+import gc
 import os
 import select
 import socket
@@ -230,3 +231,87 @@ def test_an_event_of_an_fd_no_connection_holds_is_dropped_and_the_loop_goes_on()
         loop.stop()
         for s in (lost, lost_peer, kept, kept_peer):
             s.close()
+
+
+def _listener():
+    """A TCP socket on 127.0.0.1 that accepts connections (its backlog) and never
+    answers: a bookie that has not said HELLO yet."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    return srv
+
+
+def test_a_connection_connects_on_the_io_thread_only():
+    """A request handed straight to an idle connection from another thread (as
+    a recovery's READ_RANGEs were) would connect its socket there, and the
+    loop's poll could see it before its fd map does (the soak's KeyError): the
+    connection refuses, registering nothing, and the same request handed over
+    with call_soon connects on the I/O thread."""
+    loop = IOLoop(name="bk-io-test")
+    srv = _listener()
+    try:
+        bid = "127.0.0.1:%d" % srv.getsockname()[1]
+        conn = loop.conn(bid, 0)
+        _on_io_thread(loop, lambda: None)           # the loop runs
+        call = connection.Call(b"")
+        with pytest.raises(RuntimeError, match="not the client's I/O thread"):
+            conn.send(1, call, b"")
+        assert conn.sock is None and list(loop.sel.data) == [loop._waker.fd]
+        loop.call_soon(conn.send, 2, connection.Call(b""), b"")
+        state, mapped = _on_io_thread(
+            loop, lambda: (conn.state, loop.sel.data.get(conn.sock.fileno())))
+        assert state in (connection.CONNECTING, connection.HELLO) and mapped is conn
+    finally:
+        loop.stop()
+        srv.close()
+
+
+def test_a_connection_epoll_no_longer_watches_still_fails_whole():
+    """A connection whose socket epoll no longer watches (the loop's guard
+    ``_known`` unwatched its fd after the race above) fails like any other:
+    socket closed, fd map entry gone, its requests failed, the I/O thread alive.
+    The epoll's "no such file" used to come out of the unregister, before the
+    socket was closed and the requests failed, and killed the I/O thread when
+    the connect timeout's ``_fail`` ran it."""
+    loop = IOLoop(name="bk-io-test")
+    srv = _listener()
+    try:
+        conn = loop.conn("127.0.0.1:%d" % srv.getsockname()[1], 0)
+        call = connection.Call(b"")
+        loop.call_soon(conn.send, 1, call, b"")
+        sock = _on_io_thread(loop, lambda: conn.sock)
+        assert sock is not None
+
+        def unwatched_then_failed():
+            loop.sel._ep.unregister(sock.fileno())          # epoll forgot it
+            conn._fail(connection.BookieUnavailableError("gone"))
+        _on_io_thread(loop, unwatched_then_failed)
+        assert conn.sock is None and sock.fileno() == -1
+        assert list(loop.sel.data) == [loop._waker.fd]
+        assert call.wait(10) and isinstance(call.error, connection.BookieUnavailableError)
+        assert _on_io_thread(loop, lambda: loop._dead) is None
+    finally:
+        loop.stop()
+        srv.close()
+
+
+def test_a_stopped_loop_keeps_its_eventfd_until_no_thread_can_wake_it():
+    """A thread that saw the loop asleep may be between its look at the waker's
+    fd and its write when the loop stops. The eventfd stays open as long as the
+    waker exists, so that late write lands in it, never in a file that took
+    the number since (another client's socket); it is closed once garbage."""
+    loop = IOLoop(name="bk-io-test")
+    _on_io_thread(loop, lambda: None)
+    waker = loop._waker
+    fd = waker.fd                           # what such a thread holds
+    t = loop._thread
+    loop.stop()
+    t.join(30)
+    assert not t.is_alive()
+    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    os.eventfd_write(fd, 1)                 # the late wake-up: into the eventfd
+    del loop, waker, t
+    gc.collect()
+    with pytest.raises(FileNotFoundError):
+        os.readlink(f"/proc/self/fd/{fd}")
