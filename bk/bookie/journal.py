@@ -310,6 +310,8 @@ ROLL_AHEAD = 1 / 32               # direct writes: part of the room before the r
                                   # from which a group's start rolls (see Journal._roll_ahead)
 LOCK_FILE = "journal.lock"
 CLOSE_WAIT = 10.0                 # seconds a close waits for a direct write in flight
+DIRECT_MEMORY = 16 << 20          # direct writes: bytes of the two windows (journalDirectMemoryMB)
+MIN_WINDOW = 256 << 10            # the smallest window (half of DIRECT_MEMORY) taken
 _ABANDONED: list = []             # what such a write may still read (see Journal._let_go)
 
 
@@ -541,7 +543,7 @@ def _scan(mv, size: int, off: int, full: bool):
 
 
 class _Segment:
-    __slots__ = ("seq", "path", "size", "mm", "mv", "writable", "image", "end")
+    __slots__ = ("seq", "path", "size", "mm", "mv", "writable", "image", "wbase", "end")
 
     def __init__(self, seq: int, path: str, size: int, mm, writable: bool):
         self.seq = seq
@@ -550,19 +552,19 @@ class _Segment:
         self.mm = mm
         self.mv = memoryview(mm)
         self.writable = writable
-        self.image: "_Image | None" = None   # direct writes: read from this image instead
-        self.end = 0          # where the data of an image's rolled segment ends
+        self.image: "_Image | None" = None   # direct writes: its window (see Journal._locate)
+        self.wbase = 0        # the file offset of the window's first byte
+        self.end = 0          # where the data of a rolled segment holding a window ends
 
     def close(self) -> None:
         self.mv.release()
-        if self.image is None:      # an image is the journal's, reused
-            self.mm.close()
+        self.mm.close()             # (a window is the journal's, reused)
 
 
 class _Image:
-    """A segment's image in memory (direct writes, see "Direct writes" in the module
-    docstring): an anonymous mapping of the segment's size (page-aligned, as
-    O_DIRECT wants its source), reused from one segment to another."""
+    """A window of a segment in memory (direct writes, see "Direct writes" in the
+    module docstring): an anonymous mapping of the window's size (page-aligned,
+    as O_DIRECT wants its source), reused from one segment to another."""
 
     __slots__ = ("mm", "mv", "addr", "_ref", "owner")
 
@@ -571,7 +573,7 @@ class _Image:
         self.mv = memoryview(self.mm)
         self._ref = ctypes.c_char.from_buffer(self.mm)     # for its address (AIO's iovecs)
         self.addr = ctypes.addressof(self._ref)
-        # Its pages are touched here, once, when the journal opens (both images),
+        # Its pages are touched here, once, when the journal opens (both windows),
         # not by the appends: a page new to this VM costs a fault, zeroing and the
         # host's fault on first touch (measured in a busy bookie: 0.12-0.14 s of CPU
         # per 64 MiB; with huge pages asked for, 1 s, the kernel compacting memory
@@ -695,7 +697,8 @@ class Journal:
     """
 
     def __init__(self, directory: str, segment_size: int, sync_data: bool = True,
-                 roll_stagger: float = ROLL_STAGGER, direct: bool = False):
+                 roll_stagger: float = ROLL_STAGGER, direct: bool = False, *,
+                 direct_memory: int = DIRECT_MEMORY):
         if not MIN_SEGMENT_SIZE <= segment_size <= MAX_SEGMENT_SIZE:
             raise JournalError(f"segment size {segment_size} out of range "
                                f"[{MIN_SEGMENT_SIZE}, {MAX_SEGMENT_SIZE}]")
@@ -742,8 +745,13 @@ class Journal:
         # durable (sync_data) and the filesystem takes them.
         self.direct = False
         self._bs = 0
-        self._images: list[_Image] = []
-        self._image: _Image | None = None    # the active segment's
+        self._images: list[_Image] = []      # the two windows
+        self._image: _Image | None = None    # the active segment's window
+        self._memory = direct_memory   # bytes of the two windows
+        self._window = 0               # bytes of a window (set by the probe)
+        self._align = 0                # a window's base is a multiple of this
+        self.slides = 0                # windows slid (for tests and traces)
+        self.slide_waits = 0           # slides that first waited for the write in flight
         self._dfd = -1                 # the active segment, opened O_DIRECT
         self._wend = 0                 # bytes before it are in the file (direct writes)
         self._inflight: SyncJob | None = None    # a direct write handed out, not yet waited
@@ -922,40 +930,90 @@ class Journal:
             buf.close()
         self._bs = bs
         self._bounce = _Image(max(bs, mmap.PAGESIZE))   # the partial last block of a write
-        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks); their two segment "
-                 "images take %d MiB of memory (2 x journalPreAllocSizeMB; "
-                 "journalDirectWrites=false: none)", self.directory, bs,
-                 2 * self.segment_size >> 20)
+        # Two windows of half the memory each, a multiple of the alignment, never
+        # more than a segment needs (a window that holds a whole segment never slides).
+        align = self._align = max(bs, mmap.PAGESIZE)
+        whole = -(-self.segment_size // align) * align
+        self._window = min(whole, max(MIN_WINDOW, self._memory // 2 // align * align))
+        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks); their two windows "
+                 "take %.1f MiB of memory (journalDirectMemoryMB; journalDirectWrites=false: "
+                 "none)", self.directory, bs, 2 * self._window / (1 << 20))
         return True
 
     def _take_image(self, seg: _Segment, off: int) -> None:
-        """Give the segment being activated an image: the one the previous active
+        """Give the segment being activated a window: the one the previous active
         segment (``self._active``, whose tail stays readable from memory) does not
-        hold; the older segment holding it goes back to reading its file. Its
-        first ``off`` bytes are copied from the file (a fresh segment: the header)."""
+        hold; the older segment holding it goes back to reading its file (written
+        long ago). The window starts at the aligned offset before ``off`` (where
+        appends continue) and holds the file's bytes from there to ``off`` (a
+        fresh segment: the header), which the first write rewrites."""
         prev = self._active
         if not self._images:           # both at once, when the journal opens
-            self._images = [_Image(seg.size), _Image(seg.size)]
+            self._images = [_Image(self._window), _Image(self._window)]
         img = None
         for im in self._images:
             if prev is None or im.owner is not prev:
                 img = im
                 break
         old = img.owner
-        if old is not None and old is not prev and self._segs.get(old.seq) is old:
-            old.mv.release()           # read from its file from now on (synced long ago)
-            old.mm, size = _map(old.path, writable=False)
-            old.mv = memoryview(old.mm)
-            old.image = None
-        if len(img.mm) < seg.size:     # segments made before journalPreAllocSizeMB grew
-            i = self._images.index(img)
-            img.close()
-            img = self._images[i] = _Image(seg.size)
-        img.mv[:off] = seg.mv[:off]
-        seg.mv.release()
-        seg.mm.close()
-        seg.mm, seg.mv, seg.image, seg.writable = img.mm, memoryview(img.mm), img, False
+        if old is not None and old is not prev:
+            old.image = None           # read from its file from now on
+        base = off & -self._align
+        img.mv[:off - base] = seg.mv[base:off]
+        seg.image, seg.wbase = img, base
         img.owner = seg
+        self._image = img
+        self._buf, self._bv = img.mm, img.mv
+        self._wbase = base
+
+    def _slide(self, n: int = 0) -> None:
+        """Move the active window's base up to the block where the next write starts
+        (direct writes), the bytes from there (the records not yet written, the
+        partial block the last write ended in) moved to the window's start, so
+        that the window has room for an ``n``-byte record. Every record before the
+        new base is in the file, its write completed: a write of this window
+        still in flight is waited for (or run, if nobody started it:
+        :meth:`_drain`) first, as it reads the bytes the move overwrites and its
+        records must be read from memory until it completed. Called at a group's
+        start once the window is half full (:meth:`begin_sync`, :meth:`sync`:
+        nothing is in flight then, nothing waits), and by an append that finds
+        the window full (a group larger than the window's free half: that one
+        may wait). Records that still do not fit are written out (not synced:
+        the next group's write or sync makes them durable); a record larger than
+        the window gets a larger window (:meth:`_grow`)."""
+        job = self._inflight
+        if job is not None and job.seq == self._seqbase >> 32:
+            self._drain()
+            self.slide_waits += 1
+        new = self._wend & -self._align
+        if self._off - new + n > len(self._buf):
+            self._drain()              # (a previous segment's write: _direct_write's rule)
+            self._direct_write(self._off, dsync=False)
+            new = self._wend & -self._align
+            if self._off - new + n > len(self._buf):
+                self._grow(self._off - new + n)
+        wbase = self._wbase
+        if new > wbase:
+            self._bv[:self._off - new] = self._bv[new - wbase:self._off - wbase]
+            self._wbase = self._active.wbase = new
+            self.slides += 1
+
+    def _grow(self, need: int) -> None:
+        """Give the active segment a window of at least ``need`` bytes for good (a
+        record larger than the window: journalDirectMemoryMB set below twice the
+        largest entry). Nothing is in flight (:meth:`_slide` drained)."""
+        old = self._image
+        size = -(-need // self._align) * self._align
+        log.warning("journal %s: a record of the active segment needs a window of %d "
+                    "bytes, more than the %d of journalDirectMemoryMB/2; the window grows",
+                    self.directory, size, len(old.mm))
+        img = _Image(size)
+        img.mv[:self._off - self._wbase] = old.mv[:self._off - self._wbase]
+        img.owner = self._active
+        self._active.image = img
+        self._images[self._images.index(old)] = img
+        old.owner = None
+        old.close()
         self._image = img
         self._buf, self._bv = img.mm, img.mv
 
@@ -968,13 +1026,14 @@ class Journal:
         bs = self._bs
         lo = self._wend & -bs
         full = end & -bs
+        wb = self._wbase               # (a multiple of the block size, not past lo)
         parts = []
         if full > lo:
-            parts.append((self._image.addr + lo, self._bv[lo:full]))
+            parts.append((self._image.addr + lo - wb, self._bv[lo - wb:full - wb]))
         tail = end - full
         if tail:
             b = self._bounce.mv
-            b[:tail] = self._bv[full:end]
+            b[:tail] = self._bv[full - wb:end - wb]
             b[tail:bs] = _ZEROS[:bs - tail]
             parts.append((self._bounce.addr, b[:bs]))
         return lo, parts
@@ -1055,7 +1114,6 @@ class Journal:
         self._dfd = dfd
         if dfd >= 0:
             self._take_image(seg, off)
-            self._wbase = 0            # the image is the whole segment: index = offset
             self._wend = off
         else:
             self._wbase = off
@@ -1203,6 +1261,9 @@ class Journal:
         a buffer of its own size until the next write-out)."""
         self._room(n)
         if self._off - self._wbase + n > len(self._buf):
+            if self.direct:
+                self._slide(n)
+                return
             self._write_out()
             if n > len(self._buf):
                 self._bv.release()
@@ -1483,6 +1544,8 @@ class Journal:
             raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
         if self.direct:
             self._drain()
+            if self._off - self._wbase > len(self._buf) >> 1:
+                self._slide()                # at a group's start: nothing in flight
             durable = self._off > self._wend     # else written by write_out, not synced
             if durable:
                 self._direct_write(self._off, dsync=True)
@@ -1526,6 +1589,8 @@ class Journal:
             if self._failed is not None:
                 raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
             self._drain()
+            if self._off - self._wbase > len(self._buf) >> 1:
+                self._slide()                # at a group's start: nothing in flight
             job = SyncJob(self._active.path, self.directory if self._dir_dirty else None,
                           self._seqbase >> 32, self._off, self._unsynced_records,
                           self._unsynced)
@@ -1586,6 +1651,12 @@ class Journal:
 
     # --- reads ----------------------------------------------------------------
     def _locate(self, pos: int):
+        """``(buffer, index, length)`` of the record at ``pos``, its CRC verified: the
+        buffer is the segment's file mapping, or (direct writes) its window for a
+        record from the window's base on. A record before the base is wholly in
+        the file, its write completed: the base is the block of the written mark,
+        which is a record's end (a group's or a write-out's), and the write that
+        put it there is over before the window slides (:meth:`_slide`)."""
         seg = self._segs.get(pos >> 32)
         off = pos & _OFF_MASK
         if off >= self._wbase and seg is self._active and not self.direct:
@@ -1596,25 +1667,33 @@ class Journal:
         if off + 9 > seg.size:
             raise CorruptRecordError(f"position {format_mark(split_position(pos))} is past "
                                      "the end of its segment")
-        crc, length = _PREFIX.unpack_from(seg.mv, off)
-        end = off + 8 + length
-        if length == 0 or end > seg.size or crc32c(seg.mv[off + 4:end]) != crc:
+        img = seg.image
+        if img is None or off < seg.wbase:
+            mm, mv, i, lim = seg.mm, seg.mv, off, seg.size
+        else:
+            i = off - seg.wbase
+            mm, mv, lim = img.mm, img.mv, min(len(img.mm), seg.size - seg.wbase)
+            if i + 9 > lim:
+                raise CorruptRecordError(f"position {format_mark(split_position(pos))} is "
+                                         "past the end of its segment's window")
+        crc, length = _PREFIX.unpack_from(mv, i)
+        end = i + 8 + length
+        if length == 0 or end > lim or crc32c(mv[i + 4:end]) != crc:
             raise CorruptRecordError(f"record at {format_mark(split_position(pos))} of "
                                      f"{seg.path} fails its CRC")
-        return seg, off, length
+        return mm, i, length
 
     def read(self, pos: int) -> tuple[int, tuple]:
         """``(type, fields)`` of the record at ``pos``, CRC verified."""
-        seg, off, length = self._locate(pos)
+        buf, off, length = self._locate(pos)
         try:
-            return _decode(seg.mv, off, length, True)
+            return _decode(buf, off, length, True)
         except ValueError as e:
             raise CorruptRecordError(f"record at {format_mark(split_position(pos))}: {e}") from None
 
     def read_add(self, pos: int) -> tuple[int, int, int, bytes, bytes]:
         """``(ledger, entry, lac, digest, payload)`` of the ADD at ``pos``."""
-        seg, off, length = self._locate(pos)
-        mm = seg.mm
+        mm, off, length = self._locate(pos)
         if mm[off + 8] != ADD or length < 1 + _ADD_FIELDS.size:
             raise CorruptRecordError(f"record at {format_mark(split_position(pos))} is not an ADD")
         ledger, entry, lac, dlen = _ADD_FIELDS.unpack_from(mm, off + 9)
@@ -1627,16 +1706,20 @@ class Journal:
     def record_length(self, pos: int) -> int:
         """Total bytes of the record at ``pos`` (no CRC check: for accounting only)."""
         seg = self._segs[pos >> 32]
-        if seg is self._active and (pos & _OFF_MASK) >= self._wbase and not self.direct:
+        off = pos & _OFF_MASK
+        if seg is self._active and off >= self._wbase and not self.direct:
             self._write_out()     # still staged: reads see the file, one rule for all
-        return 8 + _LEN.unpack_from(seg.mm, (pos & _OFF_MASK) + 4)[0]
+        if seg.image is not None and off >= seg.wbase:        # in the window
+            return 8 + _LEN.unpack_from(seg.image.mm, off - seg.wbase + 4)[0]
+        return 8 + _LEN.unpack_from(seg.mm, off + 4)[0]
 
     def scan_segment(self, seq: int, full: bool = True):
         """Yield ``(position, record_length, type, fields)`` of every record of a segment."""
         seg = self._segs[seq]
         size = seg.size
-        if seg.image is not None:     # past its data an image holds an older segment's
+        if seg.image is not None:     # read from the file, every write of it completed
             size = self._off if seg is self._active else seg.end
+            self.write_out()
         elif seg is self._active:
             self._write_out()
         base = seq << 32

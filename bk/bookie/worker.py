@@ -420,6 +420,7 @@ class ShardWorker:
             recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds,
             uncache_journal=conf.journalRemovePagesFromCache,
             direct_journal=conf.journalDirectWrites,
+            direct_journal_memory=conf.journalDirectMemoryMB << 20,
             index_cache_bytes=conf.dbStorage_rocksDB_blockCacheSize)
         if self.deleted:
             # a zombie writer's add to one of these must be refused from the first request
