@@ -134,39 +134,64 @@ about half the kernel's work per group measured, docs/performance.md). Direct
 writes need aligned whole blocks (the filesystem's block size, ``f_bsize``)
 from aligned memory, and they invalidate the page cache of their range, so
 that every read of a recent entry through the file would go to the disk. So
-the active segment has an *image*: an anonymous mapping of the segment's
-size, which replaces the staging buffer (``_wbase`` is 0: a record's index in
-it is its offset in the file). Appends build records there as before; a
-group's write covers from the block holding the *written mark* (``_wend``)
-up to the end of its last record, the last partial block copied into a
-one-block bounce buffer and padded with zeros (the image's bytes after the
-last record are an older segment's: never written, never read; and appends
-go on filling that block while the write is in flight). So each write
-rewrites the partial block the previous one ended in, with more records in
-it. The write is a :class:`SyncJob` like an ``fdatasync``: submitted through
-Linux AIO by the worker (``IOCB_CMD_PWRITEV`` with ``RWF_DSYNC``, see
-``bk.bookie.aiosync``) or run by the sync thread (``pwritev``). A write on
-the journal's own thread of blocks a handed-out write also covers (a roll's
-write of the old segment's tail, :meth:`Journal.write_out`, :meth:`Journal.sync`)
-first waits for that write (:meth:`SyncJob.wait`): two writes of the same
-block in flight at once could reach the disk in either order, the older
-copy last. A handed-out write is started exactly once, by whoever claims it
-first: the sync thread's :meth:`SyncJob.run`, a submit to AIO
-(:meth:`SyncJob.started`), or the journal's own thread, which runs one that
-nobody has started instead of waiting for it (a job handed to a thread that
-never takes it, or lost on a failure path before its submit, must not hang
-the journal). A healthy :meth:`Journal.close` finishes it so; a close after a
-failure cancels one never started, waits at most ``CLOSE_WAIT`` seconds for
-one started, and then leaves its descriptor and the images mapped for good
-(the kernel may still read them), with an error log, rather than hang.
-Two images alternate: at a roll the old segment keeps its image
-(its tail stays readable from memory while it is the previous segment) and
-the new one takes the other, whose older segment is then read through its
-file again (synced long before). Both images are made, their pages touched,
-when the journal opens, and reused after, so that no new page of the VM is
-touched by an append (a first touch costs here: 0.12-0.14 s of CPU per 64
-MiB in a busy bookie). They are the memory this costs: two segments' worth
-per shard.
+the active segment has a *window* in memory: an anonymous mapping of
+``journalDirectMemoryMB``/2 (8 MiB by default; never more than a segment),
+which replaces the staging buffer and, like it, mirrors the file from
+``_wbase``, the file offset of its first byte (a multiple of the block size
+and the page size). Appends build records there as before; a group's write
+covers from the block holding the *written mark* (``_wend``) up to the end of
+its last record, the last partial block copied into a one-block bounce buffer
+and padded with zeros (the window's bytes after the last record are stale:
+never written, never read; and appends go on filling that block while the
+write is in flight). So each write rewrites the partial block the previous
+one ended in, with more records in it. The write is a :class:`SyncJob` like an
+``fdatasync``: submitted through Linux AIO by the worker (``IOCB_CMD_PWRITEV``
+with ``RWF_DSYNC``, see ``bk.bookie.aiosync``) or run by the sync thread
+(``pwritev``). A write on the journal's own thread of blocks a handed-out
+write also covers (a roll's write of the old segment's tail,
+:meth:`Journal.write_out`, :meth:`Journal.sync`) first waits for that write
+(:meth:`SyncJob.wait`): two writes of the same block in flight at once could
+reach the disk in either order, the older copy last. A handed-out write is
+started exactly once, by whoever claims it first: the sync thread's
+:meth:`SyncJob.run`, a submit to AIO (:meth:`SyncJob.started`), or the
+journal's own thread, which runs one that nobody has started instead of
+waiting for it (a job handed to a thread that never takes it, or lost on a
+failure path before its submit, must not hang the journal). A healthy
+:meth:`Journal.close` finishes it so; a close after a failure cancels one
+never started, waits at most ``CLOSE_WAIT`` seconds for one started, and then
+leaves its descriptor and the windows mapped for good (the kernel may still
+read them), with an error log, rather than hang.
+
+The window *slides* (:meth:`Journal._slide`): its base moves up to the block
+an eighth of the window before the last record (never past the block holding
+the written mark), and the bytes from there on (recent records, the partial
+block the last write ended in, the records not yet written) are moved to its
+start: the last eighth stays readable from memory for tailing readers. A
+handed-out write reads its window until it completes, so a slide never moves
+bytes under a write in flight: it slides at a group's start
+(:meth:`Journal.begin_sync`, :meth:`Journal.sync`, once the window is three
+quarters full), where the worker has taken the group before back and nothing
+is in flight, and an append that finds the window full (a group larger than
+its free quarter) first waits for the window's write in flight (or runs it:
+:meth:`Journal._drain`). Whatever then still does not fit is written out
+without ``RWF_DSYNC`` (made durable by the group's write, as a write-out is),
+and a record larger than the window makes it grow, logged. After a slide the
+records before the base are read through the file: their writes completed
+(the base is not past the written mark's block, and the mark is a record's
+end, so a record the base cuts ends before the mark and is wholly in the
+file).
+
+Two windows alternate: at a roll the old segment keeps its window (its tail
+stays readable from memory while it is the previous segment, and a group's
+write at a roll ahead reads it) and the new one takes the other, whose older
+segment is then read through its file again (written long before). Both are
+made, their pages touched, when the journal opens, and reused after, so that
+no new page of the VM is touched by an append (a first touch costs here:
+0.12-0.14 s of CPU per 64 MiB in a busy bookie). They are the memory this
+costs: ``journalDirectMemoryMB`` per shard, whatever the segment size (before,
+two images of a whole segment: 128 MiB per shard at the default). Reads of
+records older than the window (a catch-up read of entries not flushed yet)
+go to the disk, as a flush's do (docs/operations.md).
 :meth:`Journal.write_out` (a flush's, whose thread reads the journal from the
 files) writes without ``RWF_DSYNC``; the next group's write (or, with nothing
 left to write, an ``fdatasync`` job) makes it durable. The segment stays
@@ -223,8 +248,9 @@ Reading. Every segment stays mapped (the active one read-write, for the
 repair of a torn tail; the others read-only) so :meth:`Journal.read` serves
 any record of any segment straight from the page cache; it verifies the CRC
 and raises :class:`CorruptRecordError` on a mismatch. With direct writes the
-active and the previous segment are read from their images instead (the
-segment's ``mm`` is its image), every older one through its file.
+records of the active and the previous segment from their window's base on
+are read from the windows instead, every other one through its file (from
+the disk: direct writes leave nothing in the page cache).
 """
 
 from __future__ import annotations
@@ -750,6 +776,7 @@ class Journal:
         self._memory = direct_memory   # bytes of the two windows
         self._window = 0               # bytes of a window (set by the probe)
         self._align = 0                # a window's base is a multiple of this
+        self._slide_at = 1 << 62       # fill past which a group's start slides the window
         self.slides = 0                # windows slid (for tests and traces)
         self.slide_waits = 0           # slides that first waited for the write in flight
         self._dfd = -1                 # the active segment, opened O_DIRECT
@@ -964,33 +991,41 @@ class Journal:
         img.owner = seg
         self._image = img
         self._buf, self._bv = img.mm, img.mv
+        self._slide_at = len(img.mm) - (len(img.mm) >> 2)
         self._wbase = base
 
     def _slide(self, n: int = 0) -> None:
-        """Move the active window's base up to the block where the next write starts
-        (direct writes), the bytes from there (the records not yet written, the
-        partial block the last write ended in) moved to the window's start, so
-        that the window has room for an ``n``-byte record. Every record before the
-        new base is in the file, its write completed: a write of this window
-        still in flight is waited for (or run, if nobody started it:
-        :meth:`_drain`) first, as it reads the bytes the move overwrites and its
-        records must be read from memory until it completed. Called at a group's
-        start once the window is half full (:meth:`begin_sync`, :meth:`sync`:
-        nothing is in flight then, nothing waits), and by an append that finds
-        the window full (a group larger than the window's free half: that one
-        may wait). Records that still do not fit are written out (not synced:
-        the next group's write or sync makes them durable); a record larger than
-        the window gets a larger window (:meth:`_grow`)."""
+        """Move the active window's base up (direct writes), so that it has room
+        for an ``n``-byte record: to the block an eighth of the window before the
+        last record (those bytes stay readable from memory, for tailing readers),
+        or, if the unwritten records and ``n`` need more, to the block where the
+        next write starts; the bytes from the new base on are moved to the
+        window's start. Never past the written mark's block: every record before
+        the new base is in the file, its write completed, as a write of this
+        window still in flight is waited for (or run, if nobody started it:
+        :meth:`_drain`) first: it reads the bytes the move overwrites. Called at
+        a group's start once the window is three quarters full
+        (:meth:`begin_sync`, :meth:`sync`: nothing is in flight then, nothing
+        waits), and by an append that finds the window full (a group larger than
+        the free quarter: that one may wait). Records that still do not fit are
+        written out (not synced: the next group's write or sync makes them
+        durable); a record larger than the window gets a larger window
+        (:meth:`_grow`)."""
         job = self._inflight
         if job is not None and job.seq == self._seqbase >> 32:
             self._drain()
             self.slide_waits += 1
-        new = self._wend & -self._align
-        if self._off - new + n > len(self._buf):
+        align = self._align
+        size = len(self._buf)
+        lim = self._wend & -align      # never past the written mark's block
+        new = min(lim, (self._off - (size >> 3)) & -align)   # the last eighth stays
+        if self._off - new + n > size:
+            new = lim
+        if self._off - new + n > size:
             self._drain()              # (a previous segment's write: _direct_write's rule)
             self._direct_write(self._off, dsync=False)
-            new = self._wend & -self._align
-            if self._off - new + n > len(self._buf):
+            new = self._wend & -align
+            if self._off - new + n > size:
                 self._grow(self._off - new + n)
         wbase = self._wbase
         if new > wbase:
@@ -1016,12 +1051,13 @@ class Journal:
         old.close()
         self._image = img
         self._buf, self._bv = img.mm, img.mv
+        self._slide_at = size - (size >> 2)
 
     def _direct_parts(self, end: int) -> tuple[int, list]:
         """``(offset, [(address, view), ...])``: the write that brings the file up to
-        ``end`` from the written mark, in whole blocks: the image's from the block
+        ``end`` from the written mark, in whole blocks: the window's from the block
         holding the mark, then the partial last block copied into the bounce
-        buffer with zeros after the data (never the image itself: appends go on
+        buffer with zeros after the data (never the window itself: appends go on
         filling that block while the write is in flight)."""
         bs = self._bs
         lo = self._wend & -bs
@@ -1213,7 +1249,7 @@ class Journal:
             self.rolled_at = self._seqbase | end
             self._activate(new)
             self._synced = HEADER_SIZE
-            old.end = end                  # its image stays readable until the next roll
+            old.end = end                  # its window stays readable until the next roll
             return
         self._write_out()
         if self.sync_data and self._off > self._synced:
@@ -1544,7 +1580,7 @@ class Journal:
             raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
         if self.direct:
             self._drain()
-            if self._off - self._wbase > len(self._buf) >> 1:
+            if self._off - self._wbase > self._slide_at:
                 self._slide()                # at a group's start: nothing in flight
             durable = self._off > self._wend     # else written by write_out, not synced
             if durable:
@@ -1589,7 +1625,7 @@ class Journal:
             if self._failed is not None:
                 raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
             self._drain()
-            if self._off - self._wbase > len(self._buf) >> 1:
+            if self._off - self._wbase > self._slide_at:
                 self._slide()                # at a group's start: nothing in flight
             job = SyncJob(self._active.path, self.directory if self._dir_dirty else None,
                           self._seqbase >> 32, self._off, self._unsynced_records,
@@ -1654,9 +1690,10 @@ class Journal:
         """``(buffer, index, length)`` of the record at ``pos``, its CRC verified: the
         buffer is the segment's file mapping, or (direct writes) its window for a
         record from the window's base on. A record before the base is wholly in
-        the file, its write completed: the base is the block of the written mark,
-        which is a record's end (a group's or a write-out's), and the write that
-        put it there is over before the window slides (:meth:`_slide`)."""
+        the file, its write completed: the base is never past the block of the
+        written mark, which is a record's end (a group's or a write-out's), so a
+        record the base cuts ends before the mark; and the write that put it
+        there is over before the window slides (:meth:`_slide`)."""
         seg = self._segs.get(pos >> 32)
         off = pos & _OFF_MASK
         if off >= self._wbase and seg is self._active and not self.direct:
@@ -1783,7 +1820,7 @@ class Journal:
             abandoned = False
             try:
                 job, self._inflight = self._inflight, None
-                if job is not None:   # (failed: its write must not outlive the image)
+                if job is not None:   # (failed: its write must not outlive the window)
                     abandoned = not self._let_go(job)
             finally:
                 self._drop_preparation()
@@ -1793,7 +1830,7 @@ class Journal:
             if abandoned:             # the kernel may still read them: never reused
                 _ABANDONED.append((job, self._dfd, self._images, self._bounce))
                 # (a rolled segment's descriptor the write may go through: left
-                # open too, as the images are left mapped)
+                # open too, as the windows are left mapped)
             else:
                 if self._dfd >= 0:
                     os.close(self._dfd)
@@ -1825,7 +1862,7 @@ class Journal:
         but at most CLOSE_WAIT seconds, so that a close never hangs on a
         completion that will not come (a job handed to a thread that has gone, a
         device that stopped answering); then False, with an error log: its
-        descriptor and the images stay open and mapped for good (the kernel may
+        descriptor and the windows stay open and mapped for good (the kernel may
         still read them), and the journal's lock is released all the same."""
         if job.cancel():
             return True
@@ -1836,7 +1873,7 @@ class Journal:
             log.error("journal %s: waiting for the direct write in flight at close "
                       "failed: %s", self.directory, e)
         log.error("journal %s: a direct write in flight did not complete within %.0f s "
-                  "of the close; its segment image stays mapped", self.directory, CLOSE_WAIT)
+                  "of the close; its window stays mapped", self.directory, CLOSE_WAIT)
         return False
 
 
@@ -1885,8 +1922,9 @@ class SyncJob:
     over.
 
     A direct write (:meth:`direct`) reads the journal's memory (the segment's
-    image) until it completes, so the journal must know, before it writes those
-    blocks again or unmaps the image, whether it will still run. It is started
+    window) until it completes, so the journal must know, before it writes those
+    blocks again, moves them (a slide) or unmaps the window, whether it will
+    still run. It is started
     exactly once, by whoever *claims* it first: :meth:`run` (the sync thread's,
     or the journal's own when it finds the write not started, ``Journal._drain``),
     :meth:`started` (a submit to Linux AIO), or :meth:`cancel` (a close after a

@@ -227,16 +227,24 @@ def test_many_slides_with_writes_in_flight_read_back_byte_for_byte(tmp_path, how
             aio.close()
 
 
-def test_slides_at_a_groups_start_wait_for_nothing(tmp_path):
-    """Groups smaller than half the window slide it at their start, where no write
-    is in flight: no slide waits, however many there are."""
-    j, _ = open_journal(tmp_path, size=512 << 10)
+def test_slides_at_a_groups_start_wait_for_nothing_and_keep_the_last_eighth(tmp_path):
+    """Groups smaller than the window's free quarter slide it at their start, where
+    no write is in flight: no slide waits, however many there are; and each
+    slide keeps the last eighth of the window (to its block) readable from
+    memory, for tailing readers."""
+    j, _ = open_journal(tmp_path, size=4 << 20, memory=2 * 65536)
     pos = []
-    for g in range(400):
+    slides = 0
+    for g in range(1500):
         for _ in range(3):
             pos.append(j.append_add(7, len(pos), len(pos) - 1, b"dg", payload(len(pos))))
         direct.commit(j)
-    assert j.slides > 50 and j.slide_waits == 0
+        if j.slides > slides:
+            slides = j.slides
+            kept = (j.position & 0xFFFFFFFF) - j._wbase
+            assert kept >= 65536 >> 3, (g, kept)      # (the base: a block before that)
+            assert j.read_add(pos[-4])[1] == len(pos) - 4
+    assert j.slides == slides and slides > 40 and j.slide_waits == 0
     check_all(j, pos, tmp_path)
     j.close()
 
