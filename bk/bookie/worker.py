@@ -489,7 +489,7 @@ class ShardWorker:
     def _close_aio(self):
         """Drop Linux AIO (refused, or at exit). A direct write still in flight
         through it is reaped into its job first: the journal waits for that job
-        before it writes the same blocks or unmaps its image (``SyncJob.wait``),
+        before it writes the same blocks, slides or unmaps its window (``SyncJob.wait``),
         and nothing could reap it once the context is gone. A request that does
         not complete within the journal's close wait leaves the context in place
         (``AioSync.close``) rather than hang the exit."""
