@@ -25,7 +25,8 @@ import threading
 
 import pytest
 
-from bk.testing import hooked_stop, pump_ledger_until_hooked, served_after_restart, site_hook
+from bk.testing import (hooked_stop, pump_ledger_until_hooked, served_after_restart, site_hook,
+                        wait_until)
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"w" * 20
@@ -136,3 +137,18 @@ def test_kill9_at_a_slide_of_the_journals_window(cluster_factory, tmp_path, site
     b.start()
 
     served_after_restart(b, lids, acked, KEY, PAYLOAD)
+
+
+def test_journal_direct_memory_sizes_every_shards_windows(cluster_factory):
+    """``journalDirectMemoryMB`` reaches each shard's journal: two windows of half
+    of it each, whatever the segment size, said once per shard in the log."""
+    c = cluster_factory(1, num_shards=2, conf_overrides={"journalDirectWrites": True,
+                                                         "journalPreAllocSizeMB": 64,
+                                                         "journalDirectMemoryMB": 6})
+    b = c.bookies[0]
+
+    def lines():
+        with open(b.log_file, errors="replace") as f:
+            return [ln for ln in f if "direct writes (O_DIRECT" in ln]
+    wait_until(lambda: len(lines()) == 2, what="both shards' journals opened")
+    assert all("their two windows take 6.0 MiB of memory" in ln for ln in lines()), lines()
