@@ -134,39 +134,64 @@ about half the kernel's work per group measured, docs/performance.md). Direct
 writes need aligned whole blocks (the filesystem's block size, ``f_bsize``)
 from aligned memory, and they invalidate the page cache of their range, so
 that every read of a recent entry through the file would go to the disk. So
-the active segment has an *image*: an anonymous mapping of the segment's
-size, which replaces the staging buffer (``_wbase`` is 0: a record's index in
-it is its offset in the file). Appends build records there as before; a
-group's write covers from the block holding the *written mark* (``_wend``)
-up to the end of its last record, the last partial block copied into a
-one-block bounce buffer and padded with zeros (the image's bytes after the
-last record are an older segment's: never written, never read; and appends
-go on filling that block while the write is in flight). So each write
-rewrites the partial block the previous one ended in, with more records in
-it. The write is a :class:`SyncJob` like an ``fdatasync``: submitted through
-Linux AIO by the worker (``IOCB_CMD_PWRITEV`` with ``RWF_DSYNC``, see
-``bk.bookie.aiosync``) or run by the sync thread (``pwritev``). A write on
-the journal's own thread of blocks a handed-out write also covers (a roll's
-write of the old segment's tail, :meth:`Journal.write_out`, :meth:`Journal.sync`)
-first waits for that write (:meth:`SyncJob.wait`): two writes of the same
-block in flight at once could reach the disk in either order, the older
-copy last. A handed-out write is started exactly once, by whoever claims it
-first: the sync thread's :meth:`SyncJob.run`, a submit to AIO
-(:meth:`SyncJob.started`), or the journal's own thread, which runs one that
-nobody has started instead of waiting for it (a job handed to a thread that
-never takes it, or lost on a failure path before its submit, must not hang
-the journal). A healthy :meth:`Journal.close` finishes it so; a close after a
-failure cancels one never started, waits at most ``CLOSE_WAIT`` seconds for
-one started, and then leaves its descriptor and the images mapped for good
-(the kernel may still read them), with an error log, rather than hang.
-Two images alternate: at a roll the old segment keeps its image
-(its tail stays readable from memory while it is the previous segment) and
-the new one takes the other, whose older segment is then read through its
-file again (synced long before). Both images are made, their pages touched,
-when the journal opens, and reused after, so that no new page of the VM is
-touched by an append (a first touch costs here: 0.12-0.14 s of CPU per 64
-MiB in a busy bookie). They are the memory this costs: two segments' worth
-per shard.
+the active segment has a *window* in memory: an anonymous mapping of
+``journalDirectMemoryMB``/2 (8 MiB by default; never more than a segment),
+which replaces the staging buffer and, like it, mirrors the file from
+``_wbase``, the file offset of its first byte (a multiple of the block size
+and the page size). Appends build records there as before; a group's write
+covers from the block holding the *written mark* (``_wend``) up to the end of
+its last record, the last partial block copied into a one-block bounce buffer
+and padded with zeros (the window's bytes after the last record are stale:
+never written, never read; and appends go on filling that block while the
+write is in flight). So each write rewrites the partial block the previous
+one ended in, with more records in it. The write is a :class:`SyncJob` like an
+``fdatasync``: submitted through Linux AIO by the worker (``IOCB_CMD_PWRITEV``
+with ``RWF_DSYNC``, see ``bk.bookie.aiosync``) or run by the sync thread
+(``pwritev``). A write on the journal's own thread of blocks a handed-out
+write also covers (a roll's write of the old segment's tail,
+:meth:`Journal.write_out`, :meth:`Journal.sync`) first waits for that write
+(:meth:`SyncJob.wait`): two writes of the same block in flight at once could
+reach the disk in either order, the older copy last. A handed-out write is
+started exactly once, by whoever claims it first: the sync thread's
+:meth:`SyncJob.run`, a submit to AIO (:meth:`SyncJob.started`), or the
+journal's own thread, which runs one that nobody has started instead of
+waiting for it (a job handed to a thread that never takes it, or lost on a
+failure path before its submit, must not hang the journal). A healthy
+:meth:`Journal.close` finishes it so; a close after a failure cancels one
+never started, waits at most ``CLOSE_WAIT`` seconds for one started, and then
+leaves its descriptor and the windows mapped for good (the kernel may still
+read them), with an error log, rather than hang.
+
+The window *slides* (:meth:`Journal._slide`): its base moves up to the block
+an eighth of the window before the last record (never past the block holding
+the written mark), and the bytes from there on (recent records, the partial
+block the last write ended in, the records not yet written) are moved to its
+start: the last eighth stays readable from memory for tailing readers. A
+handed-out write reads its window until it completes, so a slide never moves
+bytes under a write in flight: it slides at a group's start
+(:meth:`Journal.begin_sync`, :meth:`Journal.sync`, once the window is three
+quarters full), where the worker has taken the group before back and nothing
+is in flight, and an append that finds the window full (a group larger than
+its free quarter) first waits for the window's write in flight (or runs it:
+:meth:`Journal._drain`). Whatever then still does not fit is written out
+without ``RWF_DSYNC`` (made durable by the group's write, as a write-out is),
+and a record larger than the window makes it grow, logged. After a slide the
+records before the base are read through the file: their writes completed
+(the base is not past the written mark's block, and the mark is a record's
+end, so a record the base cuts ends before the mark and is wholly in the
+file).
+
+Two windows alternate: at a roll the old segment keeps its window (its tail
+stays readable from memory while it is the previous segment, and a group's
+write at a roll ahead reads it) and the new one takes the other, whose older
+segment is then read through its file again (written long before). Both are
+made, their pages touched, when the journal opens, and reused after, so that
+no new page of the VM is touched by an append (a first touch costs here:
+0.12-0.14 s of CPU per 64 MiB in a busy bookie). They are the memory this
+costs: ``journalDirectMemoryMB`` per shard, whatever the segment size (before,
+two images of a whole segment: 128 MiB per shard at the default). Reads of
+records older than the window (a catch-up read of entries not flushed yet)
+go to the disk, as a flush's do (docs/operations.md).
 :meth:`Journal.write_out` (a flush's, whose thread reads the journal from the
 files) writes without ``RWF_DSYNC``; the next group's write (or, with nothing
 left to write, an ``fdatasync`` job) makes it durable. The segment stays
@@ -223,8 +248,9 @@ Reading. Every segment stays mapped (the active one read-write, for the
 repair of a torn tail; the others read-only) so :meth:`Journal.read` serves
 any record of any segment straight from the page cache; it verifies the CRC
 and raises :class:`CorruptRecordError` on a mismatch. With direct writes the
-active and the previous segment are read from their images instead (the
-segment's ``mm`` is its image), every older one through its file.
+records of the active and the previous segment from their window's base on
+are read from the windows instead, every other one through its file (from
+the disk: direct writes leave nothing in the page cache).
 """
 
 from __future__ import annotations
@@ -310,6 +336,8 @@ ROLL_AHEAD = 1 / 32               # direct writes: part of the room before the r
                                   # from which a group's start rolls (see Journal._roll_ahead)
 LOCK_FILE = "journal.lock"
 CLOSE_WAIT = 10.0                 # seconds a close waits for a direct write in flight
+DIRECT_MEMORY = 16 << 20          # direct writes: bytes of the two windows (journalDirectMemoryMB)
+MIN_WINDOW = 256 << 10            # the smallest window (half of DIRECT_MEMORY) taken
 _ABANDONED: list = []             # what such a write may still read (see Journal._let_go)
 
 
@@ -541,7 +569,7 @@ def _scan(mv, size: int, off: int, full: bool):
 
 
 class _Segment:
-    __slots__ = ("seq", "path", "size", "mm", "mv", "writable", "image", "end")
+    __slots__ = ("seq", "path", "size", "mm", "mv", "writable", "image", "wbase", "end")
 
     def __init__(self, seq: int, path: str, size: int, mm, writable: bool):
         self.seq = seq
@@ -550,19 +578,19 @@ class _Segment:
         self.mm = mm
         self.mv = memoryview(mm)
         self.writable = writable
-        self.image: "_Image | None" = None   # direct writes: read from this image instead
-        self.end = 0          # where the data of an image's rolled segment ends
+        self.image: "_Image | None" = None   # direct writes: its window (see Journal._locate)
+        self.wbase = 0        # the file offset of the window's first byte
+        self.end = 0          # where the data of a rolled segment holding a window ends
 
     def close(self) -> None:
         self.mv.release()
-        if self.image is None:      # an image is the journal's, reused
-            self.mm.close()
+        self.mm.close()             # (a window is the journal's, reused)
 
 
 class _Image:
-    """A segment's image in memory (direct writes, see "Direct writes" in the module
-    docstring): an anonymous mapping of the segment's size (page-aligned, as
-    O_DIRECT wants its source), reused from one segment to another."""
+    """A window of a segment in memory (direct writes, see "Direct writes" in the
+    module docstring): an anonymous mapping of the window's size (page-aligned,
+    as O_DIRECT wants its source), reused from one segment to another."""
 
     __slots__ = ("mm", "mv", "addr", "_ref", "owner")
 
@@ -571,7 +599,7 @@ class _Image:
         self.mv = memoryview(self.mm)
         self._ref = ctypes.c_char.from_buffer(self.mm)     # for its address (AIO's iovecs)
         self.addr = ctypes.addressof(self._ref)
-        # Its pages are touched here, once, when the journal opens (both images),
+        # Its pages are touched here, once, when the journal opens (both windows),
         # not by the appends: a page new to this VM costs a fault, zeroing and the
         # host's fault on first touch (measured in a busy bookie: 0.12-0.14 s of CPU
         # per 64 MiB; with huge pages asked for, 1 s, the kernel compacting memory
@@ -695,7 +723,8 @@ class Journal:
     """
 
     def __init__(self, directory: str, segment_size: int, sync_data: bool = True,
-                 roll_stagger: float = ROLL_STAGGER, direct: bool = False):
+                 roll_stagger: float = ROLL_STAGGER, direct: bool = False, *,
+                 direct_memory: int = DIRECT_MEMORY):
         if not MIN_SEGMENT_SIZE <= segment_size <= MAX_SEGMENT_SIZE:
             raise JournalError(f"segment size {segment_size} out of range "
                                f"[{MIN_SEGMENT_SIZE}, {MAX_SEGMENT_SIZE}]")
@@ -742,8 +771,14 @@ class Journal:
         # durable (sync_data) and the filesystem takes them.
         self.direct = False
         self._bs = 0
-        self._images: list[_Image] = []
-        self._image: _Image | None = None    # the active segment's
+        self._images: list[_Image] = []      # the two windows
+        self._image: _Image | None = None    # the active segment's window
+        self._memory = direct_memory   # bytes of the two windows
+        self._window = 0               # bytes of a window (set by the probe)
+        self._align = 0                # a window's base is a multiple of this
+        self._slide_at = 1 << 62       # fill past which a group's start slides the window
+        self.slides = 0                # windows slid (for tests and traces)
+        self.slide_waits = 0           # slides that first waited for the write in flight
         self._dfd = -1                 # the active segment, opened O_DIRECT
         self._wend = 0                 # bytes before it are in the file (direct writes)
         self._inflight: SyncJob | None = None    # a direct write handed out, not yet waited
@@ -922,59 +957,119 @@ class Journal:
             buf.close()
         self._bs = bs
         self._bounce = _Image(max(bs, mmap.PAGESIZE))   # the partial last block of a write
-        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks); their two segment "
-                 "images take %d MiB of memory (2 x journalPreAllocSizeMB; "
-                 "journalDirectWrites=false: none)", self.directory, bs,
-                 2 * self.segment_size >> 20)
+        # Two windows of half the memory each, a multiple of the alignment, never
+        # more than a segment needs (a window that holds a whole segment never slides).
+        align = self._align = max(bs, mmap.PAGESIZE)
+        whole = -(-self.segment_size // align) * align
+        self._window = min(whole, max(MIN_WINDOW, self._memory // 2 // align * align))
+        log.info("journal %s: direct writes (O_DIRECT, %d-byte blocks); their two windows "
+                 "take %.1f MiB of memory (journalDirectMemoryMB; journalDirectWrites=false: "
+                 "none)", self.directory, bs, 2 * self._window / (1 << 20))
         return True
 
     def _take_image(self, seg: _Segment, off: int) -> None:
-        """Give the segment being activated an image: the one the previous active
+        """Give the segment being activated a window: the one the previous active
         segment (``self._active``, whose tail stays readable from memory) does not
-        hold; the older segment holding it goes back to reading its file. Its
-        first ``off`` bytes are copied from the file (a fresh segment: the header)."""
+        hold; the older segment holding it goes back to reading its file (written
+        long ago). The window starts at the aligned offset before ``off`` (where
+        appends continue) and holds the file's bytes from there to ``off`` (a
+        fresh segment: the header), which the first write rewrites."""
         prev = self._active
         if not self._images:           # both at once, when the journal opens
-            self._images = [_Image(seg.size), _Image(seg.size)]
+            self._images = [_Image(self._window), _Image(self._window)]
         img = None
         for im in self._images:
             if prev is None or im.owner is not prev:
                 img = im
                 break
         old = img.owner
-        if old is not None and old is not prev and self._segs.get(old.seq) is old:
-            old.mv.release()           # read from its file from now on (synced long ago)
-            old.mm, size = _map(old.path, writable=False)
-            old.mv = memoryview(old.mm)
-            old.image = None
-        if len(img.mm) < seg.size:     # segments made before journalPreAllocSizeMB grew
-            i = self._images.index(img)
-            img.close()
-            img = self._images[i] = _Image(seg.size)
-        img.mv[:off] = seg.mv[:off]
-        seg.mv.release()
-        seg.mm.close()
-        seg.mm, seg.mv, seg.image, seg.writable = img.mm, memoryview(img.mm), img, False
+        if old is not None and old is not prev:
+            old.image = None           # read from its file from now on
+        base = off & -self._align
+        img.mv[:off - base] = seg.mv[base:off]
+        seg.image, seg.wbase = img, base
         img.owner = seg
         self._image = img
         self._buf, self._bv = img.mm, img.mv
+        self._slide_at = len(img.mm) - (len(img.mm) >> 2)
+        self._wbase = base
+
+    def _slide(self, n: int = 0) -> None:
+        """Move the active window's base up (direct writes), so that it has room
+        for an ``n``-byte record: to the block an eighth of the window before the
+        last record (those bytes stay readable from memory, for tailing readers),
+        or, if the unwritten records and ``n`` need more, to the block where the
+        next write starts; the bytes from the new base on are moved to the
+        window's start. Never past the written mark's block: every record before
+        the new base is in the file, its write completed, as a write of this
+        window still in flight is waited for (or run, if nobody started it:
+        :meth:`_drain`) first: it reads the bytes the move overwrites. Called at
+        a group's start once the window is three quarters full
+        (:meth:`begin_sync`, :meth:`sync`: nothing is in flight then, nothing
+        waits), and by an append that finds the window full (a group larger than
+        the free quarter: that one may wait). Records that still do not fit are
+        written out (not synced: the next group's write or sync makes them
+        durable); a record larger than the window gets a larger window
+        (:meth:`_grow`)."""
+        job = self._inflight
+        if job is not None and job.seq == self._seqbase >> 32:
+            self._drain()
+            self.slide_waits += 1
+        align = self._align
+        size = len(self._buf)
+        lim = self._wend & -align      # never past the written mark's block
+        new = min(lim, (self._off - (size >> 3)) & -align)   # the last eighth stays
+        if self._off - new + n > size:
+            new = lim
+        if self._off - new + n > size:
+            self._drain()              # (a previous segment's write: _direct_write's rule)
+            self._direct_write(self._off, dsync=False)
+            new = self._wend & -align
+            if self._off - new + n > size:
+                self._grow(self._off - new + n)
+        wbase = self._wbase
+        if new > wbase:
+            self._bv[:self._off - new] = self._bv[new - wbase:self._off - wbase]
+            self._wbase = self._active.wbase = new
+            self.slides += 1
+
+    def _grow(self, need: int) -> None:
+        """Give the active segment a window of at least ``need`` bytes for good (a
+        record larger than the window: journalDirectMemoryMB set below twice the
+        largest entry). Nothing is in flight (:meth:`_slide` drained)."""
+        old = self._image
+        size = -(-need // self._align) * self._align
+        log.warning("journal %s: a record of the active segment needs a window of %d "
+                    "bytes, more than the %d of journalDirectMemoryMB/2; the window grows",
+                    self.directory, size, len(old.mm))
+        img = _Image(size)
+        img.mv[:self._off - self._wbase] = old.mv[:self._off - self._wbase]
+        img.owner = self._active
+        self._active.image = img
+        self._images[self._images.index(old)] = img
+        old.owner = None
+        old.close()
+        self._image = img
+        self._buf, self._bv = img.mm, img.mv
+        self._slide_at = size - (size >> 2)
 
     def _direct_parts(self, end: int) -> tuple[int, list]:
         """``(offset, [(address, view), ...])``: the write that brings the file up to
-        ``end`` from the written mark, in whole blocks: the image's from the block
+        ``end`` from the written mark, in whole blocks: the window's from the block
         holding the mark, then the partial last block copied into the bounce
-        buffer with zeros after the data (never the image itself: appends go on
+        buffer with zeros after the data (never the window itself: appends go on
         filling that block while the write is in flight)."""
         bs = self._bs
         lo = self._wend & -bs
         full = end & -bs
+        wb = self._wbase               # (a multiple of the block size, not past lo)
         parts = []
         if full > lo:
-            parts.append((self._image.addr + lo, self._bv[lo:full]))
+            parts.append((self._image.addr + lo - wb, self._bv[lo - wb:full - wb]))
         tail = end - full
         if tail:
             b = self._bounce.mv
-            b[:tail] = self._bv[full:end]
+            b[:tail] = self._bv[full - wb:end - wb]
             b[tail:bs] = _ZEROS[:bs - tail]
             parts.append((self._bounce.addr, b[:bs]))
         return lo, parts
@@ -1055,7 +1150,6 @@ class Journal:
         self._dfd = dfd
         if dfd >= 0:
             self._take_image(seg, off)
-            self._wbase = 0            # the image is the whole segment: index = offset
             self._wend = off
         else:
             self._wbase = off
@@ -1155,7 +1249,7 @@ class Journal:
             self.rolled_at = self._seqbase | end
             self._activate(new)
             self._synced = HEADER_SIZE
-            old.end = end                  # its image stays readable until the next roll
+            old.end = end                  # its window stays readable until the next roll
             return
         self._write_out()
         if self.sync_data and self._off > self._synced:
@@ -1203,6 +1297,9 @@ class Journal:
         a buffer of its own size until the next write-out)."""
         self._room(n)
         if self._off - self._wbase + n > len(self._buf):
+            if self.direct:
+                self._slide(n)
+                return
             self._write_out()
             if n > len(self._buf):
                 self._bv.release()
@@ -1483,6 +1580,8 @@ class Journal:
             raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
         if self.direct:
             self._drain()
+            if self._off - self._wbase > self._slide_at:
+                self._slide()                # at a group's start: nothing in flight
             durable = self._off > self._wend     # else written by write_out, not synced
             if durable:
                 self._direct_write(self._off, dsync=True)
@@ -1526,6 +1625,8 @@ class Journal:
             if self._failed is not None:
                 raise JournalError(f"journal {self.directory} failed earlier: {self._failed}")
             self._drain()
+            if self._off - self._wbase > self._slide_at:
+                self._slide()                # at a group's start: nothing in flight
             job = SyncJob(self._active.path, self.directory if self._dir_dirty else None,
                           self._seqbase >> 32, self._off, self._unsynced_records,
                           self._unsynced)
@@ -1586,6 +1687,13 @@ class Journal:
 
     # --- reads ----------------------------------------------------------------
     def _locate(self, pos: int):
+        """``(buffer, index, length)`` of the record at ``pos``, its CRC verified: the
+        buffer is the segment's file mapping, or (direct writes) its window for a
+        record from the window's base on. A record before the base is wholly in
+        the file, its write completed: the base is never past the block of the
+        written mark, which is a record's end (a group's or a write-out's), so a
+        record the base cuts ends before the mark; and the write that put it
+        there is over before the window slides (:meth:`_slide`)."""
         seg = self._segs.get(pos >> 32)
         off = pos & _OFF_MASK
         if off >= self._wbase and seg is self._active and not self.direct:
@@ -1596,25 +1704,33 @@ class Journal:
         if off + 9 > seg.size:
             raise CorruptRecordError(f"position {format_mark(split_position(pos))} is past "
                                      "the end of its segment")
-        crc, length = _PREFIX.unpack_from(seg.mv, off)
-        end = off + 8 + length
-        if length == 0 or end > seg.size or crc32c(seg.mv[off + 4:end]) != crc:
+        img = seg.image
+        if img is None or off < seg.wbase:
+            mm, mv, i, lim = seg.mm, seg.mv, off, seg.size
+        else:
+            i = off - seg.wbase
+            mm, mv, lim = img.mm, img.mv, min(len(img.mm), seg.size - seg.wbase)
+            if i + 9 > lim:
+                raise CorruptRecordError(f"position {format_mark(split_position(pos))} is "
+                                         "past the end of its segment's window")
+        crc, length = _PREFIX.unpack_from(mv, i)
+        end = i + 8 + length
+        if length == 0 or end > lim or crc32c(mv[i + 4:end]) != crc:
             raise CorruptRecordError(f"record at {format_mark(split_position(pos))} of "
                                      f"{seg.path} fails its CRC")
-        return seg, off, length
+        return mm, i, length
 
     def read(self, pos: int) -> tuple[int, tuple]:
         """``(type, fields)`` of the record at ``pos``, CRC verified."""
-        seg, off, length = self._locate(pos)
+        buf, off, length = self._locate(pos)
         try:
-            return _decode(seg.mv, off, length, True)
+            return _decode(buf, off, length, True)
         except ValueError as e:
             raise CorruptRecordError(f"record at {format_mark(split_position(pos))}: {e}") from None
 
     def read_add(self, pos: int) -> tuple[int, int, int, bytes, bytes]:
         """``(ledger, entry, lac, digest, payload)`` of the ADD at ``pos``."""
-        seg, off, length = self._locate(pos)
-        mm = seg.mm
+        mm, off, length = self._locate(pos)
         if mm[off + 8] != ADD or length < 1 + _ADD_FIELDS.size:
             raise CorruptRecordError(f"record at {format_mark(split_position(pos))} is not an ADD")
         ledger, entry, lac, dlen = _ADD_FIELDS.unpack_from(mm, off + 9)
@@ -1627,16 +1743,20 @@ class Journal:
     def record_length(self, pos: int) -> int:
         """Total bytes of the record at ``pos`` (no CRC check: for accounting only)."""
         seg = self._segs[pos >> 32]
-        if seg is self._active and (pos & _OFF_MASK) >= self._wbase and not self.direct:
+        off = pos & _OFF_MASK
+        if seg is self._active and off >= self._wbase and not self.direct:
             self._write_out()     # still staged: reads see the file, one rule for all
-        return 8 + _LEN.unpack_from(seg.mm, (pos & _OFF_MASK) + 4)[0]
+        if seg.image is not None and off >= seg.wbase:        # in the window
+            return 8 + _LEN.unpack_from(seg.image.mm, off - seg.wbase + 4)[0]
+        return 8 + _LEN.unpack_from(seg.mm, off + 4)[0]
 
     def scan_segment(self, seq: int, full: bool = True):
         """Yield ``(position, record_length, type, fields)`` of every record of a segment."""
         seg = self._segs[seq]
         size = seg.size
-        if seg.image is not None:     # past its data an image holds an older segment's
+        if seg.image is not None:     # read from the file, every write of it completed
             size = self._off if seg is self._active else seg.end
+            self.write_out()
         elif seg is self._active:
             self._write_out()
         base = seq << 32
@@ -1700,7 +1820,7 @@ class Journal:
             abandoned = False
             try:
                 job, self._inflight = self._inflight, None
-                if job is not None:   # (failed: its write must not outlive the image)
+                if job is not None:   # (failed: its write must not outlive the window)
                     abandoned = not self._let_go(job)
             finally:
                 self._drop_preparation()
@@ -1710,7 +1830,7 @@ class Journal:
             if abandoned:             # the kernel may still read them: never reused
                 _ABANDONED.append((job, self._dfd, self._images, self._bounce))
                 # (a rolled segment's descriptor the write may go through: left
-                # open too, as the images are left mapped)
+                # open too, as the windows are left mapped)
             else:
                 if self._dfd >= 0:
                     os.close(self._dfd)
@@ -1742,7 +1862,7 @@ class Journal:
         but at most CLOSE_WAIT seconds, so that a close never hangs on a
         completion that will not come (a job handed to a thread that has gone, a
         device that stopped answering); then False, with an error log: its
-        descriptor and the images stay open and mapped for good (the kernel may
+        descriptor and the windows stay open and mapped for good (the kernel may
         still read them), and the journal's lock is released all the same."""
         if job.cancel():
             return True
@@ -1753,7 +1873,7 @@ class Journal:
             log.error("journal %s: waiting for the direct write in flight at close "
                       "failed: %s", self.directory, e)
         log.error("journal %s: a direct write in flight did not complete within %.0f s "
-                  "of the close; its segment image stays mapped", self.directory, CLOSE_WAIT)
+                  "of the close; its window stays mapped", self.directory, CLOSE_WAIT)
         return False
 
 
@@ -1802,8 +1922,9 @@ class SyncJob:
     over.
 
     A direct write (:meth:`direct`) reads the journal's memory (the segment's
-    image) until it completes, so the journal must know, before it writes those
-    blocks again or unmaps the image, whether it will still run. It is started
+    window) until it completes, so the journal must know, before it writes those
+    blocks again, moves them (a slide) or unmaps the window, whether it will
+    still run. It is started
     exactly once, by whoever *claims* it first: :meth:`run` (the sync thread's,
     or the journal's own when it finds the write not started, ``Journal._drain``),
     :meth:`started` (a submit to Linux AIO), or :meth:`cancel` (a close after a

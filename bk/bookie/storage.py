@@ -536,7 +536,8 @@ class ShardStorage:
                  flush_interval: float = 60.0, read_cache_bytes: int = 32 << 20,
                  read_ahead_entries: int = 100, log_size_limit: int = 256 << 20,
                  recent_deletions_seconds: float = 3600.0, index_cache_bytes: int = 16 << 20,
-                 uncache_journal: bool = True, direct_journal: bool = False):
+                 uncache_journal: bool = True, direct_journal: bool = False,
+                 direct_journal_memory: int = 16 << 20):
         # ``owns(ledger_id)``: whether this shard owns a ledger; an ADD or fence of a
         # ledger it does not own is a misrouted request (EBADREQ), never new state.
         self._owns = owns
@@ -585,7 +586,8 @@ class ShardStorage:
         self._calm_bytes = 0
         self._tomb = Tombstones(os.path.join(index_dir, TOMBSTONE_FILE))
         self._gone = RecentDeletions(recent_deletions_seconds)
-        self._journal = Journal(journal_dir, segment_size, sync_data, direct=direct_journal)
+        self._journal = Journal(journal_dir, segment_size, sync_data, direct=direct_journal,
+                                direct_memory=direct_journal_memory)
         self._index = None
         self._flusher = None
         try:
@@ -598,7 +600,9 @@ class ShardStorage:
                 upgrade_shard(journal_dir, index_dir, ledger_dirs or [index_dir],
                               segment_size=segment_size, log_size_limit=log_size_limit,
                               progress=progress, tombstones=self._tomb)
-                self._journal = Journal(journal_dir, segment_size, sync_data, direct=direct_journal)
+                self._journal = Journal(journal_dir, segment_size, sync_data,
+                                        direct=direct_journal,
+                                        direct_memory=direct_journal_memory)
             self._index = Index(index_dir)
             self._logs = EntryLogs(ledger_dirs or [index_dir], log_size_limit,
                                    journal_dir=journal_dir)

@@ -420,6 +420,7 @@ class ShardWorker:
             recent_deletions_seconds=conf.gcFullReconcileIntervalSeconds,
             uncache_journal=conf.journalRemovePagesFromCache,
             direct_journal=conf.journalDirectWrites,
+            direct_journal_memory=conf.journalDirectMemoryMB << 20,
             index_cache_bytes=conf.dbStorage_rocksDB_blockCacheSize)
         if self.deleted:
             # a zombie writer's add to one of these must be refused from the first request
@@ -488,7 +489,7 @@ class ShardWorker:
     def _close_aio(self):
         """Drop Linux AIO (refused, or at exit). A direct write still in flight
         through it is reaped into its job first: the journal waits for that job
-        before it writes the same blocks or unmaps its image (``SyncJob.wait``),
+        before it writes the same blocks, slides or unmaps its window (``SyncJob.wait``),
         and nothing could reap it once the context is gone. A request that does
         not complete within the journal's close wait leaves the context in place
         (``AioSync.close``) rather than hang the exit."""
