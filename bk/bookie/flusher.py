@@ -21,9 +21,12 @@ A flush, on this thread:
    on once it took the write back (``ShardStorage._release_flush``) rather
    than wait for the disk itself;
 1. maps the journal segments between the previous mark and the job's mark
-   read-only (its own mappings: the pages are in the page cache already, and
-   nothing is copied into fresh buffers, whose page faults once cost more
-   than the copy itself);
+   read-only (its own mappings: nothing is copied into fresh buffers, whose
+   page faults once cost more than the copy itself). With buffered journal
+   writes the pages are in the page cache already; with direct writes (the
+   default) each write dropped its blocks from it, so a flush reads them from
+   the disk: its mappings are of the files, never of the journal's windows
+   (see "Direct writes" in ``bk.bookie.journal``);
 2. for each ledger in id order, copies its records in entry order into the
    current entry log (log records are journal records), merging with
    existing runs whose range it meets (see ``bk.bookie.index``). A ledger
