@@ -500,6 +500,20 @@ def kill_at_hook(bookie, out, writers, what: str, how: str = "stop") -> dict:
     assert not any(t.is_alive() for t in threads), "a writer did not end after the kill"
     return stopped
 
+def start_elsewhere(job, log: list) -> None:
+    """Unit tests of direct journal writes: mark a group's write ``job`` as
+    submitted elsewhere (as through Linux AIO: the journal cannot run it itself);
+    waiting for it appends the job to ``log``, then does the write (``pwritev``
+    with RWF_DSYNC) unless it is done already."""
+    def waiter(jb, timeout=None):
+        log.append(jb)
+        if not jb.done.is_set():
+            views = [v for _, v in jb.parts]
+            os.pwritev(jb.fd, views, jb.offset, os.RWF_DSYNC)
+            jb.done.set()
+    job.started(waiter)
+
+
 def acknowledged_entries(answers) -> list[list[int]]:
     """The ``[ledger, entry]`` pairs that a shard worker's answers (``(conn, frame)``
     pairs, as its ``_answer`` takes them) acknowledge: a group acknowledgement is
