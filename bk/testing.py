@@ -428,6 +428,15 @@ def stop_bookie(bookie, timeout: float = 10.0) -> list[int]:
 HOOK_PREFIX = "BK_TEST_HOOK_"
 
 
+# A bookie of the direct-write kill tests: one 1 MiB journal segment after another
+# and a 2 MiB write cache, so that rolls and flushes come every few hundred adds of
+# 1 KiB; no GC round and no timed flush in the way.
+KILL_TEST_CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1,
+                  "nettyMaxFrameSizeBytes": 512 << 10, "dbStorage_writeCacheMaxSizeMb": 2,
+                  "flushIntervalBytes": 1 << 20, "flushInterval": 3_600_000,
+                  "gcWaitTime": 3_600_000}
+
+
 def hook_env(out, **settings) -> dict:
     """The environment a test gives its :func:`site_hook`: the path its hook reports
     to (``out``) and its ``settings`` (site, at, how, ...), which the hook reads

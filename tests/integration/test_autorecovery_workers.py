@@ -107,6 +107,18 @@ def _start_worker(uri, log_file, **settings):
                             start_new_session=True)
 
 
+def _stop_workers(procs):
+    """SIGCONT (one may be stopped), SIGTERM and reap each `bookie autorecovery`;
+    kill -9 one that does not end."""
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+            p.terminate()
+            p.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            p.kill()
+
+
 def _locks(store):
     return {int(rel.rsplit("/", 1)[1]): v.get("owner")
             for rel, v, _ in store.list_json(UR.LOCKS) if isinstance(v, dict)}
@@ -186,13 +198,7 @@ def test_two_workers_and_one_sigstopped_past_its_lease(cluster_factory, tmp_path
                 rh = client.open_ledger(lid, password=PW)
                 assert len(list(rh.read_entries(0, 59))) == 60
     finally:
-        for p in procs:
-            try:
-                os.kill(p.pid, signal.SIGCONT)
-                p.terminate()
-                p.wait(30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                p.kill()
+        _stop_workers(procs)
 
 
 # In a `bookie autorecovery` process: its worker stops itself (SIGSTOP, every thread)
@@ -254,13 +260,7 @@ def test_a_worker_resumed_past_its_lease_finds_its_ledger_repaired_and_says_so(
             for lid in lids:
                 assert fully_replicated(c, client.ledger_metadata(lid))
     finally:
-        for p in procs:
-            try:
-                os.kill(p.pid, signal.SIGCONT)
-                p.terminate()
-                p.wait(30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                p.kill()
+        _stop_workers(procs)
 
 
 def test_decommissionbookie_goes_through_autorecovery(cluster_factory):

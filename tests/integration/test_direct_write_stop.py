@@ -27,15 +27,13 @@ import threading
 
 import pytest
 
-from bk.testing import (hook_env, kill_while_writing, pump_ledger_until_hooked,
-                        served_after_restart, site_hook, wait_until)
+from bk.testing import (KILL_TEST_CONF as CONF, hook_env, kill_while_writing,
+                        pump_ledger_until_hooked, served_after_restart, site_hook,
+                        wait_until)
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"s" * 20
 BATCH = 16
-CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1,
-        "nettyMaxFrameSizeBytes": 512 << 10, "dbStorage_writeCacheMaxSizeMb": 2,
-        "flushIntervalBytes": 1 << 20, "flushInterval": 3_600_000, "gcWaitTime": 3_600_000}
 
 HOOK = r'''
 import fcntl, os, signal

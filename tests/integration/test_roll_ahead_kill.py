@@ -24,14 +24,12 @@ import os
 import pytest
 
 from bk.bookie import journal as J
-from bk.testing import hook_env, kill_while_writing, served_after_restart, site_hook
+from bk.testing import KILL_TEST_CONF as CONF, hook_env, kill_while_writing, \
+    served_after_restart, site_hook
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"a" * 20
 BATCH = 16
-CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1,
-        "nettyMaxFrameSizeBytes": 512 << 10, "dbStorage_writeCacheMaxSizeMb": 2,
-        "flushIntervalBytes": 1 << 20, "flushInterval": 3_600_000, "gcWaitTime": 3_600_000}
 
 HOOK = r'''
 import bk.bookie.worker as w
