@@ -420,6 +420,57 @@ def stop_bookie(bookie, timeout: float = 10.0) -> list[int]:
     return pids
 
 
+# --- the kill tests' hooks ------------------------------------------------------------
+# A kill test's site_hook source runs in the bookie's processes; it learns where it
+# is to stop (its settings) and where to report from the environment the test gave
+# it (hook_env), and reports and stops with stop_here.
+
+HOOK_PREFIX = "BK_TEST_HOOK_"
+
+
+# A bookie of the direct-write kill tests: one 1 MiB journal segment after another
+# and a 2 MiB write cache, so that rolls and flushes come every few hundred adds of
+# 1 KiB; no GC round and no timed flush in the way.
+KILL_TEST_CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1,
+                  "nettyMaxFrameSizeBytes": 512 << 10, "dbStorage_writeCacheMaxSizeMb": 2,
+                  "flushIntervalBytes": 1 << 20, "flushInterval": 3_600_000,
+                  "gcWaitTime": 3_600_000}
+
+
+def hook_env(out, **settings) -> dict:
+    """The environment a test gives its :func:`site_hook`: the path its hook reports
+    to (``out``) and its ``settings`` (site, at, how, ...), which the hook reads
+    with :func:`hook_setting`."""
+    env = {HOOK_PREFIX + "OUT": out}
+    env.update({HOOK_PREFIX + name.upper(): value for name, value in settings.items()})
+    return env
+
+
+def hook_setting(name: str, default: str = "") -> str:
+    """In a hook: the setting ``name`` its test gave in :func:`hook_env`."""
+    return os.environ.get(HOOK_PREFIX + name.upper(), default)
+
+
+def hook_report(report: dict) -> None:
+    """In a hook: write ``report`` and this process's pid as JSON to the path the
+    test gave, atomically (written aside, then renamed over it: the test polls
+    for the path and must never read half a report)."""
+    out = os.environ[HOOK_PREFIX + "OUT"]
+    report["pid"] = os.getpid()
+    with open(out + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.rename(out + ".tmp", out)
+
+
+def stop_here(report: dict, how: str | None = None) -> None:
+    """In a hook: :func:`hook_report`, then stop this process (SIGSTOP, every
+    thread; ``how`` "stop", the default) or kill it -9 (any other ``how``);
+    ``how`` defaults to the test's ``how`` setting."""
+    hook_report(report)
+    how = how or hook_setting("how", "stop")
+    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+
 def hooked_stop(out, how: str = "stop", what: str = "the worker reaching the hooked line",
                 timeout: float = 120.0) -> dict:
     """Wait for the report a :func:`site_hook` writes to ``out`` (JSON with at least
@@ -437,17 +488,18 @@ def hooked_stop(out, how: str = "stop", what: str = "the worker reaching the hoo
 
 
 
-def kill_at_hook(bookie, out, writers, what: str) -> dict:
+def kill_at_hook(bookie, out, writers, what: str, how: str = "stop") -> dict:
     """Run each ``writer(stop)`` on its own thread until the worker a
-    :func:`site_hook` stops at its line has stopped there (:func:`hooked_stop`),
-    then kill -9 the bookie while it is stopped; the writers end (``stop`` is set,
-    and a connection broken after it ends them). The hook's report."""
+    :func:`site_hook` stops at its line has stopped there (``how`` "stop"), or
+    killed itself there (any other ``how``) (:func:`hooked_stop`), then kill -9
+    the bookie; the writers end (``stop`` is set, and a connection broken after
+    it ends them). The hook's report."""
     stop = threading.Event()
     threads = [threading.Thread(target=w, args=(stop,)) for w in writers]
     for t in threads:
         t.start()
     try:
-        stopped = hooked_stop(out, "stop", what=what)
+        stopped = hooked_stop(out, how, what=what)
         stop.set()
         bookie.kill()                       # SIGKILL while the worker is stopped there
     finally:
@@ -456,6 +508,20 @@ def kill_at_hook(bookie, out, writers, what: str) -> dict:
             t.join(30)
     assert not any(t.is_alive() for t in threads), "a writer did not end after the kill"
     return stopped
+
+def start_elsewhere(job, log: list) -> None:
+    """Unit tests of direct journal writes: mark a group's write ``job`` as
+    submitted elsewhere (as through Linux AIO: the journal cannot run it itself);
+    waiting for it appends the job to ``log``, then does the write (``pwritev``
+    with RWF_DSYNC) unless it is done already."""
+    def waiter(jb, timeout=None):
+        log.append(jb)
+        if not jb.done.is_set():
+            views = [v for _, v in jb.parts]
+            os.pwritev(jb.fd, views, jb.offset, os.RWF_DSYNC)
+            jb.done.set()
+    job.started(waiter)
+
 
 def acknowledged_entries(answers) -> list[list[int]]:
     """The ``[ledger, entry]`` pairs that a shard worker's answers (``(conn, frame)``
@@ -515,6 +581,20 @@ def pump_ledger_until_hooked(b, ledger_id: int, stop: threading.Event, acked: li
     except (OSError, BKError):
         if not os.path.exists(hooked):
             raise
+
+
+def kill_while_writing(b, ledger_ids, out, key: bytes, payload: bytes, batch: int = 16,
+                       how: str = "stop", what: str = "the worker at the hook"):
+    """Write each of ``ledger_ids`` (:func:`pump_ledger_until_hooked`, a thread a
+    ledger) into bookie ``b`` until the worker its :func:`site_hook` stops (or
+    kills, ``how``) at its line reports to ``out``, then kill -9 the bookie
+    (:func:`kill_at_hook`). Returns the hook's report and, per ledger, the
+    ``(ledger, entry)`` pairs acknowledged before the kill."""
+    acked: list[list] = [[] for _ in ledger_ids]
+    writers = [lambda stop, lid=lid, a=a: pump_ledger_until_hooked(b, lid, stop, a, out, key,
+                                                                   payload, batch)
+               for lid, a in zip(ledger_ids, acked)]
+    return kill_at_hook(b, out, writers, what, how=how), acked
 
 
 def served_after_restart(b, ledger_ids, acked, key: bytes, payload: bytes) -> None:

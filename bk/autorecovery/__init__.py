@@ -45,7 +45,9 @@ or ``bookie autorecovery``) runs two threads:
   entries, not its place: what it lacks is copied back to it
   (:meth:`~bk.autorecovery.replicator.Replicator.repair_in_place`), the
   ensembles unchanged. Copies are paced to ``replicationRateByBytes``. Then the worker removes the record (only
-  if nobody marked the ledger again meanwhile). A ledger still open whose
+  if nobody marked the ledger again meanwhile). However a step under the lock
+  ends (repaired, found repaired meanwhile by another, deleted, stopped, failed),
+  the worker's log names the ledger. A ledger still open whose
   *last* ensemble holds a lost bookie is left to its writer for
   ``openLedgerRereplicationGracePeriod`` ms from the mark (an active writer
   replaces the bookie itself by ensemble change, after which only complete

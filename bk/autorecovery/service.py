@@ -363,6 +363,7 @@ class AutoRecovery:
             md, _ = store.read_ledger(lid)
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)        # deleted: nothing to repair
+            log.info("ledger %d was deleted; its mark is removed", lid)
             return True
         (writable, _readonly), _ = store._bookie_sets()
         missing = [b for b in rec.get("missing", ()) if any(b in e for _, e in md.ensembles)]
@@ -389,14 +390,20 @@ class AutoRecovery:
     def _replicate(self, lid: int, rec: dict, version: int, lock, writable: set):
         store = self.store
         replicator = self._replicator
+        # Every way out of a step under the lock names the ledger in the log: a worker
+        # paused past its lease (the lock taken, the ledger not read yet) and resumed
+        # after another repaired the ledger otherwise ended its step without a word.
         try:
             md, _ = store.read_ledger(lid)     # under the lock: what we repair is current
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)
+            log.info("ledger %d was deleted; its mark is removed", lid)
             return
         missing = [b for b in rec.get("missing", ()) if any(b in e for _, e in md.ensembles)]
         if not missing:                     # repaired meanwhile (by another worker)
             UR.unmark(store, lid, version)
+            log.info("ledger %d: nothing left to repair for %s (repaired meanwhile)", lid,
+                     self.identifier)
             return
         try:
             for b in missing:
@@ -412,6 +419,8 @@ class AutoRecovery:
                 self._count(report)
         except NoSuchLedgerError:
             UR.unmark(store, lid, version)
+            log.info("ledger %d was deleted while %s repaired it; its mark is removed", lid,
+                     self.identifier)
             return
         except (LockLostError, MetadataError) as e:
             # the loop retries (and logs the trace); the ledger is named here

@@ -19,7 +19,8 @@ import bk
 from bk.autorecovery.status import auditor_id
 from bk.errors import LedgerFencedError
 from bk.meta import underreplication as UR
-from bk.testing import closed_ledger, http_get, sigstop, site_hook, wait_until
+from bk.testing import (closed_ledger, hook_env, hooked_stop, http_get, sigstop, site_hook,
+                        wait_until)
 from bk.util import free_port
 
 PW = b"workers"
@@ -106,6 +107,18 @@ def _start_worker(uri, log_file, **settings):
                             start_new_session=True)
 
 
+def _stop_workers(procs):
+    """SIGCONT (one may be stopped), SIGTERM and reap each `bookie autorecovery`;
+    kill -9 one that does not end."""
+    for p in procs:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+            p.terminate()
+            p.wait(30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            p.kill()
+
+
 def _locks(store):
     return {int(rel.rsplit("/", 1)[1]): v.get("owner")
             for rel, v, _ in store.list_json(UR.LOCKS) if isinstance(v, dict)}
@@ -160,9 +173,14 @@ def test_two_workers_and_one_sigstopped_past_its_lease(cluster_factory, tmp_path
             def said():
                 return len(re.findall(rf"ledger {held[0]}\b", logs[0].read_text()))
             before = said()
+            # (frozen after its last word on the ledger, releasing the lock, it has
+            # nothing more to say: it had re-replicated the ledger itself)
+            finished = re.search(rf"ledger {held[0]} re-replicated by", logs[0].read_text())
             os.kill(w1, signal.SIGCONT)
             # The resumed worker finishes its step with a stale lock: it changes nothing.
-            wait_until(lambda: said() > before, timeout=60,
+            # Every way out of a step names the ledger (also "nothing left to repair",
+            # when it was frozen between taking the lock and reading the ledger).
+            wait_until(lambda: finished or said() > before, timeout=60,
                        what="the resumed worker to report on its ledger")
             wait_until(lambda: _locks(c.store).get(held[0]) is None,
                        what="the resumed worker's lock gone")
@@ -180,13 +198,73 @@ def test_two_workers_and_one_sigstopped_past_its_lease(cluster_factory, tmp_path
                 rh = client.open_ledger(lid, password=PW)
                 assert len(list(rh.read_entries(0, 59))) == 60
     finally:
-        for p in procs:
-            try:
-                os.kill(p.pid, signal.SIGCONT)
-                p.terminate()
-                p.wait(30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                p.kill()
+        _stop_workers(procs)
+
+
+# In a `bookie autorecovery` process: its worker stops itself (SIGSTOP, every thread)
+# the first time it has taken a ledger's lock, before it reads the ledger.
+LOCKED_HOOK = r'''
+from bk.autorecovery import service
+from bk.testing import stop_here
+
+_replicate = service.AutoRecovery._replicate
+_stopped = []
+
+
+def replicate(self, lid, *args, **kwargs):
+    if not _stopped:
+        _stopped.append(lid)
+        stop_here({"ledger": lid})
+    return _replicate(self, lid, *args, **kwargs)
+
+
+service.AutoRecovery._replicate = replicate
+'''
+
+
+def test_a_worker_resumed_past_its_lease_finds_its_ledger_repaired_and_says_so(
+        cluster_factory, tmp_path):
+    """A worker frozen between taking a ledger's lock and reading the ledger, until
+    its lease expired and another worker repaired the ledger: resumed, it finds
+    nothing left to do, changes nothing, and says so (it used to end its step
+    without a word, which left an operator, and a test, waiting on it)."""
+    c = cluster_factory(4, conf_overrides={"lostBookieRecoveryDelay": 0})
+    settings = {"registrationTtlSeconds": 3, "lostBookieRecoveryDelay": 0}
+    logs = [tmp_path / "w1.log", tmp_path / "w2.log"]
+    out = tmp_path / "locked.json"
+    with site_hook(tmp_path, LOCKED_HOOK, hook_env(out)):
+        procs = [_start_worker(c.metadata_uri, logs[0], **settings)]
+    try:
+        with bk.BookKeeper(c.metadata_uri) as client:
+            lids = [closed_ledger(client, [b"r%d" % e for e in range(20)], password=PW)
+                    for _ in range(2)]
+            victim = c.bookie(client.ledger_metadata(lids[0]).ensembles[0][1][0])
+            mine = [lid for lid in lids if any(victim.bookie_id in ens for _, ens in
+                                               client.ledger_metadata(lid).ensembles)]
+            victim.kill()
+            held = hooked_stop(out, what="the first worker stopped holding a lock")
+            assert held["ledger"] in mine
+            procs.append(_start_worker(c.metadata_uri, logs[1], **settings))
+            wait_until(lambda: not list(UR.list_marked(c.store)) and
+                       all(victim.bookie_id not in ens for lid in mine
+                           for _, ens in client.ledger_metadata(lid).ensembles),
+                       timeout=120, what="the second worker repairing everything")
+            versions = {lid: c.store.read_ledger(lid)[1] for lid in lids}
+            os.kill(held["pid"], signal.SIGCONT)
+            # Found repaired at its read of the ledger (nothing left to repair), or,
+            # once in ten runs, only at its CAS (its record changed meanwhile): the
+            # worker says so either way.
+            said = (rf"ledger {held['ledger']}: (nothing left to repair for|its record "
+                    rf"changed while) \S+-{held['pid']}\b")
+            wait_until(lambda: re.search(said, logs[0].read_text()), timeout=60,
+                       what="the resumed worker saying its ledger needs nothing")
+            assert {lid: c.store.read_ledger(lid)[1] for lid in lids} == versions
+            assert not re.search(rf"ledger {held['ledger']} re-replicated",
+                                 logs[0].read_text())
+            for lid in lids:
+                assert fully_replicated(c, client.ledger_metadata(lid))
+    finally:
+        _stop_workers(procs)
 
 
 def test_decommissionbookie_goes_through_autorecovery(cluster_factory):

@@ -20,40 +20,23 @@ entries 0..n without a hole, each with its payload (nothing torn is served)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from bk.testing import hooked_stop, pump_ledger_until_hooked, served_after_restart, site_hook
+from bk.testing import KILL_TEST_CONF as CONF, hook_env, kill_while_writing, \
+    served_after_restart, site_hook
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"d" * 20
 BATCH = 16
-CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1, "nettyMaxFrameSizeBytes": 512 << 10,
-        "dbStorage_writeCacheMaxSizeMb": 2, "flushIntervalBytes": 1 << 20,
-        "flushInterval": 3_600_000, "gcWaitTime": 3_600_000}
 
 HOOK = r'''
-import json, os, signal
 import bk.bookie.worker as w
 import bk.bookie.journal as j
+from bk.testing import acknowledged_entries as entries, hook_setting, stop_here
 
-SITE = os.environ.get("DW_TEST_SITE", "")
-AT = int(os.environ.get("DW_TEST_AT", "0"))
-HOW = os.environ.get("DW_TEST_HOW", "stop")
-OUT = os.environ.get("DW_TEST_OUT")
+SITE = hook_setting("site")
+AT = int(hook_setting("at", "0"))
 _seen = [0]
-
-
-from bk.testing import acknowledged_entries as entries
-
-
-def stop_here(report):
-    report["pid"] = os.getpid()
-    with open(OUT + ".tmp", "w") as f:
-        json.dump(report, f)
-    os.rename(OUT + ".tmp", OUT)
-    os.kill(os.getpid(), signal.SIGSTOP if HOW == "stop" else signal.SIGKILL)
 
 
 _submit = w.ShardWorker._submit_sync
@@ -105,27 +88,13 @@ elif AT and SITE == "drain":
                                          ("drain", "stop", 3)])
 def test_kill9_at_a_direct_journal_write(cluster_factory, tmp_path, site, how, at):
     out = tmp_path / "stopped.json"
-    env = {"DW_TEST_SITE": site, "DW_TEST_AT": at, "DW_TEST_HOW": how, "DW_TEST_OUT": out}
-    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
-        c = cluster_factory(1, num_shards=1, conf_overrides=CONF)
+    with site_hook(tmp_path, HOOK, hook_env(out, site=site, at=at, how=how)):
+        c = cluster_factory(1, num_shards=1, conf_overrides=CONF)   # (a restart: no hook)
     b = c.bookies[0]
     lids = [(1 << 50) + 31 + i for i in range(3)]
-    acked: list[list] = [[] for _ in lids]
-    stop = threading.Event()
-    threads = [threading.Thread(target=pump_ledger_until_hooked,
-                                args=(b, lid, stop, a, out, KEY, PAYLOAD, BATCH))
-               for lid, a in zip(lids, acked)]
-    for t in threads:
-        t.start()
-    try:
-        stopped = hooked_stop(out, how, what=f"the worker at the {site} hook")
-        stop.set()
-        b.kill()                   # the bookie -9 (its worker stopped there, or dead)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads), "a writer did not end after the kill"
+    # the bookie -9 once its worker stopped there (or killed itself there)
+    stopped, acked = kill_while_writing(b, lids, out, KEY, PAYLOAD, BATCH, how=how,
+                                        what=f"the worker at the {site} hook")
     got = {(lid, e) for lid, per in zip(lids, acked) for _l, e in per}
     assert len(got) > 100
     if site == "aio-submit":

@@ -27,33 +27,22 @@ import threading
 
 import pytest
 
-from bk.testing import (hooked_stop, pump_ledger_until_hooked, served_after_restart,
-                        site_hook, wait_until)
+from bk.testing import (KILL_TEST_CONF as CONF, hook_env, kill_while_writing,
+                        pump_ledger_until_hooked, served_after_restart, site_hook,
+                        wait_until)
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"s" * 20
 BATCH = 16
-CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1,
-        "nettyMaxFrameSizeBytes": 512 << 10, "dbStorage_writeCacheMaxSizeMb": 2,
-        "flushIntervalBytes": 1 << 20, "flushInterval": 3_600_000, "gcWaitTime": 3_600_000}
 
 HOOK = r'''
-import fcntl, json, os, signal
+import fcntl, os, signal
 import bk.bookie.worker as w
+from bk.testing import acknowledged_entries as entries, hook_report, hook_setting, stop_here
 
-SITE = os.environ.get("DS_TEST_SITE", "")
-AT = int(os.environ.get("DS_TEST_AT", "0"))
-OUT = os.environ.get("DS_TEST_OUT")
+SITE = hook_setting("site")
+AT = int(hook_setting("at", "0"))
 _seen = [0]
-
-from bk.testing import acknowledged_entries as entries
-
-
-def report(rep):
-    rep["pid"] = os.getpid()
-    with open(OUT + ".tmp", "w") as f:
-        json.dump(rep, f)
-    os.rename(OUT + ".tmp", OUT)
 
 
 def refusing_fd():
@@ -73,14 +62,13 @@ def submit(self, job):
         return _submit(self, job)
     rep = {"entries": entries(self.inflight), "end": job.end}
     if SITE == "before-submit":
-        report(rep)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        stop_here(rep, "stop")
         return _submit(self, job)
     if SITE == "fail":
         job.fd = refusing_fd()             # the write fails (EPERM), as a device's error
     _submit(self, job)
     rep["aio"] = self._aio is not None and self._aio.busy
-    report(rep)
+    hook_report(rep)
     self.stopping = True                   # as its SIGTERM does: the drain meets the write
     os.kill(os.getppid(), signal.SIGTERM)  # and the bookie is stopped now
 
@@ -94,35 +82,33 @@ if AT and SITE:
 def test_a_stop_or_kill_with_a_direct_write_failed_in_flight_or_not_submitted(
         cluster_factory, tmp_path, site):
     out = tmp_path / "hooked.json"
-    env = {"DS_TEST_SITE": site, "DS_TEST_AT": 60, "DS_TEST_OUT": out}
-    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
+    with site_hook(tmp_path, HOOK, hook_env(out, site=site, at=60)):   # (a restart: no hook)
         c = cluster_factory(1, num_shards=1, conf_overrides=CONF)
     b = c.bookies[0]
     log_start = os.path.getsize(b.log_file)
     lids = [(1 << 50) + 41 + i for i in range(3)]
-    acked: list[list] = [[] for _ in lids]
-    stop = threading.Event()
-    threads = [threading.Thread(target=pump_ledger_until_hooked,
-                                args=(b, lid, stop, a, out, KEY, PAYLOAD, BATCH))
-               for lid, a in zip(lids, acked)]
-    for t in threads:
-        t.start()
-    try:
-        if site == "before-submit":
-            hooked = hooked_stop(out, "stop", what="the worker between begin_sync and submit")
-            stop.set()
-            b.kill()                       # -9 while its worker is stopped there
-        else:
+    if site == "before-submit":     # -9 while its worker is stopped there
+        hooked, acked = kill_while_writing(b, lids, out, KEY, PAYLOAD, BATCH,
+                                           what="the worker between begin_sync and submit")
+    else:
+        acked = [[] for _ in lids]
+        stop = threading.Event()
+        threads = [threading.Thread(target=pump_ledger_until_hooked,
+                                    args=(b, lid, stop, a, out, KEY, PAYLOAD, BATCH))
+                   for lid, a in zip(lids, acked)]
+        for t in threads:
+            t.start()
+        try:
             wait_until(out.exists, timeout=120, what="the worker at the hooked submit")
             # the bookie stops by itself (SIGTERM): in order, within the arbiter's wait
             wait_until(lambda: not b.alive, timeout=25, what="the bookie's exit after SIGTERM")
             stop.set()
             hooked = json.loads(out.read_text())
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads), "a writer did not end"
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert not any(t.is_alive() for t in threads), "a writer did not end"
     got = {(lid, e) for lid, per in zip(lids, acked) for _l, e in per}
     assert len(got) > 100
     mine = set(map(tuple, hooked["entries"]))

@@ -80,6 +80,36 @@ def _read(client, name):
     return out
 
 
+# Spark runs a streaming source's driver-side Python worker (PythonStreamingSourceRunner)
+# as a "simple" worker and waits a hardcoded 10 s for it to connect back (no setting:
+# spark.python.authenticate.socketTimeout is the daemon's). Under two CPU hogs a Python
+# start took longer: the query failed INITIALIZING, 10 s after it started, having read
+# and written nothing. Such a query is started again from its checkpoint; any other
+# failure, and any failure once its source is up, is the test's.
+WORKER_NOT_BACK = "Python worker failed to connect back"
+QUERY_SECONDS = 300         # a streaming query of these tests ends well within this
+
+
+def _start(start, attempts: int = 3):
+    """``start()`` a streaming query and wait until its source is up (a trigger runs or
+    ran) or the query ended; one whose source's Python worker did not connect back in
+    Spark's 10 s is started again (at most ``attempts`` times in all)."""
+    for _ in range(attempts):
+        q = start()
+        wait_until(lambda: not q.isActive or q.lastProgress is not None
+                   or q.status["isTriggerActive"], QUERY_SECONDS,
+                   "the streaming query's source up, or the query's end")
+        if q.isActive or q.lastProgress is not None or \
+                WORKER_NOT_BACK not in str(q.exception()):
+            return q
+    return q
+
+
+def _done(q):
+    """Wait for an availableNow query to end; its failure, if any, is raised."""
+    assert q.awaitTermination(QUERY_SECONDS), f"the query still runs: {q.status}"
+
+
 def _df(spark, shared, **opts):
     rd = spark.read.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
     for k, v in opts.items():
@@ -176,10 +206,10 @@ def _stream(spark, shared, src, dst, cp, **opts):
           .option("log", src))
     for k, v in opts.items():
         rd = rd.option(k, v)
-    q = (rd.load().select("data").writeStream.format("bookkeeper")
-         .option("metadataServiceUri", shared.metadata_uri).option("log", dst)
-         .option("checkpointLocation", cp).trigger(availableNow=True).start())
-    q.awaitTermination(120)
+    q = _start(lambda: rd.load().select("data").writeStream.format("bookkeeper")
+               .option("metadataServiceUri", shared.metadata_uri).option("log", dst)
+               .option("checkpointLocation", cp).trigger(availableNow=True).start())
+    _done(q)
     assert q.exception() is None, q.exception()
     return q
 
@@ -225,12 +255,13 @@ def test_streaming_fails_on_truncated_start(spark, shared, client, tmp_path):
     _append(client, "strunc", [b"y%d" % i for i in range(30)], roll_every=10)
     info = client.log_info("strunc")
     client.truncate_log("strunc", info.segments[-1]["first_position"])
-    q = (spark.readStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
-         .option("log", "strunc").load().select("data").writeStream.format("bookkeeper")
-         .option("metadataServiceUri", shared.metadata_uri).option("log", "strunc-out")
-         .option("checkpointLocation", cp).trigger(availableNow=True).start())
+    q = _start(lambda: spark.readStream.format("bookkeeper")
+               .option("metadataServiceUri", shared.metadata_uri)
+               .option("log", "strunc").load().select("data").writeStream.format("bookkeeper")
+               .option("metadataServiceUri", shared.metadata_uri).option("log", "strunc-out")
+               .option("checkpointLocation", cp).trigger(availableNow=True).start())
     with pytest.raises(Exception, match="the log is truncated before"):
-        q.awaitTermination(120)
+        q.awaitTermination(QUERY_SECONDS)
     # failOnDataLoss=false: the query skips to the truncation point (every y is
     # before it: the last segment was the empty one after the last roll).
     _append(client, "strunc", [b"z0", b"z1"])
@@ -277,11 +308,12 @@ def test_check_ledgers_finds_missing_entries_then_clean_after_recover(spark, sha
 
 def test_continuous_micro_batches_see_appends_while_running(spark, shared, client, tmp_path):
     _append(client, "cin", [b"first"])
-    q = (spark.readStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
-         .option("log", "cin").load().select("data").writeStream.format("bookkeeper")
-         .option("metadataServiceUri", shared.metadata_uri).option("log", "cout")
-         .option("checkpointLocation", str(tmp_path / "cp"))
-         .trigger(processingTime="500 milliseconds").start())
+    q = _start(lambda: spark.readStream.format("bookkeeper")
+               .option("metadataServiceUri", shared.metadata_uri)
+               .option("log", "cin").load().select("data").writeStream.format("bookkeeper")
+               .option("metadataServiceUri", shared.metadata_uri).option("log", "cout")
+               .option("checkpointLocation", str(tmp_path / "cp"))
+               .trigger(processingTime="500 milliseconds").start())
     try:
         def out():
             try:
@@ -373,16 +405,16 @@ def test_streaming_task_killed_mid_batch_then_restarted(spark, shared, client, t
                 .writeStream.format("bookkeeper").option("metadataServiceUri", shared.metadata_uri)
                 .option("log", "skout").option("checkpointLocation", cp)
                 .trigger(availableNow=True).start())
-    q = start()
+    q = _start(start)
     victim = _kill_the_writer_of(client, "skout", gate, lambda: not q.isActive)
     assert victim, f"the query ended before its task could be killed: {q.exception()}"
-    with pytest.raises(Exception):
-        q.awaitTermination(120)
+    with pytest.raises(Exception):      # (a query still running would not raise)
+        q.awaitTermination(QUERY_SECONDS)
     assert victim["sink"] == f"spark:{q.id}" and victim["batch"] == 0
     # The restart replays batch 0 and commits it; the commit collects the dead
     # task's ledger (its sink's, of a batch now committed).
-    q = start()
-    q.awaitTermination(120)
+    q = _start(start)
+    _done(q)
     assert q.exception() is None, q.exception()
     assert [r.data for r in _read(client, "skout")] == recs
     assert _staging_left(client, "skout") == []
@@ -398,12 +430,12 @@ def test_checkpoint_from_the_session_conf_identifies_the_sink(spark, shared, cli
         ids = set()
         for more in ([], [b"d0", b"d1"]):
             _append(client, "confin", more)
-            q = (spark.readStream.format("bookkeeper")
-                 .option("metadataServiceUri", shared.metadata_uri).option("log", "confin")
-                 .load().select("data").writeStream.format("bookkeeper")
-                 .queryName("confq").option("metadataServiceUri", shared.metadata_uri)
-                 .option("log", "confout").trigger(availableNow=True).start())
-            q.awaitTermination(120)
+            q = _start(lambda: spark.readStream.format("bookkeeper")
+                       .option("metadataServiceUri", shared.metadata_uri).option("log", "confin")
+                       .load().select("data").writeStream.format("bookkeeper")
+                       .queryName("confq").option("metadataServiceUri", shared.metadata_uri)
+                       .option("log", "confout").trigger(availableNow=True).start())
+            _done(q)
             assert q.exception() is None, q.exception()
             ids.add(q.id)
     finally:

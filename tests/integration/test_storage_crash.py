@@ -19,11 +19,13 @@ import bk
 from bk import protocol as P
 from bk.bench.scale import evict_files
 from bk.bookie import journal as J
-from bk.errors import ENOLEDGER, EOK
+from bk.bookie.entrylog import JOURNAL_LOG, is_journal_log
+from bk.errors import EFENCED, ENOLEDGER, EOK
 from bk.meta.ledger import LedgerMetadata
-from bk.testing import BookieConnection, resident_pages, wait_until
+from bk.testing import BookieConnection, hook_env, hooked_stop, resident_pages, site_hook, \
+    wait_until
 
-from test_checkpoints import pump, shard_info
+from test_checkpoints import KEY, pump, shard_info
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 SMALL_CACHE = {"dbStorage_writeCacheMaxSizeMb": 2, "flushIntervalBytes": 1 << 20,
@@ -166,16 +168,39 @@ def test_kill9_during_compaction_loses_nothing(cluster_factory):
         assert conn.call(P.read(conn.next_rid(), lids[0], 0))[2] == ENOLEDGER
 
 
-def _segment_files(b) -> int:
-    d = os.path.join(b.dir, "journal", "shard-0")
-    return sum(1 for n in os.listdir(d) if n.endswith(".seg"))
+# Stops the shard worker (SIGSTOP, every thread) once a compaction has committed the
+# removal of journal segments serving as entry logs to the index, before their
+# files are removed (the loop hands that to the flusher after the job): the first
+# such compaction after the test armed it (the ``arm`` file exists) that finds the
+# ``doomed`` ledger's runs gone from the index, i.e. the one after its deletion.
+COMPACTED_HOOK = r'''
+import os
+from bk.bookie import flusher as F
+from bk.bookie.entrylog import JOURNAL_LOG, is_journal_log
+from bk.testing import hook_setting, stop_here
+
+_compact = F.Flusher.compact
 
 
-def test_kill9_with_journal_segments_as_entry_logs(cluster_factory):
+def compact(self, job):
+    _compact(self, job)
+    if any(is_journal_log(log_id) for log_id in job.removable) and \
+            os.path.exists(hook_setting("arm")) and \
+            not self.index.runs_of(int(hook_setting("doomed"))):
+        stop_here({"removable": job.removable})
+
+
+F.Flusher.compact = compact
+'''
+
+
+def test_kill9_with_journal_segments_as_entry_logs(cluster_factory, tmp_path):
     """Flushes of a shard written one ledger at a time leave the records in their
     journal segments, which then serve as entry logs: kill -9 while such a flush
-    is in flight, and while compaction removes the segments of a deleted ledger;
-    every acknowledged entry reads back, and the space does come back."""
+    is in flight, and once the compaction that follows a ledger's deletion has
+    dropped its segments from the index, before their files are removed; every
+    acknowledged entry reads back, the deleted ledger stays deleted, and the
+    space does come back."""
     c = cluster_factory(1, num_shards=1, conf_overrides=dict(
         SMALL_CACHE, journalPreAllocSizeMB=2, nettyMaxFrameSizeBytes=1 << 20, gcWaitTime=200, minorCompactionInterval=0,
         minorCompactionThreshold=0.5))
@@ -203,7 +228,9 @@ def test_kill9_with_journal_segments_as_entry_logs(cluster_factory):
         stop.set()
         t.join(30)
     assert len(acked) > 2000
-    b.start()
+    out, arm = tmp_path / "compacted.json", tmp_path / "armed"
+    with site_hook(tmp_path, COMPACTED_HOOK, hook_env(out, arm=arm, doomed=doomed)):
+        b.start()                               # (a restart after this one runs without it)
     read_back(b, keep, acked)
     info = shard_info(b, 0)
     assert info["journal_segments_as_logs"] >= 2     # the kept segments serve the reads
@@ -212,25 +239,27 @@ def test_kill9_with_journal_segments_as_entry_logs(cluster_factory):
     pump(b, doomed, 0, 6000)                    # ~6.4 MB: at least two whole segments
     pump(b, keep, len(acked), 3000, acked=acked)
     wait_until(lambda: not shard_info(b, 0)["flushing"], timeout=30, what="flush done")
-    before = _segment_files(b)
+    arm.touch()
     store.delete_ledger(doomed)
-    wait_until(lambda: shard_info(b, 0)["compacting"], timeout=60, step=0.002,
-               what="a compaction in flight")
-    b.kill()                                    # kill -9 while segments are compacted away
+    # GC deletes the ledger (durably: its tombstone, then the index), then compacts
+    # its segments away; the worker stops once the index no longer names them
+    stopped = hooked_stop(out, what="the compaction of the deleted ledger's segments")
+    jdir = os.path.join(b.dir, "journal", "shard-0")
+    compacted = [os.path.join(jdir, J.segment_name(i & ~JOURNAL_LOG))
+                 for i in stopped["removable"] if is_journal_log(i)]
+    assert len(compacted) >= 2, stopped         # ~6.4 MB of 2 MB segments
+    b.kill()                                    # kill -9 before their files are removed
+    assert all(map(os.path.exists, compacted))
     b.start()
     read_back(b, keep, acked)
-    # and the doomed ledger's segments do go, on a later round
-    wait_until(lambda: _segment_files(b) <= before - 2, timeout=60,
+    with BookieConnection(b.bookie_id, 0) as conn:   # the deletion was durable: at once
+        assert conn.call(P.read(conn.next_rid(), doomed, 0))[2] == ENOLEDGER
+        assert conn.call(P.add(conn.next_rid(), doomed, 6000, 5999, KEY, b"",
+                               PAYLOAD))[2] == EFENCED       # and its tombstone holds
+    # and the files the index no longer names are removed
+    wait_until(lambda: not any(map(os.path.exists, compacted)), timeout=60,
                what="the deleted ledger's segments removed")
     read_back(b, keep, acked)
-
-    def doomed_gone():
-        with BookieConnection(b.bookie_id, 0) as conn:
-            return conn.call(P.read(conn.next_rid(), doomed, 0))[2] == ENOLEDGER
-    # (the kill may have come before the deletion was durable, and fewer segments
-    # may be the trim of flushed ones: a later GC round of the restarted bookie
-    # deletes it again)
-    wait_until(doomed_gone, timeout=60, what="the deleted ledger gone after the restart")
 
 
 def _entry(lid: int, e: int) -> bytes:

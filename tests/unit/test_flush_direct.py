@@ -5,32 +5,18 @@ and the loop waiting for the flusher first waits for the write itself."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import test_storage as sbase
 from bk.bookie import flusher as F
 from bk.errors import EOK
+from bk.testing import start_elsewhere
 
 
 @pytest.fixture(autouse=True)
 def copying(monkeypatch):
     """Flushes that copy every entry (the path that reads the journal's files)."""
     monkeypatch.setattr(F, "ADOPT_MIN_BYTES", 1 << 62)
-
-
-def start_elsewhere(job, log):
-    """Mark a group's direct write as submitted elsewhere (as through AIO: the
-    journal cannot run it itself); waiting for it logs the job in ``log`` and
-    does the write."""
-    def waiter(jb, timeout=None):
-        log.append(jb)
-        if not jb.done.is_set():
-            views = [v for _, v in jb.parts]
-            os.pwritev(jb.fd, views, jb.offset, os.RWF_DSYNC)
-            jb.done.set()
-    job.started(waiter)
 
 
 def fill(s, n=40):
