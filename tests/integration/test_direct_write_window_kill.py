@@ -21,37 +21,27 @@ restarted bookie would truncate the journal at the torn record."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
-from bk.testing import (hooked_stop, pump_ledger_until_hooked, served_after_restart, site_hook,
-                        wait_until)
+from bk.testing import KILL_TEST_CONF, hook_env, kill_while_writing, served_after_restart, \
+    site_hook, wait_until
 
 PAYLOAD = bytes(range(256)) * 4          # 1 KiB
 KEY = b"w" * 20
 BATCH = 16
-CONF = {"journalDirectWrites": True, "journalPreAllocSizeMB": 1, "journalDirectMemoryMB": 1,
-        "nettyMaxFrameSizeBytes": 512 << 10, "dbStorage_writeCacheMaxSizeMb": 4,
-        "flushIntervalBytes": 2 << 20, "flushInterval": 3_600_000, "gcWaitTime": 3_600_000}
+# KILL_TEST_CONF with the windows' setting at its smallest (the hook shrinks them
+# further) and a larger write cache, so that flushes do not come before the slides.
+CONF = dict(KILL_TEST_CONF, journalDirectMemoryMB=1, dbStorage_writeCacheMaxSizeMb=4,
+            flushIntervalBytes=2 << 20)
 
 HOOK = r'''
-import json, os, signal, threading, time
+import os, threading, time
 import bk.bookie.journal as j
+from bk.testing import hook_setting, stop_here
 
-SITE = os.environ.get("WK_TEST_SITE", "")
-AT = int(os.environ.get("WK_TEST_AT", "0"))
-HOW = os.environ.get("WK_TEST_HOW", "stop")
-OUT = os.environ.get("WK_TEST_OUT")
+SITE = hook_setting("site")
+AT = int(hook_setting("at", "0"))
 _seen = [0]
-
-
-def stop_here(report):
-    report["pid"] = os.getpid()
-    with open(OUT + ".tmp", "w") as f:
-        json.dump(report, f)
-    os.rename(OUT + ".tmp", OUT)
-    os.kill(os.getpid(), signal.SIGSTOP if HOW == "stop" else signal.SIGKILL)
 
 
 j.MIN_WINDOW = 4096
@@ -93,7 +83,7 @@ def slow_pwritev(*args):            # the sync thread's writes stay in flight a 
 if AT:
     j.Journal._probe_direct = probe
     j.Journal._slide = slide
-    if os.environ.get("WK_TEST_SLOW"):
+    if hook_setting("slow"):
         os.pwritev = slow_pwritev
 '''
 
@@ -105,31 +95,17 @@ if AT:
 def test_kill9_at_a_slide_of_the_journals_window(cluster_factory, tmp_path, site, how, at,
                                                  writer):
     out = tmp_path / "stopped.json"
-    env = {"WK_TEST_SITE": site, "WK_TEST_AT": at, "WK_TEST_HOW": how, "WK_TEST_OUT": out}
-    conf = dict(CONF)
+    conf, slow = dict(CONF), ""
     if writer == "thread":        # the sync thread writes, each write slowed by 5 ms
         conf["journalSyncThroughAio"] = False
-        env["WK_TEST_SLOW"] = 1
-    with site_hook(tmp_path, HOOK, env):     # a restarted bookie runs without it
-        c = cluster_factory(1, num_shards=1, conf_overrides=conf)
+        slow = "1"
+    with site_hook(tmp_path, HOOK, hook_env(out, site=site, at=at, how=how, slow=slow)):
+        c = cluster_factory(1, num_shards=1, conf_overrides=conf)   # (a restart: no hook)
     b = c.bookies[0]
     lids = [(1 << 50) + 71 + i for i in range(3)]
-    acked: list[list] = [[] for _ in lids]
-    stop = threading.Event()
-    threads = [threading.Thread(target=pump_ledger_until_hooked,
-                                args=(b, lid, stop, a, out, KEY, PAYLOAD, BATCH))
-               for lid, a in zip(lids, acked)]
-    for t in threads:
-        t.start()
-    try:
-        stopped = hooked_stop(out, how, what=f"the worker at the {site} hook")
-        stop.set()
-        b.kill()                   # the bookie -9 (its worker stopped there, or dead)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads), "a writer did not end after the kill"
+    # the bookie -9 once its worker stopped there (or killed itself there)
+    stopped, acked = kill_while_writing(b, lids, out, KEY, PAYLOAD, BATCH, how=how,
+                                        what=f"the worker at the {site} hook")
     if site == "slide-inflight":          # the write in flight reads the window's blocks
         assert stopped["offset"] >= stopped["wbase"] and stopped["inflight_end"] > stopped["offset"]
     got = {(lid, e) for lid, per in zip(lids, acked) for _l, e in per}

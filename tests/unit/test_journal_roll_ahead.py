@@ -13,6 +13,7 @@ import threading
 import test_journal as base
 from bk.bookie import journal as J
 from bk.bookie.journal import Journal, iter_records
+from bk.testing import start_elsewhere
 
 SEG = 64 * 1024
 
@@ -21,19 +22,6 @@ def open_journal(path, mark=None):
     j = Journal(str(path), SEG, True, J.ROLL_STAGGER, True)
     assert j.direct
     return j, list(j.replay(mark))
-
-
-def start_elsewhere(job, log):
-    """Mark a group's direct write as submitted elsewhere (as through AIO: the
-    journal cannot run it itself); waiting for it logs the job in ``log`` and
-    does the write."""
-    def waiter(jb, timeout=None):
-        log.append(jb)
-        if not jb.done.is_set():
-            views = [v for _, v in jb.parts]
-            os.pwritev(jb.fd, views, jb.offset, os.RWF_DSYNC)
-            jb.done.set()
-    job.started(waiter)
 
 
 def fill_to_the_ahead_point(j, pos, ledger=7):
