@@ -39,7 +39,10 @@ the ledger at; (4) a ledger closed once (by its writer or a recovery) keeps
 that last entry; (5) no tailing reader saw a LAC past the final last entry;
 (6) before its final recovery, every acknowledged entry of a ledger left open
 or IN_RECOVERY is on Qa bookies of its write set in the metadata (what
-recovery relies on), and after it every entry 0..last is.
+recovery relies on), and after it every entry 0..last is. A long-lived client
+whose I/O thread died, or whose loop saw events of fds no connection held,
+fails the soak too (not a safety violation, but a client that can do no more
+I/O).
 Exit code 0 on PASS, 1 on FAIL. The cluster directory (bookie logs,
 client.log, events.log, violations.txt) is kept on FAIL or with --keep.
 """
@@ -954,6 +957,15 @@ def main():
     finally:
         stop.set()
         for c in clients:
+            # A client whose I/O thread died can do no more I/O: every later call of its
+            # application fails. Not a safety violation, but a bug the soak must not pass
+            # (one did: a recovery connected off the I/O thread, 2026-11-27).
+            io = c._io
+            if io._dead is not None:
+                hist.violation(f"a client's I/O thread died: {fmt_exc(io._dead)}")
+            if io.unknown_events:
+                hist.violation(f"a client's I/O loop saw {io.unknown_events} events of fds "
+                               f"no connection held")
             try:
                 c.close()
             except Exception:
