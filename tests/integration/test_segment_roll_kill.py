@@ -6,8 +6,9 @@ now that the next segment is prepared by a thread of the journal's own (see
   fsync'd, not renamed yet;
 * ``prepared``: it has been renamed into place and the directory fsync'd, and
   no record has reached it;
-* ``roll``: a roll has written out and fdatasync'd the old segment and is about
-  to activate the prepared one.
+* ``roll``: a roll is about to activate the prepared one, the old segment's
+  tail written and synced (or, with direct writes at a group's start, its last
+  write handed out: see ``test_kill_at_an_early_roll_loses_nothing``).
 
 The shard worker stops itself (SIGSTOP, every thread of it) at the second such
 moment through a hook put first on the bookie's PYTHONPATH (``site_hook``). With
@@ -47,6 +48,13 @@ _seen = [0]
 if os.environ.get("ROLL_TEST_EARLY"):    # every segment rolls at the lowest point of its draw
     J.roll_point = lambda size, rng, spread=J.ROLL_STAGGER: (
         size - int((size - J.HEADER_SIZE) * spread))
+# How the worker commits every group: "pipelined", its write handed out (begin_sync)
+# and submitted after, or "inline", written and synced on the loop (sync); unset,
+# as the worker decides (the disk's recent speed, the group's size)
+SYNC = os.environ.get("ROLL_TEST_SYNC")
+if SYNC:
+    import bk.bookie.worker as W
+    W.ShardWorker._may_sync_inline = lambda self, inline=SYNC == "inline": inline
 
 
 def moment(what, directory=None, **more):
@@ -90,14 +98,15 @@ elif WHERE == "roll":
         job = self._inflight
         pending = (job is not None and job.seq == self.active_seq and job.parts is not None
                    and not job.done.is_set())
-        moment("roll", seq=self.active_seq, pending_from=job.offset if pending else None)
+        moment("roll", seq=self.active_seq, pending_from=job.offset if pending else None,
+               pending_end=job.end if pending else None, block=self._bs)
         return _take(self)
     J.Journal._take_prepared = take
 '''
 
 
-def pump(b, lid, stop, acked, first=0):
-    """Batches of BATCH entries (window of 8 batches) from ``first`` until ``stop``;
+def pump(b, lid, stop, acked, first=0, window=8):
+    """Batches of BATCH entries (``window`` batches) from ``first`` until ``stop``;
     the entries acknowledged with EOK go to ``acked``. A connection broken by the
     kill ends it. The window counts entries: one group acknowledgement covers every
     batch of the group (bk.protocol), so counting answers as batches would wait, at
@@ -106,7 +115,7 @@ def pump(b, lid, stop, acked, first=0):
         with BookieConnection(b.bookie_id, shard=P.shard_of(lid, b.num_shards)) as c:
             eid, outstanding = first, 0
             while not stop.is_set() or outstanding:
-                while outstanding < 8 * BATCH and not stop.is_set():
+                while outstanding < window * BATCH and not stop.is_set():
                     c.send_raw(P.encode_add_batch(c.next_rid(), KEY, 0, [
                         (lid, e, e - 1, b"", PAYLOAD) for e in range(eid, eid + BATCH)]))
                     eid += BATCH
@@ -122,10 +131,10 @@ def pump(b, lid, stop, acked, first=0):
             raise
 
 
-def run_pump(b, lid, acked, first=0):
+def run_pump(b, lid, acked, first=0, window=8):
     """Start pumping (see :func:`pump`): the thread and its stop event."""
     stop = threading.Event()
-    t = threading.Thread(target=pump, args=(b, lid, stop, acked, first))
+    t = threading.Thread(target=pump, args=(b, lid, stop, acked, first, window))
     t.start()
     return t, stop
 
@@ -162,18 +171,32 @@ def test_kill_or_stop_at_a_segment_roll_loses_nothing(cluster_factory, tmp_path,
     kill_or_stop_at_a_roll(cluster_factory, tmp_path, where, how)
 
 
-def test_kill_at_an_early_roll_loses_nothing(cluster_factory, tmp_path):
+@pytest.mark.parametrize("sync", ["pipelined", "inline"])
+def test_kill_at_an_early_roll_loses_nothing(cluster_factory, tmp_path, sync):
     """The same with every segment rolled at the lowest point its roll can be
     drawn at (the last eighth of its room, ``bk.bookie.journal.roll_point``):
     killed at the second such roll (the first segment closed early, the second
-    written out and synced to its early end), the records of both replay, and
-    the restarted bookie (without the hook: its draws are random again) goes on
-    in the second and across further rolls."""
+    written out to its early end, or about to be), the records of both replay,
+    and the restarted bookie (without the hook: its draws are random again)
+    goes on in the second and across further rolls.
+
+    Direct writes roll at a group's start, once the segment is past the point
+    ``ROLL_AHEAD`` of its room before the roll point (``Journal._roll_ahead``).
+    One batch of adds at a time makes every group smaller than that stretch, so
+    that no group outgrows the roll point and every roll is such a roll; and the
+    hook has the worker commit every group one way:
+
+    * ``pipelined``: the roll comes in ``begin_sync``, right after the group's
+      write (the old segment's last) is handed out and before the worker submits
+      it: the kill takes that write, whose adds were never answered, and the
+      segment ends where the write before it ended, inside the block the lost
+      write starts with;
+    * ``inline``: the roll comes in ``sync``, once the group's write is durable:
+      the segment ends past that point, at most at its roll point."""
     lowest = (1 << 20) - int(((1 << 20) - J.HEADER_SIZE) * J.ROLL_STAGGER)
-    # with direct writes a roll usually comes at the start of the group that passes
-    # the point ROLL_AHEAD of the room before the roll point (Journal._roll_ahead)
-    ahead = (int(((1 << 20) - J.HEADER_SIZE) * J.ROLL_AHEAD)
-             if SETTINGS["journalDirectWrites"].default else 0)
+    ahead = int(((1 << 20) - J.HEADER_SIZE) * J.ROLL_AHEAD)
+    assert SETTINGS["journalDirectWrites"].default
+    assert BATCH * (len(PAYLOAD) + 64) < ahead      # a group fits the stretch
     killed = []
 
     def check(jdir, lid, stopped):
@@ -183,25 +206,25 @@ def test_kill_at_an_early_roll_loses_nothing(cluster_factory, tmp_path):
                 ends[r.seq] = r.offset + r.length
         killed.append(ends)
         assert len(ends) >= 2, ends
-        # every segment with data ended at its (early) roll point, a record short at
-        # most (or, direct, where a group's start rolled it, within ROLL_AHEAD before);
-        # but the segment rolling at the kill, if its last write was handed out and not
-        # done then, may end anywhere from that write's first block on (everything
-        # before was written: the kill took the write, whose adds were not answered)
-        pending = stopped.get("pending_from")
+        pending = stopped["pending_from"]
+        assert (pending is not None) == (sync == "pipelined"), stopped
         for seq, e in ends.items():
-            if seq == stopped.get("seq") and pending is not None:
-                assert pending <= e <= lowest, (seq, e, pending, lowest)
+            if seq == stopped["seq"] and pending is not None:
+                # the lost write's records are not there; all before them are
+                assert pending <= e < pending + stopped["block"], (seq, e, stopped)
+                assert e < stopped["pending_end"], (seq, e, stopped)
             else:
-                assert lowest - ahead - 2048 < e <= lowest, (ends, lowest)
+                # rolled once a group's write was durable: past the point ROLL_AHEAD
+                # before the roll point, not past the roll point
+                assert lowest - ahead < e <= lowest, (ends, lowest)
 
     kill_or_stop_at_a_roll(cluster_factory, tmp_path, "roll", "kill", early=True,
-                           after_kill=check)
+                           after_kill=check, sync=sync, window=1)
     assert killed
 
 
 def kill_or_stop_at_a_roll(cluster_factory, tmp_path, where, how, early=False,
-                           after_kill=None):
+                           after_kill=None, sync=None, window=8):
     out = tmp_path / "stopped.json"
     # No flush: a flush deletes the segments wholly before its mark but keeps those
     # the index adopted as entry logs, which leaves gaps that check_journal's test
@@ -214,13 +237,15 @@ def kill_or_stop_at_a_roll(cluster_factory, tmp_path, where, how, early=False,
     env = {"ROLL_TEST_WHERE": where, "ROLL_TEST_OUT": out}
     if early:
         env["ROLL_TEST_EARLY"] = "1"
+    if sync:
+        env["ROLL_TEST_SYNC"] = sync
     with site_hook(tmp_path, HOOK, env):
         c = cluster_factory(1, num_shards=1, conf_overrides=conf)
     b = c.bookies[0]
     jdir = os.path.join(b.dir, "journal", "shard-0")
     lid = (1 << 50) + 31
     acked: list[int] = []
-    t, stop = run_pump(b, lid, acked)
+    t, stop = run_pump(b, lid, acked, window=window)
     try:
         stopped = hooked_stop(out, "stop", what=f"the worker stopping at {where}")
         assert stopped["where"] == where
