@@ -85,7 +85,16 @@ def _read(client, name):
 # spark.python.authenticate.socketTimeout is the daemon's). Under two CPU hogs a Python
 # start took longer: the query failed INITIALIZING, 10 s after it started, having read
 # and written nothing. Such a query is started again from its checkpoint; any other
-# failure, and any failure once its source is up, is the test's.
+# failure, and any failure once its source is up, is the test's
+# (test_only_a_source_worker_that_did_not_connect_back_is_retried).
+# Checked for real once (2026-11-28, Spark 4.3): the bookkeeper source registered
+# again with the SparkContext's pythonExec set to a shell script that, for a
+# "-m pyspark.sql.streaming.python_streaming_source_runner" start, slept 14 s the
+# first time and exited (the others exec'd this Python); _stream of 20 records then
+# started the query twice (the first failed INITIALIZING, no offsets, with this
+# message), and the log it wrote held the 20 records once. With attempts=1 the same
+# run failed with this message. Not kept as a test: 80 s on the loaded VM (Spark's
+# 10 s, a second query, a new Python daemon for the executors).
 WORKER_NOT_BACK = "Python worker failed to connect back"
 QUERY_SECONDS = 300         # a streaming query of these tests ends well within this
 
@@ -246,6 +255,33 @@ def test_streaming_exactly_once_across_restarts_and_replays(spark, shared, clien
     _append(client, "sin", [b"c0"])
     _stream(spark, shared, "sin", "sout", cp)
     assert [r.data for r in _read(client, "sout")] == first + more + [b"c0"]
+
+
+def test_only_a_source_worker_that_did_not_connect_back_is_retried():
+    """_start starts a query again only while it failed with Spark's connect-back
+    error before any progress, at most three times in all; any other failure is
+    handed back at once."""
+    class Query:
+        isActive = False
+        lastProgress = None
+        status = {"isTriggerActive": False}
+
+        def __init__(self, error):
+            self.error = error
+
+        def exception(self):
+            return self.error
+    for error, tries in ((f"... {WORKER_NOT_BACK} ...", 3), ("another failure", 1),
+                         (None, 1)):
+        started = []
+        q = _start(lambda: started.append(Query(error)) or started[-1])
+        assert (len(started), q) == (tries, started[-1]), error
+    # once it made progress, even that failure is the test's
+    made = []
+    progressed = Query(WORKER_NOT_BACK)
+    progressed.lastProgress = {"batchId": 0}
+    assert _start(lambda: made.append(progressed) or progressed) is progressed
+    assert len(made) == 1
 
 
 def test_streaming_fails_on_truncated_start(spark, shared, client, tmp_path):
