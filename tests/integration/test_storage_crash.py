@@ -262,6 +262,73 @@ def test_kill9_with_journal_segments_as_entry_logs(cluster_factory, tmp_path):
     read_back(b, keep, acked)
 
 
+# Stops the shard worker (SIGSTOP, every thread) once the tombstone of the ``doomed``
+# ledger is on disk (Tombstones.add fsync'd it), before the deletion's DELETE record
+# and its index update: the ledger's state and runs are all still there.
+TOMBSTONED_HOOK = r'''
+from bk.bookie import storage as S
+from bk.testing import hook_setting, stop_here
+
+_add = S.Tombstones.add
+
+
+def add(self, ledgers):
+    ledgers = list(ledgers)
+    _add(self, ledgers)
+    if int(hook_setting("doomed")) in ledgers:
+        stop_here({"tombstones": len(self)})
+
+
+S.Tombstones.add = add
+'''
+
+
+def test_kill9_once_a_deleted_ledgers_tombstone_is_durable(cluster_factory, tmp_path):
+    """kill -9 at the first moment a deletion holds: the ledger's tombstone fsync'd,
+    its state, entries (in the index, and maybe in the journal's tail) all still
+    there. The restarted shard drops them as it opens, before it answers anything:
+    the ledger is ENOLEDGER from the first answer (a read, a READ_RANGE, a fencing
+    READ_LAC), an ADD to it is EFENCED, also with the recovery flag, and the other
+    ledger reads back whole."""
+    out = tmp_path / "tombstoned.json"
+    c = cluster_factory(1, num_shards=1, conf_overrides=dict(SMALL_CACHE, gcWaitTime=200))
+    b, store = c.bookies[0], c.store
+    keep, doomed = [], []
+    for lids in (keep, doomed):
+        lid = store.new_ledger_id()
+        store.create_ledger(LedgerMetadata(lid, 1, 1, 1, [(0, [b.bookie_id])]))
+        lids.append(lid)
+    keep, doomed = keep[0], doomed[0]
+    b.stop()
+    with site_hook(tmp_path, TOMBSTONED_HOOK, hook_env(out, doomed=doomed)):
+        b.start()                               # (a restart after this one runs without it)
+    acked = pump(b, keep, 0, 500)
+    pump(b, doomed, 0, 3000)                    # ~3 MB: flushed (the index), maybe a tail
+    pump(b, keep, 500, 500, acked=acked)
+    store.delete_ledger(doomed)
+    stopped = hooked_stop(out, what="the deleted ledger's tombstone made durable")
+    assert stopped["tombstones"] == 1
+    b.kill()                                    # kill -9 before its DELETE record
+    b.start()
+    key = KEY
+    with BookieConnection(b.bookie_id, 0) as conn:   # the first answers after the restart
+        assert conn.call(P.read(conn.next_rid(), doomed, 0))[2] == ENOLEDGER
+        assert conn.call(P.read(conn.next_rid(), doomed, 2999))[2] == ENOLEDGER
+        assert conn.call(P.read_range(conn.next_rid(), doomed, 0, 2999, 1 << 20))[2] == \
+            ENOLEDGER
+        assert conn.call(P.read_lac(conn.next_rid(), doomed, fence=True,
+                                    master_key=key))[2] == ENOLEDGER
+        assert conn.call(P.add(conn.next_rid(), doomed, 3000, 2999, key, b"",
+                               PAYLOAD))[2] == EFENCED
+        assert conn.call(P.add(conn.next_rid(), doomed, 3000, 2999, key, b"", PAYLOAD,
+                               recovery=True))[2] == EFENCED
+    # it was the open that dropped them (the kill came before anything else did)
+    with open(b.log_file) as f:
+        assert f"dropped 1 ledgers that have tombstones (e.g. {doomed})" in f.read()
+    read_back(b, keep, acked)
+    assert shard_info(b, 0)["ledgers"] == 1
+
+
 def _entry(lid: int, e: int) -> bytes:
     return (b"%d/%d;" % (lid, e) * 100)[:1000 + e % 50]
 
