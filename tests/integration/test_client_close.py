@@ -109,7 +109,7 @@ def test_calls_pending_on_stopped_bookies_end_when_the_client_closes(cluster, ro
     every bookie is SIGSTOPped and threads start, each with one call that
     waits on them: two reads, a LAC read, two long polls, an open without
     recovery (its LAC read), a recovery open (its fencing), a blocking add,
-    a PING through ``request()``, a log reader tailing. Once the client holds
+    a PING through ``request()``, a log reader tailing, a log append. Once the client holds
     their requests, another thread closes it: every call ends with
     ClientClosedError (they used to end only when their 300 s ran out, a
     long poll with "nothing came", a recovery with "could not fence", a read
@@ -127,6 +127,8 @@ def test_calls_pending_on_stopped_bookies_end_when_the_client_closes(cluster, ro
             th = c.open_ledger_no_recovery(tail.ledger_id, password=PW)
             assert th.last_add_confirmed == 8       # the writer's last minus one
             lr = c.open_log_reader("close-test", start="latest")
+            law = c.open_log_writer("close-append")         # (takes the log over)
+            law.append(b"before")
             wh = c.create_ledger(3, 3, 2, password=PW)
             assert wh.add_entry(b"before") == 0
             idle = c.create_ledger(3, 3, 2, password=PW)     # nothing in flight at the close
@@ -147,10 +149,11 @@ def test_calls_pending_on_stopped_bookies_end_when_the_client_closes(cluster, ro
                 calls.start("add", lambda: wh.add_entry(b"after"))
                 calls.start("request", lambda: _request(c, bookies[0].bookie_id, closed_id))
                 calls.start("log-tail", lambda: lr.read_next(timeout=LONG))
+                calls.start("log-append", lambda: law.append(b"after"))
                 # every call's requests are with the (stopped) bookies: two reads'
                 # READ_RANGEs, a LAC read, two polls, the open's LAC read, the
-                # recovery's fencing, the add, the ping, the log's poll
-                wait_until(lambda: _in_flight(c) >= 10 and len(calls.started) == 10,
+                # recovery's fencing, the add, the ping, the log's poll and append
+                wait_until(lambda: _in_flight(c) >= 11 and len(calls.started) == 11,
                            what="every call waiting on the stopped bookies")
                 closer = threading.Thread(target=c.close)
                 closer.start()
@@ -175,7 +178,8 @@ def test_calls_pending_on_stopped_bookies_end_when_the_client_closes(cluster, ro
                         ("open", lambda: c.open_ledger(rec_id, password=PW)),
                         ("recover", lambda: recovery.recover_ledger(c, rec_id, password=PW)),
                         ("request", lambda: _request(c, bookies[0].bookie_id, closed_id)),
-                        ("log read", lambda: lr.read_next(timeout=1.0))]:
+                        ("log read", lambda: lr.read_next(timeout=1.0)),
+                        ("log append", lambda: law.append(b"late"))]:
                     after.start(name, fn)
                     after.threads[-1].join(ENDED_WITHIN)     # one after the other
                 after.wait_ended()
