@@ -12,7 +12,7 @@ import pytest
 from bk import protocol
 from bk.client import connection
 from bk.client.connection import IOLoop
-from bk.errors import ClientClosedError
+from bk.errors import BKError, ClientClosedError
 from bk.testing import wait_until
 
 
@@ -430,3 +430,57 @@ def test_a_forked_childs_stop_closes_its_copy_of_the_loop():
         assert _on_io_thread(loop, lambda: "alive") == "alive"
     finally:
         loop.stop()
+
+
+class _Die(BaseException):
+    """Not an Exception: escapes the I/O thread's task guard, as a bug would."""
+
+
+def _raise_die():
+    raise _Die("injected failure of the I/O thread")
+
+
+class _Request:
+    """A request object as reads make them: on_reply / on_error, once."""
+
+    def __init__(self):
+        self.error = None
+        self.done = threading.Event()
+
+    def on_reply(self, conn, msg):
+        self.done.set()
+
+    def on_error(self, conn, exc):
+        self.error = exc
+        self.done.set()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_work_left_when_the_io_thread_dies_ends_with_its_death():
+    """The I/O thread dies (a bug) with a request in flight to a peer that never
+    answers, and behind the fatal task, not yet run: a task that sends a read's
+    request (as read_entries hands over) and a request. Each ends at once with
+    the BKError naming the death (the read's task used to be dropped, its
+    reader waiting for its deadline), and later calls raise it."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    loop = IOLoop(name="bk-io-test")
+    try:
+        conn = loop.conn(f"127.0.0.1:{srv.getsockname()[1]}", 0)
+        first = loop.request(conn, protocol.ping, timeout=300)
+        wait_until(lambda: conn.sock is not None, what="the connection to the silent peer")
+        release = _held(loop)
+        loop.call_soon(_raise_die)
+        read = _Request()
+        loop.call_soon(lambda: conn.send(next(loop.rids), read, b"", 300))
+        late = loop.request(conn, protocol.ping, timeout=300)
+        release.set()
+        assert first.wait(30) and read.done.wait(30) and late.wait(30)
+        for err in (first.error, read.error, late.error):
+            assert isinstance(err, BKError) and "I/O thread died" in str(err), err
+        with pytest.raises(BKError, match="I/O thread died"):
+            loop.call_soon(lambda: None)
+        loop._thread.join(30)       # (its exception is reported inside the test)
+        assert not loop._thread.is_alive()
+        assert not loop._submit and conn.sock is None
+    finally:
+        srv.close()
