@@ -1507,14 +1507,19 @@ class LedgerHandle:
     # --- ensemble change (worker thread, then I/O thread) ---------------------------
     def _change_ensemble(self):
         try:
-            self._change_ensemble_once()
-        except BKError as e:
-            # The adds fail with the reason's own class (LedgerFencedError,
-            # NotEnoughBookiesError, MetadataError, ...).
-            self._loop.call_soon(self._error_out, type(e), f"ensemble change failed: {e}")
-        except Exception as e:  # never leave adds hanging
-            log.exception("ensemble change of ledger %d failed", self._lid)
-            self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")
+            try:
+                self._change_ensemble_once()
+            except BKError as e:
+                # The adds fail with the reason's own class (LedgerFencedError,
+                # NotEnoughBookiesError, MetadataError, ...).
+                self._loop.call_soon(self._error_out, type(e), f"ensemble change failed: {e}")
+            except Exception as e:  # never leave adds hanging
+                log.exception("ensemble change of ledger %d failed", self._lid)
+                self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")
+        except BKError:
+            # the client closed (or its I/O thread died) under the change: the
+            # loop's end failed this handle's adds, nothing is left to tell it
+            pass
 
     def _change_ensemble_once(self):
         md, version = self._md, self._version
