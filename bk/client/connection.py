@@ -171,6 +171,9 @@ def closed_error_among(errors):
 def _after_fork_in_child():
     for loop in list(_loops):
         loop._forked = True
+        # a lock some parent thread held at the fork (the loop's last drain
+        # pops under it) would be held forever here: the child's is its own
+        loop._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
