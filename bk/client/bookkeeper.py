@@ -63,9 +63,11 @@ class BookKeeper:
     and long polls (``read_last_add_confirmed_and_entry``, a log reader's
     tail), recovery opens, ledger closes waiting for their adds. Every call
     made afterwards raises it at once, on the client and on its handles and
-    log readers (a ledger's metadata read or written under a closing client,
-    which closes its store, fails with it too). A forked child's copy of a
-    closed client is closed too.
+    log readers. An open, a recovery or a read whose metadata call meets the
+    store closing with the client raises it too; other metadata calls then
+    raise the store's MetadataError. A forked child's copy of a closed
+    client is closed too, and a child's close() ends only the child's I/O
+    thread.
     """
 
     def __init__(self, uri_or_none=None, conf: Config | None = None, **overrides):
