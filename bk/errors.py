@@ -174,6 +174,13 @@ class BookieUnavailableError(TransientError):
     """A bookie could not be reached or its connection broke."""
 
 
+class ClientClosedError(BookieUnavailableError):
+    """The client was closed: a call pending on it when it closed, or made on it
+    afterwards, ends with this at once (never at its own deadline). A
+    BookieUnavailableError, so code that catches that keeps working; retrying
+    it on the same client is pointless."""
+
+
 class NotEnoughBookiesError(TransientError):
     """Too few writable bookies to form (or repair) an ensemble or quorum."""
 

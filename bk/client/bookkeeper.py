@@ -16,8 +16,9 @@ from bk.client.placement import PlacementPolicy
 from bk.client.recovery import check_password, recover_ledger
 from bk import log as bklog
 from bk.config import Config
-from bk.errors import (BKError, ClusterIdentityError, ClusterNotFormattedError,
-                       LedgerExistsError, MetadataError, NotEnoughBookiesError)
+from bk.errors import (BKError, ClientClosedError, ClusterIdentityError,
+                       ClusterNotFormattedError, LedgerExistsError, MetadataError,
+                       NotEnoughBookiesError)
 from bk.errors import EOK
 from bk.log.reader import LogReader
 from bk.log.records import check_log_name
@@ -54,6 +55,19 @@ class BookKeeper:
     ``BookKeeper("etcd://127.0.0.1:2379/ledgers")``, or ``BookKeeper(conf=Config)``,
     or ``BookKeeper(uri, addEntryTimeoutSec=5, throttle=1000)`` (settings of
     ``bk.config`` by name).
+
+    Closing: :meth:`close` may be called from any thread while others use the
+    client. Every call pending on its bookies then ends at once with
+    :class:`bk.errors.ClientClosedError` (a ``BookieUnavailableError``), not at
+    its own timeout: adds (blocking, pipelined or futures), reads, LAC reads
+    and long polls (``read_last_add_confirmed_and_entry``, a log reader's
+    tail), recovery opens, ledger closes waiting for their adds. Every call
+    made afterwards raises it at once, on the client and on its handles and
+    log readers. An open, a recovery or a read whose metadata call meets the
+    store closing with the client raises it too; other metadata calls then
+    raise the store's MetadataError. A forked child's copy of a closed
+    client is closed too, and a child's close() ends only the child's I/O
+    thread.
     """
 
     def __init__(self, uri_or_none=None, conf: Config | None = None, **overrides):
@@ -136,8 +150,9 @@ class BookKeeper:
         if self._closed:
             return
         self._closed = True
+        # (a forked child's copy too: the loop knows whether its thread is ours)
+        self._io.stop()
         if os.getpid() == self._pid:
-            self._io.stop()
             self._executor_obj.shutdown(wait=False)
         if self._cancel_watch is not None and self._view_pid == os.getpid():
             self._cancel_watch()
@@ -154,9 +169,12 @@ class BookKeeper:
 
     def _check(self):
         if self._closed:
-            raise BKError(f"client of {self.uri} is closed")
+            raise ClientClosedError(f"client of {self.uri} is closed")
         if os.getpid() != self._pid:
             self._after_fork()
+
+    def _closed_error(self, what: str) -> ClientClosedError:
+        return ClientClosedError(f"{what}: client of {self.uri} is closed")
 
     def _after_fork(self):
         with self._lock:
@@ -429,13 +447,20 @@ class BookKeeper:
     def open_ledger_no_recovery(self, ledger_id: int, password: bytes = b"") -> LedgerHandle:
         """Open without fencing: readable up to the LAC, which can be refreshed."""
         self._check()
-        md, version = self._store.read_ledger(ledger_id)
+        try:
+            md, version = self._store.read_ledger(ledger_id)
+        except MetadataError:
+            if self._closed:            # the store closed with the client
+                raise self._closed_error(f"open ledger {ledger_id}") from None
+            raise
         check_password(md, password, f"open ledger {ledger_id}")
         lac = md.last_entry_id if md.state == LedgerState.CLOSED else -1
         h = LedgerHandle(self, md, version, bytes(password), writable=False, lac=lac)
         if md.state != LedgerState.CLOSED:
             try:
                 h.read_last_add_confirmed()
+            except ClientClosedError:
+                raise
             except BKError as e:
                 log.info("open ledger %d: LAC unknown for now: %s", ledger_id, e)
         return h

@@ -64,13 +64,24 @@ once, so nothing (least of all a read's payload) is kept alive until its
 deadline. Adds use no per-request timer: write handles watch the age of their
 oldest pending add instead (see ``bk.client.ledger``).
 
-If the I/O thread dies of an unexpected exception, it fails every request in
-flight or handed to it, and every write handle registered with it, with a
-:class:`BKError` naming the cause; later calls raise it at once. When it ends
-because the client was closed, what reached it after its shutdown (a task of
-the same pass, or handed over during it) fails too, with
-:class:`BookieUnavailableError`. Nothing waits forever on a thread that is
-gone.
+Ending: ``close()`` hands the loop its shutdown (:meth:`IOLoop._shutdown`),
+or the I/O thread dies of an unexpected exception (:meth:`IOLoop._die`).
+Either way every piece of work waiting on the loop ends at once with one
+error: :class:`ClientClosedError` (a :class:`BookieUnavailableError`) after a
+close, a :class:`BKError` naming the cause after a death; never at its own
+deadline. From the shutdown on, work that reaches an idle connection fails
+there instead of connecting (:meth:`Connection._start`), ``call_soon`` from
+another thread raises (so a read, ``request()``, long poll or recovery step
+begun after the close fails in its caller), and the connections fail every
+request, add and read they hold. When the loop has left its last pass,
+:meth:`IOLoop._end` fails the write handles, then runs every task still
+handed over (they fail at their first send) and what those hand over in
+turn, then fails what any connection still holds. A task appended after that
+drain began is taken back by its own ``call_soon``, which raises: a task is
+either run by the drain or refused to its caller, never left in a queue
+nobody reads. A forked child's copy of a closed client stays closed, and a
+child's ``close()`` ends the child's own loop. Nothing waits on a thread that
+is gone.
 
 TLS and identities (``bk.security``): with a TLS context the HELLO asks for
 START_TLS; after its answer the connection wraps its socket and runs the
@@ -114,7 +125,7 @@ import time
 import weakref
 
 from bk import protocol, sched
-from bk.errors import (BKError, BookieUnavailableError, ProtocolError,
+from bk.errors import (BKError, BookieUnavailableError, ClientClosedError, ProtocolError,
                        SecurityError, TimeoutError, error_for_status)
 from bk.security import PLAINTEXT, tls
 from bk.util import parse_host_port
@@ -143,9 +154,26 @@ _NONES = itertools.repeat(None)
 _loops: "weakref.WeakSet[IOLoop]" = weakref.WeakSet()
 
 
+def _closed_error() -> ClientClosedError:
+    return ClientClosedError("client is closed")
+
+
+def closed_error_among(errors):
+    """The first ClientClosedError of ``errors`` (exceptions, or None), or None:
+    a call whose requests failed because the client closed raises that, not
+    "no bookie answered" (nor retries)."""
+    for e in errors:
+        if isinstance(e, ClientClosedError):
+            return e
+    return None
+
+
 def _after_fork_in_child():
     for loop in list(_loops):
         loop._forked = True
+        # a lock some parent thread held at the fork (the loop's last drain
+        # pops under it) would be held forever here: the child's is its own
+        loop._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -484,10 +512,7 @@ class Connection:
             return
         self.queued.append(frame)
         if self.state == IDLE:
-            if self.down_until and time.monotonic() < self.down_until:
-                self.loop.call_soon(self._fail_queued_fast)
-            else:
-                self._connect()
+            self._start()
 
     def send_adds(self, ops, frames=None):
         """Send the adds ``ops`` (PendingAdd objects of one handle); each op's
@@ -523,10 +548,7 @@ class Connection:
                 self.dirty = True
                 self.loop._dirty.append(self)
         elif self.state == IDLE:
-            if self.down_until and time.monotonic() < self.down_until:
-                self.loop.call_soon(self._fail_queued_fast)
-            else:
-                self._connect()
+            self._start()
 
     def send_featured(self, feature, rid, req, frame, timeout=None):
         """Send a request that needs ``feature`` of the bookie (e.g. READ_RANGE);
@@ -540,10 +562,7 @@ class Connection:
             return
         self.waiting.append((feature, rid, req, frame, timeout))
         if self.state == IDLE:
-            if self.down_until and time.monotonic() < self.down_until:
-                self.loop.call_soon(self._fail_queued_fast)
-            else:
-                self._connect()
+            self._start()
 
     def forget_adds(self, lid):
         """A write handle replaced this bookie: stop holding the adds of ledger
@@ -565,6 +584,20 @@ class Connection:
         op = v.pop(0)
         d[e] = v[0] if len(v) == 1 else v
         return op
+
+    def _start(self):
+        """An idle connection was handed work: connect. Not once the loop ends
+        (the client closed, or its thread died): the work fails here and now
+        with the loop's error, as the connections the shutdown failed did.
+        (Connecting then opened a socket nobody would ever read: a read moving
+        on to its next replica waited out its deadline.)"""
+        loop = self.loop
+        if loop._refuse is not None:
+            self._fail(loop._refuse(), fast=True)
+        elif self.down_until and time.monotonic() < self.down_until:
+            loop.call_soon(self._fail_queued_fast)
+        else:
+            self._connect()
 
     def _fail_queued_fast(self):
         if self.state == IDLE and (self.inflight or self.adds or self.waiting):
@@ -1076,7 +1109,15 @@ class IOLoop:
         self._submit = collections.deque()
         self.scratch = None      # what TLS connections read before decrypting (made once)
         self._sleeping = False
-        self._stopping = False
+        # The loop's end, in three steps (see "Ending" in the module's docstring):
+        # _closing: other threads' tasks are refused (call_soon raises); _refuse:
+        # a fresh error for each piece of work that reaches an idle connection
+        # (None while the loop runs); _ended: the last drain of _submit began,
+        # under _lock (call_soon takes back what it finds it did not get).
+        self._closing = False
+        self._stopping = False       # the loop's while ends (set by _shutdown)
+        self._refuse = None
+        self._ended = False
         self._conns: dict[tuple, Connection] = {}
         self._dirty: list[Connection] = []
         self._connecting: set[Connection] = set()
@@ -1096,7 +1137,7 @@ class IOLoop:
             self._reset_after_fork()
         if self._thread is None:
             with self._lock:
-                if self._thread is None and not self._stopping:
+                if self._thread is None and not self._closing:
                     t = threading.Thread(target=self._run, name=self.name, daemon=True)
                     self._thread = t
                     t.start()
@@ -1114,20 +1155,54 @@ class IOLoop:
                 pass
             self._thread = None
             self._lock = threading.Lock()
+            closing = self._closing
             self._init_state()
+            # a client closed (in the parent before the fork, or here) stays
+            # closed: its calls fail at once, no thread starts for them
+            self._closing = closing
             self._forked = False
 
     def call_soon(self, fn, *args):
-        """Run ``fn(*args)`` on the I/O thread."""
+        """Run ``fn(*args)`` on the I/O thread. Once the client is closed (or its
+        I/O thread died) this raises ClientClosedError (or the thread's death)
+        instead: the caller's call fails at once, and no task is queued that
+        nobody would run."""
         if self._thread is None or self._forked:
             self._ensure()
-        if self._dead is not None:
-            raise self._death_error()
-        if self._stopping:
-            raise BookieUnavailableError("the client is closed")
-        self._submit.append((fn, args))
+        if self._closing:
+            self._refused()
+        item = (fn, args)
+        self._submit.append(item)
+        if self._ended:              # (one load: the hot path's only cost of this)
+            self._take_back(item)
         if self._sleeping:
             self._wake()
+
+    def _refused(self):
+        """call_soon on a loop that ends: raise, except on the I/O thread itself,
+        whose tasks (a request failing over to its next replica) still queue
+        until its last drain has run them."""
+        if self._ident is not None and threading.get_ident() == self._ident:
+            return
+        if self._dead is not None:
+            raise self._death_error()
+        raise ClientClosedError("the client is closed")
+
+    def _take_back(self, item):
+        """``item`` was appended after the last drain began: take it back and
+        raise, unless the drain already took it (it runs there). The drain pops
+        under ``_lock``, so exactly one of the two has it."""
+        if threading.get_ident() == self._ident:
+            return                   # the drain itself queued it: it runs there
+        with self._lock:
+            q = self._submit
+            for i, x in enumerate(q):
+                if x is item:
+                    del q[i]
+                    break
+            else:
+                return
+        self._refused()
 
     def call_later(self, delay, fn, *args):
         """Run ``fn(*args)`` on the I/O thread after ``delay`` seconds."""
@@ -1156,14 +1231,24 @@ class IOLoop:
         return call
 
     def stop(self, timeout=5.0):
+        """End the loop: its shutdown fails every request, add and task with
+        ClientClosedError, then the thread exits (joined up to ``timeout``).
+        A loop whose thread never started (or a forked child's copy, whose
+        thread is the parent's) just refuses from now on."""
         # Read under the lock _ensure starts the thread under: a thread another
         # caller is starting right now is joined once started, never before
         # (Thread.join raises then).
         with self._lock:
             t = self._thread
-        if t is None or self._forked or self._dead is not None:
+            if t is None or self._forked:
+                self._closing = True         # no thread starts for a closed client
+                return
+        if self._dead is not None:
             return
-        self.call_soon(self._shutdown)
+        try:
+            self.call_soon(self._shutdown)
+        except ClientClosedError:
+            pass                         # another stop() already ended it
         if t is not threading.current_thread():
             t.join(timeout)
 
@@ -1196,39 +1281,65 @@ class IOLoop:
     def _die(self, exc: BaseException):
         """The I/O thread is dying: fail everything that waits on it."""
         self._dead = exc
+        self._closing = True
+        self._refuse = self._death_error
         err = self._death_error()
-        self._fail_all(err, lambda handle: handle._loop_died(str(err)))
+        self._end(lambda handle: handle._loop_died(str(err)))
 
-    def _fail_all(self, err, fail_handle):
-        """Fail what waits on this thread, which ends: requests handed over and
-        never sent, then each write handle (``fail_handle(handle)``), then every
-        connection's requests and adds."""
-        while self._submit:
-            fn, args = self._submit.popleft()
-            if getattr(fn, "__func__", None) is Connection.send:   # a request never sent
-                try:
-                    args[1].on_error(fn.__self__, err)
-                except Exception:
-                    log.exception("error handler failed")
-        # Handles first: a handle that already failed does not start an ensemble
-        # change for each request the connections fail below.
+    def _end(self, fail_handle):
+        """The loop ends (``_refuse`` set): fail everything that waits on it.
+        Each write handle first (``fail_handle(handle)``: one that already failed
+        does not start an ensemble change for each add the connections fail
+        below). Then every task handed over and not run yet is run, to its end:
+        a read, a request, a recovery's READ_RANGEs, a long poll reach an idle
+        connection (:meth:`Connection._start`) and fail at once with the loop's
+        error (a task dropped here used to leave its caller waiting for its own
+        deadline, or forever). What those tasks hand over in turn (a read
+        moving on to its next replica) is run by the same drain. Tasks handed
+        over by other threads from here on are refused by ``call_soon`` (it
+        takes back what the drain did not get). Then every connection fails
+        what it still holds. Timers and tickers are dropped: each serves work
+        failed here (speculative reads, an add's back-off, LAC flushes)."""
         for handle in list(self._handles):
+            try:
+                fail_handle(handle)
+            except Exception:
+                log.exception("could not fail %r", handle)
+        submit = self._submit
+        lock = self._lock
+        with lock:
+            self._ended = True
+        while True:
+            with lock:
+                if not submit:
+                    break
+                fn, args = submit.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("I/O thread task %r failed at the loop's end", fn)
+        for handle in list(self._handles):       # adds those tasks handed over
             try:
                 fail_handle(handle)
             except Exception:
                 log.exception("could not fail %r", handle)
         for conn in list(self._conns.values()):
             try:
-                conn._fail(err, fast=True)
+                conn._fail(self._refuse(), fast=True)
             except Exception:
                 log.exception("could not fail the requests of %r", conn)
+        self._timers = []
+        self._tickers = []
 
     def _shutdown(self):
+        """close() (I/O thread): refuse new work, fail what the connections hold,
+        and leave the loop at the end of this pass."""
+        self._closing = True
+        self._refuse = _closed_error
         self._stopping = True
-        exc = BookieUnavailableError("client is closed")
         for conn in list(self._conns.values()):
-            if conn.sock is not None or conn.inflight:
-                conn._fail(exc, fast=True)
+            if conn.sock is not None or conn.inflight or conn.adds or conn.waiting:
+                conn._fail(_closed_error(), fast=True)
 
     def _run(self):
         self._ident = threading.get_ident()
@@ -1293,13 +1404,11 @@ class IOLoop:
                         conn.dirty = False
                         if conn.state == READY:
                             conn._write()
-            # Stopped (the client was closed). Tasks of the pass that ran _shutdown
-            # ran after it, and those handed over during that pass never ran: an
-            # add among them reconnected or stayed in its handle's outbox, and its
-            # adder waited forever on this thread. They fail now, as the ones that
-            # came before did.
-            self._fail_all(BookieUnavailableError("client is closed"),
-                           lambda handle: handle._loop_stopped())
+            # Stopped (the client was closed). Tasks handed over during the pass
+            # that ran _shutdown never ran: an add among them used to reconnect or
+            # stay in its handle's outbox, a read wait for its deadline. They run
+            # now, and fail at once, as the work that came before did.
+            self._end(lambda handle: handle._loop_stopped())
         except BaseException as e:
             log.exception("bk I/O thread died")
             self._die(e)

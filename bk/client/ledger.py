@@ -87,9 +87,9 @@ import weakref
 
 from bk import protocol
 from bk.client import digest as _digest
-from bk.client.connection import Call, DeadConnection, record_frames
+from bk.client.connection import Call, DeadConnection, closed_error_among, record_frames
 from bk.errors import (AuthError, BadPasswordError, BadRequestError, BKError, BookieUnavailableError,
-                       DigestMismatchError,
+                       ClientClosedError, DigestMismatchError,
                        LedgerClosedError, LedgerFencedError, MetadataError, MetadataVersionError,
                        NoSuchEntryError,
                        NoSuchLedgerError,
@@ -423,6 +423,8 @@ class _ReadOp:
 
     def error(self) -> BKError:
         what = f"read entry {self.entry_id} of ledger {self.h._lid}"
+        if closed_error_among(e for _, e in self.errors) is not None:
+            return self.h._client._closed_error(what)
         detail = "; ".join(f"{b}: {e}" for b, e in self.errors)
         kinds = [type(e) for _, e in self.errors]
         if any(k is DigestMismatchError for k in kinds):
@@ -824,7 +826,10 @@ class LedgerHandle:
         """Stop a recovery writer without closing the ledger (recovery closes it
         itself): it takes no more adds and its ticker stops."""
         self._move("close")
-        self._loop.call_soon(self._stop_ticker)
+        try:
+            self._loop.call_soon(self._stop_ticker)
+        except BKError:
+            pass            # the client's I/O ended: no ticker runs any more
 
     # --- connections --------------------------------------------------------------
     def _prepare_conns(self, bookie_ids):
@@ -916,13 +921,29 @@ class LedgerHandle:
     def _loop_stopped(self):
         """The client was closed and its I/O thread ends (called on it): adds still
         in flight or in the outbox (handed over as it closed) fail as the ones
-        the closed connections failed did; a handle with none is left as it is."""
+        the closed connections failed did; a handle with none is left as it is
+        (its next add is refused by the loop: :meth:`_refused_by_loop`)."""
         ob = self._outbox
         if not ob and not self._pending:
             return
         while ob:
             self._pending.append(ob.popleft())
-        self._error_out(BookieUnavailableError, "the client was closed")
+        self._error_out(ClientClosedError, "the client was closed")
+
+    def _refused_by_loop(self):
+        """Under self._lock: the I/O loop refused to take this handle's adds (the
+        client closed, or its thread died), and the caller raises its error. The
+        handle breaks: with the flush left armed, every later add would have
+        queued behind a hand-over that never happens and waited forever; now
+        each raises at once (``_check_open``), and none waits for the add
+        window. (What the outbox still holds, nobody sends; the adds that put
+        it there got this error.)"""
+        self._flush_armed = False
+        if self._error is None:
+            self._error = (ClientClosedError, "the client was closed") \
+                if self._client._closed else (BKError, "the client's I/O thread is gone")
+        if not self._state.broken:
+            self._move("fail")
 
     def _loop_died(self, reason):
         """The client's I/O thread is dying (called on it): fail every add in flight
@@ -1040,7 +1061,11 @@ class LedgerHandle:
             self._submitted += 1
             if not self._flush_armed:
                 self._flush_armed = True
-                self._loop.call_soon(self._io_flush)
+                try:
+                    self._loop.call_soon(self._io_flush)
+                except BKError:
+                    self._refused_by_loop()
+                    raise
 
     def _arm_flush(self):
         # Under self._lock, after ops were added to the outbox (in entry order). The
@@ -1048,7 +1073,11 @@ class LedgerHandle:
         # it drains, so an op added after its drain began re-arms.
         if not self._flush_armed:
             self._flush_armed = True
-            self._loop.call_soon(self._io_flush)
+            try:
+                self._loop.call_soon(self._io_flush)
+            except BKError:
+                self._refused_by_loop()
+                raise
 
     def _io_flush(self):
         # Disarm first, then drain what is there now (see _arm_flush).
@@ -1398,7 +1427,7 @@ class LedgerHandle:
         if self._state.broken or self._md.state == LedgerState.CLOSED:
             return      # (a closed ledger's ensembles are final)
         if self._client._closed:
-            self._error_out(BookieUnavailableError, "the client was closed")
+            self._error_out(ClientClosedError, "the client was closed")
             return
         slot = self._slot_of.get(conn)
         if slot is None or slot in self._failed_slots:
@@ -1478,14 +1507,19 @@ class LedgerHandle:
     # --- ensemble change (worker thread, then I/O thread) ---------------------------
     def _change_ensemble(self):
         try:
-            self._change_ensemble_once()
-        except BKError as e:
-            # The adds fail with the reason's own class (LedgerFencedError,
-            # NotEnoughBookiesError, MetadataError, ...).
-            self._loop.call_soon(self._error_out, type(e), f"ensemble change failed: {e}")
-        except Exception as e:  # never leave adds hanging
-            log.exception("ensemble change of ledger %d failed", self._lid)
-            self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")
+            try:
+                self._change_ensemble_once()
+            except BKError as e:
+                # The adds fail with the reason's own class (LedgerFencedError,
+                # NotEnoughBookiesError, MetadataError, ...).
+                self._loop.call_soon(self._error_out, type(e), f"ensemble change failed: {e}")
+            except Exception as e:  # never leave adds hanging
+                log.exception("ensemble change of ledger %d failed", self._lid)
+                self._loop.call_soon(self._error_out, BKError, f"ensemble change failed: {e!r}")
+        except BKError:
+            # the client closed (or its I/O thread died) under the change: the
+            # loop's end failed this handle's adds, nothing is left to tell it
+            pass
 
     def _change_ensemble_once(self):
         md, version = self._md, self._version
@@ -1625,6 +1659,10 @@ class LedgerHandle:
         with self._close_lock:
             with self._lock:
                 first = not self._move("close").closed
+            if self._client._closed:
+                # its adds fail (or failed) with the client; its metadata cannot
+                # be written: at once, not after waiting out _drain's bound
+                raise self._client._closed_error(f"close ledger {self._lid}")
             if first:
                 timeout = (self._add_timeout * 3
                            + float(self._conf.metadataTimeoutMillis) / 1000 * 3)
@@ -1634,6 +1672,8 @@ class LedgerHandle:
                     self._drain(5.0)
                 self._settle(self._add_timeout * 2
                              + float(self._conf.metadataTimeoutMillis) / 1000 * 3)
+                if self._client._closed:         # it closed while we waited
+                    raise self._client._closed_error(f"close ledger {self._lid}")
                 # no call_soon(_stop_ticker) here: _tick removes itself at its next
                 # run once the writer is closed with nothing in flight, and waking
                 # the I/O thread for it cost every ledger a syscall
@@ -1783,6 +1823,7 @@ class LedgerHandle:
     def read_entries(self, first: int, last: int) -> list:
         """Entries ``first..last`` (inclusive), up to the LAC (or last entry if closed)."""
         self._check_range(first, last)
+        self._check_client("read entries", first, last)
         limit = self._readable_last()
         if last > limit:
             raise NoSuchEntryError(
@@ -1805,6 +1846,7 @@ class LedgerHandle:
     def read_unconfirmed_entries(self, first: int, last: int) -> list:
         """Entries ``first..last`` even past the LAC (NoSuchEntryError if one is missing)."""
         self._check_range(first, last)
+        self._check_client("read entries", first, last)
         if self._md.state != LedgerState.CLOSED:
             try:
                 self._refresh_metadata()
@@ -1828,6 +1870,14 @@ class LedgerHandle:
                         self._length_entry = e.entry_id
                         self._length = e.length
                     return
+
+    def _check_client(self, what, first=None, last=None):
+        """A read on a closed client fails at once (its metadata refresh would
+        meet a closed store, its requests a closed loop)."""
+        if self._client._closed:
+            if first is not None:
+                what = f"{what} {first}..{last}"
+            raise self._client._closed_error(f"{what} of ledger {self._lid}")
 
     def _check_range(self, first, last):
         if not isinstance(first, int) or not isinstance(last, int):
@@ -1859,6 +1909,7 @@ class LedgerHandle:
                     if res is None:
                         err = batch.failed[e + i].error()
                         if retry and self._md.state != LedgerState.CLOSED and \
+                                not isinstance(err, ClientClosedError) and \
                                 isinstance(err, (NoSuchEntryError, BookieUnavailableError)):
                             # Our view of the ensembles may be stale (a writer's
                             # ensemble change).
@@ -1968,7 +2019,13 @@ class LedgerHandle:
 
     def _refresh_metadata(self) -> bool:
         """Re-read the metadata; True if it changed."""
-        md, version = self._client._store.read_ledger(self._lid)
+        try:
+            md, version = self._client._store.read_ledger(self._lid)
+        except MetadataError:
+            if self._client._closed:        # the store closed with the client
+                raise self._client._closed_error(
+                    f"read the metadata of ledger {self._lid}") from None
+            raise
         if version == self._version:
             return False
         if not self._writable:
@@ -1981,6 +2038,7 @@ class LedgerHandle:
         """Ask the bookies of the last ensemble for the LAC; update and return it."""
         if self._writable:
             return self._lac
+        self._check_client("read last add confirmed")
         if self._md.state != LedgerState.CLOSED:
             self._refresh_metadata()
         if self._md.state == LedgerState.CLOSED:
@@ -2003,6 +2061,8 @@ class LedgerHandle:
             else:
                 errors.append(f"{call.conn.bookie_id if call.conn else '?'}: "
                               f"{call.error or call.reply}")
+        if closed_error_among(call.error for call in calls) is not None:
+            raise self._client._closed_error(f"read last add confirmed of ledger {self._lid}")
         if best is None:
             raise BookieUnavailableError(f"read last add confirmed of ledger {self._lid}: "
                                          f"no bookie answered ({'; '.join(errors)})")
@@ -2018,6 +2078,7 @@ class LedgerHandle:
         """
         if entry_id < 0:
             raise ValueError(f"long poll on ledger {self._lid}: bad entry id {entry_id}")
+        self._check_client(f"long poll for entry {entry_id}")
         if entry_id <= self._readable_last():
             return self._lac_after(entry_id), self.read_entry(entry_id)
         if self._md.state == LedgerState.CLOSED:
@@ -2042,6 +2103,10 @@ class LedgerHandle:
                                timeout_ms, timeout=timeout + self._read_timeout,
                                callback=on_done)
         done.wait(timeout + self._read_timeout + 5)
+        if closed_error_among(call.error for call in list(results)) is not None:
+            # not "nothing came": the client closed under the poll
+            raise self._client._closed_error(f"long poll for entry {entry_id} of ledger "
+                                             f"{self._lid}")
         best = prev
         entry = None
         for call in list(results):

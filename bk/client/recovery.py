@@ -34,6 +34,12 @@ This is BookKeeper's "closing a ledger as a reader":
 5. CAS to CLOSED with the last entry found and its length (carried by the
    entry's digest field), and the write-back's ensemble changes. A lost CAS
    re-reads: CLOSED means another recovery won, and its result stands.
+
+A client closed under a recovery ends it at once with ClientClosedError
+(fencing, reading or writing back, whichever step it was in), never with
+"could not fence" or "cannot tell" after waiting out a read timeout; it
+leaves the ledger IN_RECOVERY, which the next recovery finishes (every step
+is idempotent).
 """
 
 from __future__ import annotations
@@ -46,8 +52,10 @@ import time
 from bk import protocol
 from bk.exposition import client_metrics
 from bk.client import digest as _digest
+from bk.client.connection import closed_error_among
 from bk.client.ledger import LedgerHandle
-from bk.errors import (BadPasswordError, BKError, DigestMismatchError, LedgerRecoveryError,
+from bk.errors import (BadPasswordError, BKError, ClientClosedError, DigestMismatchError,
+                       LedgerRecoveryError,
                        MetadataError, SecurityError, MetadataVersionError, NotEnoughBookiesError,
                        error_for_status)
 from bk.errors import ENOENTRY, ENOLEDGER, EOK, EUA
@@ -104,7 +112,11 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
     """
     started: list = []
     try:
-        out = _recover_ledger(client, ledger_id, password, master_key, started, guards)
+        try:
+            out = _recover_ledger(client, ledger_id, password, master_key, started, guards)
+        except MetadataError:
+            _check_open(client, f"recover ledger {ledger_id}")   # the store closed with it
+            raise
     except BaseException:
         if started:
             client_metrics().recoveries.labels("false").inc()
@@ -118,6 +130,7 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
     what = f"recover ledger {ledger_id}"
     if (password is None) == (master_key is None):
         raise ValueError(f"{what}: give the password or the master key (exactly one)")
+    _check_open(client, what)
     store = client._store
     md, version = store.read_ledger(ledger_id)
     if password is not None:
@@ -143,6 +156,8 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
     if lac0 >= 0:
         try:
             length0 = rh.read_entry_once(lac0).length
+        except ClientClosedError:
+            raise
         except BKError as e:
             raise LedgerRecoveryError(f"{what}: cannot read the last confirmed entry {lac0}: {e}")
     # The recovery writer: writes found entries back with FLAG_RECOVERY.
@@ -161,16 +176,20 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
             last, length = e, elength
             e += 1
         if not wh.wait_written(float(client.conf.addEntryTimeoutSec) * 3 + 30):
+            _check_open(client, what)
             raise LedgerRecoveryError(f"{what}: writing back recovered entries timed out")
         failure = wh.failure()
         if failure is not None:
             _cls, reason = failure
+            if _cls is ClientClosedError:
+                raise client._closed_error(what)
             raise LedgerRecoveryError(f"{what}: writing back entry failed: {reason}")
     finally:
         wh.retire()
     md, version = wh.metadata, wh.metadata_version
     # The write-back's ensemble changes, so far in wh's metadata only.
     mine = [fb for fb in md.ensembles if fb not in found_md.ensembles]
+    _check_open(client, what)
     for _ in range(50):
         if md.state == LedgerState.CLOSED:
             if md.last_entry_id != last:
@@ -189,6 +208,11 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
                 md = md.replace(ensembles=[(f, b) for f, b in md.ensembles if f < mine[0][0]]
                                 + mine)
     raise MetadataError(f"{what}: too many CAS conflicts")
+
+
+def _check_open(client, what):
+    if client._closed:
+        raise client._closed_error(what)
 
 
 def _covered(answered: set, E: int, qw: int, need: int) -> bool:
@@ -240,6 +264,8 @@ def _fence(client, rh: LedgerHandle, what: str) -> int:
             if left <= 0:
                 break
             cond.wait(left)
+        if closed_error_among(errors) is not None:
+            raise client._closed_error(what)
         for refused in (BadPasswordError, SecurityError):   # AuthError: may not fence
             if any(isinstance(e, refused) for e in errors):
                 raise next(e for e in errors if isinstance(e, refused))
@@ -359,6 +385,8 @@ class _RecoveryReader:
                 return st["found"]
             if st["neg"] >= self.need:
                 return None
+            if closed_error_among(st["errors"]) is not None:
+                raise self.client._closed_error(self.what)
             raise LedgerRecoveryError(
                 f"{self.what}: cannot tell whether entry {entry_id} exists: {st['neg']} of "
                 f"{st['of']} bookies say no, need {self.need} "

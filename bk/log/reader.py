@@ -18,6 +18,9 @@ reader waiting for a segment that does not exist yet polls the log record
 (with back-off). A roll is quicker: the writer ends the old segment with a
 marker entry (``END_OF_SEGMENT``), and the reader moves on when it reads it.
 
+A client closed under a reader ends its wait at once: the long poll raises
+ClientClosedError, and so does every later read.
+
 Truncation deletes whole ledgers after recording ``truncated_before`` by CAS:
 the reader checks that point whenever it consults the record (opening a
 segment, a ledger gone), and raises LogTruncatedError when its next position
@@ -134,6 +137,10 @@ class LogReader:
         polls = 0
         once = True         # a zero timeout still looks once
         while True:
+            if self._client._closed:
+                # (a reader polling for a segment would meet a closed store, a
+                # tailing one a closed loop: the same error either way)
+                raise self._client._closed_error(f"read log {self.name}")
             if self._lh is None:
                 if self._open_next_segment():
                     continue

@@ -49,8 +49,8 @@ import logging
 import threading
 import time
 
-from bk.errors import (BKError, LedgerFencedError, LogFencedError, MetadataVersionError,
-                       NoSuchLedgerError, NoSuchLogError)
+from bk.errors import (BKError, ClientClosedError, LedgerFencedError, LogFencedError,
+                       MetadataVersionError, NoSuchLedgerError, NoSuchLogError)
 from bk.log import metadata
 from bk.meta.ledger import LedgerState
 from bk.log.records import (END_OF_SEGMENT, HEADER_SIZE, RECORD_OVERHEAD, Position,
@@ -355,6 +355,9 @@ class LogWriter:
                 err = LogFencedError(f"append to log {self.name}: this writer (epoch "
                                      f"{self._epoch}) was deposed; its ledger "
                                      f"{(lh or self._lh).ledger_id} is fenced ({exc})")
+            elif isinstance(exc, ClientClosedError):
+                err = ClientClosedError(f"append to log {self.name}: the client is closed "
+                                        f"({exc})")
             else:
                 msg = (f"append to log {self.name}: the writer's ledger failed beyond "
                        f"repair; open a new writer to continue ({exc})")

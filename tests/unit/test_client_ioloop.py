@@ -9,8 +9,11 @@ import time
 
 import pytest
 
+from bk import protocol
 from bk.client import connection
 from bk.client.connection import IOLoop
+from bk.errors import BKError, ClientClosedError
+from bk.testing import wait_until
 
 
 def test_stop_while_another_thread_starts_the_loop(monkeypatch):
@@ -315,3 +318,169 @@ def test_a_stopped_loop_keeps_its_eventfd_until_no_thread_can_wake_it():
     gc.collect()
     with pytest.raises(FileNotFoundError):
         os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _held(loop):
+    """Hold the I/O thread in a task until the returned event is set."""
+    held, release = threading.Event(), threading.Event()
+    loop.call_soon(lambda: (held.set(), release.wait(30)))
+    assert held.wait(30)
+    return release
+
+
+def test_work_reaching_a_connection_after_the_shutdown_fails_there_and_never_connects(
+        monkeypatch):
+    """A request handed over while the client closes, behind the shutdown, reaches
+    its connection after the shutdown failed it: it fails there with
+    ClientClosedError, and no socket is opened for it (one connected then was
+    read by nobody: a read moving on to its next replica waited for its
+    deadline). The peer accepts connections and never answers."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    loop = IOLoop(name="bk-io-test")
+    connects = []
+    connect = connection.Connection._connect
+
+    def recording_connect(self):
+        connects.append(self.loop._refuse is not None)      # after the shutdown?
+        return connect(self)
+    monkeypatch.setattr(connection.Connection, "_connect", recording_connect)
+    try:
+        conn = loop.conn(f"127.0.0.1:{srv.getsockname()[1]}", 0)
+        release = _held(loop)
+        stopper = threading.Thread(target=loop.stop, kwargs={"timeout": 30})
+        stopper.start()
+        wait_until(lambda: any(fn == loop._shutdown for fn, _ in list(loop._submit)),
+                   what="the shutdown handed over")
+        call = loop.request(conn, protocol.ping, timeout=300)
+        release.set()
+        assert call.wait(30), "the request waits on a closed client"
+        assert isinstance(call.error, ClientClosedError), call.error
+        stopper.join(30)
+        assert not stopper.is_alive() and not loop._thread.is_alive()
+        assert connects == [] and conn.sock is None
+    finally:
+        srv.close()
+
+
+def test_a_task_appended_after_the_loops_last_drain_is_taken_back_and_refused():
+    """A thread that saw the loop running may append its task after the loop's
+    last drain: nobody would ever run it (its caller waited forever). call_soon
+    sees the drain began, takes the task back and raises ClientClosedError; a
+    task is either run by the drain or refused, never left queued."""
+    loop = IOLoop(name="bk-io-test")
+    _on_io_thread(loop, lambda: None)
+    loop.stop()
+    assert not loop._thread.is_alive()
+    ran = []
+    with pytest.raises(ClientClosedError):
+        loop.call_soon(ran.append, 1)           # the plain case: refused
+    loop._closing = False                       # what that thread saw
+    with pytest.raises(ClientClosedError):
+        loop.call_soon(ran.append, 2)
+    assert not loop._submit and ran == []
+
+
+def _in_child(fn) -> int:
+    """Run ``fn()`` in a forked child; its exit code (0: it returned True)."""
+    pid = os.fork()
+    if pid == 0:                                # the child: no pytest from here on
+        code = 3
+        try:
+            code = 0 if fn() else 1
+        except BaseException:       # noqa: B902 - reported by the exit code
+            code = 2
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_forked_childs_copy_of_a_closed_loop_stays_closed():
+    """A client closed before its process forked is closed in the child too:
+    a call there raises ClientClosedError and starts no I/O thread (the
+    child's loop used to start afresh, serving a closed client)."""
+    loop = IOLoop(name="bk-io-test")
+    _on_io_thread(loop, lambda: None)
+    loop.stop()
+
+    def child():
+        try:
+            loop.call_soon(lambda: None)
+        except ClientClosedError:
+            return loop._thread is None
+        return False
+    assert _in_child(child) == 0
+
+
+def test_a_forked_childs_stop_closes_its_copy_of_the_loop():
+    """A child closing its copy of a running client (never used in the child)
+    must not touch the parent's thread or sockets, and its copy is closed from
+    then on: a call raises ClientClosedError, no thread starts. The parent's
+    loop goes on."""
+    loop = IOLoop(name="bk-io-test")
+    _on_io_thread(loop, lambda: None)
+    try:
+        def child():
+            loop.stop()
+            try:
+                loop.call_soon(lambda: None)
+            except ClientClosedError:
+                return loop._thread is None
+            return False
+        assert _in_child(child) == 0
+        assert _on_io_thread(loop, lambda: "alive") == "alive"
+    finally:
+        loop.stop()
+
+
+class _Die(BaseException):
+    """Not an Exception: escapes the I/O thread's task guard, as a bug would."""
+
+
+def _raise_die():
+    raise _Die("injected failure of the I/O thread")
+
+
+class _Request:
+    """A request object as reads make them: on_reply / on_error, once."""
+
+    def __init__(self):
+        self.error = None
+        self.done = threading.Event()
+
+    def on_reply(self, conn, msg):
+        self.done.set()
+
+    def on_error(self, conn, exc):
+        self.error = exc
+        self.done.set()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_work_left_when_the_io_thread_dies_ends_with_its_death():
+    """The I/O thread dies (a bug) with a request in flight to a peer that never
+    answers, and behind the fatal task, not yet run: a task that sends a read's
+    request (as read_entries hands over) and a request. Each ends at once with
+    the BKError naming the death (the read's task used to be dropped, its
+    reader waiting for its deadline), and later calls raise it."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    loop = IOLoop(name="bk-io-test")
+    try:
+        conn = loop.conn(f"127.0.0.1:{srv.getsockname()[1]}", 0)
+        first = loop.request(conn, protocol.ping, timeout=300)
+        wait_until(lambda: conn.sock is not None, what="the connection to the silent peer")
+        release = _held(loop)
+        loop.call_soon(_raise_die)
+        read = _Request()
+        loop.call_soon(lambda: conn.send(next(loop.rids), read, b"", 300))
+        late = loop.request(conn, protocol.ping, timeout=300)
+        release.set()
+        assert first.wait(30) and read.done.wait(30) and late.wait(30)
+        for err in (first.error, read.error, late.error):
+            assert isinstance(err, BKError) and "I/O thread died" in str(err), err
+        with pytest.raises(BKError, match="I/O thread died"):
+            loop.call_soon(lambda: None)
+        loop._thread.join(30)       # (its exception is reported inside the test)
+        assert not loop._thread.is_alive()
+        assert not loop._submit and conn.sock is None
+    finally:
+        srv.close()
