@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from bk.errors import MetadataVersionError, TransientError
+from bk.errors import ClientClosedError, MetadataVersionError, TransientError
 
 T = TypeVar("T")
 
@@ -79,12 +79,16 @@ class _Schedule:
 class Retry:
     """Call a function until it succeeds, retrying the errors in ``on`` with the
     ``backoff`` schedule, at most ``tries`` attempts (None: no bound) and within
-    ``timeout`` seconds (None: no bound). The last error propagates."""
+    ``timeout`` seconds (None: no bound). The last error propagates. An error in
+    ``never`` propagates at once even when ``on`` covers it: a closed client's
+    calls (:class:`~bk.errors.ClientClosedError`, a BookieUnavailableError) can
+    never succeed on that client, so retrying them would only wait out the bound."""
 
     on: tuple = (TransientError,)
     backoff: Backoff = Backoff()
     tries: int | None = None
     timeout: float | None = None
+    never: tuple = (ClientClosedError,)
 
     def call(self, fn: Callable[[], T], sleep: Callable[[float], object] = time.sleep) -> T:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -92,6 +96,8 @@ class Retry:
         while True:
             try:
                 return fn()
+            except self.never:
+                raise
             except self.on:
                 if self.tries is not None and schedule.attempts + 1 >= self.tries:
                     raise

@@ -80,6 +80,15 @@ def test_retry_retries_what_it_is_told_and_no_more():
         Retry(tries=5).call(fenced, sleep=slept.append)
     assert len(calls) == 1                    # not transient: never retried
 
+    def closed():
+        calls.append(1)
+        raise E.ClientClosedError("client is closed")
+    calls.clear()
+    assert issubclass(E.ClientClosedError, E.TransientError)
+    with pytest.raises(E.ClientClosedError):
+        Retry(tries=5).call(closed, sleep=slept.append)
+    assert len(calls) == 1                    # a closed client: never retried
+
 
 def test_retry_cas_retries_lost_swaps_only_and_is_bounded():
     n = []
