@@ -102,6 +102,12 @@ class AutoRecovery:
             try:
                 target()
                 return
+            except MetadataError as e:
+                # etcd unreachable or slow (a partition, an election): part of running,
+                # one line as the compactor and the registration say it; a trace (and
+                # ERROR) is for what nobody expected
+                log.warning("auto-recovery %s: %s; retrying", target.__name__, e)
+                self._stop.wait(1.0)
             except Exception:        # keep the daemon alive: log, back off, go on
                 log.exception("auto-recovery %s failed; retrying", target.__name__)
                 self._stop.wait(1.0)
@@ -220,6 +226,9 @@ class AutoRecovery:
                 return
             except LockLostError:
                 return
+            except MetadataError as e:
+                log.warning("auditor periodic checks: %s; retrying in 10 s", e)
+                self._stop.wait(10.0)
             except Exception:
                 log.exception("auditor periodic checks failed; retrying in 10 s")
                 self._stop.wait(10.0)
@@ -423,7 +432,7 @@ class AutoRecovery:
                      self.identifier)
             return
         except (LockLostError, MetadataError) as e:
-            # the loop retries (and logs the trace); the ledger is named here
+            # the loop logs the cause and retries; the ledger is named here
             log.warning("replication of ledger %d stopped: %s", lid, e)
             raise
         except BKError as e:
