@@ -42,7 +42,9 @@ or IN_RECOVERY is on Qa bookies of its write set in the metadata (what
 recovery relies on), and after it every entry 0..last is. A long-lived client
 whose I/O thread died, or whose loop saw events of fds no connection held,
 fails the soak too (not a safety violation, but a client that can do no more
-I/O).
+I/O), and so does a trace in a bookie's log or the clients' (an expected fault,
+an etcd outage or a bookie gone, is logged as one line; a trace is an error
+nobody expected: a loop of a daemon thread that failed, a worker that crashed).
 Exit code 0 on PASS, 1 on FAIL. The cluster directory (bookie logs,
 client.log, events.log, violations.txt) is kept on FAIL or with --keep.
 """
@@ -52,10 +54,12 @@ from __future__ import annotations
 import argparse
 import collections
 import faulthandler
+import glob
 import hashlib
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -765,10 +769,39 @@ def wait_for_autorecovery(cluster, hist, say, timeout=240.0):
                    f"{timeout:.0f}s: " + "; ".join(f"{lid}: {rec}" for lid, rec, _ in rows[:5]))
 
 
+STAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+
+
+def logged_traces(base) -> dict[str, list]:
+    """The traces in the bookies' logs and client.log: {what: [count, an example]},
+    what being the record's message (digits as N) and the exception's class. A
+    record is a stamped line and the lines after it up to the next stamped one."""
+    out: dict[str, list] = {}
+    paths = sorted(glob.glob(os.path.join(base, "bookie-*", "bookie.log")))
+    paths.append(os.path.join(base, "client.log"))
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+        starts = [i for i, line in enumerate(lines) if STAMP.match(line)] + [len(lines)]
+        if starts[0] != 0:                  # (a crash printed before the first record)
+            starts.insert(0, 0)
+        for i, j in zip(starts, starts[1:]):
+            rest = lines[i + 1:j]
+            if not any(line.startswith("Traceback (most recent call last)") for line in rest):
+                continue
+            exc = next((line for line in reversed(rest) if line.strip()
+                        and not line.startswith((" ", "\t"))), "?")
+            head = STAMP.sub("", lines[i], count=1)
+            what = re.sub(r"\d+", "N", head)[:160] + " -- " + exc.split(":", 1)[0]
+            row = out.setdefault(what, [0, f"{os.path.relpath(path, base)}: {lines[i]}\n{exc}"])
+            row[0] += 1
+    return out
+
+
 def autorecovery_activity(base) -> str:
     """What auto-recovery did, from the bookies' logs."""
-    import glob
-    import re
     counts = collections.Counter()
     pats = {"ledgers re-replicated": r"re-replicated by",
             "repairs failed (retried)": r"replication of ledger \d+ failed",
@@ -978,6 +1011,11 @@ def main():
         cluster.stop()
         if net is not None:
             net.close()
+
+    # An expected fault is logged as one line; a trace is an error nobody expected (the
+    # auto-recovery loops logged one for every etcd outage until 2026-11-28).
+    for what, (count, example) in sorted(logged_traces(base).items()):
+        hist.violation(f"{count} trace(s) logged: {what}\n  e.g. {example}")
 
     # --- summary ------------------------------------------------------------------------
     recs = hist.ledgers.values()

@@ -34,8 +34,10 @@ or ``bookie autorecovery``) runs two threads:
   kept in ``underreplication/checks``, so a new auditor does not redo a check
   that is not due.
 * **Replication worker**. It walks the marked ledgers; for each it takes the
-  ledger's LeaseLock (so two workers never repair one ledger at once), and for
-  each missing bookie copies that bookie's entries of each fragment from a
+  ledger's LeaseLock (so two workers never repair one ledger at once), reads
+  the mark again under it (the walk's listing can be old: a ledger another
+  worker repaired since is left alone, one marked again is repaired for its
+  current record), and for each missing bookie copies that bookie's entries of each fragment from a
   surviving replica to a writable bookie outside the fragment's ensemble and
   CASes the fragment's ensemble
   (:meth:`~bk.autorecovery.replicator.Replicator.replicate_ledger`);

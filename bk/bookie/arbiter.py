@@ -7,7 +7,10 @@ Theory of operation
 bookie: only once the port is its own), writes the pid file,
 forks one :class:`~bk.bookie.worker.ShardWorker` per shard and waits until each
 has replayed its journal; only then does it register the bookie (a key bound to
-an etcd lease), so a client never sees a bookie that cannot serve.
+an etcd lease), so a client never sees a bookie that cannot serve. The cookie
+check and the registration both wait for an unreachable etcd (up to
+``metadataServiceStartTimeoutSeconds``): a bookie started during an outage
+comes up when etcd does.
 
 The main loop is a ``selectors`` loop over the listening socket, connections
 that have not yet sent their HELLO, the control channel of each worker and a
@@ -325,14 +328,38 @@ class Arbiter:
             log.warning("authProvider=%s without TLS: tokens cross the network in "
                         "plaintext (set tlsCertificatePath)", self.conf.authProvider)
 
+    def _register_waiting(self):
+        """register_bookie, retried while the metadata store is unreachable for up to
+        metadataServiceStartTimeoutSeconds, as the cookie check is: etcd can go
+        silent between the two (a partition soak restarted a bookie as it was cut
+        from etcd: it said it was serving, then exited 1 on its registration's
+        timeout). Any other answer is final at once."""
+        conf = self.conf
+        schedule = _START_BACKOFF.start(
+            time.monotonic() + conf.metadataServiceStartTimeoutSeconds)
+        while True:
+            try:
+                return self.store.register_bookie(
+                    conf.bookie_id, self._registration_info(), readonly=self.readonly,
+                    ttl=conf.registrationTtlSeconds, member=True)
+            except MetadataError as e:
+                if type(e) is not MetadataError or self.stopping:
+                    raise
+                delay = schedule.next_delay()
+                if delay is None:
+                    raise
+                log.warning("metadata store unreachable, registering again in %.1fs: %s",
+                            delay, e)
+                time.sleep(delay)
+
     def _register(self):
         conf = self.conf
         try:
-            reg = self.store.register_bookie(
-                conf.bookie_id, self._registration_info(), readonly=self.readonly,
-                ttl=conf.registrationTtlSeconds, member=True)
+            reg = self._register_waiting()
         except BKError as e:
-            self.exit_code = EXIT_COOKIE if isinstance(e, ClusterIdentityError) else EXIT_ERROR
+            # (the exit codes of the start's cookie check: an unreachable store is 5)
+            self.exit_code = (EXIT_COOKIE if isinstance(e, ClusterIdentityError) else
+                              EXIT_METADATA if isinstance(e, MetadataError) else EXIT_ERROR)
             self.exit_message = str(e)
             self.stopping = True
             os.write(self._wake_w, b"r")

@@ -78,6 +78,12 @@ def list_marked(store) -> Iterator[tuple[int, dict, int]]:
             continue
 
 
+def marked(store, ledger_id: int) -> tuple[dict | None, int | None]:
+    """``(record, version)`` of the ledger's mark, ``(None, None)`` if it has none."""
+    rec, version = store.get_json(ledger_rel(ledger_id))
+    return (rec, version) if isinstance(rec, dict) else (None, None)
+
+
 def unmark(store, ledger_id: int, version: int) -> bool:
     """Remove the record if it is still at ``version`` (marked again since: kept)."""
     try:
