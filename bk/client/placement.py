@@ -159,8 +159,15 @@ class PlacementPolicy:
                 return got
             if score > best_score:
                 best, best_score = got, score
-        where = ", ".join(f"{d}: {sorted(b for b in candidates if rack_of(b) == d)}"
-                          for d in sorted({rack_of(b) for b in candidates}))
+        # every rack counted, with the bookies it has: the free candidates and the
+        # ensemble's kept ones (listing the candidates alone said "3 racks" and named one)
+        members: dict = {}
+        for b in candidates:
+            members.setdefault(rack_of(b), []).append(str(b))
+        for s in slots:
+            if s:
+                members.setdefault(rack_of(s), []).append(f"{s} (kept)")
+        where = ", ".join(f"{d}: {sorted(v)}" for d, v in sorted(members.items()))
         kind = "regions" if self.name == "regionaware" else "racks"
         why = (f"cannot place {E} bookies so that every write quorum of {qw} spans "
                f"{want} {kind} (minNumRacksPerWriteQuorum={self.min_racks}); "

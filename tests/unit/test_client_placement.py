@@ -150,3 +150,18 @@ def test_rack_paths():
     for bad in ("", "r1/a", "/a/b/c", "/a b", "//a"):
         with pytest.raises(ConfigError):
             check_rack(bad)
+
+
+def test_rackaware_refusal_names_the_kept_bookies_racks_too():
+    # a replacement: the ensemble keeps bookies on /a and /b, the only free
+    # candidates are on /a; the refusal counts 2 racks and must name both,
+    # the kept bookies marked as such (it once listed the candidates alone)
+    racks = {"k1:1": "/r/a", "k2:1": "/r/b", "gone:1": "/r/c", "free1:1": "/r/a", "free2:1": "/r/a"}
+    p = PlacementPolicy("rackaware", min_racks=3, enforce=True)
+    with pytest.raises(NotEnoughBookiesError) as ei:
+        p.replace_bookies(["k1:1", "k2:1", "free1:1", "free2:1"], ["k1:1", "k2:1", "gone:1"],
+                          ["gone:1"], 3, racks, rng=random.Random(1))
+    msg = str(ei.value)
+    assert "2 racks have writable bookies" in msg
+    assert "/r/b: ['k2:1 (kept)']" in msg
+    assert "/r/a: ['free1:1', 'free2:1', 'k1:1 (kept)']" in msg
