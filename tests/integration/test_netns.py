@@ -69,16 +69,14 @@ def test_hosts_faults_and_heal(net):
 
     # silent: the connect times out (nothing answers, no local error)
     net.partition(a, b)
-    kind, took = pa.eval(to_b)
-    assert kind == "timeout" and took >= 0.9
+    assert pa.eval(to_b)[0] == "timeout"
     assert pc.eval(to_b)[0] == "ok"            # c is not cut
     net.heal(a, b)
     assert pa.eval(to_b)[0] == "ok"
 
     # reject: fails at once with EHOSTUNREACH
     net.partition(a, b, reject=True)
-    kind, took = pa.eval(to_b)
-    assert kind == "EHOSTUNREACH" and took < 0.5
+    assert pa.eval(to_b)[0] == "EHOSTUNREACH"    # a local error, not a timeout
     net.heal()
     assert net.faults == []
 
