@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -63,9 +64,9 @@ class BookKeeper:
     and long polls (``read_last_add_confirmed_and_entry``, a log reader's
     tail), recovery opens, ledger closes waiting for their adds. Every call
     made afterwards raises it at once, on the client and on its handles and
-    log readers. An open, a recovery or a read whose metadata call meets the
-    store closing with the client raises it too; other metadata calls then
-    raise the store's MetadataError. A forked child's copy of a closed
+    log readers. A call whose metadata request meets the store closing with
+    the client (an open, a recovery, a read's refresh, a create, a delete, a
+    listing, a metadata read) raises it too, not the store's MetadataError. A forked child's copy of a closed
     client is closed too, and a child's close() ends only the child's I/O
     thread.
     """
@@ -175,6 +176,22 @@ class BookKeeper:
 
     def _closed_error(self, what: str) -> ClientClosedError:
         return ClientClosedError(f"{what}: client of {self.uri} is closed")
+
+    @contextlib.contextmanager
+    def _store_call(self, what: str):
+        """A call to the metadata store: the MetadataError of a call that close()
+        ended under it (the store closes with the client) is ClientClosedError,
+        as every other call pending at close ends."""
+        try:
+            yield
+        except MetadataError:
+            if self._closed:
+                raise self._closed_error(what) from None
+            raise
+
+    def _store_iter(self, it, what: str):
+        with self._store_call(what):
+            yield from it
 
     def _after_fork(self):
         with self._lock:
@@ -288,19 +305,20 @@ class BookKeeper:
         ledger under this id, allocated beforehand with :meth:`new_ledger_id` (so that
         the caller can record the id somewhere before the ledger exists);
         LedgerExistsError if it is taken."""
-        c = self._new_ledger(ensemble_size, write_quorum_size, ack_quorum_size, digest_type,
-                             password, custom_metadata, ledger_id)
-        for _ in range(_CREATE_TRIES if ledger_id is None else 1):
-            md = c.metadata()
-            try:
-                version = self._store.create_ledger(md)
-                break
-            except LedgerExistsError:
-                if ledger_id is not None:
-                    raise
-                continue
-        else:
-            raise MetadataError("create ledger: could not allocate a free ledger id")
+        with self._store_call("create ledger"):     # (ids, the bookies' view, the record)
+            c = self._new_ledger(ensemble_size, write_quorum_size, ack_quorum_size,
+                                 digest_type, password, custom_metadata, ledger_id)
+            for _ in range(_CREATE_TRIES if ledger_id is None else 1):
+                md = c.metadata()
+                try:
+                    version = self._store.create_ledger(md)
+                    break
+                except LedgerExistsError:
+                    if ledger_id is not None:
+                        raise
+                    continue
+            else:
+                raise MetadataError("create ledger: could not allocate a free ledger id")
         return c.handle(md, version)
 
     def create_ledger_async(self, ensemble_size: int = 3, write_quorum_size: int = 2,
@@ -468,22 +486,25 @@ class BookKeeper:
     def delete_ledger(self, ledger_id: int) -> None:
         """Delete the ledger's metadata; bookies garbage-collect its entries."""
         self._check()
-        self._store.delete_ledger(ledger_id)
+        with self._store_call(f"delete ledger {ledger_id}"):
+            self._store.delete_ledger(ledger_id)
 
     def list_ledgers(self, page_size: int = LIST_PAGE):
         """Iterator of the ids of every ledger, ascending; lazy, one metadata range
         request per ``page_size`` ids (never the whole listing in one request)."""
         self._check()
-        return self._store.list_ledgers(page_size=page_size)
+        return self._store_iter(self._store.list_ledgers(page_size=page_size), "list ledgers")
 
     def ledger_metadata(self, ledger_id: int) -> LedgerMetadata:
         self._check()
-        return self._store.read_ledger(ledger_id)[0]
+        with self._store_call(f"ledger {ledger_id}'s metadata"):
+            return self._store.read_ledger(ledger_id)[0]
 
     def bookies(self, readonly: bool = False) -> list[str]:
         """Ids of the registered writable (or read-only) bookies."""
         self._check()
-        return self._store.list_bookies(readonly=readonly)
+        with self._store_call("list bookies"):
+            return self._store.list_bookies(readonly=readonly)
 
     # --- logs (bk.log) ------------------------------------------------------------
     def open_log_writer(self, name: str, **opts):
@@ -587,9 +608,16 @@ class _Create:
             self.md = self.metadata()
             self.client._store.create_ledger_async(self.md, self.created)
         except BaseException as e:        # e.g. reserving ids failed: the caller's error
-            self.done(e, None)
+            self.done(self._closed(e), None)
+
+    def _closed(self, exc):
+        """``exc``, or ClientClosedError if it is the store closing with the client."""
+        if isinstance(exc, MetadataError) and self.client._closed:
+            return self.client._closed_error("create ledger")
+        return exc
 
     def created(self, exc, version) -> None:
+        exc = self._closed(exc)
         if exc is None:
             try:
                 h = self.handle(self.md, version)

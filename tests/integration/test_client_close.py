@@ -9,6 +9,7 @@ ended because the client closed, not because its request timed out."""
 
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from bk import protocol
 from bk.client import recovery
 from bk.errors import ClientClosedError
-from bk.testing import stop_bookie, wait_until
+from bk.testing import sigstop, stop_bookie, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -300,3 +301,51 @@ def test_calls_handed_over_after_the_shutdown_end_at_the_loops_end(cluster):
     finally:
         lw.close()
         w.close()
+
+
+def _waiting_in_store(threads) -> bool:
+    """Whether every thread's stack is inside a metadata store call."""
+    frames = sys._current_frames()
+    for t in threads:
+        f = frames.get(t.ident)
+        inside = False
+        while f is not None:
+            if f.f_code.co_filename.endswith(os.path.join("bk", "meta", "store.py")):
+                inside = True
+                break
+            f = f.f_back
+        if not inside:
+            return False
+    return True
+
+
+def test_metadata_calls_waiting_on_a_silent_etcd_end_when_the_client_closes(cluster_factory):
+    """etcd is SIGSTOPped under a create, a delete, a listing, a metadata read and
+    a list of the bookies, each waiting inside the store (its stack shows it) with
+    a 300 s metadata timeout, and an asynchronous create; close() ends every one with ClientClosedError, not
+    the store's MetadataError, and not at the timeout."""
+    c = cluster_factory(3)
+    client = c.client(timeout=LONG, metadataTimeoutMillis=int(LONG * 1000))
+    lh = client.create_ledger(3, 2, 2, password=PW)
+    lh.close()
+    calls = _Calls()
+    sigstop(c.etcd.pid)
+    try:
+        calls.start("create", lambda: client.create_ledger(3, 2, 2, password=PW))
+        calls.start("delete", lambda: client.delete_ledger(lh.ledger_id))
+        calls.start("list", lambda: list(client.list_ledgers()))
+        calls.start("metadata", lambda: client.ledger_metadata(lh.ledger_id))
+        calls.start("bookies", lambda: client.bookies())
+        wait_until(lambda: len(calls.started) == 5 and _waiting_in_store(calls.threads),
+                   timeout=ENDED_WITHIN, what="every call waiting on etcd")
+        # an asynchronous create: its request waits in the store, its caller on the future
+        fut = client.create_ledger_async(3, 2, 2, password=PW)
+        calls.start("create_async", lambda: fut.result(LONG))
+        wait_until(lambda: len(calls.started) == 6, timeout=ENDED_WITHIN,
+                   what="the future awaited")
+        assert calls.ended == {}
+        client.close()
+        calls.wait_ended()
+        calls.assert_all_closed()
+    finally:
+        os.kill(c.etcd.pid, signal.SIGCONT)
