@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 import pytest
 
@@ -55,8 +56,17 @@ class _Calls:
         t.start()
 
     def wait_ended(self):
-        wait_until(lambda: not any(t.is_alive() for t in self.threads),
-                   timeout=ENDED_WITHIN, what="every pending call ended after close()")
+        try:
+            wait_until(lambda: not any(t.is_alive() for t in self.threads),
+                       timeout=ENDED_WITHIN, what="every pending call ended after close()")
+        except AssertionError:
+            # every thread's stack: the calls' and the client's (its I/O thread)
+            frames = sys._current_frames()
+            stuck = {t.name: "".join(traceback.format_stack(frames[t.ident])[-8:])
+                     for t in threading.enumerate() if t.ident in frames and
+                     (t in self.threads or not t.name.startswith("call-"))}
+            raise AssertionError(f"calls still running {ENDED_WITHIN:g}s after close(): "
+                                 + "\n".join(f"{n}:\n{st}" for n, st in stuck.items())) from None
 
     def assert_all_closed(self):
         assert sorted(self.ended) == sorted(self.started)
