@@ -195,7 +195,12 @@ def stop(conf_file, settings, pid_file, timeout):
     """Stop a running bookie gracefully (SIGTERM through its pid file).
 
     In-flight adds are made durable and answered before it exits. A bookie
-    that is not running is not an error.
+    that is not running is not an error (exit 0). Exits 1 if it has not stopped
+    within --timeout seconds.
+
+    \b
+    Example:
+      bookie stop --conf conf/bk_server.conf --timeout 120
     """
     conf = load_conf(conf_file, settings, pid_file=pid_file)
     pid = _read_pid(conf.pid_file)
@@ -223,7 +228,14 @@ def stop(conf_file, settings, pid_file, timeout):
 @click.option("--pid-file", default=None, help="Override pidFile.")
 @one_line_errors(PROG)
 def status(conf_file, settings, pid_file):
-    """Exit 0 if the bookie runs, 3 if it does not (like an init script)."""
+    """Exit 0 if the bookie runs, 3 if it does not (like an init script).
+
+    Looks at the pid file (pidFile of --conf) and whether that process lives.
+
+    \b
+    Example:
+      bookie status --conf conf/bk_server.conf || echo "not running"
+    """
     conf = load_conf(conf_file, settings, pid_file=pid_file)
     pid = running_pid(conf)
     if pid:
@@ -242,7 +254,12 @@ def format(conf_file, settings, force, **flags):  # noqa: A001 - the command's n
     """Wipe the bookie's directories and its cookie (all its data!).
 
     The next start formats them anew. Refuses while the bookie runs. Without
-    --force it asks for confirmation (and fails when it cannot ask).
+    --force it asks for confirmation (and fails when it cannot ask: no terminal).
+
+    \b
+    Example:
+      bookie stop --conf conf/bk_server.conf
+      bookie format --conf conf/bk_server.conf --force
     """
     conf = load_conf(conf_file, settings, **flags)
     pid = running_pid(conf)
@@ -350,6 +367,11 @@ def localcluster(bookies, base_dir, base_port, etcd_port, http_port, shards, set
     The bookies run auto-recovery (--set autoRecoveryDaemonEnabled=false: not).
     etcd runs with a backend quota (--etcd-quota-bytes) and auto-compaction (an hour
     of history; the bookies compact more often, see metadataCompactionIntervalSeconds).
+
+    \b
+    Examples:
+      bookie localcluster --bookies 3 --dir /tmp/bk
+      bookie localcluster --base-port 0 --http-port 0 --set journalSyncData=false
     """
     from bk.localcluster import LocalCluster
 

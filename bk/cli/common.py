@@ -1,7 +1,7 @@
 """What every bk command shares: logging set-up and one-line errors.
 
-Commands exit 0 on success and non-zero with one line on stderr otherwise; a
-traceback is only shown with ``BK_DEBUG=1``.
+Commands exit 0 on success and non-zero with one line on stderr otherwise (the
+codes are in :mod:`bk.exitcodes`); a traceback is only shown with ``BK_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import click
 
 from bk.errors import BKError, ConfigError
+from bk.exitcodes import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 
@@ -70,7 +71,7 @@ def until_interrupted():
         signal.signal(signal.SIGINT, before)
 
 
-def fail(prog: str, message: str, code: int = 1):
+def fail(prog: str, message: str, code: int = EXIT_ERROR):
     click.echo(f"{prog}: error: {message}", err=True)
     sys.exit(code)
 
@@ -88,12 +89,12 @@ def one_line_errors(prog: str):
             except ConfigError as e:
                 if os.environ.get("BK_DEBUG"):
                     raise
-                fail(prog, str(e), 2)
+                fail(prog, str(e), EXIT_CONFIG)
             except (BKError, ValueError, OSError) as e:
                 if os.environ.get("BK_DEBUG"):
                     raise
-                fail(prog, str(e) or type(e).__name__, 1)
+                fail(prog, str(e) or type(e).__name__, EXIT_ERROR)
             except KeyboardInterrupt:
-                fail(prog, "interrupted", 130)
+                fail(prog, "interrupted (Ctrl-C): stopped part-way", EXIT_INTERRUPTED)
         return wrapper
     return deco

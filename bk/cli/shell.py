@@ -2,7 +2,12 @@
 
 Every command is a thin layer over :mod:`bk.admin` (or the client): parse,
 call, print. Data goes to stdout (``--json`` where the output is data),
-progress and errors to stderr; an error is one line and a non-zero exit.
+progress and errors to stderr; an error is one line and a non-zero exit (the
+codes are in :mod:`bk.exitcodes`: 1 failed or a check found problems, 2 a bad
+option, setting or file, 130 Ctrl-C, 141 stdout closed). Commands that go
+through the metadata store first check that the prefix holds a cluster.
+Commands that destroy something ask on a terminal unless ``--yes``
+(:func:`_confirm`); scripts (no terminal on stdin) are not asked.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 import click
 
 from bk.cli.common import fail, one_line_errors, setup_logging, until_interrupted
+from bk.exitcodes import EXIT_CONFIG, EXIT_PIPE_CLOSED
 
 PROG = "bkshell"
 ENV_URI = "BK_METADATA_URI"
@@ -45,7 +51,7 @@ class Ctx:
             uri = os.environ.get(ENV_URI) or os.environ.get("BK_metadataServiceUri")
         if not uri:
             fail(PROG, f"no metadata service URI: pass --metadata etcd://host:port/ledgers, "
-                       f"--conf FILE (with metadataServiceUri), or set {ENV_URI}", 2)
+                       f"--conf FILE (with metadataServiceUri), or set {ENV_URI}", EXIT_CONFIG)
         from bk.meta.store import parse_metadata_uri
         parse_metadata_uri(uri)          # ValueError naming the URI
         return uri
@@ -55,14 +61,26 @@ class Ctx:
         from bk.security.etcd import EtcdCredentials
         return EtcdCredentials.from_conf(self.conf)
 
-    def admin(self, rate_bytes: int = -1):
+    def admin(self, rate_bytes: int = -1, formatted: bool = True):
+        """An Admin of the cluster. ``formatted``: first check that the prefix holds a
+        cluster (ClusterNotFormattedError naming metaformat otherwise). Without the
+        check a typo in the prefix listed nothing and exited 0, and the commands that
+        write a key (setrack, triggeraudit, autorecovery --disable, ...) wrote it
+        under a prefix no bookie reads."""
         from bk.admin import Admin
         from bk.client.placement import PlacementPolicy
         # re-replication (recover, decommissionbookie) places by the conf's policy; TLS
         # and the token towards bookies come from the conf too
-        return Admin(self.uri(), timeout=self.timeout, password=self.password,
-                     placement=PlacementPolicy.from_conf(self.conf), conf=self.conf,
-                     rate_bytes=rate_bytes)
+        a = Admin(self.uri(), timeout=self.timeout, password=self.password,
+                  placement=PlacementPolicy.from_conf(self.conf), conf=self.conf,
+                  rate_bytes=rate_bytes)
+        if formatted:
+            try:
+                a.store.cluster()
+            except BaseException:
+                a.close()
+                raise
+        return a
 
     def client(self, **overrides):
         import bk
@@ -72,7 +90,7 @@ class Ctx:
     def need_conf(self, what: str):
         if not self.conf_file:
             fail(PROG, f"{what} inspects a bookie's own directories: pass --conf "
-                       f"conf/bk_server.conf (the bookie's configuration file)", 2)
+                       f"conf/bk_server.conf (the bookie's configuration file)", EXIT_CONFIG)
         return self.conf
 
 
@@ -150,6 +168,19 @@ def _progress(label):
     return cb
 
 
+def _confirm(question: str, yes: bool) -> None:
+    """Ask before a command changes or destroys something, on a terminal only.
+
+    ``yes`` (--yes / --force) skips the question. Without a terminal on stdin (a
+    script, cron, a pipe) the command goes ahead as it always did: scripts written
+    against earlier bk rely on it. An answer other than yes ends the command with
+    exit 1 and nothing done."""
+    if yes or not sys.stdin.isatty():
+        return
+    if not click.confirm(question, default=False, err=True):
+        fail(PROG, "not confirmed: nothing was changed (pass --yes to skip the question)")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--metadata", "-m", metavar="URI", default=None,
               help="Metadata service URI, etcd://host:port[,host:port]/ledgers "
@@ -180,7 +211,7 @@ def cli(ctx, metadata, conf_file, timeout, password, log_level):
     try:
         setup_logging(log_level)
     except Exception as e:
-        fail(PROG, str(e), 2)
+        fail(PROG, str(e), EXIT_CONFIG)
     ctx.obj = Ctx(metadata, conf_file, timeout,
                   password.encode("utf-8") if password is not None else None)
 
@@ -213,7 +244,7 @@ def metaformat(c, force, yes):
                        f"to confirm")
         click.confirm(f"Delete ALL ledger metadata, cookies and registrations under {uri}?",
                       abort=True, err=True)
-    with c.admin() as a:
+    with c.admin(formatted=False) as a:
         instance = a.metaformat(force)
     click.echo(f"formatted {uri}: cluster instanceId {instance}"
                + (" (previous content deleted)" if force else ""))
@@ -348,12 +379,23 @@ def setrack(c, bookie_id, rack):
     each write quorum over racks from the next ensemble it chooses; existing
     ensembles stay as they are. Overrides the bookie's own bookieRack.
 
+    A bookie that never started (not registered, no cookie) may be given its rack
+    before its first start; a warning on stderr says so, since a typo in
+    BOOKIE_ID looks the same.
+
     \b
     Example:
       bkshell setrack 10.0.1.5:3181 /eu-west/rack-a
     """
     with c.admin() as a:
         path = a.set_rack(bookie_id, rack)
+        known = a.store.bookie_info(bookie_id) is not None or \
+            a.store.read_cookie(bookie_id)[0] is not None
+        registered = sorted(a.store.all_bookies()) if not known else []
+    if not known:
+        click.echo(f"warning: bookie {bookie_id} is not registered and has no cookie "
+                   f"(registered: {', '.join(registered) or 'none'}): its rack applies when "
+                   f"a bookie with this id starts", err=True)
     click.echo(f"{bookie_id}\t{path}")
 
 
@@ -420,6 +462,8 @@ def getrack(c, bookie_id, as_json):
 def bookieinfo(c, bookie_id, as_json):
     """Free and total disk space (and counters) of each bookie, asked with GET_BOOKIE_INFO.
 
+    Exits 1 when a bookie does not answer (after printing the others).
+
     \b
     Examples:
       bkshell bookieinfo
@@ -438,9 +482,12 @@ def bookieinfo(c, bookie_id, as_json):
                            f"{_size(r['total_bytes'])}\tused {r['usage'] * 100:.1f}%\t"
                            f"{'readonly' if r['readonly'] else 'writable'}\t"
                            f"{r['ledgers']} ledgers\t{r['entries']} entries")
-    bad = [r["id"] for r in rows if "error" in r]
+    bad = [r for r in rows if "error" in r]
     if bad and bookie_id:
         fail(PROG, rows[0]["error"])
+    if bad:     # a check that exits 0 with bookies down would pass a monitoring script
+        fail(PROG, f"{len(bad)} of {len(rows)} bookies did not answer (first: "
+                   f"{bad[0]['error']})")
 
 
 @cli.command()
@@ -604,17 +651,25 @@ def _printable(text: str) -> str:
 
 @cli.command()
 @click.argument("ledger_id", type=LEDGER_ID)
-@click.option("--force", "-f", is_flag=True, help="(accepted for BookKeeper compatibility)")
+@click.option("--force", "-f", "--yes", "-y", "yes", is_flag=True,
+              help="Do not ask for confirmation (on a terminal).")
 @pass_ctx
 @handled
-def deleteledger(c, ledger_id, force):
+def deleteledger(c, ledger_id, yes):
     """Delete a ledger (its metadata; bookies garbage-collect its entries).
 
+    On a terminal it shows the ledger and asks first, unless --force/--yes;
+    without a terminal on stdin (a script) it deletes without asking.
+
     \b
-    Example:
+    Examples:
       bkshell deleteledger 42
+      bkshell deleteledger 42 --force          # no question
     """
     with c.admin() as a:
+        md = a.ledger_metadata(ledger_id)           # a missing ledger fails before asking
+        _confirm(f"Delete ledger {ledger_id} ({md.state.value}, last entry "
+                 f"{md.last_entry_id}, {md.length} bytes)?", yes)
         a.delete_ledger(ledger_id)
     click.echo(f"deleted ledger {ledger_id}")
 
@@ -644,8 +699,14 @@ def simpletest(c, entries, ensemble, write_quorum, ack_quorum, entry_size, keep,
         lid = lh.ledger_id
         payloads = [(b"entry %d of bkshell simpletest " % i * (entry_size // 30 + 1))
                     [:entry_size] for i in range(entries)]
-        last = lh.add_entries(payloads)
-        lh.close()
+        try:
+            last = lh.add_entries(payloads)
+            lh.close()
+        except (KeyboardInterrupt, Exception):
+            # the test ledger stays: say which, so that it can be deleted
+            click.echo(f"simpletest: ledger {lid} is left behind (delete it: bkshell "
+                       f"deleteledger {lid} --yes)", err=True)
+            raise
         t_write = time.monotonic() - t0
         if not as_json:
             click.echo(f"{entries} entries written to ledger {lid}")
@@ -767,22 +828,32 @@ def _run_recover(c, bookie_id, dry_run, skip_open, as_json, decommission=False,
 @click.option("--skip-open", is_flag=True,
               help="Leave alone open ledgers whose last ensemble holds the bookie "
                    "(instead of fencing and closing them).")
+@click.option("--yes", "-y", "--force", "-f", "yes", is_flag=True,
+              help="Do not ask for confirmation (on a terminal).")
 @_json_opt
 @pass_ctx
 @handled
-def recover(c, bookie_id, dry_run, skip_open, as_json):
+def recover(c, bookie_id, dry_run, skip_open, yes, as_json):
     """Re-replicate every ledger fragment that had BOOKIE_ID onto other bookies.
 
     Open ledgers whose last ensemble holds the bookie are fenced and closed
     first. Each entry the bookie held is copied from a surviving replica to a
     replacement bookie, then the fragment's ensemble is updated. Safe to
-    interrupt and re-run; a second run finds nothing to do.
+    interrupt and re-run; a second run finds nothing to do. Progress goes to
+    stderr; Ctrl-C stops it (exit 130) and a re-run goes on from there.
+
+    On a terminal it asks first (fencing ends the writers of open ledgers),
+    unless --yes or --dry-run; a script is not asked.
 
     \b
     Examples:
       bkshell recover 127.0.0.1:3181 --dry-run
-      bkshell recover 127.0.0.1:3181
+      bkshell recover 127.0.0.1:3181 --yes
     """
+    if not dry_run:
+        _confirm(f"Re-replicate every fragment that had bookie {bookie_id}"
+                 + ("" if skip_open else ", fencing and closing the open ledgers whose last "
+                    "ensemble holds it (their writers fail)") + "?", yes)
     _run_recover(c, bookie_id, dry_run, skip_open, as_json)
 
 
@@ -806,10 +877,12 @@ DECOMMISSION_RATE = 32 << 20
               help="Bytes/s this process copies at when it copies itself (default: "
                    f"replicationRateByBytes of --conf if set, else {DECOMMISSION_RATE}; "
                    "<= 0: no limit).")
+@click.option("--yes", "-y", "--force", "-f", "yes", is_flag=True,
+              help="Do not ask for confirmation (on a terminal).")
 @_json_opt
 @pass_ctx
 @handled
-def decommissionbookie(c, bookie_id, use_ar, auditor_wait, rate_bytes, as_json):
+def decommissionbookie(c, bookie_id, use_ar, auditor_wait, rate_bytes, yes, as_json):
     """Retire a stopped bookie: recover all its fragments, then delete its cookie.
 
     Refuses while the bookie is registered (running). When auto-recovery runs,
@@ -822,11 +895,15 @@ def decommissionbookie(c, bookie_id, use_ar, auditor_wait, rate_bytes, as_json):
     no auto-recovery (or none elected by then, or --no-autorecovery) this
     process copies, paced to --rate-bytes. It says on stderr which it does.
 
+    On a terminal it asks first, unless --yes; a script is not asked.
+
     \b
     Example:
       bookie stop --conf /etc/bk/bk_server.conf
-      bkshell decommissionbookie 127.0.0.1:3181
+      bkshell decommissionbookie 127.0.0.1:3181 --yes
     """
+    _confirm(f"Decommission bookie {bookie_id}: copy its data to other bookies, then "
+             f"delete its cookie (it cannot rejoin with its data)?", yes)
     if rate_bytes is None:
         conf_rate = c.conf.replicationRateByBytes if c.conf_file else -1
         rate_bytes = conf_rate if conf_rate > 0 else DECOMMISSION_RATE
@@ -1209,18 +1286,24 @@ def tail(c, name, start, earliest, fmt, as_json):
 @click.argument("name", callback=lambda ctx, p, v: _log_name(v))
 @click.option("--before", required=True, type=LOG_POSITION,
               help="Drop the records before this position (segment:entry:slot).")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (on a terminal).")
 @_json_opt
 @pass_ctx
 @handled
-def truncatelog(c, name, before, as_json):
+def truncatelog(c, name, before, yes, as_json):
     """Truncate a log: delete the whole ledgers that end before a position
     (never the open one) and record the truncation point.
 
+    On a terminal it asks first, unless --yes; a script is not asked.
+
     \b
     Example:
-      bkshell truncatelog orders --before 5:0:0
+      bkshell truncatelog orders --before 5:0:0 --yes
     """
     with c.client() as cl:
+        info = cl.log_info(name)                 # a missing log fails before asking
+        _confirm(f"Drop the records of log {info.name} before {before} (of "
+                 f"{info.records} records, first {info.first_position or '-'})?", yes)
         deleted = cl.truncate_log(name, before=before)
     if as_json:
         return _json_out({"name": name, "truncated_before": str(before),
@@ -1232,17 +1315,23 @@ def truncatelog(c, name, before, as_json):
 
 @cli.command()
 @click.argument("name", callback=lambda ctx, p, v: _log_name(v))
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation (on a terminal).")
 @_json_opt
 @pass_ctx
 @handled
-def deletelog(c, name, as_json):
+def deletelog(c, name, yes, as_json):
     """Delete a log and its ledgers.
+
+    On a terminal it asks first, unless --yes; a script is not asked.
 
     \b
     Example:
-      bkshell deletelog orders
+      bkshell deletelog orders --yes
     """
     with c.client() as cl:
+        info = cl.log_info(name)                 # a missing log fails before asking
+        _confirm(f"Delete log {info.name}: {info.records} records in "
+                 f"{len(info.segments)} ledgers?", yes)
         deleted = cl.delete_log(name)
     if as_json:
         return _json_out({"name": name, "deleted_ledgers": deleted})
@@ -1274,7 +1363,7 @@ def checkledgers(c, master, partitions, as_json):
         from pyspark.sql import SparkSession
         import bk.spark
     except ImportError as e:
-        fail(PROG, f"checkledgers needs PySpark (pip install 'bk[spark]'): {e}", 2)
+        fail(PROG, f"checkledgers needs PySpark (pip install 'bk[spark]'): {e}", EXIT_CONFIG)
     if master.startswith("local"):
         # Local Python workers: this interpreter (with bk and its dependencies).
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -1352,7 +1441,14 @@ def cleanstaging(c, names, older_than, dry_run, as_json):
 
 @cli.group()
 def bench():
-    """Benchmarks: the whole write path, or one bookie."""
+    """Benchmarks: the whole write path, one bookie, a log, recovery, storage at
+    scale, metadata. Results on stdout (--json: one document), progress on stderr.
+
+    \b
+    Examples:
+      bkshell bench writes --duration 10 --json
+      bkshell bench bookie 127.0.0.1:3181
+    """
 
 
 @bench.command("writes")
@@ -1749,7 +1845,13 @@ def bench_recovery_cmd(size, entry_size, ledgers, writers, writer_rate, registra
 
 @cli.group()
 def tokens():
-    """Signed tokens (HS256) for authProvider=token: the secret key, then a token per role."""
+    """Signed tokens (HS256) for authProvider=token: the secret key, then a token per role.
+
+    \b
+    Example:
+      bkshell tokens create-secret-key -o /etc/bk/token.key
+      bkshell tokens create -k /etc/bk/token.key --subject app1 --expiry-time 86400
+    """
 
 
 @tokens.command("create-secret-key")
@@ -1765,14 +1867,19 @@ def tokens_create_secret_key(output, rotate):
     \b
     Rotation: bkshell tokens create-secret-key --rotate -o token.key, copy the file
     to every bookie (picked up without a restart), issue new tokens, then
-    bkshell tokens remove-secret-key --key-id OLD -k token.key and copy it again."""
+    bkshell tokens remove-secret-key --key-id OLD -k token.key and copy it again.
+
+    \b
+    Example:
+      bkshell tokens create-secret-key --output /etc/bk/token.key
+    """
     from bk.security import auth
     exists = os.path.exists(output)
     if exists and not rotate:
         fail(PROG, f"{output} exists: a new key would invalidate every token signed with it; "
-                   f"use --rotate to add one, or remove the file first", 2)
+                   f"use --rotate to add one, or remove the file first", EXIT_CONFIG)
     if rotate and not exists:
-        fail(PROG, f"{output} does not exist: nothing to rotate", 2)
+        fail(PROG, f"{output} does not exist: nothing to rotate", EXIT_CONFIG)
     old = auth.read_secret_keys(output, "--output") if exists else []
     key = auth.create_secret_key()
     auth.write_secret_keys(output, [key] + old)
@@ -1786,7 +1893,12 @@ def tokens_create_secret_key(output, rotate):
 @_json_opt
 @handled
 def tokens_list_secret_keys(secret_key_file, as_json):
-    """The ids (kid) of the keys of a key file; the first signs. Never the keys."""
+    """The ids (kid) of the keys of a key file; the first signs. Never the keys.
+
+    \b
+    Example:
+      bkshell tokens list-secret-keys -k /etc/bk/token.key --json
+    """
     from bk.security import auth
     kids = [auth.key_id(k) for k in auth.read_secret_keys(secret_key_file, "--secret-key-file")]
     if as_json:
@@ -1801,15 +1913,20 @@ def tokens_list_secret_keys(secret_key_file, as_json):
 @click.option("--key-id", required=True, help="The kid (list-secret-keys) to remove.")
 @handled
 def tokens_remove_secret_key(secret_key_file, key_id):
-    """Remove a key: the tokens it signed are refused once bookies load the file."""
+    """Remove a key: the tokens it signed are refused once bookies load the file.
+
+    \b
+    Example:
+      bkshell tokens remove-secret-key -k /etc/bk/token.key --key-id 3f9c0a1b
+    """
     from bk.security import auth
     keys = auth.read_secret_keys(secret_key_file, "--secret-key-file")
     left = [k for k in keys if auth.key_id(k) != key_id]
     if len(left) == len(keys):
-        fail(PROG, f"no key {key_id} in {secret_key_file}", 2)
+        fail(PROG, f"no key {key_id} in {secret_key_file}", EXIT_CONFIG)
     if not left:
         fail(PROG, f"{key_id} is the only key of {secret_key_file}: add one first "
-                   f"(create-secret-key --rotate)", 2)
+                   f"(create-secret-key --rotate)", EXIT_CONFIG)
     auth.write_secret_keys(secret_key_file, left)
     click.echo(f"removed key {key_id} from {secret_key_file}; "
                f"{auth.key_id(left[0])} signs", err=True)
@@ -1824,7 +1941,12 @@ def tokens_remove_secret_key(secret_key_file, key_id):
 @handled
 def tokens_create(secret_key_file, subject, expiry_time):
     """Print a token for role SUBJECT (give it to the client as authToken or in a file
-    named by authTokenFile)."""
+    named by authTokenFile). Without --expiry-time it never expires.
+
+    \b
+    Example:
+      bkshell tokens create -k /etc/bk/token.key -s app1 --expiry-time 86400 > app1.token
+    """
     from bk.security import auth
     from bk.security.tokens import create_token
     key = auth.read_secret_key(secret_key_file, "--secret-key-file")
@@ -1835,8 +1957,13 @@ def tokens_create(secret_key_file, subject, expiry_time):
 @click.argument("token")
 @handled
 def tokens_show(token):
-    """What a token claims (subject, id, expiry, signing key id); its signature is
-    NOT checked."""
+    """What a token claims (subject, id, expiry, signing key id), as JSON; its
+    signature is NOT checked.
+
+    \b
+    Example:
+      bkshell tokens show "$(cat app1.token)"
+    """
     from bk.security.tokens import describe_token
     _json_out(describe_token(token))
 
@@ -1851,11 +1978,17 @@ def tokens_show(token):
 @handled
 def tokens_revoke(revocation_file, token, token_file, subject):
     """Add a token (or every token of a role) to a revocation file; bookies refuse it
-    from its next connection once they loaded the file, and close its open ones."""
+    from its next connection once they loaded the file, and close its open ones.
+
+    \b
+    Examples:
+      bkshell tokens revoke -r /etc/bk/revoked --token-file app1.token
+      bkshell tokens revoke -r /etc/bk/revoked --subject app1
+    """
     from bk.security import auth
     from bk.security.tokens import token_id, unverified_claims
     if sum(x is not None for x in (token, token_file, subject)) != 1:
-        fail(PROG, "give one of --token, --token-file, --subject", 2)
+        fail(PROG, "give one of --token, --token-file, --subject", EXIT_CONFIG)
     if token_file:
         with open(token_file, encoding="utf-8") as f:
             token = f.read().strip()
@@ -1875,7 +2008,7 @@ def main(argv=None):
     except (BrokenPipeError, _PipeClosed):
         # Point stdout at /dev/null so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)
+        sys.exit(EXIT_PIPE_CLOSED)
 
 
 if __name__ == "__main__":

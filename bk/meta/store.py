@@ -440,7 +440,10 @@ class MetadataStore:
                 except Exception:  # pragma: no cover
                     pass
 
-    def _error(self, what: str, exc: BaseException) -> MetadataError:
+    def _error(self, what: str, exc: BaseException, waited: float | None = None) -> MetadataError:
+        """``exc`` as a MetadataError naming the call and the URI; ``waited``: the
+        seconds the call tried for (an operator told "unreachable" asks how long
+        it was given: the answer is --timeout / metadataTimeoutMillis)."""
         code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
         details = (exc.details() or "") if code is not None else ""
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "space" in details:
@@ -461,7 +464,8 @@ class MetadataStore:
             err.compact_revision = getattr(exc, "compacted_revision", 0) or 0
             return err
         if isinstance(exc, etcd_exc.ConnectionFailedError):
-            why = "etcd is unreachable"
+            why = "etcd is unreachable" + (f", tried for {waited:.1f}s"
+                                           if waited is not None else "")
         elif isinstance(exc, etcd_exc.ConnectionTimeoutError):
             why = f"etcd did not answer within {self.timeout:g}s"
         elif isinstance(exc, etcd_exc.NoServerAvailableError):
@@ -485,7 +489,8 @@ class MetadataStore:
         etcd restarts, gRPC's channel is still backing off and would fail them at
         once. Writes are sent once: after a broken connection their outcome is
         unknown, and a blind retry could misreport (e.g. "ledger exists")."""
-        schedule = CONNECT_BACKOFF.start(time.monotonic() + self.timeout)
+        started = time.monotonic()
+        schedule = CONNECT_BACKOFF.start(started + self.timeout)
         reauthenticated = False
         while True:
             client = self._client()
@@ -505,7 +510,7 @@ class MetadataStore:
                 if delay is not None:
                     time.sleep(delay)
                     continue
-                raise self._error(what, exc) from None
+                raise self._error(what, exc, time.monotonic() - started) from None
 
     def _key(self, rel: str) -> bytes:
         return (self._root + rel).encode("utf-8")

@@ -43,7 +43,9 @@ def unverified_claims(token: str) -> dict:
     try:
         return jwt.decode(token, options={"verify_signature": False})
     except jwt.InvalidTokenError as e:
-        raise ConfigError(f"not a token: {type(e).__name__}") from None
+        # jwt's own words ("Not enough segments", ...) say what is wrong; never the token
+        raise ConfigError(f"not a token (expected a JWT, HEADER.CLAIMS.SIGNATURE as made by "
+                          f"'bkshell tokens create'): {e or type(e).__name__}") from None
 
 
 def describe_token(token: str) -> dict:
