@@ -872,11 +872,12 @@ def settle_deletions(client, hist: History) -> None:
 
 
 def check_deleted(client, cluster, hist: History, progress, copies: Copies,
-                  timeout: float) -> dict:
+                  timeout: float) -> tuple[dict, set]:
     """Every deleted ledger is gone from the metadata, and within ``timeout`` every
     bookie answers ENOLEDGER to a READ_LAC, a READ and a GET_LIST_OF_ENTRIES of it
-    (its GC round ran); one that serves it again later is a violation. Returns
-    ``{bookie id: [(ledger, first probe answers)]}`` of what GC had left to do."""
+    (its GC round ran). Returns ``{bookie id: [(ledger, first probe answers)]}`` of
+    what GC had left to do at the heal, and the (bookie, ledger) pairs that answered
+    ENOLEDGER (for :func:`recheck_deleted`)."""
     V = hist.violation
     deleted = sorted(lid for lid, r in hist.ledgers.items() if r.deleted is not None)
     for lid in deleted:
@@ -911,19 +912,17 @@ def check_deleted(client, cluster, hist: History, progress, copies: Copies,
     left: dict = {}
     for (b, lid), ans in first.items():
         left.setdefault(b, []).append((lid, ans))
-    return left
+    return left, gone
 
 
-def recheck_deleted(hist: History, copies: Copies, bids) -> None:
+def recheck_deleted(hist: History, copies: Copies, gone) -> None:
     """Once more, later: a bookie that answered ENOLEDGER for a deleted ledger and now
     serves it again brought it back (a compaction or a replay that resurrected it)."""
-    deleted = sorted(lid for lid, r in hist.ledgers.items() if r.deleted is not None)
-    for b in bids:
-        for lid in deleted:
-            ans = copies.probe(b, lid)
-            if not all(v == ENOLEDGER for k, v in ans.items() if k != "entries"):
-                hist.violation(f"ledger {lid}, deleted: bookie {b} answered ENOLEDGER and "
-                               f"later {ans}")
+    for b, lid in sorted(gone):
+        ans = copies.probe(b, lid)
+        if not all(v == ENOLEDGER for k, v in ans.items() if k != "entries"):
+            hist.violation(f"ledger {lid}, deleted: bookie {b} answered ENOLEDGER and "
+                           f"later {ans}")
 
 
 def check_disk(base, hist: History) -> dict:
@@ -1282,11 +1281,12 @@ def main():
                 settle_deletions(cclient, hist)
                 n_read = check(cclient, hist, say, copies)
                 if deletes:
-                    gc_left = check_deleted(cclient, cluster, hist, say, copies, timeout=120.0)
+                    gc_left, gone = check_deleted(cclient, cluster, hist, say, copies,
+                                                  timeout=120.0)
                     say(f"soak: {settle:.0f}s for the flush and compaction that follow the "
                         f"last collection, then every deleted ledger once more")
                     time.sleep(settle)
-                    recheck_deleted(hist, copies, [b.bookie_id for b in cluster.bookies])
+                    recheck_deleted(hist, copies, gone)
         finally:
             copies.close()
         faulthandler.cancel_dump_traceback_later()
