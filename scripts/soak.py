@@ -465,11 +465,12 @@ class Deleter(threading.Thread):
     fails with an unknown outcome (a timeout) is settled in the check: the ledger
     is deleted iff its metadata is gone."""
 
-    def __init__(self, client, hist, rng_seed, stop, active, interval):
+    def __init__(self, client, hist, rng_seed, stop, active, interval, fraction):
         super().__init__(name="deleter", daemon=True)
         self.client, self.hist, self.stop, self.active = client, hist, stop, active
         self.rng = random.Random(rng_seed)
         self.interval = interval
+        self.fraction = fraction
         self.busy_since = None
         self.doing = ""
 
@@ -484,6 +485,11 @@ class Deleter(threading.Thread):
         hist, rng = self.hist, self.rng
         writing = set(self.active.values())
         with hist.lock:
+            # Most ledgers stay: the check needs live ledgers whose entries compactions
+            # moved (a slow machine creates few, and the deleter would take them all).
+            n_deleted = sum(r.deleted is not None for r in hist.ledgers.values())
+            if n_deleted >= self.fraction * len(hist.ledgers):
+                return
             recovering = [lid for lid in hist.recovering
                           if hist.ledgers[lid].deleted is None and lid in writing]
             idle = [lid for lid, r in hist.ledgers.items()
@@ -1121,6 +1127,9 @@ def main():
                    help="no deleter (and the bookies' storage settings left as they are)")
     p.add_argument("--delete-interval", type=float, nargs=2, default=(0.5, 2.0),
                    metavar=("MIN", "MAX"), help="seconds between deletions (default 0.5 2)")
+    p.add_argument("--delete-fraction", type=float, default=0.4,
+                   help="the deleter pauses while this fraction of the ledgers created is "
+                        "deleted (default 0.4)")
     p.add_argument("--autorecovery", action="store_true",
                    help="bookies run auto-recovery with short delays (lost after 3 s, "
                         "checks every 15 s, over-replicated GC every 3 s), so the nemesis's "
@@ -1219,7 +1228,8 @@ def main():
         recoverer = Recoverer(cluster.metadata_uri, (rclient, rclient2), hist, seed * 100 + 50,
                               stop, active, a.recovery_interval)
         nemesis = Nemesis(cluster, hist, seed * 100 + 60, stop, max_down, a.nemesis_interval)
-        deleter = Deleter(dclient, hist, seed * 100 + 80, stop, active, a.delete_interval)
+        deleter = Deleter(dclient, hist, seed * 100 + 80, stop, active, a.delete_interval,
+                          a.delete_fraction)
         threads = writers + [recoverer] + ([deleter] if deletes else []) + \
             ([] if a.no_nemesis else [nemesis])
         pnemesis = None
