@@ -162,9 +162,16 @@ class BookiePool:
         addr = self.address(bookie_id)
         n = self._shards.get(bookie_id)
         if n is None:
-            with BookieConnection(addr, -1, timeout=self.timeout,
-                                  security=self.security) as c:
-                n = self._shards[bookie_id] = int(c.num_shards)
+            # Asked at HELLO when the registration does not say (a bookie whose lease
+            # expired: paused, partitioned). An OS error here is the bookie's, like
+            # conn()'s: a paused bookie accepts (the kernel's backlog) and never
+            # answers, and the timeout once escaped the auditor's checks as a trace.
+            try:
+                with BookieConnection(addr, -1, timeout=self.timeout,
+                                      security=self.security) as c:
+                    n = self._shards[bookie_id] = int(c.num_shards)
+            except OSError as e:
+                raise BookieUnavailableError(f"HELLO to bookie {bookie_id}: {e}") from None
         return n
 
     def conn(self, bookie_id: str, ledger_id: int | None = None, shard: int | None = None):

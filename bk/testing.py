@@ -191,6 +191,10 @@ class _LaunchedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+# how long a spawn waits for the launcher (a starved machine: see _Launcher.spawn)
+LAUNCHER_ANSWER_TIMEOUT = 180.0
+
+
 class _Launcher:
     """A launcher process of this test process, started on first use for each
     environment a bookie is started with: what the interpreter does at its start
@@ -251,8 +255,14 @@ class _Launcher:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
             with self.cond:
-                if not self.cond.wait_for(lambda: self._spawned, 30):
-                    raise BKError("the bookie launcher did not answer")
+                # The first answer waits for the launcher's imports: on a machine other
+                # jobs keep busy (a niced soak beside CPU burners) that took over 30 s.
+                # A launcher that exited answers nothing: no need to wait for it then.
+                if not self.cond.wait_for(
+                        lambda: self._spawned or self.proc.poll() is not None,
+                        LAUNCHER_ANSWER_TIMEOUT) or not self._spawned:
+                    raise BKError(f"the bookie launcher did not answer (exit status "
+                                  f"{self.proc.poll()})")
                 return self._spawned.pop()
 
 

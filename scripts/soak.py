@@ -21,6 +21,14 @@ the nemesis kills, pauses and restarts bookies. For --duration seconds:
   once, or from a client closed under it half way: a crashed recoverer), or
   tails one without recovery.
 
+* a deleter (unless --no-deletes) deletes ledgers through its own client:
+  mostly ones no writer writes any more, now and then one a writer is still
+  writing (its adds and close then fail: legal, recorded) or one a recovery
+  is opening. The bookies then run with GC every 2 s, 1 MiB entry logs, a
+  2 MiB write cache and frequent compactions (DELETE_STORAGE; --set
+  overrides), so that entry logs mix live and deleted ledgers and
+  compactions copy live entries forward under the faults.
+
 With --hosts every bookie runs on its own network-namespace host (bk.netns,
 needs root) with etcd on another, the writers and recoverers on this process's
 end of the bridge, and a partition nemesis runs beside the process one: it
@@ -30,7 +38,7 @@ host (link down, no FIN) or, with --racks, a whole rack, and heals after a few
 seconds. With --racks the bookies are spread over that many racks and the
 clients place rack-aware.
 
-Then it heals the cluster and checks, with a fresh client, every ledger:
+Then it heals the cluster and checks, with a fresh client, every ledger not deleted:
 (1) every acknowledged entry id <= the ledger's last entry; (2) every entry
 0..last reads back byte-identical to what a writer submitted for that id (so
 acknowledged entries are intact and unacknowledged survivors are genuine);
@@ -45,13 +53,22 @@ fails the soak too (not a safety violation, but a client that can do no more
 I/O), and so does a trace in a bookie's log or the clients' (an expected fault,
 an etcd outage or a bookie gone, is logged as one line; a trace is an error
 nobody expected: a loop of a daemon thread that failed, a worker that crashed).
-Exit code 0 on PASS, 1 on FAIL. The cluster directory (bookie logs,
-client.log, events.log, violations.txt) is kept on FAIL or with --keep.
+Deleted ledgers are checked apart (check_deleted, check_disk): (7) none has
+metadata; (8) within 120 s of the heal every bookie answers ENOLEDGER to a
+READ_LAC, a READ and a GET_LIST_OF_ENTRIES of each, and still does after the
+flush and compaction that follow; (9) with the bookies stopped, no shard's
+index holds a run or the state of one, no entry log is left without a live
+entry but the one the shard appended to and the journal segments from the
+index's mark on (compaction leaves those), and no entry log file is on disk
+that the index does not name. Exit code 0 on PASS, 1 on FAIL. The cluster
+directory (bookie logs, client.log, events.log, violations.txt) is kept on FAIL
+or with --keep.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import faulthandler
 import glob
@@ -72,7 +89,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import bk  # noqa: E402
 from bk import protocol as P  # noqa: E402
-from bk.errors import ENOLEDGER, EOK, BKError  # noqa: E402
+from bk.errors import ENOLEDGER, EOK, BKError, NoSuchLedgerError  # noqa: E402
 from bk import netns  # noqa: E402
 from bk.testing import TEST_DEFAULTS, BookieConnection, LocalCluster  # noqa: E402
 
@@ -118,6 +135,9 @@ class LedgerRec:
         self.recoveries: list[tuple[float, int]] = []   # (time, last entry) of recovery opens
         self.recovery_attempts = 0
         self.reader_lacs: list[tuple[float, int]] = []  # LACs tailing readers saw
+        self.deleted: float | None = None        # time the deleter's delete_ledger returned
+        self.delete_error: str | None = None     # a delete whose outcome is unknown
+        self.deleted_while = ""                  # "closed", "writing" or "recovering"
 
 
 class History:
@@ -128,6 +148,8 @@ class History:
         self.failure_example: dict[str, str] = {}   # kind -> its first message
         self.nemesis = collections.Counter()
         self.recovery = collections.Counter()
+        self.deletions = collections.Counter()
+        self.recovering: dict[int, int] = {}     # ledger id -> recovery opens in progress
         self.violations: list[str] = []
         self.anomalies: list[str] = []
         self.t0 = time.monotonic()
@@ -231,7 +253,7 @@ class Writer(threading.Thread):
                         time.sleep(rng.uniform(0, pause))
             except BKError as e:
                 rec.writer_error = fmt_exc(e)
-                hist.fail("add", e, lid)
+                hist.fail("add" if rec.deleted is None else "add to a deleted ledger", e, lid)
                 if rng.random() < 0.5:
                     return          # abandon it, like a crashed writer: recovery's job
             try:
@@ -240,7 +262,8 @@ class Writer(threading.Thread):
                 hist.event(f"ledger {lid} closed by its writer at {rec.writer_closed} "
                            f"({len(rec.acked)} acknowledged)")
             except BKError as e:
-                hist.fail("close", e, lid)
+                hist.fail("close" if rec.deleted is None else "close of a deleted ledger", e,
+                          lid)
         finally:
             self.active.pop(self.n, None)
 
@@ -386,6 +409,7 @@ class Recoverer(threading.Thread):
             rec.recovery_attempts += 1
             acked_before = max(rec.acked, default=-1)
             hist.recovery["attempts"] += 1
+            hist.recovering[lid] = hist.recovering.get(lid, 0) + 1
         hist.event(f"recovery open of ledger {lid} begins (writer has {acked_before} "
                    f"acknowledged so far)")
         try:
@@ -393,8 +417,13 @@ class Recoverer(threading.Thread):
         except BKError as e:
             with hist.lock:
                 hist.recovery[f"{kind} failed: {type(e).__name__}"] += 1
-            hist.fail(kind, e, lid)
+            hist.fail(kind if rec.deleted is None else f"{kind} of a deleted ledger", e, lid)
             return
+        finally:
+            with hist.lock:
+                n = hist.recovering.pop(lid, 1) - 1
+                if n:
+                    hist.recovering[lid] = n
         last = rh.metadata.last_entry_id
         with hist.lock:
             rec.recoveries.append((time.monotonic(), last))
@@ -425,6 +454,74 @@ class Recoverer(threading.Thread):
             self.busy_since = None
         with hist.lock:
             rec.reader_lacs.append((time.monotonic(), lac))
+
+
+# --- the deleter ------------------------------------------------------------------------
+class Deleter(threading.Thread):
+    """Deletes ledgers through its own client while everything else runs: mostly
+    ones no writer writes any more (closed, or abandoned after an error), now and
+    then one a writer is still writing (its later adds and its close may fail, a
+    legal outcome, recorded as such) or one a recovery is opening. A delete that
+    fails with an unknown outcome (a timeout) is settled in the check: the ledger
+    is deleted iff its metadata is gone."""
+
+    def __init__(self, client, hist, rng_seed, stop, active, interval, fraction):
+        super().__init__(name="deleter", daemon=True)
+        self.client, self.hist, self.stop, self.active = client, hist, stop, active
+        self.rng = random.Random(rng_seed)
+        self.interval = interval
+        self.fraction = fraction
+        self.busy_since = None
+        self.doing = ""
+
+    def run(self):
+        while not self.stop.wait(self.rng.uniform(*self.interval)):
+            try:
+                self.once()
+            except Exception as e:
+                self.hist.anomaly(f"deleter: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+
+    def once(self):
+        hist, rng = self.hist, self.rng
+        writing = set(self.active.values())
+        with hist.lock:
+            # Most ledgers stay: the check needs live ledgers whose entries compactions
+            # moved (a slow machine creates few, and the deleter would take them all).
+            n_deleted = sum(r.deleted is not None for r in hist.ledgers.values())
+            if n_deleted >= self.fraction * len(hist.ledgers):
+                return
+            recovering = [lid for lid in hist.recovering
+                          if hist.ledgers[lid].deleted is None and lid in writing]
+            idle = [lid for lid, r in hist.ledgers.items()
+                    if r.deleted is None and r.delete_error is None and lid not in writing]
+        live_writing = [lid for lid in writing if hist.ledgers[lid].deleted is None]
+        r = rng.random()
+        if r < 0.1 and recovering:
+            lid, why = rng.choice(recovering), "recovering"
+        elif r < 0.25 and live_writing:
+            lid, why = rng.choice(live_writing), "writing"
+        elif idle:
+            lid, why = rng.choice(idle), "closed"
+        else:
+            return
+        rec = hist.ledgers[lid]
+        self.doing, self.busy_since = f"delete_ledger({lid})", time.monotonic()
+        hist.event(f"deleter: deleting ledger {lid} ({why}, {len(rec.acked)} acknowledged)")
+        try:
+            self.client.delete_ledger(lid)
+        except BKError as e:
+            with hist.lock:
+                rec.delete_error = fmt_exc(e)
+                hist.deletions[f"failed: {type(e).__name__}"] += 1
+            hist.fail("delete", e, lid)
+            return
+        finally:
+            self.busy_since = None
+        with hist.lock:
+            rec.deleted = time.monotonic()
+            rec.deleted_while = why
+            hist.deletions[why] += 1
+        hist.event(f"deleter: ledger {lid} deleted ({why})")
 
 
 # --- the nemesis --------------------------------------------------------------------------
@@ -610,12 +707,38 @@ class Copies:
             self.security = ClientSecurity.from_conf(
                 Config.load(overrides=cluster.client_settings(), env={}))
 
-    def held(self, bid, lid) -> set:
+    def _call(self, bid, lid, make):
         key = (bid, P.shard_of(lid, self.shards[bid]))
-        c = self.conns.get(key)
-        if c is None:
-            c = self.conns[key] = BookieConnection(bid, shard=key[1], security=self.security)
-        r = c.call(P.get_list_of_entries(c.next_rid(), lid))
+        for attempt in range(2):
+            c = self.conns.get(key)
+            if c is None:
+                c = self.conns[key] = BookieConnection(bid, shard=key[1],
+                                                       security=self.security)
+            try:
+                return c.call(make(c.next_rid()))
+            except (BKError, OSError):
+                # a connection the nemesis broke (the bookie restarted): once more
+                self.conns.pop(key, None)
+                c.close()
+                if attempt:
+                    raise
+
+    def probe(self, bid, lid) -> dict:
+        """What ``bid`` answers about ledger ``lid``: {op: status} of a READ_LAC, a READ
+        of entry 0 and a GET_LIST_OF_ENTRIES (with the entries listed)."""
+        out = {}
+        r = self._call(bid, lid, lambda rid: P.read_lac(rid, lid))
+        out["READ_LAC"] = r[2]
+        r = self._call(bid, lid, lambda rid: P.read(rid, lid, 0))
+        out["READ"] = r[2]
+        r = self._call(bid, lid, lambda rid: P.get_list_of_entries(rid, lid))
+        out["GET_LIST_OF_ENTRIES"] = r[2]
+        if r[2] == EOK:
+            out["entries"] = len(P.ranges_to_ids(r[4] or []))
+        return out
+
+    def held(self, bid, lid) -> set:
+        r = self._call(bid, lid, lambda rid: P.get_list_of_entries(rid, lid))
         if r[2] == EOK:
             return set(P.ranges_to_ids(r[4] or []))
         if r[2] == ENOLEDGER:
@@ -646,6 +769,8 @@ def check(client, hist: History, progress, copies: Copies):
     lids = sorted(hist.ledgers)
     for i, lid in enumerate(lids):
         rec = hist.ledgers[lid]
+        if rec.deleted is not None:
+            continue                    # check_deleted's
         qa = rec.shape[2]
         if i and i % 50 == 0:
             progress(f"check: {i}/{len(lids)} ledgers, {total_read} entries read")
@@ -739,6 +864,161 @@ def check(client, hist: History, progress, copies: Copies):
     return total_read
 
 
+def settle_deletions(client, hist: History) -> None:
+    """A delete that failed with an unknown outcome: deleted iff the metadata is gone."""
+    for lid, rec in sorted(hist.ledgers.items()):
+        if rec.deleted is not None or rec.delete_error is None:
+            continue
+        try:
+            client.ledger_metadata(lid)
+            hist.event(f"check: ledger {lid}, whose delete failed ({rec.delete_error}), exists")
+        except NoSuchLedgerError:
+            rec.deleted, rec.deleted_while = time.monotonic(), "a failed delete"
+            hist.deletions["a failed delete that happened"] += 1
+
+
+def check_deleted(client, cluster, hist: History, progress, copies: Copies,
+                  timeout: float) -> tuple[dict, set]:
+    """Every deleted ledger is gone from the metadata, and within ``timeout`` every
+    bookie answers ENOLEDGER to a READ_LAC, a READ and a GET_LIST_OF_ENTRIES of it
+    (its GC round ran). Returns ``{bookie id: [(ledger, first probe answers)]}`` of
+    what GC had left to do at the heal, and the (bookie, ledger) pairs that answered
+    ENOLEDGER (for :func:`recheck_deleted`)."""
+    V = hist.violation
+    deleted = sorted(lid for lid, r in hist.ledgers.items() if r.deleted is not None)
+    for lid in deleted:
+        try:
+            md = client.ledger_metadata(lid)
+        except NoSuchLedgerError:
+            continue
+        V(f"ledger {lid}, deleted ({hist.ledgers[lid].deleted_while}), has metadata again: "
+          f"{md.state.value}, last entry {md.last_entry_id}, ensembles {md.ensembles}")
+    bids = [b.bookie_id for b in cluster.bookies]
+    pending = {(b, lid) for b in bids for lid in deleted}
+    first: dict = {}
+    gone = set()
+    deadline = time.monotonic() + timeout
+    while True:
+        for b, lid in sorted(pending):
+            ans = copies.probe(b, lid)
+            if all(v == ENOLEDGER for k, v in ans.items() if k != "entries"):
+                gone.add((b, lid))
+            else:
+                first.setdefault((b, lid), ans)
+        pending -= gone
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    progress(f"check: {len(deleted)} deleted ledgers: {len(gone)} of {len(bids) * len(deleted)} "
+             f"(bookie, ledger) pairs answer ENOLEDGER, {len(first)} did not at first")
+    for b, lid in sorted(pending):
+        V(f"ledger {lid}, deleted ({hist.ledgers[lid].deleted_while}): bookie {b} still "
+          f"answers {copies.probe(b, lid)} {timeout:.0f}s after the heal (its GC never "
+          f"dropped it)")
+    left: dict = {}
+    for (b, lid), ans in first.items():
+        left.setdefault(b, []).append((lid, ans))
+    return left, gone
+
+
+def recheck_deleted(hist: History, copies: Copies, gone) -> None:
+    """Once more, later: a bookie that answered ENOLEDGER for a deleted ledger and now
+    serves it again brought it back (a compaction or a replay that resurrected it)."""
+    for b, lid in sorted(gone):
+        ans = copies.probe(b, lid)
+        if not all(v == ENOLEDGER for k, v in ans.items() if k != "entries"):
+            hist.violation(f"ledger {lid}, deleted: bookie {b} answered ENOLEDGER and "
+                           f"later {ans}")
+
+
+def check_disk(base, hist: History) -> dict:
+    """With the bookies stopped, in every shard's index: no run and no state of a
+    deleted ledger, and no entry log without a live entry but the one the shard was
+    appending to and the journal segments from the index's mark on (compaction
+    leaves those alone; every other log whose live entries are all gone is removed by
+    the next compaction, which ran after the last deletion); no entry log file the
+    index does not name. Returns totals for the summary."""
+    from bk.bookie.entrylog import is_journal_log, journal_log_id
+    from bk.bookie.index import Index
+    V = hist.violation
+    deleted = {lid for lid, r in hist.ledgers.items() if r.deleted is not None}
+    tot = collections.Counter()
+    for idir in sorted(glob.glob(os.path.join(base, "bookie-*", "ledgers", "shard-*", "index"))):
+        sdir = os.path.dirname(idir)
+        where = os.path.relpath(sdir, base)
+        ix = Index(sdir, create=False)
+        try:
+            logs = ix.logs()
+            mark = ix.mark()
+            per_log: dict = collections.defaultdict(set)
+            run_bytes = collections.Counter()
+            with ix.read_txn() as txn:
+                for run in ix.all_runs(txn):
+                    per_log[run.log].add(run.ledger)
+                    run_bytes[run.log] += run.nbytes
+                    if run.ledger in deleted:
+                        tot["runs of deleted ledgers"] += 1
+                        V(f"{where}: the index still has a run of deleted ledger {run.ledger} "
+                          f"(entries {run.first}.., log {run.log:x})")
+            for lid, _row in ix.ledger_states():
+                if lid in deleted:
+                    V(f"{where}: the index still has the state of deleted ledger {lid}")
+        finally:
+            ix.close()
+        plain = [i for i in logs if not is_journal_log(i)]
+        current = max(plain, default=None)
+        keep_from = journal_log_id(mark[0]) if mark else None
+        for log_id, (_di, size, live) in sorted(logs.items()):
+            tot["logs"] += 1
+            tot["bytes"] += size
+            if live != run_bytes[log_id]:
+                hist.anomaly(f"{where}: entry log {log_id:x} counts {live} live bytes, its "
+                             f"runs hold {run_bytes[log_id]}")
+            if log_id == current or (is_journal_log(log_id) and keep_from is not None
+                                      and log_id >= keep_from):
+                continue
+            if not per_log.get(log_id):
+                tot["dead logs"] += 1
+                V(f"{where}: entry log {log_id:x} ({size} bytes) holds no live entry after "
+                  f"the compactions that followed the last deletion")
+        for path in glob.glob(os.path.join(sdir, "entrylogs", "*.log")):
+            name = os.path.basename(path)[:-4]
+            try:
+                log_id = int(name, 16)
+            except ValueError:
+                continue
+            if log_id not in logs:
+                V(f"{where}: entry log file {name}.log ({os.path.getsize(path)} bytes) is "
+                  f"named by no index entry (left behind)")
+    return tot
+
+
+def gc_activity(base) -> collections.Counter:
+    """What the shards' GC rounds did, from the bookies' logs ('shard N gc: {...}' is
+    logged for a round that deleted ledgers or removed entry logs)."""
+    out = collections.Counter()
+    for path in glob.glob(os.path.join(base, "bookie-*", "bookie.log")):
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = re.search(r"shard \d+ gc: (\{.*\})", line)
+                if not m:
+                    continue
+                try:
+                    st = ast.literal_eval(m.group(1))
+                except (ValueError, SyntaxError):
+                    continue
+                out["rounds that deleted or compacted"] += 1
+                out["ledgers deleted"] += st.get("ledgers_deleted", 0)
+                out["entry logs removed"] += st.get("segments_removed", 0)
+                out["entries moved"] += st.get("entries_moved", 0)
+                out["bytes freed"] += st.get("bytes_freed", 0)
+                if st.get("segments_removed"):
+                    out["compactions that removed logs"] += 1
+                if st.get("entries_moved"):
+                    out["compactions that moved live entries"] += 1
+    return out
+
+
 def _ids(ids, limit=12):
     ids = sorted(ids)
     s = ", ".join(map(str, ids[:limit]))
@@ -746,6 +1026,14 @@ def _ids(ids, limit=12):
 
 
 # --- auto-recovery ------------------------------------------------------------------------
+# With the deleter: GC every 2 s, small entry logs and write caches (a flush every MiB
+# of journal, at least every 2 s), so that logs mix live and deleted ledgers and
+# compactions that copy live entries forward run all through the faults.
+DELETE_STORAGE = {"gcWaitTime": 2000, "logSizeLimit": 1 << 20,
+                  "dbStorage_writeCacheMaxSizeMb": 2, "flushInterval": 2000,
+                  "minorCompactionThreshold": 0.5, "minorCompactionInterval": 4,
+                  "majorCompactionThreshold": 0.8, "majorCompactionInterval": 20}
+
 AUTORECOVERY = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 3,
                 "openLedgerRereplicationGracePeriod": 5000,
                 "lockReleaseOfFailedLedgerGracePeriod": 5000, "rwRereplicateBackoffMs": 200,
@@ -835,6 +1123,13 @@ def main():
     p.add_argument("--recovery-interval", type=float, nargs=2, default=(1.0, 4.0),
                    metavar=("MIN", "MAX"), help="seconds between recovery opens (default 1 4)")
     p.add_argument("--no-nemesis", action="store_true", help="no faults (a baseline run)")
+    p.add_argument("--no-deletes", action="store_true",
+                   help="no deleter (and the bookies' storage settings left as they are)")
+    p.add_argument("--delete-interval", type=float, nargs=2, default=(0.5, 2.0),
+                   metavar=("MIN", "MAX"), help="seconds between deletions (default 0.5 2)")
+    p.add_argument("--delete-fraction", type=float, default=0.4,
+                   help="the deleter pauses while this fraction of the ledgers created is "
+                        "deleted (default 0.4)")
     p.add_argument("--autorecovery", action="store_true",
                    help="bookies run auto-recovery with short delays (lost after 3 s, "
                         "checks every 15 s, over-replicated GC every 3 s), so the nemesis's "
@@ -868,6 +1163,14 @@ def main():
     seed = a.seed if a.seed is not None else int(time.time() * 1000) % 1_000_000
     shapes = [s for s in SHAPES if s[0] <= a.bookies - 1]
     max_down = 2 if a.bookies >= 5 else 1
+    deletes = not a.no_deletes
+    storage = DELETE_STORAGE if deletes else {}
+    eff = {**DELETE_STORAGE, **(AUTORECOVERY if a.autorecovery else {}), **extra}
+    # after the last deletion was collected: a flush, then a compaction (the next GC
+    # round once minorCompactionInterval passed), with a few rounds to spare
+    settle = (int(eff.get("flushInterval", 60000)) / 1000
+              + float(eff.get("minorCompactionInterval", 3600))
+              + 3 * int(eff.get("gcWaitTime", 60000)) / 1000)
 
     base = os.path.abspath(a.dir) if a.dir else tempfile.mkdtemp(prefix="bk-soak-")
     os.makedirs(base, exist_ok=True)
@@ -894,20 +1197,22 @@ def main():
             racks = {h.name: f"/soak/rack{i % a.racks}" for i, h in enumerate(hosts)}
             CLIENT_SETTINGS.update(ensemblePlacementPolicy="rackaware")
         conf = {**TEST_DEFAULTS, **(AUTORECOVERY if a.autorecovery else {}),
-                **({"ensemblePlacementPolicy": "rackaware"} if racks else {}), **extra}
+                **({"ensemblePlacementPolicy": "rackaware"} if racks else {}), **storage,
+                **extra}
         cluster = netns.HostCluster(net, base, hosts, net.add_host("meta"), conf,
                                     num_shards=a.shards, racks=racks, secure=a.secure)
         say(f"soak: hosts on {net.subnet} (bridge {net.bridge}), racks {racks or 'none'}")
     else:
         cluster = LocalCluster(num_bookies=a.bookies, base_dir=base, num_shards=a.shards,
                                conf_overrides={**(AUTORECOVERY if a.autorecovery else {}),
-                                               **extra},
+                                               **storage, **extra},
                                secure=a.secure)
     CLIENT_SETTINGS.update(cluster.client_settings())
     stop = threading.Event()
     threads = []
     clients = []
     ok = False
+    gc_left: dict = {}
     try:
         cluster.start()
         say(f"soak: metadataServiceUri={cluster.metadata_uri}, bookies "
@@ -915,14 +1220,18 @@ def main():
         wclient = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
         rclient = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
         rclient2 = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
-        clients += [wclient, rclient, rclient2]
+        dclient = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
+        clients += [wclient, rclient, rclient2, dclient]
         active: dict[int, int] = {}
         writers = [Writer(i, wclient, hist, shapes, seed * 100 + i, stop, active)
                    for i in range(a.writers)]
         recoverer = Recoverer(cluster.metadata_uri, (rclient, rclient2), hist, seed * 100 + 50,
                               stop, active, a.recovery_interval)
         nemesis = Nemesis(cluster, hist, seed * 100 + 60, stop, max_down, a.nemesis_interval)
-        threads = writers + [recoverer] + ([] if a.no_nemesis else [nemesis])
+        deleter = Deleter(dclient, hist, seed * 100 + 80, stop, active, a.delete_interval,
+                          a.delete_fraction)
+        threads = writers + [recoverer] + ([deleter] if deletes else []) + \
+            ([] if a.no_nemesis else [nemesis])
         pnemesis = None
         if net is not None and not a.no_nemesis:
             pnemesis = PartitionNemesis(net, cluster, racks, hist, seed * 100 + 70, stop,
@@ -940,7 +1249,9 @@ def main():
             if pnemesis is not None and pnemesis.now:
                 down += "; network: " + ", ".join(pnemesis.now)
             return (f"{n_led} ledgers, {n_ack} acknowledged, {n_fail} failures, "
-                    f"{hist.recovery['closed']} recovered, down: {down}")
+                    f"{hist.recovery['closed']} recovered, "
+                    f"{sum(r.deleted is not None for r in hist.ledgers.values())} deleted, "
+                    f"down: {down}")
 
         end = time.monotonic() + a.duration
         while time.monotonic() < end:
@@ -977,7 +1288,15 @@ def main():
         copies = Copies(cluster)
         try:
             with bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS) as cclient:
+                settle_deletions(cclient, hist)
                 n_read = check(cclient, hist, say, copies)
+                if deletes:
+                    gc_left, gone = check_deleted(cclient, cluster, hist, say, copies,
+                                                  timeout=120.0)
+                    say(f"soak: {settle:.0f}s for the flush and compaction that follow the "
+                        f"last collection, then every deleted ledger once more")
+                    time.sleep(settle)
+                    recheck_deleted(hist, copies, gone)
         finally:
             copies.close()
         faulthandler.cancel_dump_traceback_later()
@@ -1012,6 +1331,8 @@ def main():
         if net is not None:
             net.close()
 
+    disk = check_disk(base, hist) if deletes and ok else {}
+
     # An expected fault is logged as one line; a trace is an error nobody expected (the
     # auto-recovery loops logged one for every etcd outage until 2026-11-28).
     for what, (count, example) in sorted(logged_traces(base).items()):
@@ -1040,6 +1361,20 @@ def main():
                                  or "none"))
     if a.autorecovery:
         print("auto-recovery: " + autorecovery_activity(base))
+    if deletes:
+        n_del = sum(r.deleted is not None for r in recs)
+        print(f"deleted: {n_del} ledgers (" + ", ".join(
+            f"{k} x{v}" for k, v in sorted(hist.deletions.items())) + f"), holding "
+            f"{sum(len(r.acked) for r in recs if r.deleted is not None)} acknowledged entries; "
+            f"{sum(len(v) for v in gc_left.values())} (bookie, ledger) pairs still held "
+            f"after the heal")
+        act = gc_activity(base)
+        print("bookies' GC: " + (", ".join(f"{k} {v}" for k, v in sorted(act.items()))
+                                 or "nothing logged"))
+        if disk:
+            print(f"disk at the end: {disk['logs']} entry logs of {disk['bytes']} bytes, "
+                  f"{disk['dead logs']} without a live entry, {disk['runs of deleted ledgers']} "
+                  f"runs of deleted ledgers")
     if hist.anomalies:
         print(f"anomalies ({len(hist.anomalies)}, not safety violations):")
         for m in hist.anomalies:
