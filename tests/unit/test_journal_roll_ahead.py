@@ -26,15 +26,22 @@ def open_journal(path, mark=None):
 
 def fill_to_the_ahead_point(j, pos, ledger=7):
     """Append ~1 KiB ADDs, a group commit every 5, until the active segment is
-    past the point where a group's start rolls; its last group is left unsynced."""
+    past the point where a group's start rolls; its last group (1 to 5 records:
+    their count is returned) is left unsynced.
+    It stops at the first record past that point, so that the segment keeps
+    room for another small one (ROLL_AHEAD leaves ~2 KiB past it in a 64 KiB
+    segment: checked after each group of five, ~5.5 KiB, the last one could end
+    anywhere up to the roll point, and a test's next small append rolled in the
+    append, 1 run in ~30, the roll point being drawn at random)."""
     while True:
-        for _ in range(5):
+        for k in range(1, 6):
             pos.append(j.append_add(ledger, len(pos), len(pos) - 1, b"d",
                                     base.add_payload(len(pos))))
-        if j.mark[1] > j._ahead_at:
-            if j._prep is not None:      # its preparation done: the roll takes it now
-                j._prep.result()
-            return
+            if j.mark[1] > j._ahead_at:
+                assert j._size - j.mark[1] > 512      # room for a small record
+                if j._prep is not None:  # its preparation done: the roll takes it now
+                    j._prep.result()
+                return k
         job = j.begin_sync()
         job.run()
         j.end_sync(job)
@@ -139,8 +146,8 @@ def test_a_crash_with_the_old_segments_last_write_lost(tmp_path):
     (no quarantine), and appends go on in it."""
     j, _ = open_journal(tmp_path)
     pos: list[int] = []
-    fill_to_the_ahead_point(j, pos)
-    synced = pos[:-5]
+    unsynced = fill_to_the_ahead_point(j, pos)
+    synced = pos[:-unsynced]
     seq = j.active_seq
     j.begin_sync()                               # handed out, never run
     j.append_add(7, len(pos), -1, b"d", b"x" * 10)
