@@ -138,7 +138,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "memory (journalDirectMemoryMB), which also serves the reads of recent entries. "
        "Measured on the project's VM, quiet: add p99 at 30,000 entries/s 0.68x (TLS median "
        "6.25 -> 4.25 ms; shorter syncs), CPU per entry 1.07x there (smaller groups); less "
-       "CPU per add with large groups (docs/performance.md). Only with journalSyncData; "
+       "CPU per add with large groups (docs/performance-log.md). Only with journalSyncData; "
        "where the filesystem refuses O_DIRECT the journal writes through the page cache "
        "(logged). Turn it off on a device whose O_DIRECT writes are slower than buffered "
        "writes plus fdatasync (measure with scripts/bench_sync.py)."),
@@ -274,7 +274,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in [
        "sooner when they wake on a busy host (no more CPU share than before), at the cost "
        "of smaller batches: 200 measured 2.5-3x shorter waits for a core at p99 and "
        "5-20% more CPU per entry. 0: ask nothing (the kernel's default). Linux 6.12+ "
-       "(clamped to 100-100000); elsewhere it does nothing (see docs/performance.md).",
+       "(clamped to 100-100000); elsewhere it does nothing (see docs/performance-log.md).",
        scope=BOTH, minimum=0, maximum=100000),
     _S("pidFile", str, "", "Pid file of the bookie. Empty: bookie.pid in the first ledger "
        "directory."),

@@ -21,7 +21,7 @@ reset-on-fork). Where the kernel cannot take the hint (not Linux, no
 threads, a seccomp filter, a real-time policy) nothing changes and nothing is
 raised: a hint is never worth failing a service for. What it buys and costs
 (shorter waits for a core, more wake-ups and CPU per entry) is measured in
-docs/performance.md, "Scheduling"; it is off unless ``ioThreadSliceMicros`` is set.
+docs/performance-log.md, "Scheduling"; it is off unless ``ioThreadSliceMicros`` is set.
 """
 
 from __future__ import annotations

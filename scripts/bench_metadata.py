@@ -48,7 +48,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ledgers", type=int, default=1_000_000)
     ap.add_argument("--steps", default=None, help="comma-separated ledger counts")
-    # default: the asynchronous API, INFLIGHT ledgers in flight (docs/performance.md,
+    # default: the asynchronous API, INFLIGHT ledgers in flight (docs/performance-log.md,
     # "Asynchronous create and close"; --compare-threads 64,a256)
     ap.add_argument("--threads", type=int, default=None,
                     help=f"create and close from this many blocking client threads instead "

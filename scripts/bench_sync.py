@@ -31,7 +31,7 @@ On the 2-core VM of the project (ext4 on virtio, write-back cache) three
 streams measured mmap p99 5-8 ms, pwrite p99 0.5-0.75 ms: this is why the
 journal pwrites. For the kernel's work per sync, profile a run with
 ``perf record -a -g`` (the streams are named ``bench-sync``):
-docs/performance.md, "The kernel's work per journal sync".
+docs/performance-log.md, "The kernel's work per journal sync".
 
     python scripts/bench_sync.py                  # mmap and pwrite, 3 streams, in ./
     python scripts/bench_sync.py --dir /data --streams 6 --mode pwrite

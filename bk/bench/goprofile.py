@@ -10,7 +10,7 @@ table (the layouts of Go 1.16-1.17 and of Go 1.18 and later), and
 :func:`folded_stacks` turns ``perf script`` output (frame-pointer call
 chains: Go keeps frame pointers on amd64) into one line per distinct stack,
 leaf last, with function names. :func:`categorise` then sums the samples into
-what etcd does for a request (docs/performance.md, "What etcd's CPU per
+what etcd does for a request (docs/performance-log.md, "What etcd's CPU per
 ledger is made of"): the first category whose marker appears anywhere in a
 stack takes the sample, so the order of :data:`ETCD_CATEGORIES` matters
 (the GC before anything it interrupts, a Range call before the gRPC handler

@@ -52,12 +52,12 @@ from bk.meta.store import (ID_BLOCK_BITS, LIST_PAGE, RANGE_WASTE, MetadataStore,
 
 PAYLOAD = b"x" * 100
 # client threads creating and closing ledgers: 64 carried 1.46x the ledgers of 32
-# (docs/performance.md, "Hand-offs per ledger and the number of threads")
+# (docs/performance-log.md, "Hand-offs per ledger and the number of threads")
 THREADS = 64
 # ledgers in flight when creating and closing with the asynchronous API, the
 # default mode: 256 carried 1.2x the ledgers of 64 at the same client CPU, and
 # the mode 1.56x the ledgers of 64 blocking threads at 0.57x the client CPU per
-# ledger (docs/performance.md, "Asynchronous create and close")
+# ledger (docs/performance-log.md, "Asynchronous create and close")
 INFLIGHT = 256
 
 

@@ -20,7 +20,7 @@ queues the request on the *submitting CPU's* workqueue, so its kworker is
 woken on the loop's core and usually preempts the loop on its way out of
 ``io_submit``: a profile of a busy loop shows that wait inside :meth:`submit`
 (15% of its samples), not the ``ctypes`` call (~0.5 µs of conversion; see
-docs/performance.md, "The AIO sync's submit").
+docs/performance-log.md, "The AIO sync's submit").
 
 The same context submits the journal's direct writes (``journalDirectWrites``:
 ``IOCB_CMD_PWRITEV`` with ``RWF_DSYNC``, see ``bk.bookie.journal``), whose

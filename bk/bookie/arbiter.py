@@ -45,7 +45,7 @@ right after): the worker inherits them in Python's permanent generation, where
 its cyclic collector never looks at them. Otherwise a worker's first full
 collection walks the ~31,000 inherited objects and writes to each one's GC
 header, copying every inherited page (on this project's VM a full collection in
-a fresh fork took 19-31 ms against 0.5 ms frozen, `docs/performance.md`); the
+a fresh fork took 19-31 ms against 0.5 ms frozen, `docs/performance-log.md`); the
 worker's loop would stall that long, and the pages would stop being shared.
 
 A new connection's HELLO frame is read here (exactly that frame, nothing

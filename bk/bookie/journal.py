@@ -130,7 +130,7 @@ buffered write-out costs the kernel a copy into the page cache and, at each
 group's ``fdatasync``, a writeback walk of the dirty pages; an ``O_DIRECT``
 write with ``RWF_DSYNC`` of the group's whole blocks does neither (the data
 goes from our memory to the device and is durable when the write completes:
-about half the kernel's work per group measured, docs/performance.md). Direct
+about half the kernel's work per group measured, docs/performance-log.md). Direct
 writes need aligned whole blocks (the filesystem's block size, ``f_bsize``)
 from aligned memory, and they invalidate the page cache of their range, so
 that every read of a recent entry through the file would go to the disk. So

@@ -140,7 +140,7 @@ waiting as ciphertext (counted against OUT_HIGH like ``out``). What TLS costs
 the loop is OpenSSL's: 0.4-0.45 µs per KiB each way on the project's VM, a
 little over half of it AES-256-GCM itself and the rest the record layer and
 its copies through the memory BIOs; the Python around it is a few calls per
-readiness event, not per frame (docs/performance.md, TLS).
+readiness event, not per frame (docs/performance-log.md, TLS).
 With ``authProvider`` set a connection may send nothing but AUTH until its
 identity is known; its role then fixes ``_Conn.allowed``, the ops it may
 send, checked per frame by :meth:`_dispatch_checked`; a connection whose role

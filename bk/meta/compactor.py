@@ -82,7 +82,7 @@ class Compactor:
         # campaign() calls. It looks every half TTL (half the interval if shorter, at
         # least Election.LOOK_EVERY): a compaction every few minutes loses nothing
         # when a new leader comes seconds late, and each waiting bookie's look is an
-        # etcd read (docs/performance.md, "What etcd's CPU per ledger is made of").
+        # etcd read (docs/performance-log.md, "What etcd's CPU per ledger is made of").
         look = max(Election.LOOK_EVERY, min(self.interval, self.ttl) / 2)
         election = self._election = Election(self.store, ELECTION, self.identifier,
                                              ttl=self.ttl, look_every=look)

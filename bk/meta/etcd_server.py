@@ -31,7 +31,7 @@ machine with the bookies and the clients, and on a small one most of those
 wake-ups only steal a core from them. :func:`colocated_env` gives such an etcd
 half the cores (``GOMAXPROCS``); on the 2-core bench VM that cut etcd's CPU per
 created+closed ledger to 0.87x and its context switches to 0.74x
-(docs/performance.md, "What etcd's CPU per ledger is made of").
+(docs/performance-log.md, "What etcd's CPU per ledger is made of").
 """
 
 from __future__ import annotations

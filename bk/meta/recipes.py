@@ -189,7 +189,7 @@ class Election:
     # (seconds) outlives that. Kept across campaign() calls, which callers repeat with
     # a short timeout to check for a stop: a back-off restarting at each call looked
     # ~7 times a second, and the bench cluster's idle candidates (auditor and
-    # compactor, per bookie) made 35 etcd reads/s (docs/performance.md, etcd's CPU).
+    # compactor, per bookie) made 35 etcd reads/s (docs/performance-log.md, etcd's CPU).
     LOOK_EVERY = 0.5
 
     def __init__(self, store, rel: str, identifier: str, ttl: int = 10,

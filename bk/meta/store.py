@@ -107,7 +107,7 @@ ID_GROUP = 100          # requests sent at once by existing_ledgers / read_ledge
 # flight at once at most. A key of a range cost ~2 us of etcd CPU and ~1.3 us of
 # the reader's, a point read ~70-110 and ~100-150 us: asking for one id in 32 by
 # ranges still cost both sides together ~0.4x the point reads, one in 64 as much
-# (docs/performance.md, "Metadata at scale").
+# (docs/performance-log.md, "Metadata at scale").
 RANGE_WASTE = 32
 # read_ledgers (values, ~0.5 KB each): one in 32 cost as much as point reads, one in
 # 16 ~0.4x (etcd ~2.3 us, reader ~1.6 us a key)
@@ -120,7 +120,7 @@ GROUP_KEYS = 50_000
 # SCAN_RATIO of the span they cover, wherever they fall in it (adjacent blocks
 # so read share a request, RANGE_SPAN ids at most). A key of such a range cost
 # ~4.4 us of etcd CPU and ~0.8 us of the reader's, a pipelined point read ~180
-# and ~270 us (60,000 keys, 3,000 asked; docs/performance.md, "Metadata at
+# and ~270 us (60,000 keys, 3,000 asked; docs/performance-log.md, "Metadata at
 # scale"), so reading 64 keys for one asked id still costs ~0.7x its point read.
 SCAN_RATIO = 64
 # Ids per range request of a listing (keys only, ~45 bytes each: ~0.5 MB a page).

@@ -148,7 +148,7 @@ class TLSStream:
     records) leaves with one ``sendmsg``. Ciphertext the socket does not take waits
     in ``backlog``, so a write never has to be retried with the same bytes.
 
-    What it costs (docs/performance.md, TLS; ``scripts/bench_tls.py``): OpenSSL
+    What it costs (docs/performance-log.md, TLS; ``scripts/bench_tls.py``): OpenSSL
     spends about 1.1 µs per record and 0.3-0.4 µs per KiB each way, and the Python
     around it is paid per readiness event, not per entry; at the batches of a
     quiet 30,000 entries/s that fixed part is most of what TLS adds. So the hot
