@@ -19,7 +19,7 @@ from bk import log as bklog
 from bk.config import Config
 from bk.errors import (BKError, ClientClosedError, ClusterIdentityError,
                        ClusterNotFormattedError, LedgerExistsError, MetadataError,
-                       NotEnoughBookiesError)
+                       NoSuchLedgerError, NotEnoughBookiesError)
 from bk.errors import EOK
 from bk.log.reader import LogReader
 from bk.log.records import check_log_name
@@ -477,8 +477,8 @@ class BookKeeper:
         if md.state != LedgerState.CLOSED:
             try:
                 h.read_last_add_confirmed()
-            except ClientClosedError:
-                raise
+            except (ClientClosedError, NoSuchLedgerError):
+                raise           # (the latter: deleted during the open)
             except BKError as e:
                 log.info("open ledger %d: LAC unknown for now: %s", ledger_id, e)
         return h
