@@ -94,3 +94,21 @@ def test_messages_say_what_was_asked_and_why(client):
         lh.add_entry(b"z")
     assert f"add entry 2 to ledger {lid}" in str(ei.value) and "fenced" in str(ei.value)
     assert isinstance(ei.value, bk.errors.BookieError)
+
+
+def test_log_writer_options_are_conf_keys_too_and_keywords_win(shared_cluster):
+    """API.md: writer options are keyword arguments *and* conf keys."""
+    from bk.testing import wait_until
+    with shared_cluster.client(logRollEntries=2) as c:
+        w = c.open_log_writer("api-conf-roll")                  # the client's conf
+        for i in range(6):
+            w.append(b"r%d" % i)
+        wait_until(lambda: len(c.log_info("api-conf-roll").segments) >= 3,
+                   what="rolls every 2 entries from the conf key")
+        w.close()
+        w = c.open_log_writer("api-kw-roll", logRollEntries=0)  # the keyword wins: no rolls
+        for i in range(6):
+            w.append(b"r%d" % i)
+        w.close()
+        assert len(c.log_info("api-kw-roll").segments) == 1
+        assert c.log_info("api-kw-roll").records == 6
