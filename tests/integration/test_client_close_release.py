@@ -150,3 +150,40 @@ def test_close_from_a_metadata_thread_does_not_wait_for_itself(cluster):
     client._executor.submit(client.close).result(timeout=60)
     assert client._closed
     wait_until(lambda: _client_threads() == [], what="the client's threads ending")
+
+
+def _in_function(name: str) -> bool:
+    """True if some thread is running the function ``name`` now."""
+    import sys
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == name:
+                return True
+            frame = frame.f_back
+    return False
+
+
+def test_close_does_not_wait_out_a_close_async_settling(cluster):
+    """A writer's close_async waits (bounded: twice addEntryTimeoutSec and more)
+    for a silent bookie to confirm acknowledged entries; the client's close(),
+    which waits for its metadata threads, ends that wait at once."""
+    client = cluster.client(timeout=60.0)
+    lh = client.create_ledger(3, 3, 2)
+    lh.add_entry(b"first")
+    silent = cluster.bookies[2]
+    pids = [silent.pid, *silent.worker_pids()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        lh.add_entries([b"x"] * 10)            # acknowledged by the other two
+        fut = lh.close_async()
+        wait_until(lambda: _in_function("_settle"), what="close_async settling")
+        closer = threading.Thread(target=client.close)
+        closer.start()
+        wait_until(lambda: not closer.is_alive(), timeout=30,
+                   what="client.close() returning (not after the settle bound)")
+        assert isinstance(fut.exception(timeout=0), ClientClosedError)
+        assert _client_threads() == []
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
