@@ -19,7 +19,7 @@ from bk import log as bklog
 from bk.config import Config
 from bk.errors import (BKError, ClientClosedError, ClusterIdentityError,
                        ClusterNotFormattedError, LedgerExistsError, MetadataError,
-                       NotEnoughBookiesError)
+                       NoSuchLedgerError, NotEnoughBookiesError)
 from bk.errors import EOK
 from bk.log.reader import LogReader
 from bk.log.records import check_log_name
@@ -148,16 +148,29 @@ class BookKeeper:
 
     # --- lifecycle ---------------------------------------------------------
     def close(self) -> None:
+        """Close the client. When it returns, nothing of it runs any more: every
+        call pending on it ended (``ClientClosedError``), its I/O thread has
+        ended with every bookie socket closed, its watch of the bookies is
+        cancelled, its etcd channel closed, and its metadata threads (ensemble
+        changes, ``close_async``) have ended. Called from the client's own I/O
+        thread (an add callback) or one of its metadata threads (a
+        ``close_async`` callback), it cannot wait for that thread: it ends
+        once the callback returns."""
         if self._closed:
             return
         self._closed = True
         # (a forked child's copy too: the loop knows whether its thread is ours)
         self._io.stop()
-        if os.getpid() == self._pid:
-            self._executor_obj.shutdown(wait=False)
         if self._cancel_watch is not None and self._view_pid == os.getpid():
             self._cancel_watch()
+        # The store first: a metadata thread waiting on etcd then fails at once
+        # (its caller gets ClientClosedError) instead of being waited out.
         self._store.close()
+        if os.getpid() == self._pid:
+            ex = self._executor_obj
+            # a task still queued runs (and fails at once: the client is closed),
+            # so that whoever waits on it is answered; never cancelled
+            ex.shutdown(wait=threading.current_thread() not in getattr(ex, "_threads", ()))
 
     def __enter__(self):
         return self
@@ -477,8 +490,8 @@ class BookKeeper:
         if md.state != LedgerState.CLOSED:
             try:
                 h.read_last_add_confirmed()
-            except ClientClosedError:
-                raise
+            except (ClientClosedError, NoSuchLedgerError):
+                raise           # (the latter: deleted during the open)
             except BKError as e:
                 log.info("open ledger %d: LAC unknown for now: %s", ledger_id, e)
         return h

@@ -81,7 +81,12 @@ drain began is taken back by its own ``call_soon``, which raises: a task is
 either run by the drain or refused to its caller, never left in a queue
 nobody reads. A forked child's copy of a closed client stays closed, and a
 child's ``close()`` ends the child's own loop. Nothing waits on a thread that
-is gone.
+is gone. :meth:`IOLoop.stop` returns only once the thread has ended (with
+every connection's socket and the poller closed), however long its last pass
+takes (an add callback that blocks; a CPU-starved host), saying so in the log
+while it waits; a join bounded at 5 s let ``close()`` return with the
+shutdown still running. The eventfd that wakes the loop outlives it until the
+loop is garbage (see :class:`_Waker`).
 
 TLS and identities (``bk.security``): with a TLS context the HELLO asks for
 START_TLS; after its answer the connection wraps its socket and runs the
@@ -120,8 +125,10 @@ import select
 import selectors
 import socket
 import ssl
+import sys
 import threading
 import time
+import traceback
 import weakref
 
 from bk import protocol, sched
@@ -144,6 +151,7 @@ _WRITABLE = ~_IN
 _UNKNOWN = object()         # IOLoop._known: an fd no connection holds
 _RECV = 1 << 18
 _FAIL_FAST_SEC = 0.1
+_STOP_WARN = 5.0               # IOLoop.stop: how often it says it still waits for the thread
 _IOV = 1000                    # buffers per sendmsg (IOV_MAX is 1024)
 BATCH_BYTES = 1 << 20          # records per ADD_BATCH frame, at most (and the frame limit)
 BATCH_ENTRIES = 1000
@@ -1230,11 +1238,15 @@ class IOLoop:
         self.call_soon(conn.send, rid, call, call.frame, timeout)
         return call
 
-    def stop(self, timeout=5.0):
+    def stop(self, timeout=None):
         """End the loop: its shutdown fails every request, add and task with
-        ClientClosedError, then the thread exits (joined up to ``timeout``).
-        A loop whose thread never started (or a forked child's copy, whose
-        thread is the parent's) just refuses from now on."""
+        ClientClosedError, closes every socket, then the thread exits, and this
+        returns once it has (``timeout``: seconds at most, None: however long it
+        takes, saying in the log every ``_STOP_WARN`` seconds what the thread is
+        doing, e.g. an add callback that blocks). Called on the I/O thread itself
+        (from a callback) it cannot wait: the loop ends once the callback
+        returns. A loop whose thread never started (or a forked child's copy,
+        whose thread is the parent's) just refuses from now on."""
         # Read under the lock _ensure starts the thread under: a thread another
         # caller is starting right now is joined once started, never before
         # (Thread.join raises then).
@@ -1249,8 +1261,19 @@ class IOLoop:
             self.call_soon(self._shutdown)
         except ClientClosedError:
             pass                         # another stop() already ended it
-        if t is not threading.current_thread():
-            t.join(timeout)
+        if t is threading.current_thread():
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = _STOP_WARN if deadline is None else min(_STOP_WARN,
+                                                           deadline - time.monotonic())
+            t.join(max(0.0, step))
+            if not t.is_alive() or (deadline is not None and time.monotonic() >= deadline):
+                return
+            frame = sys._current_frames().get(t.ident)
+            log.warning("client I/O thread %s still ending after close(); waiting for it. "
+                        "It is at:\n%s", t.name,
+                        "".join(traceback.format_stack(frame)) if frame else "?")
 
     # --- I/O thread ------------------------------------------------------------
     def _wake(self):

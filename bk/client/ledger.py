@@ -55,6 +55,12 @@ longer in its write set.
 
 EFENCED from more than Qw - Qa bookies of an entry's write set means Qa can no
 longer be reached: every pending and later add fails with LedgerFencedError.
+A bookie answers EFENCED to the adds of a deleted ledger too (its tombstone),
+so on that refusal alone the handle reads the metadata once, on a metadata
+thread: a missing key makes the adds fail with NoSuchLedgerError instead
+(``_refused``). Reads refused by bookies that know no such ledger ask the same
+way (``_raise_if_deleted``), and a metadata re-read that finds the key gone
+says so: never a metadata read per entry.
 
 A bookie that answers ETOOMANYREQUESTS is alive but overloaded: the add is
 resent to that same bookie after a back-off (2 ms, doubling), and only a
@@ -125,6 +131,11 @@ _REC_PACK: dict = {}           # digest size -> pack of its ADD_BATCH record hea
 # bitsets of a writer with few adds in flight (blocking adds) stay a few machine
 # words, whose ANDs and ORs cost less than the Python steps around them.
 _REBASE_AT = 256
+# Why a handle's adds fail when its bookies refuse them (_refused): the bookies
+# answer EFENCED both to a ledger fenced by a recovery and to one deleted (its
+# tombstone); the metadata tells which.
+_FENCED = "ledger is fenced (recovered by another client)"
+_DELETED = "ledger was deleted (its metadata is gone)"
 
 
 class LedgerEntry:
@@ -420,6 +431,10 @@ class _ReadOp:
 
     def on_error(self, conn, exc):
         self.failed(conn.bookie_id, exc)
+
+    def no_ledger(self) -> bool:
+        """True if a bookie answered that it has no such ledger (deleted?)."""
+        return any(type(e) is NoSuchLedgerError for _, e in self.errors)
 
     def error(self) -> BKError:
         what = f"read entry {self.entry_id} of ledger {self.h._lid}"
@@ -886,6 +901,7 @@ class LedgerHandle:
         self._ack_base = self._next_entry
         self._masks = masks_for(self._E, self._qw, self._qa)
         self._change_from = None
+        self._deciding = False              # fenced or deleted? (_refused) being asked
         self._change_lock = threading.Lock()
         self._close_lock = threading.Lock()  # close() retries: one metadata write at a time
         self._failed_at: dict = {}          # bookie -> monotonic time it failed this handle
@@ -1369,7 +1385,7 @@ class LedgerHandle:
         if status == EFENCED:
             op.nfenced = nfenced = getattr(op, "nfenced", 0) + 1
             if nfenced > self._qw - self._qa:
-                self._error_out(LedgerFencedError, "ledger is fenced (recovered by another client)")
+                self._refused()
             return
         if status == EUA:
             self._error_out(BadPasswordError, f"bookie {conn.bookie_id} refused the master key")
@@ -1395,6 +1411,37 @@ class LedgerHandle:
         # EREADONLY included: a read-only bookie takes no adds until its disk frees
         # up, so it is replaced (and, being failed, quarantined by this handle).
         self._bookie_failed(conn, error_for_status(status, f"bookie {conn.bookie_id}"))
+
+    def _refused(self):
+        """More than Qw - Qa bookies refused an add as fenced (I/O thread): Qa can no
+        longer be reached. A bookie says the same of a ledger that was deleted (its
+        tombstone answers EFENCED), so the metadata decides which the application is
+        told: no key, NoSuchLedgerError; else LedgerFencedError. The metadata is read
+        on a metadata thread, and only on this path (never per add). Until it has
+        answered, the handle starts no ensemble change (``_bookie_failed``): adds
+        queue, and fail with the class decided."""
+        if self._deciding or self._state.broken:
+            return
+        self._deciding = True
+        try:
+            self._client._executor.submit(self._decide_refusal)
+        except RuntimeError:            # the client is closing: no thread to ask with
+            self._error_out(LedgerFencedError, _FENCED)
+
+    def _decide_refusal(self):
+        cls, reason = LedgerFencedError, _FENCED
+        try:
+            self._client._store.read_ledger(self._lid)
+        except NoSuchLedgerError:
+            cls, reason = NoSuchLedgerError, _DELETED
+        except BKError as e:
+            # cannot tell (etcd unreachable): the bookies' word stands
+            log.info("ledger %d: fenced or deleted? metadata unreadable (%s): fenced",
+                     self._lid, e)
+        try:
+            self._loop.call_soon(self._error_out, cls, reason)
+        except BKError:
+            pass        # the client closed: the loop's end failed the adds
 
     def _add_busy(self, op, conn):
         """ETOOMANYREQUESTS: the bookie is alive but overloaded. Replacing it would
@@ -1424,8 +1471,8 @@ class LedgerHandle:
 
     def _bookie_failed(self, conn, exc):
         self._m.bookie_errors.labels(type(exc).__name__).inc()
-        if self._state.broken or self._md.state == LedgerState.CLOSED:
-            return      # (a closed ledger's ensembles are final)
+        if self._state.broken or self._md.state == LedgerState.CLOSED or self._deciding:
+            return      # (a closed ledger's ensembles are final; a refused one's end near)
         if self._client._closed:
             self._error_out(ClientClosedError, "the client was closed")
             return
@@ -1743,6 +1790,8 @@ class LedgerHandle:
         def written(exc, version):
             if exc is None:
                 self._md, self._version = new_md, version
+            elif isinstance(exc, NoSuchLedgerError):
+                exc = self._deleted(f"close ledger {self._lid}")
             elif isinstance(exc, MetadataVersionError):
                 # lost the CAS (a recovery, a concurrent close): re-read and decide as
                 # close() does, on a metadata thread (it blocks)
@@ -1792,8 +1841,27 @@ class LedgerHandle:
         return retry_cas(what, attempt)
 
     def _close_metadata(self, reread=False):
-        self._md, self._version = self._cas_metadata(f"close ledger {self._lid}",
-                                                     self._closed_change(), reread)
+        try:
+            self._md, self._version = self._cas_metadata(f"close ledger {self._lid}",
+                                                         self._closed_change(), reread)
+        except NoSuchLedgerError:
+            raise self._deleted(f"close ledger {self._lid}") from None
+
+    def _deleted(self, what) -> NoSuchLedgerError:
+        """The error of a call (``what``, naming the ledger) on a deleted ledger."""
+        return NoSuchLedgerError(f"{what}: {_DELETED} ({self._client.uri})")
+
+    def _raise_if_deleted(self, what) -> None:
+        """The refusal path of a read (a bookie said it has no such ledger): one
+        metadata read; NoSuchLedgerError if the ledger's key is gone (deleted),
+        else nothing (the caller raises what the bookies said)."""
+        try:
+            self._client._store.read_ledger(self._lid)
+        except NoSuchLedgerError:
+            raise self._deleted(what) from None
+        except MetadataError:
+            if self._client._closed:
+                raise self._client._closed_error(what) from None
 
     def _closed_change(self):
         """The change of a close: the metadata CLOSED at this writer's LAC and length
@@ -1849,7 +1917,7 @@ class LedgerHandle:
         self._check_client("read entries", first, last)
         if self._md.state != LedgerState.CLOSED:
             try:
-                self._refresh_metadata()
+                self._refresh_metadata(f"read entries {first}..{last} of ledger {self._lid}")
             except MetadataError:
                 pass
         out = self._timed_read(first, last)
@@ -1907,13 +1975,17 @@ class LedgerHandle:
             if batch.failed:
                 for i, res in enumerate(results):
                     if res is None:
-                        err = batch.failed[e + i].error()
+                        op = batch.failed[e + i]
+                        err = op.error()
+                        if isinstance(err, NoSuchEntryError) and op.no_ledger():
+                            self._raise_if_deleted(f"read entry {e + i} of ledger {self._lid}")
                         if retry and self._md.state != LedgerState.CLOSED and \
                                 not isinstance(err, ClientClosedError) and \
                                 isinstance(err, (NoSuchEntryError, BookieUnavailableError)):
                             # Our view of the ensembles may be stale (a writer's
                             # ensemble change).
-                            if self._refresh_metadata():
+                            if self._refresh_metadata(f"read entry {e + i} of ledger "
+                                                      f"{self._lid}"):
                                 return out + results[:i] + \
                                     self._read_range(e + i, last, retry=False)
                         raise err
@@ -2017,10 +2089,13 @@ class LedgerHandle:
     def read_entry(self, entry_id: int) -> LedgerEntry:
         return self.read_entries(entry_id, entry_id)[0]
 
-    def _refresh_metadata(self) -> bool:
-        """Re-read the metadata; True if it changed."""
+    def _refresh_metadata(self, what=None) -> bool:
+        """Re-read the metadata; True if it changed. NoSuchLedgerError naming
+        ``what`` (the call) if the ledger was deleted."""
         try:
             md, version = self._client._store.read_ledger(self._lid)
+        except NoSuchLedgerError:
+            raise self._deleted(what or f"read the metadata of ledger {self._lid}") from None
         except MetadataError:
             if self._client._closed:        # the store closed with the client
                 raise self._client._closed_error(
@@ -2039,8 +2114,9 @@ class LedgerHandle:
         if self._writable:
             return self._lac
         self._check_client("read last add confirmed")
+        what = f"read last add confirmed of ledger {self._lid}"
         if self._md.state != LedgerState.CLOSED:
-            self._refresh_metadata()
+            self._refresh_metadata(what)
         if self._md.state == LedgerState.CLOSED:
             self._lac = max(self._lac, self._md.last_entry_id)
             return self._lac
@@ -2050,19 +2126,25 @@ class LedgerHandle:
                                     timeout=self._read_timeout) for c in self._conns_of(ens)]
         best = None
         errors = []
+        ok = no_ledger = False
         for call in calls:
             call.wait(self._read_timeout + 5)
             if call.reply is not None and call.reply[2] == EOK:
+                ok = True
                 lac = call.reply[4]
                 if lac is not None and (best is None or lac > best):
                     best = lac
             elif call.reply is not None and call.reply[2] in (ENOLEDGER, ENOENTRY):
+                no_ledger = no_ledger or call.reply[2] == ENOLEDGER
                 best = -1 if best is None else best
             else:
                 errors.append(f"{call.conn.bookie_id if call.conn else '?'}: "
                               f"{call.error or call.reply}")
         if closed_error_among(call.error for call in calls) is not None:
-            raise self._client._closed_error(f"read last add confirmed of ledger {self._lid}")
+            raise self._client._closed_error(what)
+        if no_ledger and not ok:
+            # no bookie knows the ledger: new and empty, or deleted since the refresh
+            self._raise_if_deleted(what)
         if best is None:
             raise BookieUnavailableError(f"read last add confirmed of ledger {self._lid}: "
                                          f"no bookie answered ({'; '.join(errors)})")
@@ -2125,9 +2207,10 @@ class LedgerHandle:
         if best > self._lac:
             self._lac = best
         if self._lac < entry_id:
-            # The writer's last entry is only ever confirmed by the metadata (CLOSED).
+            # The writer's last entry is only ever confirmed by the metadata (CLOSED);
+            # a ledger deleted under the poll ends it with NoSuchLedgerError.
             try:
-                self._refresh_metadata()
+                self._refresh_metadata(f"long poll for entry {entry_id} of ledger {self._lid}")
             except MetadataError:
                 pass
             if self._md.state == LedgerState.CLOSED:

@@ -56,8 +56,8 @@ from bk.client.connection import closed_error_among
 from bk.client.ledger import LedgerHandle
 from bk.errors import (BadPasswordError, BKError, ClientClosedError, DigestMismatchError,
                        LedgerRecoveryError,
-                       MetadataError, SecurityError, MetadataVersionError, NotEnoughBookiesError,
-                       error_for_status)
+                       MetadataError, SecurityError, MetadataVersionError, NoSuchLedgerError,
+                       NotEnoughBookiesError, error_for_status)
 from bk.errors import ENOENTRY, ENOLEDGER, EOK, EUA
 from bk.meta.ledger import LedgerMetadata, LedgerState
 
@@ -117,6 +117,12 @@ def recover_ledger(client, ledger_id: int, password: bytes | None = None,
         except MetadataError:
             _check_open(client, f"recover ledger {ledger_id}")   # the store closed with it
             raise
+        except NoSuchLedgerError as e:
+            if not started:
+                raise           # absent (or deleted) before the recovery began
+            # deleted under it: its CAS, a read or a write-back found it gone
+            raise NoSuchLedgerError(f"recover ledger {ledger_id}: the ledger was deleted "
+                                    f"during the recovery ({e})") from None
     except BaseException:
         if started:
             client_metrics().recoveries.labels("false").inc()
@@ -156,7 +162,7 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
     if lac0 >= 0:
         try:
             length0 = rh.read_entry_once(lac0).length
-        except ClientClosedError:
+        except (ClientClosedError, NoSuchLedgerError):
             raise
         except BKError as e:
             raise LedgerRecoveryError(f"{what}: cannot read the last confirmed entry {lac0}: {e}")
@@ -183,6 +189,8 @@ def _recover_ledger(client, ledger_id, password, master_key, started, guards=())
             _cls, reason = failure
             if _cls is ClientClosedError:
                 raise client._closed_error(what)
+            if _cls is NoSuchLedgerError:        # bookies refused: the ledger was deleted
+                raise NoSuchLedgerError(f"{what}: writing back entry failed: {reason}")
             raise LedgerRecoveryError(f"{what}: writing back entry failed: {reason}")
     finally:
         wh.retire()

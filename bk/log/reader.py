@@ -25,6 +25,14 @@ Truncation deletes whole ledgers after recording ``truncated_before`` by CAS:
 the reader checks that point whenever it consults the record (opening a
 segment, a ledger gone), and raises LogTruncatedError when its next position
 lies before it.
+
+A ledger deleted otherwise: with the whole log (``delete_log``), the record is
+gone too and the reader raises NoSuchLogError; behind the log's back (by hand,
+``client.delete_ledger``), the reader raises NoSuchLedgerError naming the
+segment and the ledger, at once when its handle is refused (the bookies
+collected the ledger, or its metadata is gone when a long poll ends), and
+never skips the segment silently: its records are lost, and the application
+decides (a new reader from a later Position).
 """
 
 from __future__ import annotations
@@ -159,7 +167,10 @@ class LogReader:
             if e <= limit:
                 try:
                     entries = lh.read_entries(e, min(limit, e + _READ_BATCH - 1))
-                except (NoSuchLedgerError, NoSuchEntryError):
+                except NoSuchLedgerError as exc:
+                    self._check_truncated(refresh=True)
+                    raise self._segment_deleted(seg, lh, exc) from None
+                except NoSuchEntryError:
                     self._check_truncated(refresh=True)
                     raise
                 if self._take(seg, entries) or closed and self._next.entry_id > limit:
@@ -177,14 +188,23 @@ class LogReader:
             try:
                 _lac, entry = lh.read_last_add_confirmed_and_entry(
                     e, timeout=max(0.0, min(left, _LONG_POLL)))
-            except NoSuchLedgerError:
+            except NoSuchLedgerError as exc:
                 self._check_truncated(refresh=True)
-                raise
+                raise self._segment_deleted(seg, lh, exc) from None
             if entry is not None:
                 if self._take(seg, [entry]):
                     self._next_segment(seg)
                 if self._pending:
                     return True
+
+    def _segment_deleted(self, seg, lh, exc) -> NoSuchLedgerError:
+        """The error of a read whose segment's ledger was deleted, not by a
+        truncation of the log (checked before: that is LogTruncatedError) and not
+        with the log (its record is gone: NoSuchLogError, also checked before)."""
+        self._pending.clear()
+        return NoSuchLedgerError(f"read log {self.name} at {self._next}: the ledger "
+                                 f"{lh.ledger_id} of segment {seg} was deleted behind the "
+                                 f"log's back; its records are lost ({exc})")
 
     def _take(self, seg, entries) -> bool:
         """Queue the records of ``entries``; True at the segment's end marker."""

@@ -39,7 +39,11 @@ epoch means a new writer took over: the writer fails with LogFencedError.
 
 A ledger that fails beyond repair (no bookies left, fenced) breaks the writer:
 every pending and later append raises that error; ``close()`` still releases
-it, and a new writer (``open_log_writer``) continues the log.
+it, and a new writer (``open_log_writer``) continues the log. A ledger deleted
+under the writer (by hand, or with the whole log by ``delete_log``) is such a
+failure: the appends raise NoSuchLedgerError naming the log and the ledger
+(once the bookies refuse its adds, or its roll or close finds its metadata
+gone), never LogFencedError, since no other writer took over.
 """
 
 from __future__ import annotations
@@ -355,6 +359,12 @@ class LogWriter:
                 err = LogFencedError(f"append to log {self.name}: this writer (epoch "
                                      f"{self._epoch}) was deposed; its ledger "
                                      f"{(lh or self._lh).ledger_id} is fenced ({exc})")
+            elif isinstance(exc, NoSuchLedgerError):
+                err = NoSuchLedgerError(f"append to log {self.name}: the writer's ledger "
+                                        f"{(lh or self._lh).ledger_id} was deleted under it "
+                                        f"(not by this log's truncation, which never deletes "
+                                        f"the open segment); open a new writer to continue "
+                                        f"({exc})")
             elif isinstance(exc, ClientClosedError):
                 err = ClientClosedError(f"append to log {self.name}: the client is closed "
                                         f"({exc})")

@@ -11,7 +11,7 @@ import pytest
 import bk
 from bk import protocol as P
 from bk.client.digest import master_key
-from bk.errors import EFENCED, ENOLEDGER, LedgerFencedError
+from bk.errors import EFENCED, ENOLEDGER, NoSuchLedgerError
 from bk.testing import BookieConnection, wait_until
 
 PW = b"zombie"
@@ -48,8 +48,9 @@ def test_zombie_writer_after_recovery_delete_gc_and_restart(cluster):
         assert rh.last_add_confirmed == 9
         b.delete_ledger(lid)
         collect_garbage(cluster, lid)
-        # Every bookie that held the ledger keeps its tombstone: A is refused.
-        with pytest.raises(LedgerFencedError):
+        # Every bookie that held the ledger keeps its tombstone: A is refused, and
+        # told that its ledger was deleted (the metadata decides, not the EFENCED).
+        with pytest.raises(NoSuchLedgerError):
             lh.add_entry(b"zombie")
         # Kill -9 right after GC: the tombstones were durable before GC finished.
         for bp in cluster.bookies:
@@ -67,5 +68,5 @@ def test_zombie_writer_after_recovery_delete_gc_and_restart(cluster):
                                                               master_key=key))
             assert fence[2] == ENOLEDGER, bp
             assert entries_status(bp, lid) == ENOLEDGER     # nothing was created
-        with pytest.raises(LedgerFencedError):
+        with pytest.raises(NoSuchLedgerError):
             lh.add_entry(b"zombie again")

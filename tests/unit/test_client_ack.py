@@ -10,7 +10,7 @@ from bk.client.health import BookieHealth
 from bk.client.ledger import _TRANSITIONS, LedgerHandle, WriterState
 from bk.config import Config
 from bk.errors import (EFENCED, EIO, EOK, EREADONLY, ETOOMANYREQUESTS, BookieUnavailableError,
-                       LedgerClosedError, LedgerFencedError, TimeoutError)
+                       LedgerClosedError, LedgerFencedError, NoSuchLedgerError, TimeoutError)
 from bk.meta.ledger import LedgerMetadata
 
 
@@ -91,7 +91,23 @@ class FakeExecutor:
         self.jobs.append(fn)
 
 
+class FakeStore:
+    """The ledger's metadata: there, or ``deleted``."""
+
+    def __init__(self):
+        self.deleted = False
+        self.reads = 0
+
+    def read_ledger(self, lid):
+        self.reads += 1
+        if self.deleted:
+            raise NoSuchLedgerError(f"read ledger {lid}: no such ledger")
+        return None, 1
+
+
 class FakeClient:
+    uri = "etcd://fake/ledgers"
+
     def __init__(self, bookies):
         self._io = FakeLoop()
         self.conf = Config.load(env={})
@@ -99,6 +115,7 @@ class FakeClient:
         self._executor = FakeExecutor()
         self._closed = False
         self._health = BookieHealth(60)
+        self._store = FakeStore()
 
     def _connection(self, bid, lid):
         return self.conns.setdefault(bid, FakeConn(bid))
@@ -178,10 +195,40 @@ def test_fenced_beyond_qw_minus_qa_fails_everything():
     reply(b0, b0.sent[0][0], EFENCED)     # one fenced copy: Qa still reachable
     assert errs == []
     reply(b1, b1.sent[0][0], EFENCED)
+    # fenced, or deleted (a tombstone says EFENCED too)? The metadata decides, on a
+    # metadata thread, and nothing fails before it did
+    assert errs == [] and len(client._executor.jobs) == 1 and client._store.reads == 0
+    reply(b2 := client.conns["b2:1"], b2.sent[0][0], EFENCED)   # asked once, not again
+    assert len(client._executor.jobs) == 1
+    client._executor.jobs.pop()()
+    run(client)
+    assert client._store.reads == 1
     assert errs == [(LedgerFencedError, 0), (LedgerFencedError, 1), (LedgerFencedError, 2)]
     with pytest.raises(LedgerFencedError) as ei:
         h.add_entry(b"later")
     assert "ledger 5" in str(ei.value) and "fenced" in str(ei.value)
+
+
+def test_refused_adds_of_a_deleted_ledger_say_deleted():
+    client, h = make(E=3, qw=3, qa=2)
+    errs = []
+    for i in range(3):
+        h.add_entry_async(b"z", lambda exc, eid: errs.append((type(exc), eid)))
+    run(client)
+    b0, b1, b2 = (client.conns[f"b{i}:1"] for i in range(3))
+    reply(b0, b0.sent[0][0], EFENCED)
+    reply(b1, b1.sent[0][0], EFENCED)
+    # while the metadata is asked, a bookie timing out starts no ensemble change
+    h._bookie_failed(b2, TimeoutError("late"))
+    assert not h._state.changing and len(client._executor.jobs) == 1
+    client._store.deleted = True
+    client._executor.jobs.pop()()
+    run(client)
+    assert errs == [(NoSuchLedgerError, 0), (NoSuchLedgerError, 1), (NoSuchLedgerError, 2)]
+    assert h.failure()[0] is NoSuchLedgerError
+    with pytest.raises(NoSuchLedgerError) as ei:
+        h.add_entry(b"later")
+    assert "ledger 5" in str(ei.value) and "deleted" in str(ei.value)
 
 
 def test_bookie_error_freezes_acks_until_the_ensemble_change():
@@ -550,6 +597,8 @@ def test_failure_while_changing_or_closed_keeps_the_handle_broken():
     _bookie_fails(client, h, b2)
     reply(b0, b0.sent[0][0], EFENCED)
     reply(b1, b1.sent[0][0], EFENCED)
+    client._executor.jobs.pop()()           # fenced or deleted? fenced (metadata there)
+    run(client)
     assert h._state is W.BROKEN and failed == [LedgerFencedError]
     assert h.failure()[0] is LedgerFencedError
     # the change in flight ends and changes nothing; the handle stays broken
