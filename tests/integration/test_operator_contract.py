@@ -129,6 +129,25 @@ def test_bookie_stop_daemon_and_bind_address(cluster_factory, tmp_path):
     assert b.proc.wait(60) == 0
     wait_until(lambda: b.bookie_id not in c.store.list_bookies(), what="deregistration")
     assert _bookie("stop", "--conf", b.conf_file).stdout.startswith("bookie not running")
+    # `bookie format`: refuses without --force when it cannot ask (no terminal), then
+    # wipes the directories and the cookie; the next start formats anew
+    assert c.store.read_cookie(b.bookie_id)[0] is not None
+    r = _bookie("format", "--conf", b.conf_file)
+    assert r.returncode == 1 and r.stderr.endswith("; pass --force to confirm\n"), r.stderr
+    assert c.store.read_cookie(b.bookie_id)[0] is not None
+    r = _bookie("format", "--conf", b.conf_file, "--force")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == \
+        f"removed the cookie of {b.bookie_id} from the metadata store"
+    assert c.store.read_cookie(b.bookie_id)[0] is None
+    b.start()
+    wait_until(lambda: c.store.read_cookie(b.bookie_id)[0] is not None, what="a new cookie")
+    with c.client() as client:
+        h = client.create_ledger(1, 1, 1)
+        h.add_entry(b"after format")
+        h.close()
+        assert [e.data for e in client.open_ledger(h.ledger_id).read_entries(0, 0)] == \
+            [b"after format"]
     # --daemon: its own session, no controlling terminal, stdin from /dev/null;
     # bindAddress=0.0.0.0: reachable on every local address, HTTP too
     d = BookieProcess(c.metadata_uri, str(tmp_path / "d"), free_port(), store=c.store,
@@ -147,6 +166,12 @@ def test_bookie_stop_daemon_and_bind_address(cluster_factory, tmp_path):
         assert tty_nr == 0
         assert os.readlink(f"/proc/{dpid}/fd/0") == "/dev/null"
         assert _connects("127.0.0.2", d.port) and _connects("127.0.0.1", d.port)
+        # refused while it runs
+        r = _bookie("format", "--conf", d.conf_file, "--force")
+        assert r.returncode == 1 and f"bookie is running (pid {dpid}); stop it first" in r.stderr
+        # --daemon logs to logFile (default: bookie.log in the first ledger directory)
+        log = os.path.join(d.dir, "ledgers", "bookie.log")
+        assert os.path.getsize(log) > 0, os.listdir(os.path.dirname(log))
         dh = _http_port(c, d.bookie_id)
         assert http_get(dh, "/heartbeat", host="127.0.0.2")[:2] == (200, "OK")
         assert d.bookie_id == f"127.0.0.1:{d.port}"     # still advertised as before
