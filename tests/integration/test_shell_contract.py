@@ -174,6 +174,10 @@ def test_data_commands_have_json(shared_cluster, tmp_path):
     assert j.returncode == t.returncode == EXIT_ERROR and j.stdout == t.stdout == ""
     assert _error_line(j.stderr) == _error_line(t.stderr)
     assert "no such ledger" in _error_line(j.stderr)
+    # ledger ids are decimal: a hex id is a usage error (2), not a lookup of another id
+    r = bkshell(uri, "deleteledger", "0x10", "--json")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "'0x10' is not a ledger id (a decimal integer)" in r.stderr
     # setrack: the rack stored and whether the bookie is known
     before = json.loads(bkshell(uri, "getrack", b0, "--json").stdout)["rack"]
     r = bkshell(uri, "setrack", b0, "/r/json", "--json")
