@@ -41,7 +41,7 @@ def _http_port(c, bookie_id):
 
 def test_gc_compactor_and_placement_metrics_move(cluster_factory):
     c = cluster_factory(3, num_shards=1, conf_overrides={
-        **HTTP, "gcWaitTime": 300, "metadataCompactionIntervalSeconds": 1,
+        **HTTP, "gcWaitTime": 300, "metadataCompactionIntervalSeconds": 1, "flushInterval": 300,
         "autoRecoveryDaemonEnabled": "true", "auditorPeriodicPlacementPolicyCheckInterval": 1,
         "ensemblePlacementPolicy": "rackaware"})
     uri = c.metadata_uri
@@ -67,6 +67,10 @@ def test_gc_compactor_and_placement_metrics_move(cluster_factory):
         assert m["bookie_GC_RUNS_total"] >= 1
         assert m["bookie_disk_free_bytes"] > 0 and 0 < m["bookie_disk_usage_ratio"] < 1
         assert m["bookie_journal_bytes"] > 0
+        assert m["bookie_journal_JOURNAL_QUEUE_SIZE"] == 0          # idle
+        # flushes (checkpoints of the index) every flushInterval while entries wait
+        wait_until(lambda: scrape(p)["bookie_CHECKPOINTS_total"] >= 1, 30,
+                   f"{b} counting a checkpoint")
     # etcd's compactor: one bookie is elected, compacts, and only it exports the
     # compaction count and etcd's db size
     def compactor():
