@@ -200,3 +200,22 @@ def test_localcluster_prints_the_uri_first_and_its_http_ports_are_listed(tmp_pat
                    in {r["id"] for r in rows}, 30, "an auditor elected")
         p.send_signal(signal.SIGINT)
         assert p.wait(60) == 0
+
+
+def test_a_full_disk_with_read_only_mode_disabled_stops_the_bookie(cluster_factory, small_fs):
+    """readOnlyModeEnabled=false: past diskUsageThreshold the bookie shuts down (exit
+    1, saying why) instead of turning read-only."""
+    c = cluster_factory(0)
+    b = c.add_bookie(journalDirectories=str(small_fs / "journal"),
+                     ledgerDirectories=str(small_fs / "ledgers"), journalPreAllocSizeMB=4,
+                     nettyMaxFrameSizeBytes=2 << 20, readOnlyModeEnabled="false",
+                     diskUsageThreshold=0.6, diskUsageLwmThreshold=0.5, diskCheckInterval=200)
+    assert b.bookie_id in c.store.list_bookies()
+    with open(small_fs / "filler", "wb") as f:
+        f.write(b"\0" * (44 << 20))        # usage over 60%
+    assert b.proc.wait(60) == 1
+    assert b.bookie_id not in c.store.list_bookies(readonly=True)
+    wait_until(lambda: b.bookie_id not in c.store.list_bookies(), what="deregistration")
+    with open(b.log_file) as f:
+        assert "reached diskUsageThreshold 60.0% and readOnlyModeEnabled is false: " \
+               "shutting down" in f.read()
