@@ -168,28 +168,46 @@ PROGRESS_EVERY = 1000
 
 class _Counting:
     """Progress of a walk over many items, on stderr (stdout holds the data, and
-    ``--json``'s document stays whole): ``LABEL: N UNIT[, EXTRA]`` every
+    ``--json``'s document stays whole): ``LABEL: N UNIT[EXTRA]`` every
     :data:`PROGRESS_EVERY` items and at least every second, as BookKeeper's and
     Kafka's tools count; once any line was printed, a last one when it ends. A walk
-    of fewer items than that, done within a second, prints nothing."""
+    of fewer items than that, done within a second, prints nothing.
 
-    def __init__(self, label: str, unit: str, every: int = PROGRESS_EVERY):
+    A listing of millions goes through :meth:`over`, which looks at the count and
+    the clock every 64 items only, and ``extra`` (a callable) is called only for
+    a line that is printed: a clock read, a call and a string per item cost
+    ~0.4 us, a third of what listing an id costs the client. Items come in pages,
+    so a second is not overshot by much."""
+
+    def __init__(self, label: str, unit: str, extra=None, every: int = PROGRESS_EVERY):
         self.label, self.unit, self.every = label, unit, every
+        self.extra = extra or (lambda: "")
         self.n = 0
         self.shown = False
         self._t = time.monotonic()
 
-    def __call__(self, n: int, extra: str = "") -> None:
+    def __call__(self, n: int) -> None:
         self.n = n
-        now = time.monotonic()
-        if n % self.every == 0 or now - self._t >= 1.0:
-            self._t = now
+        if n % self.every == 0 or time.monotonic() - self._t >= 1.0:
+            self._t = time.monotonic()
             self.shown = True
-            click.echo(f"{self.label}: {n} {self.unit}{extra}", err=True)
+            click.echo(f"{self.label}: {n} {self.unit}{self.extra()}", err=True)
 
-    def done(self, extra: str = "") -> None:
+    def over(self, items):
+        """Yield ``items``, counting them."""
+        n, every = self.n, self.every
+        nxt = min(n + 64, (n // every + 1) * every)
+        for item in items:
+            yield item
+            n += 1
+            if n == nxt:
+                self(n)
+                nxt = min(n + 64, (n // every + 1) * every)
+        self.n = n
+
+    def done(self) -> None:
         if self.shown:
-            click.echo(f"{self.label}: {self.n} {self.unit}{extra}, done", err=True)
+            click.echo(f"{self.label}: {self.n} {self.unit}{self.extra()}, done", err=True)
 
 
 def _progress(label):
@@ -469,13 +487,16 @@ def placementcheck(c, min_racks, regions, as_json):
     from bk.client.placement import PlacementPolicy
     policy = PlacementPolicy("regionaware" if regions else "rackaware",
                              min_racks or c.conf.minNumRacksPerWriteQuorum)
-    count = _Counting("placementcheck", "ledgers checked")
+    found = [0]
+    count = _Counting("placementcheck", "ledgers checked",
+                      lambda: f", {found[0]} fragments not adhering")
 
     def progress(n, bad):
-        count(n, f", {bad} fragments not adhering")
+        found[0] = bad
+        count(n)
     with c.admin() as a:
         rows = a.placement_check(policy, progress=progress)
-    count.done(f", {len(rows)} fragments not adhering")
+    count.done()
     what = "regions" if regions else "racks"
     if as_json:
         _json_out(rows)
@@ -612,12 +633,11 @@ def listledgers(c, meta, as_json):
     with c.admin() as a:
         # text is printed as it is read (a million ledgers need not fit in memory);
         # --json is one document, printed at the end
-        for n, item in enumerate(a.list_ledger_metadata() if meta else a.list_ledgers(), 1):
+        for item in count.over(a.list_ledger_metadata() if meta else a.list_ledgers()):
             if as_json:
                 rows.append(_md_dict(item) if meta else item)
             else:
                 click.echo(_md_line(item) if meta else item)
-            count(n)
     count.done()
     if as_json:
         _json_out(rows)
