@@ -14,7 +14,9 @@ EXIT_NOT_RUNNING = 3   # ``bookie status``: not running (as an init script's sta
 #   0  done (a check found nothing)
 #   1  EXIT_ERROR: the command failed (one line on stderr says why), or a check
 #      found problems (placementcheck, checkledgers, bookieinfo with a bookie
-#      unreachable, bench recovery's verification), or a question was answered no
+#      unreachable, bench recovery's verification, whoisauditor with none
+#      elected), or a question was answered no
+#   (--json changes only stdout: the code and the error line are the text form's)
 #   2  EXIT_CONFIG: a bad option, argument, configuration key or value, or a
 #      missing file the command needs (click's usage errors are 2 as well)
 #   130 EXIT_INTERRUPTED: stopped by Ctrl-C (SIGINT) part-way; ``tail`` ends

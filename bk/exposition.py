@@ -52,7 +52,7 @@ def _bookie_families(b):
         disk = dict(b.disk)
         yield _gauge(M.SERVER_STATUS, 0 if b.readonly else 1)
         yield _gauge(M.DISK_USAGE, disk.get("usage", 0.0))
-        yield _gauge(M.DISK_FREE, disk.get("free", 0))
+        yield _gauge(M.DISK_FREE, disk.get("free_bytes", 0))   # layout.disk_space's key
         fam = CounterMetricFamily(M.WORKER_RESTARTS.name, M.WORKER_RESTARTS.help,
                                   labels=["shard"])
         for i, n in enumerate(b.restarts):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -226,18 +227,27 @@ def stop(conf_file, settings, pid_file, timeout):
 @main.command()
 @_conf_options
 @click.option("--pid-file", default=None, help="Override pidFile.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the exit code is the same).")
 @one_line_errors(PROG)
-def status(conf_file, settings, pid_file):
+def status(conf_file, settings, pid_file, as_json):
     """Exit 0 if the bookie runs, 3 if it does not (like an init script).
 
     Looks at the pid file (pidFile of --conf) and whether that process lives.
+    --json: {"id", "running", "pid", "pidFile"}, with the same exit code.
 
     \b
-    Example:
+    Examples:
       bookie status --conf conf/bk_server.conf || echo "not running"
+      bookie status --conf conf/bk_server.conf --json
     """
     conf = load_conf(conf_file, settings, pid_file=pid_file)
     pid = running_pid(conf)
+    if as_json:
+        click.echo(json.dumps({"id": conf.bookie_id, "running": pid is not None, "pid": pid,
+                               "pidFile": conf.pid_file}, indent=1))
+        if pid is None:
+            sys.exit(EXIT_NOT_RUNNING)
+        return
     if pid:
         click.echo(f"bookie {conf.bookie_id} is running (pid {pid})")
         return
