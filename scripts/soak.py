@@ -326,16 +326,21 @@ class Writer(threading.Thread):
         return nxt + n
 
 
-# --- the fencing / tailing reader ------------------------------------------------------
-class Recoverer(threading.Thread):
-    def __init__(self, uri, clients, hist, rng_seed, stop, active, interval):
-        super().__init__(name="recovery", daemon=True)
-        self.uri = uri
-        self.client, self.client2 = clients
-        self.crashing: list[threading.Thread] = []
-        self.hist, self.stop, self.active = hist, stop, active
+# --- threads that act in rounds ------------------------------------------------------------
+class Rounds(threading.Thread):
+    """A soak thread that runs :meth:`once` every ``interval`` seconds (drawn
+    uniformly from the pair) until ``stop`` is set. A round that raises anything
+    but what it handles itself (a soak bug, an unexpected exception class) is an
+    anomaly, and the rounds go on: one bad round must not silently end the
+    deletions or the faults for the rest of the soak. ``doing`` and
+    ``busy_since`` name the call in progress, for the liveness verdict."""
+
+    what = "rounds"          # the thread's name in an anomaly
+
+    def __init__(self, name, hist, rng_seed, stop, interval):
+        super().__init__(name=name, daemon=True)
+        self.hist, self.stop, self.interval = hist, stop, interval
         self.rng = random.Random(rng_seed)
-        self.interval = interval
         self.busy_since = None
         self.doing = ""
 
@@ -344,7 +349,30 @@ class Recoverer(threading.Thread):
             try:
                 self.once()
             except Exception as e:
-                self.hist.anomaly(f"recovery: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+                self.hist.anomaly(f"{self.what}: unexpected {fmt_exc(e)}\n"
+                                  f"{traceback.format_exc()}")
+                self.after_error()
+
+    def once(self):
+        raise NotImplementedError
+
+    def after_error(self):
+        """What a round that raised must not leave behind (the nemesis: bookies down)."""
+
+
+# --- the fencing / tailing reader ------------------------------------------------------
+class Recoverer(Rounds):
+    what = "recovery"
+
+    def __init__(self, uri, clients, hist, rng_seed, stop, active, interval):
+        super().__init__("recovery", hist, rng_seed, stop, interval)
+        self.uri = uri
+        self.client, self.client2 = clients
+        self.crashing: list[threading.Thread] = []
+        self.active = active
+
+    def run(self):
+        super().run()
         for t in self.crashing:
             t.join(90)
             if t.is_alive():
@@ -457,7 +485,7 @@ class Recoverer(threading.Thread):
 
 
 # --- the deleter ------------------------------------------------------------------------
-class Deleter(threading.Thread):
+class Deleter(Rounds):
     """Deletes ledgers through its own client while everything else runs: mostly
     ones no writer writes any more (closed, or abandoned after an error), now and
     then one a writer is still writing (its later adds and its close may fail, a
@@ -465,21 +493,12 @@ class Deleter(threading.Thread):
     fails with an unknown outcome (a timeout) is settled in the check: the ledger
     is deleted iff its metadata is gone."""
 
-    def __init__(self, client, hist, rng_seed, stop, active, interval, fraction):
-        super().__init__(name="deleter", daemon=True)
-        self.client, self.hist, self.stop, self.active = client, hist, stop, active
-        self.rng = random.Random(rng_seed)
-        self.interval = interval
-        self.fraction = fraction
-        self.busy_since = None
-        self.doing = ""
+    what = "deleter"
 
-    def run(self):
-        while not self.stop.wait(self.rng.uniform(*self.interval)):
-            try:
-                self.once()
-            except Exception as e:
-                self.hist.anomaly(f"deleter: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+    def __init__(self, client, hist, rng_seed, stop, active, interval, fraction):
+        super().__init__("deleter", hist, rng_seed, stop, interval)
+        self.client, self.active = client, active
+        self.fraction = fraction
 
     def once(self):
         hist, rng = self.hist, self.rng
@@ -525,27 +544,20 @@ class Deleter(threading.Thread):
 
 
 # --- the nemesis --------------------------------------------------------------------------
-class Nemesis(threading.Thread):
+class Nemesis(Rounds):
+    what = "nemesis"
+
     def __init__(self, cluster, hist, rng_seed, stop, max_down, interval):
-        super().__init__(name="nemesis", daemon=True)
-        self.cluster, self.hist, self.stop = cluster, hist, stop
-        self.rng = random.Random(rng_seed)
+        super().__init__("nemesis", hist, rng_seed, stop, interval)
+        self.cluster = cluster
         self.max_down = max_down
-        self.interval = interval
         self.lock = threading.Lock()
         self.down: dict[str, str] = {}      # bookie id -> "killed" / "paused" / "stopped"
-        self.busy_since = None
-        self.doing = ""
 
-    def run(self):
-        while not self.stop.wait(self.rng.uniform(*self.interval)):
-            try:
-                self.one_round()
-            except Exception as e:
-                self.hist.anomaly(f"nemesis: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
-                self.heal()
+    def after_error(self):
+        self.heal()
 
-    def one_round(self):
+    def once(self):
         rng = self.rng
         n = 2 if self.max_down >= 2 and rng.random() < 0.15 else 1
         victims = rng.sample(self.cluster.bookies, n)
@@ -634,33 +646,25 @@ class Nemesis(threading.Thread):
         return False
 
 
-class PartitionNemesis(threading.Thread):
+class PartitionNemesis(Rounds):
     """Network faults between namespace hosts (--hosts): see the module doc."""
 
     KINDS = ("cut-client", "cut-client", "reject-client", "cut-etcd", "cut-pair",
              "isolate", "rack")
+    what = "partition nemesis"
 
     def __init__(self, net, cluster, racks, hist, rng_seed, stop, interval):
-        super().__init__(name="partition-nemesis", daemon=True)
-        self.net, self.cluster, self.racks, self.hist, self.stop = \
-            net, cluster, racks, hist, stop
-        self.rng = random.Random(rng_seed)
-        self.interval = interval
+        super().__init__("partition-nemesis", hist, rng_seed, stop, interval)
+        self.net, self.cluster, self.racks = net, cluster, racks
         self.now: list[str] = []
-        self.busy_since = None
-        self.doing = ""
 
-    def run(self):
-        while not self.stop.wait(self.rng.uniform(*self.interval)):
-            try:
-                self.one_round()
-            except Exception as e:
-                self.hist.anomaly(f"partition nemesis: unexpected {fmt_exc(e)}\n"
-                                  f"{traceback.format_exc()}")
-            finally:
-                self.heal()
+    def once(self):
+        try:
+            self.fault()
+        finally:
+            self.heal()         # every round ends healed, also one that raised
 
-    def one_round(self):
+    def fault(self):
         rng, net = self.rng, self.net
         hosts = [b.host for b in self.cluster.bookies]
         kind = rng.choice([k for k in self.KINDS if k != "rack" or self.racks])
