@@ -55,8 +55,11 @@ an etcd outage or a bookie gone, is logged as one line; a trace is an error
 nobody expected: a loop of a daemon thread that failed, a worker that crashed).
 Deleted ledgers are checked apart (check_deleted, check_disk): (7) none has
 metadata; (8) within 120 s of the heal every bookie answers ENOLEDGER to a
-READ_LAC, a READ and a GET_LIST_OF_ENTRIES of each, and still does after the
-flush and compaction that follow; (9) with the bookies stopped, no shard's
+READ_LAC, a READ and a GET_LIST_OF_ENTRIES of each, and still does once the disk
+settled: the soak reads every shard's index (read-only LMDB snapshots, the
+bookies running) until no run or state of a deleted ledger is left and
+compactions removed every entry log the deletions emptied, for at most six
+flush + compaction + 3 GC periods; (9) then, with the bookies stopped, no shard's
 index holds a run or the state of one, no entry log is left without a live
 entry but the one the shard appended to and the journal segments from the
 index's mark on (compaction leaves those), and no entry log file is on disk
@@ -935,40 +938,54 @@ def recheck_deleted(hist: History, copies: Copies, gone) -> None:
                            f"later {ans}")
 
 
-def check_disk(base, hist: History) -> dict:
-    """With the bookies stopped, in every shard's index: no run and no state of a
-    deleted ledger, and no entry log without a live entry but the one the shard was
-    appending to and the journal segments from the index's mark on (compaction
-    leaves those alone; every other log whose live entries are all gone is removed by
-    the next compaction, which ran after the last deletion); no entry log file the
-    index does not name. Returns totals for the summary."""
+def read_shard_index(sdir) -> tuple:
+    """``(logs, mark, runs, states)`` of a shard's index: ``{log id: [dir index,
+    bytes, live bytes]}``, the journal mark, every run and the ids of the ledgers
+    with state, read in ONE read-only LMDB transaction: a consistent snapshot,
+    safe while the bookie runs (LMDB readers never block its writer, which the
+    lock file serialises with us), as ``bk.bookie.index.read_mark`` reads it."""
+    import lmdb
+    import msgpack
+    from bk.bookie.index import INDEX_SUBDIR, Run
+    env = lmdb.open(os.path.join(sdir, INDEX_SUBDIR), readonly=True, max_dbs=4, lock=True)
+    try:
+        dbs = {n: env.open_db(n, create=False) for n in (b"runs", b"ledgers", b"logs", b"meta")}
+        with env.begin() as txn:
+            runs = [Run.unpack(k, v) for k, v in txn.cursor(db=dbs[b"runs"])]
+            states = [int.from_bytes(k, "big") for k in txn.cursor(db=dbs[b"ledgers"]).iternext(
+                values=False)]
+            logs = {int.from_bytes(k, "big"): msgpack.unpackb(v)
+                    for k, v in txn.cursor(db=dbs[b"logs"])}
+            m = txn.get(b"mark", db=dbs[b"meta"])
+    finally:
+        env.close()
+    return logs, None if m is None else tuple(msgpack.unpackb(m)), runs, states
+
+
+def disk_findings(base, deleted, stopped: bool) -> tuple[list, list, collections.Counter]:
+    """``(violations, anomalies, totals)`` of every shard's index and entry logs
+    under ``base`` (see :func:`check_disk`); ``stopped``: the bookies are, so a
+    log file the index does not name is one left behind (while a shard runs, its
+    new log is on disk before the flush that names it commits)."""
     from bk.bookie.entrylog import is_journal_log, journal_log_id
-    from bk.bookie.index import Index
-    V = hist.violation
-    deleted = {lid for lid, r in hist.ledgers.items() if r.deleted is not None}
+    bad, odd = [], []
     tot = collections.Counter()
     for idir in sorted(glob.glob(os.path.join(base, "bookie-*", "ledgers", "shard-*", "index"))):
         sdir = os.path.dirname(idir)
         where = os.path.relpath(sdir, base)
-        ix = Index(sdir, create=False)
-        try:
-            logs = ix.logs()
-            mark = ix.mark()
-            per_log: dict = collections.defaultdict(set)
-            run_bytes = collections.Counter()
-            with ix.read_txn() as txn:
-                for run in ix.all_runs(txn):
-                    per_log[run.log].add(run.ledger)
-                    run_bytes[run.log] += run.nbytes
-                    if run.ledger in deleted:
-                        tot["runs of deleted ledgers"] += 1
-                        V(f"{where}: the index still has a run of deleted ledger {run.ledger} "
-                          f"(entries {run.first}.., log {run.log:x})")
-            for lid, _row in ix.ledger_states():
-                if lid in deleted:
-                    V(f"{where}: the index still has the state of deleted ledger {lid}")
-        finally:
-            ix.close()
+        logs, mark, runs, states = read_shard_index(sdir)
+        per_log: dict = collections.defaultdict(set)
+        run_bytes = collections.Counter()
+        for run in runs:
+            per_log[run.log].add(run.ledger)
+            run_bytes[run.log] += run.nbytes
+            if run.ledger in deleted:
+                tot["runs of deleted ledgers"] += 1
+                bad.append(f"{where}: the index still has a run of deleted ledger {run.ledger} "
+                           f"(entries {run.first}.., log {run.log:x})")
+        for lid in states:
+            if lid in deleted:
+                bad.append(f"{where}: the index still has the state of deleted ledger {lid}")
         plain = [i for i in logs if not is_journal_log(i)]
         current = max(plain, default=None)
         keep_from = journal_log_id(mark[0]) if mark else None
@@ -976,15 +993,17 @@ def check_disk(base, hist: History) -> dict:
             tot["logs"] += 1
             tot["bytes"] += size
             if live != run_bytes[log_id]:
-                hist.anomaly(f"{where}: entry log {log_id:x} counts {live} live bytes, its "
-                             f"runs hold {run_bytes[log_id]}")
+                odd.append(f"{where}: entry log {log_id:x} counts {live} live bytes, its "
+                           f"runs hold {run_bytes[log_id]}")
             if log_id == current or (is_journal_log(log_id) and keep_from is not None
                                       and log_id >= keep_from):
                 continue
             if not per_log.get(log_id):
                 tot["dead logs"] += 1
-                V(f"{where}: entry log {log_id:x} ({size} bytes) holds no live entry after "
-                  f"the compactions that followed the last deletion")
+                bad.append(f"{where}: entry log {log_id:x} ({size} bytes) holds no live entry "
+                           f"after the compactions that followed the last deletion")
+        if not stopped:
+            continue
         for path in glob.glob(os.path.join(sdir, "entrylogs", "*.log")):
             name = os.path.basename(path)[:-4]
             try:
@@ -992,8 +1011,52 @@ def check_disk(base, hist: History) -> dict:
             except ValueError:
                 continue
             if log_id not in logs:
-                V(f"{where}: entry log file {name}.log ({os.path.getsize(path)} bytes) is "
-                  f"named by no index entry (left behind)")
+                bad.append(f"{where}: entry log file {name}.log ({os.path.getsize(path)} bytes) "
+                           f"is named by no index entry (left behind)")
+    return bad, odd, tot
+
+
+def deleted_ids(hist: History) -> set:
+    return {lid for lid, r in hist.ledgers.items() if r.deleted is not None}
+
+
+def wait_disk_settled(base, hist: History, say, timeout: float) -> bool:
+    """Wait, bookies running, until every shard's index is as :func:`check_disk`
+    wants it: no run or state of a deleted ledger, no entry log without a live
+    entry (GC collected the deletions, then compactions removed the logs they
+    emptied). Polled on live snapshots rather than a fixed settle time, which was
+    too short on a starved machine and wasted time on a quiet one. What is still
+    wrong at ``timeout`` is check_disk's to report, once the bookies stopped."""
+    deleted = deleted_ids(hist)
+    t0 = time.monotonic()
+    while True:
+        bad, _odd, _tot = disk_findings(base, deleted, stopped=False)
+        waited = time.monotonic() - t0
+        if not bad:
+            say(f"soak: disk settled {waited:.1f}s after the deleted ledgers were collected "
+                f"(no run or state of one in any index, no entry log without a live entry)")
+            hist.event(f"disk settled after {waited:.1f}s")
+            return True
+        if waited >= timeout:
+            say(f"soak: disk not settled after {timeout:.0f}s ({len(bad)} findings, e.g. "
+                f"{bad[0]})")
+            hist.event(f"disk not settled after {timeout:.0f}s: {bad[:5]}")
+            return False
+        time.sleep(1.0)
+
+
+def check_disk(base, hist: History) -> dict:
+    """With the bookies stopped, in every shard's index: no run and no state of a
+    deleted ledger, and no entry log without a live entry but the one the shard was
+    appending to and the journal segments from the index's mark on (compaction
+    leaves those alone; every other log whose live entries are all gone is removed by
+    the compaction that follows; :func:`wait_disk_settled` waited for it); no entry
+    log file the index does not name. Returns totals for the summary."""
+    bad, odd, tot = disk_findings(base, deleted_ids(hist), stopped=True)
+    for m in odd:
+        hist.anomaly(m)
+    for m in bad:
+        hist.violation(m)
     return tot
 
 
@@ -1170,11 +1233,12 @@ def main():
     deletes = not a.no_deletes
     storage = DELETE_STORAGE if deletes else {}
     eff = {**DELETE_STORAGE, **(AUTORECOVERY if a.autorecovery else {}), **extra}
-    # after the last deletion was collected: a flush, then a compaction (the next GC
-    # round once minorCompactionInterval passed), with a few rounds to spare
-    settle = (int(eff.get("flushInterval", 60000)) / 1000
-              + float(eff.get("minorCompactionInterval", 3600))
-              + 3 * int(eff.get("gcWaitTime", 60000)) / 1000)
+    # the longest the disk may take to settle once the deleted ledgers were collected:
+    # a flush, then a compaction (the next GC round once minorCompactionInterval
+    # passed), with rounds to spare for a starved machine
+    settle = 6 * (int(eff.get("flushInterval", 60000)) / 1000
+                  + float(eff.get("minorCompactionInterval", 3600))
+                  + 3 * int(eff.get("gcWaitTime", 60000)) / 1000)
 
     base = os.path.abspath(a.dir) if a.dir else tempfile.mkdtemp(prefix="bk-soak-")
     os.makedirs(base, exist_ok=True)
@@ -1297,9 +1361,7 @@ def main():
                 if deletes:
                     gc_left, gone = check_deleted(cclient, cluster, hist, say, copies,
                                                   timeout=120.0)
-                    say(f"soak: {settle:.0f}s for the flush and compaction that follow the "
-                        f"last collection, then every deleted ledger once more")
-                    time.sleep(settle)
+                    wait_disk_settled(base, hist, say, timeout=settle)
                     recheck_deleted(hist, copies, gone)
         finally:
             copies.close()
