@@ -59,7 +59,9 @@ READ_LAC, a READ and a GET_LIST_OF_ENTRIES of each, and still does once the disk
 settled: the soak reads every shard's index (read-only LMDB snapshots, the
 bookies running) until no run or state of a deleted ledger is left and
 compactions removed every entry log the deletions emptied, for at most six
-flush + compaction + 3 GC periods; (9) then, with the bookies stopped, no shard's
+flush + compaction + 3 GC periods, then lets two GC rounds and a compaction
+run and checks again that no bookie serves and no index holds a deleted
+ledger (one that came back); (9) then, with the bookies stopped, no shard's
 index holds a run or the state of one, no entry log is left without a live
 entry but the one the shard appended to and the journal segments from the
 index's mark on (compaction leaves those), and no entry log file is on disk
@@ -928,14 +930,21 @@ def check_deleted(client, cluster, hist: History, progress, copies: Copies,
     return left, gone
 
 
-def recheck_deleted(hist: History, copies: Copies, gone) -> None:
-    """Once more, later: a bookie that answered ENOLEDGER for a deleted ledger and now
-    serves it again brought it back (a compaction or a replay that resurrected it)."""
+def recheck_deleted(base, hist: History, copies: Copies, gone) -> None:
+    """Once more, later (after GC rounds and a compaction that followed the disk
+    settling, no bookie restarted): a bookie that answered ENOLEDGER for a deleted
+    ledger and now serves it again, or a shard whose index has a run or the state
+    of one again, brought it back (a compaction or a late write that resurrected
+    it). check_disk looks again once the bookies stopped."""
     for b, lid in sorted(gone):
         ans = copies.probe(b, lid)
         if not all(v == ENOLEDGER for k, v in ans.items() if k != "entries"):
             hist.violation(f"ledger {lid}, deleted: bookie {b} answered ENOLEDGER and "
                            f"later {ans}")
+    bad, _odd, _tot = disk_findings(base, deleted_ids(hist), stopped=False)
+    for m in bad:
+        if "deleted ledger" in m:
+            hist.violation(f"{m}, after the disk had settled (it came back)")
 
 
 def read_shard_index(sdir) -> tuple:
@@ -1239,6 +1248,9 @@ def main():
     settle = 6 * (int(eff.get("flushInterval", 60000)) / 1000
                   + float(eff.get("minorCompactionInterval", 3600))
                   + 3 * int(eff.get("gcWaitTime", 60000)) / 1000)
+    # two GC rounds and a minor compaction: the work that could resurrect a ledger
+    rounds = (2 * int(eff.get("gcWaitTime", 60000)) / 1000
+              + float(eff.get("minorCompactionInterval", 3600)))
 
     base = os.path.abspath(a.dir) if a.dir else tempfile.mkdtemp(prefix="bk-soak-")
     os.makedirs(base, exist_ok=True)
@@ -1361,8 +1373,13 @@ def main():
                 if deletes:
                     gc_left, gone = check_deleted(cclient, cluster, hist, say, copies,
                                                   timeout=120.0)
-                    wait_disk_settled(base, hist, say, timeout=settle)
-                    recheck_deleted(hist, copies, gone)
+                    if wait_disk_settled(base, hist, say, timeout=settle):
+                        # what could bring a deleted ledger back runs in GC rounds and
+                        # compactions: give it a few, then look again
+                        say(f"soak: {rounds:.0f}s of GC rounds and a compaction, then every "
+                            f"deleted ledger once more")
+                        time.sleep(rounds)
+                    recheck_deleted(base, hist, copies, gone)
         finally:
             copies.close()
         faulthandler.cancel_dump_traceback_later()
