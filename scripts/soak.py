@@ -12,8 +12,10 @@ the nemesis kills, pauses and restarts bookies. For --duration seconds:
 
 * writer threads create ledgers of random shapes (E/Qw/Qa), add entries with
   add_entry, add_entries and add_entry_async, record every acknowledged entry,
-  and close after a random number of entries. An error (fenced, not enough
-  bookies, ...) is legal: the writer records it and starts a new ledger;
+  and close after a random number of entries (with --max-entries N, 1..N: a
+  small N makes thousands of small ledgers, metadata at scale for the deleter,
+  GC and the check). An error (fenced, not enough bookies, ...) is legal:
+  the writer records it and starts a new ledger;
 * a nemesis kill -9s, SIGSTOPs (hung bookie) or cleanly stops a bookie (now
   and then two) and brings it back on the same directory some seconds later;
 * a recovery thread, with its own clients, opens (fences, recovers, closes) a
@@ -193,9 +195,10 @@ class History:
 
 # --- writers ---------------------------------------------------------------------------
 class Writer(threading.Thread):
-    def __init__(self, n, client, hist, shapes, rng_seed, stop, active):
+    def __init__(self, n, client, hist, shapes, rng_seed, stop, active, max_entries=0):
         super().__init__(name=f"writer-{n}", daemon=True)
         self.n, self.client, self.hist, self.shapes = n, client, hist, shapes
+        self.max_entries = max_entries      # 0: the mix of short and long ledgers
         self.rng = random.Random(rng_seed)
         self.stop, self.active = stop, active
         self.seq = 0
@@ -242,6 +245,8 @@ class Writer(threading.Thread):
         self.active[self.n] = lid
         # Short and long ledgers; a third of them paced, so they live through faults.
         target = rng.choice((rng.randint(1, 30), rng.randint(50, 600), rng.randint(1000, 5000)))
+        if self.max_entries:
+            target = rng.randint(1, self.max_entries)
         pause = rng.choice((0.0, 0.0, rng.uniform(0.005, 0.1)))
         nxt = 0
         try:
@@ -1199,6 +1204,10 @@ def main():
     p.add_argument("--recovery-interval", type=float, nargs=2, default=(1.0, 4.0),
                    metavar=("MIN", "MAX"), help="seconds between recovery opens (default 1 4)")
     p.add_argument("--no-nemesis", action="store_true", help="no faults (a baseline run)")
+    p.add_argument("--max-entries", type=int, default=0, metavar="N",
+                   help="every ledger gets 1..N entries (default: a mix of 1-30, 50-600 and "
+                        "1000-5000); a small N makes thousands of small ledgers, so GC, "
+                        "deletions and the check work on metadata at scale under the faults")
     p.add_argument("--no-deletes", action="store_true",
                    help="no deleter (and the bookies' storage settings left as they are)")
     p.add_argument("--delete-interval", type=float, nargs=2, default=(0.5, 2.0),
@@ -1303,7 +1312,7 @@ def main():
         dclient = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
         clients += [wclient, rclient, rclient2, dclient]
         active: dict[int, int] = {}
-        writers = [Writer(i, wclient, hist, shapes, seed * 100 + i, stop, active)
+        writers = [Writer(i, wclient, hist, shapes, seed * 100 + i, stop, active, a.max_entries)
                    for i in range(a.writers)]
         recoverer = Recoverer(cluster.metadata_uri, (rclient, rclient2), hist, seed * 100 + 50,
                               stop, active, a.recovery_interval)
