@@ -1330,16 +1330,19 @@ def main():
             t.start()
 
         def status():
+            # under the lock: the writers add ledgers meanwhile (iterating the dict
+            # without it raised "changed size during iteration" with small ledgers)
             with hist.lock:
                 n_led = len(hist.ledgers)
                 n_ack = sum(len(r.acked) for r in hist.ledgers.values())
                 n_fail = sum(hist.failures.values())
+                n_del = sum(r.deleted is not None for r in hist.ledgers.values())
             down = ", ".join(f"{k} {v}" for k, v in sorted(nemesis.down.items())) or "none"
             if pnemesis is not None and pnemesis.now:
                 down += "; network: " + ", ".join(pnemesis.now)
             return (f"{n_led} ledgers, {n_ack} acknowledged, {n_fail} failures, "
                     f"{hist.recovery['closed']} recovered, "
-                    f"{sum(r.deleted is not None for r in hist.ledgers.values())} deleted, "
+                    f"{n_del} deleted, "
                     f"down: {down}")
 
         end = time.monotonic() + a.duration
