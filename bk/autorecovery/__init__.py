@@ -28,7 +28,9 @@ or ``bookie autorecovery``) runs two threads:
   ``auditorReplicasCheckInterval`` every bookie of each closed ledger lists its
   entries (GET_LIST_OF_ENTRIES) and the lists are compared with the write sets.
   A *registered* bookie that answers without an entry gets the ledger marked
-  with it (an unreachable one is left to the lost-bookie audit). At most
+  with it (an unreachable one is left to the lost-bookie audit), if the
+  ledger's metadata is still at the version listed: one deleted or changed
+  since (its bookies GC'd it, a repair replaced one) is the next check's. At most
   ``auditorMaxNumberOfConcurrentOpenLedgerOperations`` ledgers are examined at
   once, the metadata is read in pages, and when each check last finished is
   kept in ``underreplication/checks``, so a new auditor does not redo a check
