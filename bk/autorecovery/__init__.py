@@ -15,7 +15,9 @@ or ``bookie autorecovery``) runs two threads:
   ``lostBookieRecoveryDelay`` seconds (at once when more than one is missing;
   a bookie back before that is forgotten) is *lost*: every ledger with a
   fragment on it is marked under ``underreplication/ledgers/<id>`` with the
-  lost bookies (:mod:`bk.meta.underreplication`). ``bkshell triggeraudit``
+  lost bookies (:mod:`bk.meta.underreplication`); a bookie that registers again
+  while that audit runs gets no more marks (the audit reads the registrations
+  again every second). ``bkshell triggeraudit``
   skips the delay; every ``auditorPeriodicBookieCheckInterval`` the lost
   bookies are audited again. Another candidate takes over within the lease TTL
   when the leader dies (within ~0.5 s, a look interval, when it stops

@@ -27,6 +27,9 @@ log = logging.getLogger("bk.autorecovery")
 # The longest the auditor or a worker sleeps without a watch waking it (a safety
 # net: a watch being re-created after an etcd restart wakes them anyway).
 IDLE_LOOK = 5.0
+# How often an audit of lost bookies reads the registrations again while it marks
+# their ledgers (one etcd range request), to stop marking for one that came back.
+AUDIT_RECHECK = 1.0
 
 
 class AutoRecovery:
@@ -211,13 +214,31 @@ class AutoRecovery:
 
     def _audit(self, lost: set, election):
         store = self.store
+        lost = set(lost)
+        audited = sorted(lost)
+        back: set = set()
         marked = 0
+        look = time.monotonic() + AUDIT_RECHECK
         for md, _version in store.list_ledger_metadata():
+            if time.monotonic() >= look:
+                # A bookie registered again while the audit ran came back with its
+                # disk: the rest of its ledgers are not marked for it (its delay
+                # would have been cancelled). An audit of thousands of ledgers takes
+                # tens of seconds on a busy etcd: a soak's ended 25 s after the bookie
+                # was back, having marked 994 ledgers, each then checked in place.
+                look = time.monotonic() + AUDIT_RECHECK
+                (writable, readonly), _ = store._bookie_sets()
+                back |= lost & (writable | readonly)
+                lost -= back
+                if not lost:
+                    break
             on = sorted(b for b in lost if any(b in ens for _, ens in md.ensembles))
             if on and UR.mark(store, md.ledger_id, on, guards=[election.lock.guard()]):
                 marked += 1
-        log.warning("auditor: bookies %s lost; %d ledgers marked under-replicated",
-                    ", ".join(sorted(lost)), marked)
+        log.warning("auditor: bookies %s lost; %d ledgers marked under-replicated%s",
+                    ", ".join(audited), marked,
+                    f" ({', '.join(sorted(back))} back before the audit ended: the rest of "
+                    f"its ledgers not marked)" if back else "")
 
     # --- periodic checks (while leading) --------------------------------------------------
     def _guarded_checks(self, election):

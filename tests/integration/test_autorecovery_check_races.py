@@ -97,3 +97,37 @@ def test_a_ledger_changed_after_the_listing_is_not_marked_one_unchanged_is(clust
             assert UR.checks(c.store)["ledgers"]["marked"] == 1
     finally:
         ar.stop()
+
+
+def test_an_audit_stops_marking_for_a_bookie_that_came_back(cluster_factory, monkeypatch):
+    """A lost bookie's audit marks its ledgers one by one; one that registered again
+    meanwhile (its disk with it) gets no more marks: its delay would have been
+    cancelled had it come back before the audit began."""
+    from bk.autorecovery import service
+    c = cluster_factory(3)
+    ar = auditor(c)
+    try:
+        with bk.BookKeeper(c.metadata_uri) as client:
+            lids = sorted(closed_ledger(client, [b"a%d" % i for i in range(3)], ensemble=3,
+                                        password=PW) for _ in range(6))
+        victim = c.bookies[0]
+        victim.stop()
+        wait_until(lambda: victim.bookie_id not in c.store.list_bookies(),
+                   what="the stopped bookie unregistered")
+        monkeypatch.setattr(service, "AUDIT_RECHECK", 0.0)    # look before every ledger
+        real_mark = UR.mark
+        calls = []
+
+        def mark(store, lid, missing, guards=()):
+            calls.append((lid, list(missing)))
+            done = real_mark(store, lid, missing, guards)
+            if len(calls) == 2:
+                victim.start()          # back (registered) before the next ledger
+            return done
+
+        monkeypatch.setattr(UR, "mark", mark)
+        ar._audit({victim.bookie_id}, Leader(c.store))
+        assert calls == [(lids[0], [victim.bookie_id]), (lids[1], [victim.bookie_id])]
+        assert marked(c) == set(lids[:2])
+    finally:
+        ar.stop()
