@@ -237,8 +237,8 @@ class AutoRecovery:
                 marked += 1
         log.warning("auditor: bookies %s lost; %d ledgers marked under-replicated%s",
                     ", ".join(audited), marked,
-                    f" ({', '.join(sorted(back))} back before the audit ended: the rest of "
-                    f"its ledgers not marked)" if back else "")
+                    f" (back before the audit ended, so marked no further: "
+                    f"{', '.join(sorted(back))})" if back else "")
 
     # --- periodic checks (while leading) --------------------------------------------------
     def _guarded_checks(self, election):
