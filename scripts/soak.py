@@ -12,8 +12,10 @@ the nemesis kills, pauses and restarts bookies. For --duration seconds:
 
 * writer threads create ledgers of random shapes (E/Qw/Qa), add entries with
   add_entry, add_entries and add_entry_async, record every acknowledged entry,
-  and close after a random number of entries. An error (fenced, not enough
-  bookies, ...) is legal: the writer records it and starts a new ledger;
+  and close after a random number of entries (with --max-entries N, 1..N: a
+  small N makes thousands of small ledgers, metadata at scale for the deleter,
+  GC and the check). An error (fenced, not enough bookies, ...) is legal:
+  the writer records it and starts a new ledger;
 * a nemesis kill -9s, SIGSTOPs (hung bookie) or cleanly stops a bookie (now
   and then two) and brings it back on the same directory some seconds later;
 * a recovery thread, with its own clients, opens (fences, recovers, closes) a
@@ -55,8 +57,13 @@ an etcd outage or a bookie gone, is logged as one line; a trace is an error
 nobody expected: a loop of a daemon thread that failed, a worker that crashed).
 Deleted ledgers are checked apart (check_deleted, check_disk): (7) none has
 metadata; (8) within 120 s of the heal every bookie answers ENOLEDGER to a
-READ_LAC, a READ and a GET_LIST_OF_ENTRIES of each, and still does after the
-flush and compaction that follow; (9) with the bookies stopped, no shard's
+READ_LAC, a READ and a GET_LIST_OF_ENTRIES of each, and still does once the disk
+settled: the soak reads every shard's index (read-only LMDB snapshots, the
+bookies running) until no run or state of a deleted ledger is left and
+compactions removed every entry log the deletions emptied, for at most six
+flush + compaction + 3 GC periods, then lets two GC rounds and a compaction
+run and checks again that no bookie serves and no index holds a deleted
+ledger (one that came back); (9) then, with the bookies stopped, no shard's
 index holds a run or the state of one, no entry log is left without a live
 entry but the one the shard appended to and the journal segments from the
 index's mark on (compaction leaves those), and no entry log file is on disk
@@ -188,9 +195,10 @@ class History:
 
 # --- writers ---------------------------------------------------------------------------
 class Writer(threading.Thread):
-    def __init__(self, n, client, hist, shapes, rng_seed, stop, active):
+    def __init__(self, n, client, hist, shapes, rng_seed, stop, active, max_entries=0):
         super().__init__(name=f"writer-{n}", daemon=True)
         self.n, self.client, self.hist, self.shapes = n, client, hist, shapes
+        self.max_entries = max_entries      # 0: the mix of short and long ledgers
         self.rng = random.Random(rng_seed)
         self.stop, self.active = stop, active
         self.seq = 0
@@ -237,6 +245,8 @@ class Writer(threading.Thread):
         self.active[self.n] = lid
         # Short and long ledgers; a third of them paced, so they live through faults.
         target = rng.choice((rng.randint(1, 30), rng.randint(50, 600), rng.randint(1000, 5000)))
+        if self.max_entries:
+            target = rng.randint(1, self.max_entries)
         pause = rng.choice((0.0, 0.0, rng.uniform(0.005, 0.1)))
         nxt = 0
         try:
@@ -326,16 +336,21 @@ class Writer(threading.Thread):
         return nxt + n
 
 
-# --- the fencing / tailing reader ------------------------------------------------------
-class Recoverer(threading.Thread):
-    def __init__(self, uri, clients, hist, rng_seed, stop, active, interval):
-        super().__init__(name="recovery", daemon=True)
-        self.uri = uri
-        self.client, self.client2 = clients
-        self.crashing: list[threading.Thread] = []
-        self.hist, self.stop, self.active = hist, stop, active
+# --- threads that act in rounds ------------------------------------------------------------
+class Rounds(threading.Thread):
+    """A soak thread that runs :meth:`once` every ``interval`` seconds (drawn
+    uniformly from the pair) until ``stop`` is set. A round that raises anything
+    but what it handles itself (a soak bug, an unexpected exception class) is an
+    anomaly, and the rounds go on: one bad round must not silently end the
+    deletions or the faults for the rest of the soak. ``doing`` and
+    ``busy_since`` name the call in progress, for the liveness verdict."""
+
+    what = "rounds"          # the thread's name in an anomaly
+
+    def __init__(self, name, hist, rng_seed, stop, interval):
+        super().__init__(name=name, daemon=True)
+        self.hist, self.stop, self.interval = hist, stop, interval
         self.rng = random.Random(rng_seed)
-        self.interval = interval
         self.busy_since = None
         self.doing = ""
 
@@ -344,7 +359,30 @@ class Recoverer(threading.Thread):
             try:
                 self.once()
             except Exception as e:
-                self.hist.anomaly(f"recovery: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+                self.hist.anomaly(f"{self.what}: unexpected {fmt_exc(e)}\n"
+                                  f"{traceback.format_exc()}")
+                self.after_error()
+
+    def once(self):
+        raise NotImplementedError
+
+    def after_error(self):
+        """What a round that raised must not leave behind (the nemesis: bookies down)."""
+
+
+# --- the fencing / tailing reader ------------------------------------------------------
+class Recoverer(Rounds):
+    what = "recovery"
+
+    def __init__(self, uri, clients, hist, rng_seed, stop, active, interval):
+        super().__init__("recovery", hist, rng_seed, stop, interval)
+        self.uri = uri
+        self.client, self.client2 = clients
+        self.crashing: list[threading.Thread] = []
+        self.active = active
+
+    def run(self):
+        super().run()
         for t in self.crashing:
             t.join(90)
             if t.is_alive():
@@ -457,7 +495,7 @@ class Recoverer(threading.Thread):
 
 
 # --- the deleter ------------------------------------------------------------------------
-class Deleter(threading.Thread):
+class Deleter(Rounds):
     """Deletes ledgers through its own client while everything else runs: mostly
     ones no writer writes any more (closed, or abandoned after an error), now and
     then one a writer is still writing (its later adds and its close may fail, a
@@ -465,21 +503,12 @@ class Deleter(threading.Thread):
     fails with an unknown outcome (a timeout) is settled in the check: the ledger
     is deleted iff its metadata is gone."""
 
-    def __init__(self, client, hist, rng_seed, stop, active, interval, fraction):
-        super().__init__(name="deleter", daemon=True)
-        self.client, self.hist, self.stop, self.active = client, hist, stop, active
-        self.rng = random.Random(rng_seed)
-        self.interval = interval
-        self.fraction = fraction
-        self.busy_since = None
-        self.doing = ""
+    what = "deleter"
 
-    def run(self):
-        while not self.stop.wait(self.rng.uniform(*self.interval)):
-            try:
-                self.once()
-            except Exception as e:
-                self.hist.anomaly(f"deleter: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
+    def __init__(self, client, hist, rng_seed, stop, active, interval, fraction):
+        super().__init__("deleter", hist, rng_seed, stop, interval)
+        self.client, self.active = client, active
+        self.fraction = fraction
 
     def once(self):
         hist, rng = self.hist, self.rng
@@ -525,27 +554,20 @@ class Deleter(threading.Thread):
 
 
 # --- the nemesis --------------------------------------------------------------------------
-class Nemesis(threading.Thread):
+class Nemesis(Rounds):
+    what = "nemesis"
+
     def __init__(self, cluster, hist, rng_seed, stop, max_down, interval):
-        super().__init__(name="nemesis", daemon=True)
-        self.cluster, self.hist, self.stop = cluster, hist, stop
-        self.rng = random.Random(rng_seed)
+        super().__init__("nemesis", hist, rng_seed, stop, interval)
+        self.cluster = cluster
         self.max_down = max_down
-        self.interval = interval
         self.lock = threading.Lock()
         self.down: dict[str, str] = {}      # bookie id -> "killed" / "paused" / "stopped"
-        self.busy_since = None
-        self.doing = ""
 
-    def run(self):
-        while not self.stop.wait(self.rng.uniform(*self.interval)):
-            try:
-                self.one_round()
-            except Exception as e:
-                self.hist.anomaly(f"nemesis: unexpected {fmt_exc(e)}\n{traceback.format_exc()}")
-                self.heal()
+    def after_error(self):
+        self.heal()
 
-    def one_round(self):
+    def once(self):
         rng = self.rng
         n = 2 if self.max_down >= 2 and rng.random() < 0.15 else 1
         victims = rng.sample(self.cluster.bookies, n)
@@ -634,33 +656,25 @@ class Nemesis(threading.Thread):
         return False
 
 
-class PartitionNemesis(threading.Thread):
+class PartitionNemesis(Rounds):
     """Network faults between namespace hosts (--hosts): see the module doc."""
 
     KINDS = ("cut-client", "cut-client", "reject-client", "cut-etcd", "cut-pair",
              "isolate", "rack")
+    what = "partition nemesis"
 
     def __init__(self, net, cluster, racks, hist, rng_seed, stop, interval):
-        super().__init__(name="partition-nemesis", daemon=True)
-        self.net, self.cluster, self.racks, self.hist, self.stop = \
-            net, cluster, racks, hist, stop
-        self.rng = random.Random(rng_seed)
-        self.interval = interval
+        super().__init__("partition-nemesis", hist, rng_seed, stop, interval)
+        self.net, self.cluster, self.racks = net, cluster, racks
         self.now: list[str] = []
-        self.busy_since = None
-        self.doing = ""
 
-    def run(self):
-        while not self.stop.wait(self.rng.uniform(*self.interval)):
-            try:
-                self.one_round()
-            except Exception as e:
-                self.hist.anomaly(f"partition nemesis: unexpected {fmt_exc(e)}\n"
-                                  f"{traceback.format_exc()}")
-            finally:
-                self.heal()
+    def once(self):
+        try:
+            self.fault()
+        finally:
+            self.heal()         # every round ends healed, also one that raised
 
-    def one_round(self):
+    def fault(self):
         rng, net = self.rng, self.net
         hosts = [b.host for b in self.cluster.bookies]
         kind = rng.choice([k for k in self.KINDS if k != "rack" or self.racks])
@@ -921,50 +935,71 @@ def check_deleted(client, cluster, hist: History, progress, copies: Copies,
     return left, gone
 
 
-def recheck_deleted(hist: History, copies: Copies, gone) -> None:
-    """Once more, later: a bookie that answered ENOLEDGER for a deleted ledger and now
-    serves it again brought it back (a compaction or a replay that resurrected it)."""
+def recheck_deleted(base, hist: History, copies: Copies, gone) -> None:
+    """Once more, later (after GC rounds and a compaction that followed the disk
+    settling, no bookie restarted): a bookie that answered ENOLEDGER for a deleted
+    ledger and now serves it again, or a shard whose index has a run or the state
+    of one again, brought it back (a compaction or a late write that resurrected
+    it). check_disk looks again once the bookies stopped."""
     for b, lid in sorted(gone):
         ans = copies.probe(b, lid)
         if not all(v == ENOLEDGER for k, v in ans.items() if k != "entries"):
             hist.violation(f"ledger {lid}, deleted: bookie {b} answered ENOLEDGER and "
                            f"later {ans}")
+    bad, _odd, _tot = disk_findings(base, deleted_ids(hist), stopped=False)
+    for m in bad:
+        if "deleted ledger" in m:
+            hist.violation(f"{m}, after the disk had settled (it came back)")
 
 
-def check_disk(base, hist: History) -> dict:
-    """With the bookies stopped, in every shard's index: no run and no state of a
-    deleted ledger, and no entry log without a live entry but the one the shard was
-    appending to and the journal segments from the index's mark on (compaction
-    leaves those alone; every other log whose live entries are all gone is removed by
-    the next compaction, which ran after the last deletion); no entry log file the
-    index does not name. Returns totals for the summary."""
+def read_shard_index(sdir) -> tuple:
+    """``(logs, mark, runs, states)`` of a shard's index: ``{log id: [dir index,
+    bytes, live bytes]}``, the journal mark, every run and the ids of the ledgers
+    with state, read in ONE read-only LMDB transaction: a consistent snapshot,
+    safe while the bookie runs (LMDB readers never block its writer, which the
+    lock file serialises with us), as ``bk.bookie.index.read_mark`` reads it."""
+    import lmdb
+    import msgpack
+    from bk.bookie.index import INDEX_SUBDIR, Run
+    env = lmdb.open(os.path.join(sdir, INDEX_SUBDIR), readonly=True, max_dbs=4, lock=True)
+    try:
+        dbs = {n: env.open_db(n, create=False) for n in (b"runs", b"ledgers", b"logs", b"meta")}
+        with env.begin() as txn:
+            runs = [Run.unpack(k, v) for k, v in txn.cursor(db=dbs[b"runs"])]
+            states = [int.from_bytes(k, "big") for k in txn.cursor(db=dbs[b"ledgers"]).iternext(
+                values=False)]
+            logs = {int.from_bytes(k, "big"): msgpack.unpackb(v)
+                    for k, v in txn.cursor(db=dbs[b"logs"])}
+            m = txn.get(b"mark", db=dbs[b"meta"])
+    finally:
+        env.close()
+    return logs, None if m is None else tuple(msgpack.unpackb(m)), runs, states
+
+
+def disk_findings(base, deleted, stopped: bool) -> tuple[list, list, collections.Counter]:
+    """``(violations, anomalies, totals)`` of every shard's index and entry logs
+    under ``base`` (see :func:`check_disk`); ``stopped``: the bookies are, so a
+    log file the index does not name is one left behind (while a shard runs, its
+    new log is on disk before the flush that names it commits)."""
     from bk.bookie.entrylog import is_journal_log, journal_log_id
-    from bk.bookie.index import Index
-    V = hist.violation
-    deleted = {lid for lid, r in hist.ledgers.items() if r.deleted is not None}
+    bad, odd = [], []
     tot = collections.Counter()
     for idir in sorted(glob.glob(os.path.join(base, "bookie-*", "ledgers", "shard-*", "index"))):
         sdir = os.path.dirname(idir)
         where = os.path.relpath(sdir, base)
-        ix = Index(sdir, create=False)
-        try:
-            logs = ix.logs()
-            mark = ix.mark()
-            per_log: dict = collections.defaultdict(set)
-            run_bytes = collections.Counter()
-            with ix.read_txn() as txn:
-                for run in ix.all_runs(txn):
-                    per_log[run.log].add(run.ledger)
-                    run_bytes[run.log] += run.nbytes
-                    if run.ledger in deleted:
-                        tot["runs of deleted ledgers"] += 1
-                        V(f"{where}: the index still has a run of deleted ledger {run.ledger} "
-                          f"(entries {run.first}.., log {run.log:x})")
-            for lid, _row in ix.ledger_states():
-                if lid in deleted:
-                    V(f"{where}: the index still has the state of deleted ledger {lid}")
-        finally:
-            ix.close()
+        logs, mark, runs, states = read_shard_index(sdir)
+        per_log: dict = collections.defaultdict(set)
+        run_bytes = collections.Counter()
+        for run in runs:
+            per_log[run.log].add(run.ledger)
+            run_bytes[run.log] += run.nbytes
+            if run.ledger in deleted:
+                tot["runs of deleted ledgers"] += 1
+                bad.append(f"{where}: the index still has a run of deleted ledger {run.ledger} "
+                           f"(entries {run.first}.., log {run.log:x})")
+        for lid in states:
+            if lid in deleted:
+                bad.append(f"{where}: the index still has the state of deleted ledger {lid}")
         plain = [i for i in logs if not is_journal_log(i)]
         current = max(plain, default=None)
         keep_from = journal_log_id(mark[0]) if mark else None
@@ -972,15 +1007,17 @@ def check_disk(base, hist: History) -> dict:
             tot["logs"] += 1
             tot["bytes"] += size
             if live != run_bytes[log_id]:
-                hist.anomaly(f"{where}: entry log {log_id:x} counts {live} live bytes, its "
-                             f"runs hold {run_bytes[log_id]}")
+                odd.append(f"{where}: entry log {log_id:x} counts {live} live bytes, its "
+                           f"runs hold {run_bytes[log_id]}")
             if log_id == current or (is_journal_log(log_id) and keep_from is not None
                                       and log_id >= keep_from):
                 continue
             if not per_log.get(log_id):
                 tot["dead logs"] += 1
-                V(f"{where}: entry log {log_id:x} ({size} bytes) holds no live entry after "
-                  f"the compactions that followed the last deletion")
+                bad.append(f"{where}: entry log {log_id:x} ({size} bytes) holds no live entry "
+                           f"after the compactions that followed the last deletion")
+        if not stopped:
+            continue
         for path in glob.glob(os.path.join(sdir, "entrylogs", "*.log")):
             name = os.path.basename(path)[:-4]
             try:
@@ -988,8 +1025,52 @@ def check_disk(base, hist: History) -> dict:
             except ValueError:
                 continue
             if log_id not in logs:
-                V(f"{where}: entry log file {name}.log ({os.path.getsize(path)} bytes) is "
-                  f"named by no index entry (left behind)")
+                bad.append(f"{where}: entry log file {name}.log ({os.path.getsize(path)} bytes) "
+                           f"is named by no index entry (left behind)")
+    return bad, odd, tot
+
+
+def deleted_ids(hist: History) -> set:
+    return {lid for lid, r in hist.ledgers.items() if r.deleted is not None}
+
+
+def wait_disk_settled(base, hist: History, say, timeout: float) -> bool:
+    """Wait, bookies running, until every shard's index is as :func:`check_disk`
+    wants it: no run or state of a deleted ledger, no entry log without a live
+    entry (GC collected the deletions, then compactions removed the logs they
+    emptied). Polled on live snapshots rather than a fixed settle time, which was
+    too short on a starved machine and wasted time on a quiet one. What is still
+    wrong at ``timeout`` is check_disk's to report, once the bookies stopped."""
+    deleted = deleted_ids(hist)
+    t0 = time.monotonic()
+    while True:
+        bad, _odd, _tot = disk_findings(base, deleted, stopped=False)
+        waited = time.monotonic() - t0
+        if not bad:
+            say(f"soak: disk settled {waited:.1f}s after the deleted ledgers were collected "
+                f"(no run or state of one in any index, no entry log without a live entry)")
+            hist.event(f"disk settled after {waited:.1f}s")
+            return True
+        if waited >= timeout:
+            say(f"soak: disk not settled after {timeout:.0f}s ({len(bad)} findings, e.g. "
+                f"{bad[0]})")
+            hist.event(f"disk not settled after {timeout:.0f}s: {bad[:5]}")
+            return False
+        time.sleep(1.0)
+
+
+def check_disk(base, hist: History) -> dict:
+    """With the bookies stopped, in every shard's index: no run and no state of a
+    deleted ledger, and no entry log without a live entry but the one the shard was
+    appending to and the journal segments from the index's mark on (compaction
+    leaves those alone; every other log whose live entries are all gone is removed by
+    the compaction that follows; :func:`wait_disk_settled` waited for it); no entry
+    log file the index does not name. Returns totals for the summary."""
+    bad, odd, tot = disk_findings(base, deleted_ids(hist), stopped=True)
+    for m in odd:
+        hist.anomaly(m)
+    for m in bad:
+        hist.violation(m)
     return tot
 
 
@@ -1123,6 +1204,10 @@ def main():
     p.add_argument("--recovery-interval", type=float, nargs=2, default=(1.0, 4.0),
                    metavar=("MIN", "MAX"), help="seconds between recovery opens (default 1 4)")
     p.add_argument("--no-nemesis", action="store_true", help="no faults (a baseline run)")
+    p.add_argument("--max-entries", type=int, default=0, metavar="N",
+                   help="every ledger gets 1..N entries (default: a mix of 1-30, 50-600 and "
+                        "1000-5000); a small N makes thousands of small ledgers, so GC, "
+                        "deletions and the check work on metadata at scale under the faults")
     p.add_argument("--no-deletes", action="store_true",
                    help="no deleter (and the bookies' storage settings left as they are)")
     p.add_argument("--delete-interval", type=float, nargs=2, default=(0.5, 2.0),
@@ -1166,11 +1251,15 @@ def main():
     deletes = not a.no_deletes
     storage = DELETE_STORAGE if deletes else {}
     eff = {**DELETE_STORAGE, **(AUTORECOVERY if a.autorecovery else {}), **extra}
-    # after the last deletion was collected: a flush, then a compaction (the next GC
-    # round once minorCompactionInterval passed), with a few rounds to spare
-    settle = (int(eff.get("flushInterval", 60000)) / 1000
-              + float(eff.get("minorCompactionInterval", 3600))
-              + 3 * int(eff.get("gcWaitTime", 60000)) / 1000)
+    # the longest the disk may take to settle once the deleted ledgers were collected:
+    # a flush, then a compaction (the next GC round once minorCompactionInterval
+    # passed), with rounds to spare for a starved machine
+    settle = 6 * (int(eff.get("flushInterval", 60000)) / 1000
+                  + float(eff.get("minorCompactionInterval", 3600))
+                  + 3 * int(eff.get("gcWaitTime", 60000)) / 1000)
+    # two GC rounds and a minor compaction: the work that could resurrect a ledger
+    rounds = (2 * int(eff.get("gcWaitTime", 60000)) / 1000
+              + float(eff.get("minorCompactionInterval", 3600)))
 
     base = os.path.abspath(a.dir) if a.dir else tempfile.mkdtemp(prefix="bk-soak-")
     os.makedirs(base, exist_ok=True)
@@ -1223,7 +1312,7 @@ def main():
         dclient = bk.BookKeeper(cluster.metadata_uri, **CLIENT_SETTINGS)
         clients += [wclient, rclient, rclient2, dclient]
         active: dict[int, int] = {}
-        writers = [Writer(i, wclient, hist, shapes, seed * 100 + i, stop, active)
+        writers = [Writer(i, wclient, hist, shapes, seed * 100 + i, stop, active, a.max_entries)
                    for i in range(a.writers)]
         recoverer = Recoverer(cluster.metadata_uri, (rclient, rclient2), hist, seed * 100 + 50,
                               stop, active, a.recovery_interval)
@@ -1241,16 +1330,19 @@ def main():
             t.start()
 
         def status():
+            # under the lock: the writers add ledgers meanwhile (iterating the dict
+            # without it raised "changed size during iteration" with small ledgers)
             with hist.lock:
                 n_led = len(hist.ledgers)
                 n_ack = sum(len(r.acked) for r in hist.ledgers.values())
                 n_fail = sum(hist.failures.values())
+                n_del = sum(r.deleted is not None for r in hist.ledgers.values())
             down = ", ".join(f"{k} {v}" for k, v in sorted(nemesis.down.items())) or "none"
             if pnemesis is not None and pnemesis.now:
                 down += "; network: " + ", ".join(pnemesis.now)
             return (f"{n_led} ledgers, {n_ack} acknowledged, {n_fail} failures, "
                     f"{hist.recovery['closed']} recovered, "
-                    f"{sum(r.deleted is not None for r in hist.ledgers.values())} deleted, "
+                    f"{n_del} deleted, "
                     f"down: {down}")
 
         end = time.monotonic() + a.duration
@@ -1293,10 +1385,13 @@ def main():
                 if deletes:
                     gc_left, gone = check_deleted(cclient, cluster, hist, say, copies,
                                                   timeout=120.0)
-                    say(f"soak: {settle:.0f}s for the flush and compaction that follow the "
-                        f"last collection, then every deleted ledger once more")
-                    time.sleep(settle)
-                    recheck_deleted(hist, copies, gone)
+                    if wait_disk_settled(base, hist, say, timeout=settle):
+                        # what could bring a deleted ledger back runs in GC rounds and
+                        # compactions: give it a few, then look again
+                        say(f"soak: {rounds:.0f}s of GC rounds and a compaction, then every "
+                            f"deleted ledger once more")
+                        time.sleep(rounds)
+                    recheck_deleted(base, hist, copies, gone)
         finally:
             copies.close()
         faulthandler.cancel_dump_traceback_later()

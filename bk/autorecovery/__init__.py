@@ -15,7 +15,9 @@ or ``bookie autorecovery``) runs two threads:
   ``lostBookieRecoveryDelay`` seconds (at once when more than one is missing;
   a bookie back before that is forgotten) is *lost*: every ledger with a
   fragment on it is marked under ``underreplication/ledgers/<id>`` with the
-  lost bookies (:mod:`bk.meta.underreplication`). ``bkshell triggeraudit``
+  lost bookies (:mod:`bk.meta.underreplication`); a bookie that registers again
+  while that audit runs gets no more marks (the audit reads the registrations
+  again every second). ``bkshell triggeraudit``
   skips the delay; every ``auditorPeriodicBookieCheckInterval`` the lost
   bookies are audited again. Another candidate takes over within the lease TTL
   when the leader dies (within ~0.5 s, a look interval, when it stops
@@ -28,7 +30,9 @@ or ``bookie autorecovery``) runs two threads:
   ``auditorReplicasCheckInterval`` every bookie of each closed ledger lists its
   entries (GET_LIST_OF_ENTRIES) and the lists are compared with the write sets.
   A *registered* bookie that answers without an entry gets the ledger marked
-  with it (an unreachable one is left to the lost-bookie audit). At most
+  with it (an unreachable one is left to the lost-bookie audit), if the
+  ledger's metadata is still at the version listed: one deleted or changed
+  since (its bookies GC'd it, a repair replaced one) is the next check's. At most
   ``auditorMaxNumberOfConcurrentOpenLedgerOperations`` ledgers are examined at
   once, the metadata is read in pages, and when each check last finished is
   kept in ``underreplication/checks``, so a new auditor does not redo a check

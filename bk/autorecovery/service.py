@@ -27,6 +27,9 @@ log = logging.getLogger("bk.autorecovery")
 # The longest the auditor or a worker sleeps without a watch waking it (a safety
 # net: a watch being re-created after an etcd restart wakes them anyway).
 IDLE_LOOK = 5.0
+# How often an audit of lost bookies reads the registrations again while it marks
+# their ledgers (one etcd range request), to stop marking for one that came back.
+AUDIT_RECHECK = 1.0
 
 
 class AutoRecovery:
@@ -211,13 +214,31 @@ class AutoRecovery:
 
     def _audit(self, lost: set, election):
         store = self.store
+        lost = set(lost)
+        audited = sorted(lost)
+        back: set = set()
         marked = 0
+        look = time.monotonic() + AUDIT_RECHECK
         for md, _version in store.list_ledger_metadata():
+            if time.monotonic() >= look:
+                # A bookie registered again while the audit ran came back with its
+                # disk: the rest of its ledgers are not marked for it (its delay
+                # would have been cancelled). An audit of thousands of ledgers takes
+                # tens of seconds on a busy etcd: a soak's ended 25 s after the bookie
+                # was back, having marked 994 ledgers, each then checked in place.
+                look = time.monotonic() + AUDIT_RECHECK
+                (writable, readonly), _ = store._bookie_sets()
+                back |= lost & (writable | readonly)
+                lost -= back
+                if not lost:
+                    break
             on = sorted(b for b in lost if any(b in ens for _, ens in md.ensembles))
             if on and UR.mark(store, md.ledger_id, on, guards=[election.lock.guard()]):
                 marked += 1
-        log.warning("auditor: bookies %s lost; %d ledgers marked under-replicated",
-                    ", ".join(sorted(lost)), marked)
+        log.warning("auditor: bookies %s lost; %d ledgers marked under-replicated%s",
+                    ", ".join(audited), marked,
+                    f" (back before the audit ended, so marked no further: "
+                    f"{', '.join(sorted(back))})" if back else "")
 
     # --- periodic checks (while leading) --------------------------------------------------
     def _guarded_checks(self, election):
@@ -302,26 +323,27 @@ class AutoRecovery:
 
                 def drain():
                     nonlocal found
-                    for res in ex.map(one, batch):
+                    for (_md, version), res in zip(batch, ex.map(one, [m for m, _ in batch])):
                         if res is None:
                             continue
                         # Only bookies that answered "I lack it" and are registered: a
                         # lost one is the lost-bookie audit's.
                         bad = sorted(b for b in res.missing if b in registered)
-                        if bad and UR.mark(store, res.ledger_id, bad,
-                                           guards=[election.lock.guard()]):
+                        if bad and self._still_as_listed(res.ledger_id, version) and \
+                                UR.mark(store, res.ledger_id, bad,
+                                        guards=[election.lock.guard()]):
                             found += 1
                             log.warning("auditor %s check: ledger %d lacks entries on %s "
                                         "(e.g. %s); marked", name, res.ledger_id,
                                         ", ".join(bad), res.missing[bad[0]][:5])
                     batch.clear()
 
-                for md, _version in store.list_ledger_metadata():
+                for md, version in store.list_ledger_metadata():
                     if self._stop.is_set() or not election.is_leader:
                         return
                     if md.ledger_id in marked or (closed_only and not md.is_closed):
                         continue
-                    batch.append(md)
+                    batch.append((md, version))
                     n += 1
                     if len(batch) >= window * 4:
                         drain()
@@ -334,6 +356,20 @@ class AutoRecovery:
         UR.record_check(store, name, record, guards=[election.lock.guard()])
         log.info("auditor %s check: %d ledgers in %.1fs, %d marked", name, n,
                  record["seconds"], found)
+
+    def _still_as_listed(self, ledger_id: int, version: int) -> bool:
+        """Whether the ledger's metadata is still at the version the check listed
+        and judged. A ledger deleted since lacks its entries on every bookie whose
+        GC dropped it, and one changed since (a repair swapped a bookie in, a
+        recovery closed it) may lack them on a bookie that no longer has to hold
+        them: marking it would be a false alarm (a soak deleting small ledgers saw
+        24 deleted ledgers marked "lacks entries", 2026-11-28). The next check
+        judges the metadata as it is then."""
+        try:
+            _, now = self.store.read_ledger(ledger_id)
+        except NoSuchLedgerError:
+            return False
+        return now == version
 
     # --- replication worker ----------------------------------------------------------------
     def _worker_loop(self):
