@@ -100,6 +100,8 @@ WATCH_BACKOFF = Backoff(first=0.1, cap=2.0)
 LAYOUT_VERSION = 3
 LAYOUT_VERSIONS = (2, 3)
 ID_BLOCK_BITS = 10
+# etcd's StatusResponse.dbSizeInUse (3.4+), absent from pyetcd's message
+STATUS_DB_SIZE_IN_USE = 9
 ID_GROUP = 100          # requests sent at once by existing_ledgers / read_ledgers
 # existing_ledgers reads a range over a run of asked ids when its span holds at most
 # RANGE_WASTE ids per asked id (etcd reads and counts every key in it: the others'
@@ -309,6 +311,38 @@ def _check_bookie_id(bookie_id: str) -> str:
         raise ValueError(f"bad bookie id {bookie_id!r}: must be non-empty, without '/' "
                          f"or whitespace")
     return bookie_id
+
+
+def _varint_field(raw: bytes, number: int) -> int | None:
+    """The varint field ``number`` at the top level of the protobuf message ``raw``
+    (its last occurrence, as protobuf reads it), None when absent."""
+    def varint(i: int) -> tuple[int, int]:
+        n = shift = 0
+        while True:
+            b = raw[i]
+            n |= (b & 0x7F) << shift
+            i += 1
+            if b < 0x80:
+                return n, i
+            shift += 7
+    found, i = None, 0
+    while i < len(raw):
+        tag, i = varint(i)
+        wire = tag & 7
+        if wire == 0:
+            value, i = varint(i)
+            if tag >> 3 == number:
+                found = value
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            size, i = varint(i)
+            i += size
+        elif wire == 5:
+            i += 4
+        else:                       # groups: etcd's messages have none
+            raise ValueError(f"protobuf wire type {wire} at byte {i}")
+    return found
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -1266,11 +1300,32 @@ class MetadataStore:
         the file system; a member blocks while it runs)."""
         self._each_endpoint("defragment", lambda c: c.defragment())
 
+    @staticmethod
+    def _status(c) -> dict:
+        """One member's status, with ``dbSizeInUse``: the bytes of its db that hold
+        live revisions (``dbSize`` is what the file takes; compaction frees pages
+        inside it, which only a defragmentation gives back). pyetcd's message
+        predates that field (etcd 3.4's field 9), so it is read from the reply's
+        wire form: None from an etcd that does not send it."""
+        resp = c.maintenancestub.Status(etcdrpc.StatusRequest(), c.timeout,
+                                        credentials=c.call_credentials, metadata=c.metadata)
+        return {"version": resp.version, "dbSize": resp.dbSize,
+                "dbSizeInUse": _varint_field(resp.SerializeToString(), STATUS_DB_SIZE_IN_USE),
+                "revision": resp.header.revision, "raftIndex": resp.raftIndex,
+                "raftTerm": resp.raftTerm, "memberId": f"{resp.header.member_id:x}",
+                "isLeader": resp.leader == resp.header.member_id}
+
+    def db_sizes(self) -> tuple[int, int | None]:
+        """``(allocated, in use)``: the largest db file and the largest size in use
+        among the etcd members (in use None when an etcd does not say it)."""
+        rows = self._each_endpoint("read etcd's status", self._status)
+        used = [r["dbSizeInUse"] for r in rows]
+        return (max(r["dbSize"] for r in rows),
+                None if None in used else max(used))
+
     def db_size(self) -> int:
         """The largest db size (bytes) among the etcd members."""
-        return max(self._each_endpoint("read etcd's status", lambda c: c.maintenancestub.Status(
-            etcdrpc.StatusRequest(), c.timeout, credentials=c.call_credentials,
-            metadata=c.metadata).dbSize))
+        return self.db_sizes()[0]
 
     def etcd_versions(self) -> dict[str, str]:
         """etcd's version per endpoint that answers within this store's timeout (for
@@ -1292,17 +1347,9 @@ class MetadataStore:
         return out
 
     def etcd_status(self) -> list[dict]:
-        """Per endpoint: version, db size, revision, raft index, leader, alarms; and the
-        last compacted revision."""
-        def run(c):
-            resp = c.maintenancestub.Status(etcdrpc.StatusRequest(), c.timeout,
-                                            credentials=c.call_credentials,
-                                            metadata=c.metadata)
-            return {"version": resp.version, "dbSize": resp.dbSize,
-                    "revision": resp.header.revision, "raftIndex": resp.raftIndex,
-                    "raftTerm": resp.raftTerm, "memberId": f"{resp.header.member_id:x}",
-                    "isLeader": resp.leader == resp.header.member_id}
-        rows = self._each_endpoint("read etcd's status", run)
+        """Per endpoint: version, db size (allocated, and in use), revision, raft
+        index, leader, alarms; and the last compacted revision."""
+        rows = self._each_endpoint("read etcd's status", self._status)
         compacted = self.compact_revision()
         alarms = self.alarms()
         for (host, port), row in zip(self.endpoints, rows):

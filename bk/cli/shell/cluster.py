@@ -56,9 +56,10 @@ def metaformat(c, force, yes, as_json):
 @pass_ctx
 @handled
 def metastatus(c, as_json):
-    """etcd's state: per endpoint its version, db size, revision and leadership; the
-    revision history was last compacted to; raised alarms (NOSPACE); bk's elected
-    compactor and its last compaction.
+    """etcd's state: per endpoint its version, db size (the file, and the part of it
+    in use: compaction frees space inside the file, defragmentation gives it back),
+    revision and leadership; the revision history was last compacted to; raised
+    alarms (NOSPACE); bk's elected compactor and its last compaction.
 
     \b
     Example:
@@ -78,7 +79,8 @@ def metastatus(c, as_json):
     if as_json:
         return json_out(out)
     for r in rows:
-        click.echo(f"{r['endpoint']}\tetcd {r['version']}\tdb {human_size(r['dbSize'])}\t"
+        click.echo(f"{r['endpoint']}\tetcd {r['version']}\tdb {human_size(r['dbSize'])} "
+                   f"({human_size(r['dbSizeInUse'])} in use)\t"
                    f"revision {r['revision']}\t{'leader' if r['isLeader'] else 'follower'}")
     for r in rows:
         if r["warning"]:
@@ -122,20 +124,21 @@ def metacompact(c, revision, defrag, disarm, as_json):
     from bk.meta.store import MetadataStore
     # compacting physically and defragmenting a large db take minutes, not --timeout
     with MetadataStore(c.uri(), timeout=max(c.timeout, 600.0), credentials=c.etcd()) as store:
-        before = store.db_size()
+        before, in_use = store.db_sizes()
         target = revision or store.revision()
         store.compact(target, physical=True)
-        out = {"compactedTo": target, "dbSizeBefore": before}
+        out = {"compactedTo": target, "dbSizeBefore": before, "dbSizeInUseBefore": in_use}
         if defrag:
             store.defragment()
-        out["dbSizeAfter"] = store.db_size()
+        out["dbSizeAfter"], out["dbSizeInUseAfter"] = store.db_sizes()
         out["disarmed"] = store.disarm_alarms() if disarm else []
         out["alarms"] = store.alarms()
     if as_json:
         return json_out(out)
-    click.echo(f"compacted to revision {target}; db {human_size(before)} -> "
-               f"{human_size(out['dbSizeAfter'])}" + ("" if defrag else " (defragment to give the "
-                                                  "space back: --defrag)"))
+    click.echo(f"compacted to revision {target}; db {human_size(before)} "
+               f"({human_size(in_use)} in use) -> {human_size(out['dbSizeAfter'])} "
+               f"({human_size(out['dbSizeInUseAfter'])} in use)"
+               + ("" if defrag else " (defragment to give the space back: --defrag)"))
     if out["disarmed"]:
         click.echo("disarmed: " + ", ".join(out["disarmed"]))
     if out["alarms"]:
