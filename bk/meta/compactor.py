@@ -23,6 +23,12 @@ history, so bk compacts it, as the Kubernetes API server does for its own
   by a transaction that compares the leader's epoch (a deposed, paused leader
   writes nothing and so compacts nothing); a new leader continues from it
   instead of starting over.
+* Only the leader exports the compaction metrics (its count and etcd's db
+  size, read when it wins and after each compaction). A leader that resigns,
+  or whose lease its keep-alive finds expired (it was paused or cut off past
+  its TTL, and another may lead), stops exporting them at once, not at its
+  next turn an interval later, so that a scrape never sees a deposed leader's
+  last db size beside the new leader's.
 
 Compaction only marks old revisions free inside etcd's db file; the file gives
 the space back only on a defragmentation (``bkshell metacompact --defrag``),
@@ -85,13 +91,15 @@ class Compactor:
         # etcd read (docs/performance-log.md, "What etcd's CPU per ledger is made of").
         look = max(Election.LOOK_EVERY, min(self.interval, self.ttl) / 2)
         election = self._election = Election(self.store, ELECTION, self.identifier,
-                                             ttl=self.ttl, look_every=look)
+                                             ttl=self.ttl, look_every=look,
+                                             on_lost=self._unexport)
         while not self._stop.is_set():
             try:
                 if not election.campaign(timeout=1.0):
                     continue
                 log.info("%s compacts etcd's history every %gs (epoch %d)", self.identifier,
                          self.interval, election.epoch)
+                self._export()
                 while not self._stop.is_set() and election.is_leader:
                     wait = self.step(election)
                     self._stop.wait(wait)
@@ -105,6 +113,28 @@ class Compactor:
                 self._stop.wait(min(self.interval, 5.0))
             finally:
                 election.resign()
+                self._unexport()        # resigned (stopped, or its write was refused)
+
+    def _export(self) -> None:
+        """Export the count and etcd's db size now (a failed status read leaves them
+        as they are: the next compaction tries again)."""
+        if self.metrics is None:
+            return
+        try:
+            size = self.store.db_size()
+        except MetadataError as e:
+            log.warning("compactor %s: %s", self.identifier, e)
+            return
+        self.metrics.metadata_compactions = self.compactions
+        self.metrics.metadata_db_size = size
+        if not self.is_leader:      # lost meanwhile: its on_lost may have run before us
+            self._unexport()
+
+    def _unexport(self) -> None:
+        """Stop exporting the leader's metrics (the exposition shows them only
+        while the db size is set); the count is kept for a later term."""
+        if self.metrics is not None:
+            self.metrics.metadata_db_size = None
 
     def step(self, election: Election) -> float:
         """One turn of the leader: compact if an interval has passed since the
@@ -130,10 +160,7 @@ class Compactor:
         if target:
             store.compact(target)
             self.compactions += 1
-            size = store.db_size() if self.metrics is not None else None
-            if self.metrics is not None:
-                self.metrics.metadata_compactions = self.compactions
-                self.metrics.metadata_db_size = size
+            self._export()
             log.info("compacted etcd's history to revision %d (now %d)", target, current)
         self.last = {"at": now, "compacted": target, "next": current}
         return self.interval

@@ -49,7 +49,10 @@ class LeaseLock:
             store.txn_guarded(lock.guard(), ...)    # writes compare lock.token
     """
 
-    def __init__(self, store, rel: str, value=None, ttl: int = 10):
+    def __init__(self, store, rel: str, value=None, ttl: int = 10, on_lost=None):
+        """``on_lost()`` is called (from the keep-alive thread) when the lease is
+        found expired: a holder that shows what it holds (a metric) takes it back
+        then, not only when its own next write fails."""
         store._check_rel(rel)
         if ttl < 1:
             raise ValueError(f"lock {rel}: ttl must be >= 1 second, not {ttl}")
@@ -58,6 +61,7 @@ class LeaseLock:
         self.key = store._key(rel)
         self.value = value if value is not None else {}
         self.ttl = int(ttl)
+        self.on_lost = on_lost
         self.token: int | None = None        # create_revision of our key while held
         self._lease_id: int | None = None
         self._stop = threading.Event()
@@ -167,6 +171,11 @@ class LeaseLock:
             except LockLostError as e:
                 log.warning("%s", e)
                 self._lost.set()
+                if self.on_lost is not None:
+                    try:
+                        self.on_lost()
+                    except Exception:
+                        log.exception("lock %s: on_lost failed", self.rel)
                 return
             except MetadataError as e:
                 log.warning("lock %s: %s", self.rel, e)
@@ -193,11 +202,13 @@ class Election:
     LOOK_EVERY = 0.5
 
     def __init__(self, store, rel: str, identifier: str, ttl: int = 10,
-                 look_every: float | None = None):
+                 look_every: float | None = None, on_lost=None):
         """``look_every``: seconds between looks (``LOOK_EVERY`` unless given): a
-        leader whose work can wait (the compactor's) is replaced less eagerly."""
+        leader whose work can wait (the compactor's) is replaced less eagerly.
+        ``on_lost``: see :class:`LeaseLock` (called when a leader's lease expired)."""
         self.identifier = identifier
-        self.lock = LeaseLock(store, rel, {"id": identifier, "since": time.time()}, ttl)
+        self.lock = LeaseLock(store, rel, {"id": identifier, "since": time.time()}, ttl,
+                              on_lost=on_lost)
         self.look_every = self.LOOK_EVERY if look_every is None else float(look_every)
         self._next_look = 0.0            # time.monotonic() of the next try
 

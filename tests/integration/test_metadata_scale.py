@@ -1,20 +1,24 @@
 """etcd hygiene and metadata for many ledgers, against real etcd and bookies: one
-elected compactor, NOSPACE reported clearly and survived, etcd's db size in use
-and allocated, reads of only the ledgers asked about, ids in blocks."""
+elected compactor (and only the current one exporting its metrics), NOSPACE
+reported clearly and survived, etcd's db size in use and allocated, reads of
+only the ledgers asked about, ids in blocks."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import bk
 from bk.errors import MetadataCompactedError, MetadataError, MetadataSpaceError
 from bk.meta import compactor
 from bk.meta.compactor import Compactor
 from bk.meta.store import ID_BLOCK_BITS, MetadataStore, ledger_key_name
-from bk.testing import shell_ok, wait_until
+from bk.testing import http_get, shell_ok, stop_bookie, wait_until
 
 PW = b"meta"
 
@@ -177,3 +181,51 @@ def test_metastatus_says_the_db_size_in_use_and_defrag_gives_the_rest_back(store
             < (got["dbSizeBefore"] - got["dbSizeInUseBefore"]) // 4)
     assert store.db_sizes() == (got["dbSizeAfter"], got["dbSizeInUseAfter"])
 
+
+def _compactor_metrics(port) -> dict:
+    """The compactor's samples on one bookie's /metrics (absent: not exported)."""
+    status, text, _ = http_get(port, "/metrics")
+    assert status == 200, text
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name.startswith("bookkeeper_metadata_")}
+
+
+def test_a_compactor_paused_past_its_lease_stops_exporting_its_metrics(cluster_factory):
+    # A compaction interval far longer than the test: a deposed leader's own turn
+    # never comes, so only its keep-alive finding the lease expired can take its
+    # metrics back.
+    c = cluster_factory(2, num_shards=1, conf_overrides={
+        "httpServerEnabled": "true", "httpServerPort": 0,
+        "metadataCompactionIntervalSeconds": 3600})
+    by_id = {b.bookie_id: b for b in c.bookies}
+    ports = {b: c.store.bookie_info(b)["httpPort"] for b in by_id}
+
+    def compactor_id():
+        return (c.store.get_json(compactor.ELECTION)[0] or {}).get("id")
+    wait_until(lambda: compactor_id() in by_id, what="a compactor elected")
+    first = compactor_id()
+    other = next(b for b in by_id if b != first)
+    # the leader exports etcd's db size from its election on
+    wait_until(lambda: _compactor_metrics(ports[first]).get(
+        "bookkeeper_metadata_DB_SIZE_BYTES", 0) > 0, what="the leader exporting the db size")
+    pids = stop_bookie(by_id[first])
+    try:
+        wait_until(lambda: compactor_id() == other, 30, "the other bookie elected compactor")
+        wait_until(lambda: _compactor_metrics(ports[other]).get(
+            "bookkeeper_metadata_DB_SIZE_BYTES", 0) > 0, what="the new leader exporting")
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    # awake, the deposed leader's keep-alive finds its lease expired: it exports
+    # neither the count nor the db size any more, while the new leader does
+    wait_until(lambda: _compactor_metrics(ports[first]) == {}, 30,
+               "the deposed compactor taking its metrics back")
+    assert compactor_id() == other
+    now = _compactor_metrics(ports[other])
+    assert now["bookkeeper_metadata_DB_SIZE_BYTES"] > 0
+    assert now["bookkeeper_metadata_COMPACTIONS_total"] == 0
+    with open(by_id[first].log_file) as f:
+        assert "lease of lock compactor expired" in f.read()
