@@ -25,7 +25,7 @@ from bk.autorecovery.replicator import (FragmentReport, RecoveryReport,  # noqa:
                                         Replicator)
 from bk.autorecovery.status import auditor_id
 from bk.client import digest
-from bk.client.placement import PlacementPolicy, write_quorum_racks
+from bk.client.placement import PlacementPolicy
 from bk.errors import BKError, EOK, NoSuchEntryError, error_for_status
 from bk.meta import underreplication as UR
 from bk.meta.ledger import LedgerMetadata, LedgerState
@@ -215,32 +215,10 @@ class Admin:
     def placement_check(self, policy: PlacementPolicy | None = None,
                         progress=None) -> list[dict]:
         """Fragments that do not adhere to ``policy`` (default: this admin's):
-        ``[{ledger, first_entry, ensemble, racks, min_racks}]``, racks being the
-        fewest any write quorum of the fragment spans, where the racks that have
-        writable bookies now could meet it (the rule of
-        :meth:`Replicator.placement_check`, whose count the auditor exports).
-
-        ``progress(ledgers_checked, rows_so_far)`` is called after each ledger: the
-        walk reads every ledger's metadata, minutes on a large cluster, and a shell
-        shows where it is. (The replicator's loop takes no callback, so the walk
-        is here; the rule is the policy's :meth:`PlacementPolicy.adheres`.)"""
-        policy = policy or self.placement
-        racks = all_racks(self.store)
-        domain = policy._domain(racks)
-        available = len({domain(b) for b in self.store.list_bookies()})
-        out, n = [], 0
-        for md, _ in self.store.list_ledger_metadata():
-            for first, ens in md.ensembles:
-                if not policy.adheres(ens, md.write_quorum_size, racks, available):
-                    out.append({"ledger": md.ledger_id, "first_entry": first,
-                                "ensemble": list(ens),
-                                "racks": min(write_quorum_racks(ens, md.write_quorum_size,
-                                                                domain)),
-                                "min_racks": policy.min_racks})
-            n += 1
-            if progress is not None:
-                progress(n, len(out))
-        return out
+        ``[{ledger, first_entry, ensemble, racks, min_racks}]``, with
+        ``progress(ledgers_checked, rows_so_far)`` after each ledger. The walk is
+        :meth:`Replicator.placement_check`'s, whose count the auditor exports."""
+        return self.replicator.placement_check(policy or self.placement, progress)
 
     def master_key(self, md: LedgerMetadata) -> bytes:
         """The key the bookies hold for the ledger (see :meth:`Replicator.master_key`)."""
