@@ -10,7 +10,9 @@ is the holder's *fencing token*: it is unique for the life of the cluster and
 grows with every new holder. Releasing deletes the key only if it is still
 ours (same create_revision). A holder that stops refreshing (crashed, paused
 by SIGSTOP, partitioned) loses the key when its lease expires, and someone
-else may take it.
+else may take it. Its keep-alive finds that out at its next refresh and calls
+the holder's ``on_lost`` (if given): what the holder shows for the lock (the
+compactor's metrics) goes then, not at its next write.
 
 Being told "you hold the lock" is not enough to act safely: a paused holder
 wakes up believing it still holds it. So every write a holder makes on behalf
