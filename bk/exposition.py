@@ -71,6 +71,8 @@ def _bookie_families(b):
         yield CounterMetricFamily(M.METADATA_COMPACTIONS.name, M.METADATA_COMPACTIONS.help,
                                   value=b.metadata_compactions)
         yield _gauge(M.METADATA_DB_SIZE, b.metadata_db_size)
+        if b.metadata_db_size_in_use is not None:
+            yield _gauge(M.METADATA_DB_SIZE_IN_USE, b.metadata_db_size_in_use)
     if b.autorecovery is not None:
         yield from _autorecovery_families(b.autorecovery)
 

@@ -148,7 +148,10 @@ METADATA_COMPACTIONS = _m("bookkeeper_metadata_COMPACTIONS", COUNTER, "Compactio
                           "history made by this bookie as the elected compactor.")
 METADATA_DB_SIZE = _m("bookkeeper_metadata_DB_SIZE_BYTES", GAUGE, "etcd's db size as the "
                       "elected compactor last read it (its status).")
-METADATA_METRICS = [METADATA_COMPACTIONS, METADATA_DB_SIZE]
+METADATA_DB_SIZE_IN_USE = _m("bookkeeper_metadata_DB_SIZE_IN_USE_BYTES", GAUGE, "The part of "
+                             "etcd's db in use as the elected compactor last read it: the rest "
+                             "is free pages that only a defragmentation gives back.")
+METADATA_METRICS = [METADATA_COMPACTIONS, METADATA_DB_SIZE, METADATA_DB_SIZE_IN_USE]
 
 # --- client ------------------------------------------------------------------------------
 CLIENT_ADD = _m("bookkeeper_client_ADD_ENTRY", HISTOGRAM, "Client adds by outcome: time from "
@@ -336,7 +339,8 @@ class BookieMetrics:
         self.readonly = False
         self.autorecovery: AutoRecoveryMetrics | None = None   # once it runs one
         self.metadata_compactions = 0
-        self.metadata_db_size = None           # set once this bookie compacted etcd
+        self.metadata_db_size = None           # set while this bookie is the compactor
+        self.metadata_db_size_in_use = None    # (None too when etcd does not say it)
         self.disk: dict = {}
         self.disk_source = None                # callable -> layout.disk_space dict
 

@@ -121,11 +121,12 @@ class Compactor:
         if self.metrics is None:
             return
         try:
-            size = self.store.db_size()
+            size, in_use = self.store.db_sizes()
         except MetadataError as e:
             log.warning("compactor %s: %s", self.identifier, e)
             return
         self.metrics.metadata_compactions = self.compactions
+        self.metrics.metadata_db_size_in_use = in_use
         self.metrics.metadata_db_size = size
         if not self.is_leader:      # lost meanwhile: its on_lost may have run before us
             self._unexport()
@@ -135,6 +136,7 @@ class Compactor:
         while the db size is set); the count is kept for a later term."""
         if self.metrics is not None:
             self.metrics.metadata_db_size = None
+            self.metrics.metadata_db_size_in_use = None
 
     def step(self, election: Election) -> float:
         """One turn of the leader: compact if an interval has passed since the

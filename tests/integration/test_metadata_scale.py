@@ -226,6 +226,7 @@ def test_a_compactor_paused_past_its_lease_stops_exporting_its_metrics(cluster_f
     assert compactor_id() == other
     now = _compactor_metrics(ports[other])
     assert now["bookkeeper_metadata_DB_SIZE_BYTES"] > 0
+    assert 0 < now["bookkeeper_metadata_DB_SIZE_IN_USE_BYTES"] <= now["bookkeeper_metadata_DB_SIZE_BYTES"]
     assert now["bookkeeper_metadata_COMPACTIONS_total"] == 0
     with open(by_id[first].log_file) as f:
         assert "lease of lock compactor expired" in f.read()

@@ -81,6 +81,7 @@ def test_gc_compactor_and_placement_metrics_move(cluster_factory):
                >= 1, 60, "a compaction counted")
     m = scrape(ports[leader])
     assert m["bookkeeper_metadata_DB_SIZE_BYTES"] > 0
+    assert 0 < m["bookkeeper_metadata_DB_SIZE_IN_USE_BYTES"] <= m["bookkeeper_metadata_DB_SIZE_BYTES"]
     exporting = {b for b in ids if "bookkeeper_metadata_DB_SIZE_BYTES" in scrape(ports[b])}
     last = shell_json("--metadata", uri, "metastatus", "--json")["lastCompaction"]
     if compactor() == leader:       # (a lease lost under load would move it: rare)
