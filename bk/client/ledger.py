@@ -1556,6 +1556,10 @@ class LedgerHandle:
         try:
             try:
                 self._change_ensemble_once()
+            except NoSuchLedgerError:
+                # its CAS found no metadata: deleted under the writer (the bookies,
+                # not yet collecting it, still took its adds)
+                self._loop.call_soon(self._error_out, NoSuchLedgerError, _DELETED)
             except BKError as e:
                 # The adds fail with the reason's own class (LedgerFencedError,
                 # NotEnoughBookiesError, MetadataError, ...).

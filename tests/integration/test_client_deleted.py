@@ -13,7 +13,7 @@ import pytest
 from bk import protocol as P
 from bk.client import recovery
 from bk.errors import (ENOLEDGER, LedgerFencedError, NoSuchLedgerError, NoSuchLogError)
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, bookie_lost, wait_until
 
 PW = b"deleted"
 
@@ -322,3 +322,25 @@ def test_log_writer_and_reader_of_a_deleted_segment(gc_cluster, two_clients):
     a.delete_log(name)
     with pytest.raises(NoSuchLogError):
         b.open_log_reader(name)
+
+
+def test_an_ensemble_change_that_finds_the_ledger_deleted_says_deleted(cluster_factory):
+    """The bookies still hold the ledger (no GC round yet), so its adds go on until
+    one of them is lost: the ensemble change's CAS then finds no metadata, and the
+    adds fail as deleted, not with the store's bare "no such ledger"."""
+    c = cluster_factory(4, conf_overrides={"gcWaitTime": 3_600_000})
+    a, b = c.client(timeout=5.0), c.client(timeout=5.0)
+    try:
+        lh = a.create_ledger(3, 3, 3, password=PW)
+        lid = lh.ledger_id
+        lh.add_entries([b"x"] * 10)
+        b.delete_ledger(lid)
+        assert lh.add_entry(b"y") == 10         # no bookie knows of the deletion yet
+        victim = next(bp for bp in c.bookies if bp.bookie_id == lh.metadata.last_ensemble[0])
+        with bookie_lost(victim, "kill"):
+            with pytest.raises(NoSuchLedgerError) as ei:
+                lh.add_entry(b"z")
+        deleted_error(ei.value, lid)
+    finally:
+        a.close()
+        b.close()
