@@ -107,6 +107,7 @@ def test_counts_are_exact_summed_over_shards_and_survive_a_worker_kill(cluster_f
     wait_until(settled, what="every shard's adds and reads in /metrics")
     m = scrape(port)
     assert val(m, "bookkeeper_server_READ_ENTRY_REQUEST_count", success="false") == 2
+    assert val(m, "bookkeeper_server_READ_ENTRY_ERRORS_total", status="ENOENTRY") == 2
     assert val(m, "bookkeeper_server_ADD_ENTRY_REQUEST_count", success="false") == 1
     assert val(m, "bookkeeper_server_ADD_ENTRY_REQUEST_bucket", success="true",
                le="+Inf") == total_adds
