@@ -235,6 +235,16 @@ def hold(what):
         time.sleep(0.02)
 
 
+if AT:
+    from bk.meta.recipes import LeaseLock
+    _release = LeaseLock.release
+
+    def release(self):
+        time.sleep(0.5)       # a slow etcd: the store must still be open after this
+        return _release(self)
+
+    LeaseLock.release = release
+
 if AT == "checking":
     import bk.autorecovery.checker as C
     _check = C.replica_problems

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from bk.errors import EOK
+from bk.bookie.journal import JournalError
+from bk.errors import EIO, EOK
 from test_storage import add, crash, open_storage
+
+
+def journal_full(*args):
+    raise JournalError("no space left on the journal's disk")
 
 
 def holds(s, lid) -> bool:
@@ -56,6 +61,11 @@ def test_a_dropped_ledger_is_settled_until_entries_come_back(tmp_path, how):
     s = reopen(s, tmp_path, "crash")   # replay: ADDs, DROP, then the recovery ADD
     assert s.settled() == set() and s.list_entries(5)[1] == [2, 2]   # (runs)
     assert_settled_is_exact(s)
+    s.checkpoint()                     # in the index now, not in the write cache
+    assert 5 not in s._wc and s.settled() == set()
+    assert_settled_is_exact(s)
+    s = reopen(s, tmp_path, "close")
+    assert s.settled() == set() and s.list_entries(5)[1] == [2, 2]
     assert s.drop_ledgers([5]) == 1
     assert s.settled() == {5}
     s.close()
@@ -81,6 +91,8 @@ def test_a_drop_killed_before_its_record_leaves_the_ledger_to_claim(tmp_path, mo
     s = reopen(s, tmp_path, "crash")
     assert s.list_entries(7)[1] == [0, 2]            # (runs: 0..2)
     assert 7 not in s.settled()
+    s.checkpoint()
+    assert 7 not in s._wc and 7 not in s.settled()
     assert_settled_is_exact(s)
     s.close()
 
@@ -101,12 +113,21 @@ def test_a_drop_killed_between_its_record_and_the_index_is_replayed(tmp_path, mo
     s.close()
 
 
-def test_unfenced_or_holding_ledgers_are_never_settled(tmp_path):
+def test_unfenced_or_holding_ledgers_are_never_settled(tmp_path, monkeypatch):
     s = open_storage(tmp_path)
+    # state and no entry, not fenced: a first add whose entry the journal refused
+    # after its MASTER_KEY record (a drop would fence it: not settled)
+    monkeypatch.setattr(s, "_append_add", journal_full)
+    assert add(s, 12, 0) == EIO
+    monkeypatch.undo()
+    assert 12 in s.ledgers() and not holds(s, 12)
     assert add(s, 9, 0) == EOK                   # holds entries, not fenced
     assert add(s, 10, 0) == EOK
     assert s.fence(10, b"master-key-1") == EOK   # holds entries, fenced (recovered)
     assert s.fence(11, b"master-key-1") == EOK   # fenced, never held an entry
-    assert s.settled() == {11}
+    s.checkpoint()
+    assert not s._wc and s.settled() == {11}
+    assert s.fence(12, b"master-key-1") == EOK      # (what a drop would do to it)
+    assert s.settled() == {11, 12}
     assert_settled_is_exact(s)
     s.close()
