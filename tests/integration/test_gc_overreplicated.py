@@ -19,7 +19,7 @@ import pytest
 import bk
 from bk import protocol as P
 from bk.client.digest import master_key
-from bk.errors import EOK
+from bk.errors import ENOENTRY, ENOLEDGER, EOK
 from bk.meta import underreplication as UR
 from bk.testing import BookieConnection, closed_ledger, hook_env, hooked_stop, site_hook, \
     wait_until
@@ -152,6 +152,19 @@ def test_a_dropped_ledger_is_never_claimed_again_until_it_holds_entries(cluster_
         assert claims(d, b, moved) == 2
         assert c.entries_on(victim, kept) == held[kept]
         assert_readable(client, moved, kept, live)
+
+        # Settled, it is still among the ledgers a full round checks for deletion:
+        # deleted, its state goes (ENOENTRY from a state without entries, then
+        # ENOLEDGER).
+        assert read_status(victim, b, moved) == ENOENTRY
+        client.delete_ledger(moved)
+        wait_until(lambda: read_status(victim, b, moved) == ENOLEDGER, timeout=60,
+                   what="the settled ledger's state deleted")
+
+
+def read_status(bookie_id, b, lid) -> int:
+    with BookieConnection(bookie_id, shard=P.shard_of(lid, b.num_shards)) as conn:
+        return conn.call(P.read(conn.next_rid(), lid, 0))[2]
 
 
 # Stops a shard worker (SIGSTOP) at one of the two moments of a drop, reported to
