@@ -120,7 +120,7 @@ BOOT_TIMEOUT = 300.0
 HANDOVER_TIMEOUT = 30.0
 # a stop waits this long for the metadata thread's task (a GC check, an
 # over-replicated claim) before it stops the shards and closes the store
-META_STOP_TIMEOUT = 30.0
+META_STOP_TIMEOUT = 10.0
 # the over-replicated scan claims this many held ledgers at a time, looking at
 # the bookie's stop between groups (each group reads the under-replicated marks once)
 OVERREP_GROUP = 256
