@@ -21,8 +21,11 @@ wake-up pipe. Signal handlers only enqueue the signal and write to the pipe
   ready is restarted (it replays its journal); one that dies before it was
   ready stops the bookie with its error, as does a worker crashing
   ``MAX_RESTARTS`` times within ``RESTART_WINDOW`` seconds: no restart loops.
-* SIGTERM / SIGINT: stop accepting, deregister, tell workers to drain and exit,
-  wait for them, remove the pid file, exit 0.
+* SIGTERM / SIGINT: stop accepting, deregister, let the metadata thread end
+  its task (queued ones are skipped; an over-replicated claim has its shard
+  drop what it claimed, the loop still reading the shards' answers, and
+  releases its locks while the store is open), tell workers to drain and
+  exit, wait for them, close the store, remove the pid file, exit 0.
 * SIGUSR1: run a garbage collection now (a full reconcile, see bk.bookie.gc).
 
 With ``stop_with=PID`` (``bookie start --stop-with PID``, passed only by
@@ -59,6 +62,10 @@ What GC deletes is decided by :mod:`bk.bookie.gc` (deletions learned by a
 watch, full reconciles rarely); the arbiter relays its rounds to the shards. A
 full round gathers every shard's list of held ledgers (``gc_ledgers``; a shard
 that dies meanwhile is left out) before it queues one check for the bookie.
+When the over-replicated scan is due, that check also offers the held ledgers
+to it, but those a shard reported *settled* (dropped already and no entry
+since, :meth:`bk.bookie.storage.ShardStorage.settled`): the scan's cost
+follows the ledgers holding entries, not every ledger this bookie ever dropped.
 
 Metrics: each worker's heartbeat carries its counts; the loop keeps them in
 :class:`bk.metrics.BookieMetrics`, which sums them over shards and carries a
@@ -111,6 +118,12 @@ RESTART_WINDOW = 60.0
 HELLO_TIMEOUT = 10.0
 BOOT_TIMEOUT = 300.0
 HANDOVER_TIMEOUT = 30.0
+# a stop waits this long for the metadata thread's task (a GC check, an
+# over-replicated claim) before it stops the shards and closes the store
+META_STOP_TIMEOUT = 10.0
+# the over-replicated scan claims this many held ledgers at a time, looking at
+# the bookie's stop between groups (each group reads the under-replicated marks once)
+OVERREP_GROUP = 256
 # retries of an unreachable metadata store at start (metadataServiceStartTimeoutSeconds)
 _START_BACKOFF = Backoff(first=0.25, factor=2.0, cap=2.0, jitter=0.2)
 
@@ -133,6 +146,7 @@ class _Worker:
         self.crashes: list[float] = []
         self.waiting: list[tuple[socket.socket, bytes, float]] = []   # hand-overs until ready
         self.gc_ledgers: list[int] = []
+        self.gc_settled: list[int] = []   # of those, dropped already (ShardStorage.settled)
         self.replaying = False          # reported replay progress while booting
         self.lock = threading.Lock()   # ctrl sends come from the loop and the meta thread
 
@@ -192,6 +206,8 @@ class Arbiter:
         # the one check of the bookie is under way), and what those that did hold
         self.gc_listing: set[int] | None = None
         self.gc_held: dict[int, list[int]] = {}
+        self.gc_settled: dict[int, list[int]] = {}  # shard -> held ids the scan skips
+        self.meta_thread: threading.Thread | None = None
         self.handed: ShardDeletions | None = None   # the deletions a shard gets with its fork
         self.gc_results: dict[int, dict] = {}
         self.last_gc: dict = {}
@@ -382,7 +398,9 @@ class Arbiter:
                     log.info("bookie %s: rack %s recorded", conf.bookie_id, conf.bookieRack)
             except BKError as e:
                 log.warning("bookie %s: could not record bookieRack: %s", conf.bookie_id, e)
-        threading.Thread(target=self._meta_thread, name="bk-meta", daemon=True).start()
+        self.meta_thread = threading.Thread(target=self._meta_thread, name="bk-meta",
+                                            daemon=True)
+        self.meta_thread.start()
         if conf.metadataCompactionIntervalSeconds > 0:
             self.compactor = Compactor(self.store, conf.bookie_id,
                                        conf.metadataCompactionIntervalSeconds,
@@ -632,6 +650,9 @@ class Arbiter:
             w.ctrl.close()
             w.ctrl = None
         w.pid = 0
+        ev = self.dropped.get(w.shard)
+        if ev is not None:              # its gc_drop will never be answered
+            ev.set()
         if self.stopping:
             return
         if not w.ready:
@@ -655,9 +676,6 @@ class Arbiter:
             return
         log.warning("shard %d died with %s; restarting it", w.shard, how)
         self.metrics.restarted(w.shard)
-        ev = self.dropped.get(w.shard)
-        if ev is not None:              # its gc_drop will never be answered
-            ev.set()
         self._gc_shard_done(w.shard)
         self._spawn(w)
 
@@ -704,12 +722,15 @@ class Arbiter:
         w.error = message
         log.error("%s", message)
 
-    def handle_gc_ledgers(self, w: _Worker, ids, last):
+    def handle_gc_ledgers(self, w: _Worker, ids, last, settled=()):
         w.gc_ledgers.extend(ids)
+        w.gc_settled.extend(settled)
         if last:
             ids, w.gc_ledgers = w.gc_ledgers, []
+            settled, w.gc_settled = w.gc_settled, []
             if self.gc_listing is not None and w.shard in self.gc_listing:
                 self.gc_held[w.shard] = ids
+                self.gc_settled[w.shard] = settled
                 self.gc_listing.discard(w.shard)
                 self._gc_check_when_listed()
 
@@ -720,8 +741,9 @@ class Arbiter:
             return
         self.gc_listing = None
         held, self.gc_held = self.gc_held, {}
+        settled, self.gc_settled = self.gc_settled, {}
         if held:
-            self.tasks.put(("gc_check", held))
+            self.tasks.put(("gc_check", held, settled))
 
     def handle_gc_dropped(self, w: _Worker, count=0):
         ev = self.dropped.get(w.shard)
@@ -925,8 +947,10 @@ class Arbiter:
             self.tasks.put(("gc_incremental", rnd))
             return
         self.gc_held = {}
+        self.gc_settled = {}
         for w in ready:
             w.gc_ledgers = []
+            w.gc_settled = []
             try:
                 with w.lock:
                     control.send(w.ctrl, "gc_begin")
@@ -943,11 +967,16 @@ class Arbiter:
             task = self.tasks.get()
             if task is None:
                 return
+            if self.stopping and task[0] != "gc_finish":
+                # deregistered, and a round not begun decides nothing: skipping it
+                # is safe, and the stop (which waits for this thread) is not held
+                # up by a reconcile or a scan
+                continue
             try:
                 if task[0] == "readonly":
                     self.registration.set_readonly(task[1])
                 elif task[0] == "gc_check":
-                    self._gc_check(task[1])
+                    self._gc_check(task[1], task[2])
                 elif task[0] == "gc_incremental":
                     dead = self.gc.incremental(task[1])
                     for shard in task[1].shards:
@@ -965,31 +994,55 @@ class Arbiter:
                     for shard in task[1].shards:
                         self._gc_send(shard, [])
 
-    def _gc_check(self, held: dict[int, list[int]]):
+    def _gc_check(self, held: dict[int, list[int]], settled: dict[int, list[int]]):
         # A full round: every shard reported its ledgers before the check, so one it
         # holds that has no metadata at the checked revision was deleted (ids are
-        # never reused); bk.bookie.gc checks only this bookie's cluster.
+        # never reused); bk.bookie.gc checks only this bookie's cluster. The
+        # over-replicated scan skips the settled ones (dropped already, no entry
+        # since): claiming them again would cost a lock, metadata reads and a
+        # GET_LIST_OF_ENTRIES on every bookie of their write sets, for nothing.
         dead = self.gc.check(self.gc_round, held)
         for shard, local_ids in sorted(held.items()):
             mine = dead.get(shard, [])
             if self.gc_round.overreplicated and not self.gc_round.failed:
-                gone = set(mine)
-                self._gc_overreplicated(shard, [lid for lid in local_ids if lid not in gone])
+                skip = set(mine).union(settled.get(shard, ()))
+                self._gc_overreplicated(shard, [lid for lid in local_ids if lid not in skip],
+                                        len(settled.get(shard, ())))
             self._gc_send(shard, mine)
 
-    def _gc_overreplicated(self, shard: int, ledger_ids: list[int]):
+    def _gc_overreplicated(self, shard: int, ledger_ids: list[int], settled: int = 0):
         """Drop the entries of ledgers this bookie holds but was replaced in (it was
         away while they were re-replicated), once every bookie of their write
         sets holds them; at the first full GC round and then at the first after each
         gcOverreplicatedLedgerWaitTime (reading the metadata of these ledgers only). The
         under-replication locks of those ledgers are held until the worker has
-        dropped them (see bk.autorecovery.checker.claim_overreplicated)."""
+        dropped them (see bk.autorecovery.checker.claim_overreplicated).
+
+        The ledgers are claimed :data:`OVERREP_GROUP` at a time and the bookie's
+        stop is looked at between groups: a stop then drops what is claimed
+        (the shard still serves: :meth:`_shutdown` waits for this thread before
+        it stops the shards and closes the store) and releases every lock."""
         pool = BookiePool(self.store, timeout=10.0, security=self.security)
-        stats = {"at": time.time(), "ledgers": len(ledger_ids)}
+        stats = {"at": time.time(), "ledgers": len(ledger_ids), "settled": settled,
+                 "candidates": 0, "claimed": 0}
+        claimed = []
         try:
-            claimed = claim_overreplicated(self.store, pool, self.conf.bookie_id, ledger_ids,
-                                           ttl=max(2, int(self.conf.registrationTtlSeconds)),
-                                           stats=stats)
+            for i in range(0, len(ledger_ids), OVERREP_GROUP):
+                if self.stopping:
+                    stats["stopped"] = True
+                    break
+                group = {}
+                try:
+                    claimed += claim_overreplicated(
+                        self.store, pool, self.conf.bookie_id, ledger_ids[i:i + OVERREP_GROUP],
+                        ttl=max(2, int(self.conf.registrationTtlSeconds)), stats=group)
+                finally:
+                    stats["candidates"] += group.get("candidates", 0)
+                    stats["claimed"] = len(claimed)
+        except BaseException:
+            for _, lock in claimed:       # not dropped: nobody waits for these
+                lock.release()
+            raise
         finally:
             pool.close()
             self.last_overrep[shard] = stats
@@ -1032,6 +1085,24 @@ class Arbiter:
             log.warning("shard %d: cannot send gc results: %s", shard, e)
 
     # --- stop -------------------------------------------------------------------------
+    def _wait_meta_thread(self):
+        """Let the metadata thread end its task before the shards stop and the store
+        closes: an over-replicated claim holds under-replication locks (leases of
+        this store) until its shard confirms the drop, so the loop goes on
+        reading the shards' answers (``gc_dropped``) meanwhile. Queued tasks are
+        skipped (:meth:`_meta_thread`), a scan stops at its next group of
+        ledgers; a task stuck longer than :data:`META_STOP_TIMEOUT` (etcd or a
+        bookie not answering) is left behind as before, to fail with the store."""
+        t = self.meta_thread
+        if t is None or t is threading.current_thread():
+            return
+        deadline = time.monotonic() + META_STOP_TIMEOUT
+        while t.is_alive() and time.monotonic() < deadline:
+            self._poll(0.05)
+        if t.is_alive():
+            log.warning("metadata task still running after %.0fs; stopping anyway",
+                        META_STOP_TIMEOUT)
+
     def _shutdown(self):
         self.stopping = True
         if self.autorecovery is not None:
@@ -1059,6 +1130,7 @@ class Arbiter:
         self.tasks.put(None)
         if self.gc is not None:
             self.gc.stop()
+        self._wait_meta_thread()
         if self.compactor is not None:
             self.compactor.stop()
         for w in self.workers:

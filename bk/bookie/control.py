@@ -36,7 +36,7 @@ TO_ARBITER = {
     "replay": "done, total: journal replay progress (counts as a heartbeat)",
     "error": "message: why the shard cannot start",
     "hb": "[metrics snapshot unless enableStatistics is off, see bk.metrics]",
-    "gc_ledgers": "ids held, last chunk?",
+    "gc_ledgers": "ids held, last chunk?, those of them settled (dropped, fenced, no entry)",
     "gc_dropped": "count of over-replicated ledgers dropped",
     "gc_done": "stats of the GC round",
 }
@@ -72,14 +72,18 @@ def recv(sock: socket.socket):
     return msgpack.unpackb(data, raw=False, strict_map_key=False), fds
 
 
-def send_chunked(sock: socket.socket, kind: str, items) -> None:
-    """Send a list as ``[kind, chunk, last]`` messages (always at least one)."""
+def send_chunked(sock: socket.socket, kind: str, items, extra=None) -> None:
+    """Send a list as ``[kind, chunk, last]`` messages (always at least one);
+    with ``extra``, ``[kind, chunk, last, extra(chunk)]`` (what the receiver
+    must know of the items of that chunk: at most as large as the chunk)."""
     items = list(items)
-    if not items:
-        send(sock, kind, [], True)
-        return
-    for i in range(0, len(items), CHUNK):
-        send(sock, kind, items[i:i + CHUNK], i + CHUNK >= len(items))
+    for i in range(0, max(len(items), 1), CHUNK):
+        chunk = items[i:i + CHUNK]
+        last = i + CHUNK >= len(items)
+        if extra is None:
+            send(sock, kind, chunk, last)
+        else:
+            send(sock, kind, chunk, last, extra(chunk))
 
 
 def dispatch(handler, vocabulary: dict, msg: list, *first, fds=()) -> None:

@@ -22,7 +22,9 @@ costs. The cluster may hold millions of ledgers, so nothing here reads them all:
   every ``gcFullReconcileIntervalSeconds``, on SIGUSR1, after the watch fell
   behind a compaction, and when the over-replicated scan is due: every
   ``gcOverreplicatedLedgerWaitTime``, it reads the metadata of the ledgers the
-  bookie holds, see :func:`bk.autorecovery.checker.claim_overreplicated`).
+  bookie holds entries of, not of those it dropped already, see
+  :func:`bk.autorecovery.checker.claim_overreplicated` and
+  :meth:`bk.bookie.storage.ShardStorage.settled`).
   Each shard reports its ledgers (``gc_begin``); once every shard has (or
   died), the arbiter hands the lists to one check for the whole bookie
   (:meth:`GarbageCollector.check`), at one member revision taken after the

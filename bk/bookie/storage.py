@@ -90,7 +90,11 @@ re-replication in flight) is not kept until the next full reconcile.
 Over-replicated ledgers. :meth:`ShardStorage.drop_ledgers` forgets a
 ledger's entries (a DROP record, its runs removed) but keeps its state fenced,
 with its key and no tombstone: an old writer is refused, and this bookie may
-be picked to hold the ledger again (recovery adds).
+be picked to hold the ledger again (recovery adds). Such a ledger is
+*settled* (:meth:`ShardStorage.settled`: fenced, no entry) until an entry
+comes in again: a full GC round lists it (a deletion still removes its
+state) but does not offer it to the over-replicated scan again, whose cost
+then follows the ledgers holding entries, not every ledger ever dropped.
 
 Compaction. Deleted and dropped runs leave dead bytes in entry logs; a log
 whose live fraction is under a threshold has its live runs copied forward by
@@ -1230,6 +1234,19 @@ class ShardStorage:
 
     def ledgers(self) -> list[int]:
         return sorted(self._ledgers)
+
+    def settled(self) -> set[int]:
+        """The ledgers an over-replicated drop would change nothing of: fenced and
+        holding no entry, as :meth:`drop_ledgers` leaves them. ``last`` says
+        whether a ledger holds entries: every entry taken in (an add, a recovery
+        add, a replayed ADD record) raises it, and only a drop (or a replayed
+        DROP record) puts it back to -1, with every run and tail entry of the
+        ledger gone. So a ledger dropped and then given entries again (this
+        bookie picked to hold it again) is not settled, and a drop killed before
+        its DROP record was synced left ``last`` as it was."""
+        wc = self._wc
+        return {lid for lid, st in self._ledgers.items()
+                if st.last < 0 and st.fenced and lid not in wc}
 
     # --- flushes ----------------------------------------------------------------
     def maintain(self, now: float | None = None) -> None:

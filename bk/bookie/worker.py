@@ -873,8 +873,12 @@ class ShardWorker:
         log.info("shard %d is now %s", self.shard, "read-only" if self.readonly else "writable")
 
     def handle_gc_begin(self):
-        """A full GC round: report every ledger this shard holds."""
-        control.send_chunked(self.ctrl, "gc_ledgers", self.storage.ledgers())
+        """A full GC round: report every ledger this shard holds (each may have been
+        deleted), and which of them are settled (the over-replicated scan skips
+        those: dropped already, see ShardStorage.settled)."""
+        settled = self.storage.settled()
+        control.send_chunked(self.ctrl, "gc_ledgers", self.storage.ledgers(),
+                             lambda chunk: [lid for lid in chunk if lid in settled])
 
     def handle_gc_drop(self, ids):
         # Over-replicated ledgers: the arbiter holds their under-replication
