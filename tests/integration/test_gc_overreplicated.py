@@ -414,3 +414,51 @@ def test_a_stop_waits_for_one_candidate_not_the_rest(cluster_factory, tmp_path):
         assert c.entries_on(victim, other) == held[other]   # not looked at after it
         assert c.entries_on(victim, live) == held[live]
         assert_readable(client, one, two, live)
+
+
+# Kills the shard worker (-9) once, before its DROP record of an over-replicated drop.
+KILL_ONCE_HOOK = r'''
+import os
+from bk.testing import hook_setting, stop_here
+
+if hook_setting("at"):
+    from bk.bookie.storage import ShardStorage
+    _drop = ShardStorage.drop_ledgers
+
+    def drop_ledgers(self, ids):
+        ids = list(ids)
+        if not os.path.exists(os.environ["BK_TEST_HOOK_OUT"]):
+            stop_here({"ids": ids}, how="kill")
+        return _drop(self, ids)
+
+    ShardStorage.drop_ledgers = drop_ledgers
+'''
+
+
+def test_a_shard_killed_before_confirming_a_drop_is_not_counted_as_dropped(cluster_factory,
+                                                                           tmp_path):
+    """The shard worker dies (kill -9) before it records the drop of a claimed ledger:
+    the arbiter says so (not "dropped"), the restarted shard still holds the copy, the
+    next scan claims it again and the shard drops it. Two claims, one drop, in
+    /metrics and in the log."""
+    out = tmp_path / "report"
+    with site_hook(tmp_path, KILL_ONCE_HOOK, hook_env(out, at="record")):
+        c = cluster_factory(4, num_shards=1, conf_overrides={**CONF, **HTTP})
+    with bk.BookKeeper(c.metadata_uri) as client:
+        victim, (moved, kept, live) = three_ledgers_on_one_bookie(c, client)
+        b = c.bookie(victim)
+        held = {lid: c.entries_on(victim, lid) for lid in (kept, live)}
+        replace(c, moved, victim, fill=True)
+        wait_until(out.exists, timeout=60, what="the shard killed at the drop")
+        assert json.loads(out.read_text())["ids"] == [moved]
+        wait_until(lambda: overrep_metrics(c, b) == (2, 1), timeout=60,
+                   what="claimed twice, dropped once")
+        assert c.entries_on(victim, moved) == set()
+        with open(b.log_file) as f:
+            log = f.read()
+        assert log.count("died before confirming the drop of 1 claimed over-replicated") == 1
+        assert log.count(f"claimed 1 over-replicated ledgers (e.g. {moved}), dropped the "
+                         f"entries of 1") == 1
+        for lid, entries in held.items():
+            assert c.entries_on(victim, lid) == entries
+        assert_readable(client, moved, kept, live)
