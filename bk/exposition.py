@@ -65,7 +65,9 @@ def _bookie_families(b):
         for m, v in ((M.CONNECTIONS_ACCEPTED, b.accepted), (M.GC_RUNS, b.gc_runs),
                      (M.DELETED_LEDGERS, b.deleted_ledgers),
                      (M.COMPACTED_SEGMENTS, b.compacted_segments),
-                     (M.RECLAIMED_BYTES, b.reclaimed_bytes)):
+                     (M.RECLAIMED_BYTES, b.reclaimed_bytes),
+                     (M.OVERREP_CLAIMS, b.overrep_claims),
+                     (M.OVERREP_DROPPED, b.overrep_dropped)):
             yield CounterMetricFamily(m.name, m.help, value=v)
     if b.metadata_db_size is not None:
         yield CounterMetricFamily(M.METADATA_COMPACTIONS.name, M.METADATA_COMPACTIONS.help,

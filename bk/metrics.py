@@ -122,9 +122,18 @@ COMPACTED_SEGMENTS = _m("bookie_COMPACTED_SEGMENTS", COUNTER, "Journal segments 
                         "compaction.")
 RECLAIMED_BYTES = _m("bookie_RECLAIMED_COMPACTION_SPACE_BYTES", COUNTER, "Bytes of journal "
                      "segments removed by compaction.")
+# BookKeeper's GarbageCollectorStats has no counter of its over-replicated GC:
+# named after its scope (bookie_gc_...) and what they count
+OVERREP_CLAIMS = _m("bookie_gc_OVERREPLICATED_CLAIMS", COUNTER, "Ledgers the over-replicated "
+                    "GC claimed: closed, this bookie in none of their ensembles, every bookie "
+                    "of their write sets holding their entries; their under-replication lock "
+                    "held while the shard drops them.")
+OVERREP_DROPPED = _m("bookie_gc_OVERREPLICATED_DROPPED", COUNTER, "Claimed over-replicated "
+                     "ledgers whose entries a shard dropped (one that held no entry is not "
+                     "counted).")
 ARBITER_METRICS = [SERVER_STATUS, DISK_USAGE, DISK_FREE, WORKER_RESTARTS, SHARD_UP,
                    CONNECTIONS_ACCEPTED, GC_RUNS, DELETED_LEDGERS, COMPACTED_SEGMENTS,
-                   RECLAIMED_BYTES]
+                   RECLAIMED_BYTES, OVERREP_CLAIMS, OVERREP_DROPPED]
 
 # --- auto-recovery (served by the auditor) ---------------------------------------------
 UNDER_REPLICATED = _m("auditor_NUM_UNDER_REPLICATED_LEDGERS", GAUGE, "Ledgers marked "
@@ -336,6 +345,8 @@ class BookieMetrics:
         self.deleted_ledgers = 0
         self.compacted_segments = 0
         self.reclaimed_bytes = 0
+        self.overrep_claims = 0                # the over-replicated GC (the metadata thread)
+        self.overrep_dropped = 0
         self.readonly = False
         self.autorecovery: AutoRecoveryMetrics | None = None   # once it runs one
         self.metadata_compactions = 0
@@ -368,6 +379,13 @@ class BookieMetrics:
                 self.deleted_ledgers += r.get("ledgers_deleted", 0)
                 self.compacted_segments += r.get("segments_removed", 0)
                 self.reclaimed_bytes += r.get("bytes_freed", 0)
+
+    def overreplicated(self, claims: int = 0, dropped: int = 0) -> None:
+        """The over-replicated GC claimed ``claims`` ledgers; a shard dropped the
+        entries of ``dropped``."""
+        with self.lock:
+            self.overrep_claims += claims
+            self.overrep_dropped += dropped
 
     # reads, from the HTTP thread
     def totals(self) -> dict:

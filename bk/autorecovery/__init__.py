@@ -19,7 +19,8 @@ or ``bookie autorecovery``) runs two threads:
   while that audit runs gets no more marks (the audit reads the registrations
   again every second). ``bkshell triggeraudit``
   skips the delay; every ``auditorPeriodicBookieCheckInterval`` the lost
-  bookies are audited again. Another candidate takes over within the lease TTL
+  bookies are audited again (each such check kept in
+  ``underreplication/checks`` as ``bookies``). Another candidate takes over within the lease TTL
   when the leader dies (within ~0.5 s, a look interval, when it stops
   cleanly). Each candidate also keeps ``underreplication/candidates/<id>``
   bound to a lease of its own: a tool that finds no auditor at some instant

@@ -136,14 +136,18 @@ def replica_problems(pool, md, last: int | None = None) -> CheckResult:
 
 
 def claim_overreplicated(store, pool, bookie_id: str, ledger_ids, ttl: int = 10,
-                         stats: dict | None = None):
+                         stats: dict | None = None, stop=None):
     """The ledgers among ``ledger_ids`` (held by ``bookie_id``) that it may drop,
     each with its under-replication lock held: closed, ``bookie_id`` in none of
     their ensembles, not marked under-replicated, and every bookie of every write
     set answering that it holds its entries. The caller drops them, then
     releases the locks (a replication worker copying one of them back to
     ``bookie_id`` holds the same lock, so the two never overlap). ``stats`` gets
-    ``candidates`` (ledgers it no longer belongs to) and ``claimed``."""
+    ``candidates`` (ledgers it no longer belongs to) and ``claimed``.
+
+    ``stop`` (a callable), when it answers true before a candidate, ends the scan
+    there (``stats["stopped"]``) with what is claimed so far: a bookie that
+    stops waits for one candidate's check, not for every candidate's."""
     local = set(ledger_ids)
     marked = {lid for lid, _, _ in UR.list_marked(store)}
     # Only the metadata of the ledgers the bookie holds, a group of ids per request:
@@ -155,6 +159,10 @@ def claim_overreplicated(store, pool, bookie_id: str, ledger_ids, ttl: int = 10,
     if stats is not None:
         stats["candidates"] = len(candidates)
     for lid in candidates:
+        if stop is not None and stop():
+            if stats is not None:
+                stats["stopped"] = True
+            break
         lock = LeaseLock(store, UR.lock_rel(lid), {"owner": bookie_id, "gc": True}, ttl=ttl)
         if not lock.try_acquire():
             continue                    # a worker is repairing it: not now

@@ -208,11 +208,21 @@ class AutoRecovery:
             due_at = min([next_count] + [t + delay for b, t in missing_since.items()
                                          if b not in due]
                          + ([next_bookie_check] if bookie_check > 0 else []))
+            marked = None
             if due - audited or (triggered and due) or (periodic and due):
-                self._audit(due, election)
+                marked = self._audit(due, election)
                 audited |= due
+            if periodic:
+                # kept like the other periodic checks' runs (bkshell autorecovery),
+                # so an operator sees the check run on its period, lost bookies or not
+                UR.record_check(store, "bookies", {
+                    "at": time.time(), "lost": sorted(lost), "audited": sorted(due),
+                    "marked": marked or 0, "by": self.identifier},
+                    guards=[election.lock.guard()])
 
-    def _audit(self, lost: set, election):
+    def _audit(self, lost: set, election) -> int:
+        """Mark every ledger with a fragment on a bookie of ``lost``; how many marks
+        changed."""
         store = self.store
         lost = set(lost)
         audited = sorted(lost)
@@ -239,6 +249,7 @@ class AutoRecovery:
                     ", ".join(audited), marked,
                     f" (back before the audit ended, so marked no further: "
                     f"{', '.join(sorted(back))})" if back else "")
+        return marked
 
     # --- periodic checks (while leading) --------------------------------------------------
     def _guarded_checks(self, election):

@@ -121,8 +121,8 @@ HANDOVER_TIMEOUT = 30.0
 # a stop waits this long for the metadata thread's task (a GC check, an
 # over-replicated claim) before it stops the shards and closes the store
 META_STOP_TIMEOUT = 10.0
-# the over-replicated scan claims this many held ledgers at a time, looking at
-# the bookie's stop between groups (each group reads the under-replicated marks once)
+# the over-replicated scan claims this many held ledgers at a time (each group reads
+# the under-replicated marks once); it looks at the bookie's stop before each candidate
 OVERREP_GROUP = 256
 # retries of an unreachable metadata store at start (metadataServiceStartTimeoutSeconds)
 _START_BACKOFF = Backoff(first=0.25, factor=2.0, cap=2.0, jitter=0.2)
@@ -213,6 +213,7 @@ class Arbiter:
         self.last_gc: dict = {}
         self.last_overrep: dict[int, dict] = {}      # shard -> what its last scan found
         self.dropped: dict[int, threading.Event] = {}  # shard -> gc_drop answered
+        self.drop_counts: dict[int, int] = {}  # shard -> how many its gc_drop answer dropped
         self.metrics: M.BookieMetrics | None = None
         self.http = None
         self.security = None            # ClientSecurity towards other bookies
@@ -746,8 +747,10 @@ class Arbiter:
             self.tasks.put(("gc_check", held, settled))
 
     def handle_gc_dropped(self, w: _Worker, count=0):
+        self.metrics.overreplicated(dropped=count)
         ev = self.dropped.get(w.shard)
         if ev is not None:
+            self.drop_counts[w.shard] = count
             ev.set()
 
     def handle_gc_done(self, w: _Worker, stats):
@@ -1019,9 +1022,12 @@ class Arbiter:
         dropped them (see bk.autorecovery.checker.claim_overreplicated).
 
         The ledgers are claimed :data:`OVERREP_GROUP` at a time and the bookie's
-        stop is looked at between groups: a stop then drops what is claimed
-        (the shard still serves: :meth:`_shutdown` waits for this thread before
-        it stops the shards and closes the store) and releases every lock."""
+        stop is looked at before each candidate: a stop then drops what is
+        claimed (the shard still serves: :meth:`_shutdown` waits for this thread
+        before it stops the shards and closes the store) and releases every
+        lock. ``bookie_gc_OVERREPLICATED_CLAIMS`` counts the claims,
+        ``bookie_gc_OVERREPLICATED_DROPPED`` the ledgers whose entries the shard
+        dropped (its ``gc_dropped`` answer)."""
         pool = BookiePool(self.store, timeout=10.0, security=self.security)
         stats = {"at": time.time(), "ledgers": len(ledger_ids), "settled": settled,
                  "candidates": 0, "claimed": 0}
@@ -1035,10 +1041,13 @@ class Arbiter:
                 try:
                     claimed += claim_overreplicated(
                         self.store, pool, self.conf.bookie_id, ledger_ids[i:i + OVERREP_GROUP],
-                        ttl=max(2, int(self.conf.registrationTtlSeconds)), stats=group)
+                        ttl=max(2, int(self.conf.registrationTtlSeconds)), stats=group,
+                        stop=lambda: self.stopping)
                 finally:
                     stats["candidates"] += group.get("candidates", 0)
                     stats["claimed"] = len(claimed)
+                    if group.get("stopped"):
+                        stats["stopped"] = True
         except BaseException:
             for _, lock in claimed:       # not dropped: nobody waits for these
                 lock.release()
@@ -1048,17 +1057,23 @@ class Arbiter:
             self.last_overrep[shard] = stats
         if not claimed:
             return
+        self.metrics.overreplicated(claims=len(claimed))
         w = self.workers[shard]
+        self.drop_counts.pop(shard, None)
         ev = self.dropped[shard] = threading.Event()
         try:
             with w.lock:
                 control.send(w.ctrl, "gc_drop", [lid for lid, _ in claimed])
             if not ev.wait(60.0):
-                log.warning("shard %d did not confirm dropping %d over-replicated ledgers",
-                            shard, len(claimed))
+                log.warning("shard %d did not confirm dropping %d claimed over-replicated "
+                            "ledgers", shard, len(claimed))
+            elif shard not in self.drop_counts:     # set by the worker's death instead
+                log.warning("shard %d died before confirming the drop of %d claimed "
+                            "over-replicated ledgers", shard, len(claimed))
             else:
-                log.info("shard %d: dropped %d over-replicated ledgers (e.g. %d)", shard,
-                         len(claimed), claimed[0][0])
+                log.info("shard %d: claimed %d over-replicated ledgers (e.g. %d), dropped "
+                         "the entries of %d", shard, len(claimed), claimed[0][0],
+                         self.drop_counts.pop(shard))
         except (OSError, AttributeError) as e:
             log.warning("shard %d: cannot send gc_drop: %s", shard, e)
         finally:

@@ -12,7 +12,7 @@ from bk import protocol as P
 from bk.bookie.index import Index
 from bk.errors import EFENCED, EOK
 from bk.meta import underreplication as UR
-from bk.testing import BookieConnection, wait_until
+from bk.testing import BookieConnection, shell_json, shell_ok, wait_until
 
 PW = b"checks"
 AR = {"autoRecoveryDaemonEnabled": True, "lostBookieRecoveryDelay": 3600,
@@ -218,3 +218,39 @@ def test_no_drop_until_the_new_write_sets_hold_every_entry(cluster_factory):
                    what="the copy dropped once the new write sets hold everything")
         rh = client.open_ledger(lid, password=PW)
         assert [e.data for e in rh.read_entries(0, 19)] == [b"c%d" % i for i in range(20)]
+
+
+def test_periodic_bookie_check_marks_a_lost_bookies_ledger_again(cluster_factory):
+    """auditorPeriodicBookieCheckInterval: the auditor audits the lost bookies again
+    on that period. A lost bookie's ledger is marked (there is no bookie to copy to,
+    so the mark stays); the mark removed by hand comes back with the next periodic
+    check, which `bkshell autorecovery` shows (its time, the lost bookie)."""
+    c = cluster_factory(3, conf_overrides={
+        **AR, "lostBookieRecoveryDelay": 0, "auditorPeriodicBookieCheckInterval": 2,
+        "lockReleaseOfFailedLedgerGracePeriod": 3_600_000})
+    uri = c.metadata_uri
+    with bk.BookKeeper(uri) as client:
+        lid = _ledger(client)
+        wait_until(lambda: c.store.get_json(UR.AUDITOR)[0], timeout=30,
+                   what="an auditor elected")
+        auditor = c.store.get_json(UR.AUDITOR)[0]["id"]
+        victim = next(b for b in c.bookies if b.bookie_id != auditor)
+        victim.kill()
+
+        def mark():
+            return c.store.get_json(UR.ledger_rel(lid))[0]
+        # marked at once (no delay); the repair fails (no bookie outside the
+        # ensemble) and is not retried for an hour
+        wait_until(lambda: (mark() or {}).get("error"), timeout=60,
+                   what="the lost bookie's ledger marked, its repair failed")
+        assert mark()["missing"] == [victim.bookie_id]
+        c.store.delete_json(UR.ledger_rel(lid))
+        removed = time.time()
+        wait_until(lambda: mark() is not None, timeout=30,
+                   what="the mark back after a periodic bookie check")
+        assert mark()["missing"] == [victim.bookie_id]
+        check = shell_json("--metadata", uri, "autorecovery", "--json")["checks"]["bookies"]
+        assert check["at"] >= removed and check["lost"] == [victim.bookie_id]
+        assert check["by"] == auditor
+        text = shell_ok("--metadata", uri, "autorecovery").stdout
+        assert f"1 lost ({victim.bookie_id})" in text, text

@@ -15,14 +15,15 @@ import json
 import signal
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import bk
 from bk import protocol as P
 from bk.client.digest import master_key
 from bk.errors import ENOENTRY, ENOLEDGER, EOK
 from bk.meta import underreplication as UR
-from bk.testing import BookieConnection, closed_ledger, hook_env, hooked_stop, site_hook, \
-    wait_until
+from bk.testing import BookieConnection, closed_ledger, hook_env, hooked_stop, http_get, \
+    site_hook, wait_until
 
 PW = b"overrep"
 ENTRIES = [b"o%d" % i for i in range(12)]
@@ -60,6 +61,19 @@ def scans(d, bookie) -> list[dict]:
 
 def claims(d, bookie, lid) -> int:
     return sum(lid in s["claimed"] for s in scans(d, bookie))
+
+
+HTTP = {"httpServerEnabled": True, "httpServerPort": 0}
+OVERREP = ("bookie_gc_OVERREPLICATED_CLAIMS_total", "bookie_gc_OVERREPLICATED_DROPPED_total")
+
+
+def overrep_metrics(c, bookie) -> tuple:
+    """(claims, dropped) as the bookie's /metrics serves them."""
+    status, text, _ = http_get(c.store.bookie_info(bookie.bookie_id)["httpPort"], "/metrics")
+    assert status == 200
+    got = {s.name: s.value for fam in text_string_to_metric_families(text)
+           for s in fam.samples if s.name in OVERREP}
+    return tuple(got[n] for n in OVERREP)
 
 
 def three_ledgers_on_one_bookie(c, client):
@@ -112,15 +126,17 @@ def test_a_dropped_ledger_is_never_claimed_again_until_it_holds_entries(cluster_
     and then offered to no later scan), one whose replacement lacks entries (kept,
     offered to every scan), one the bookie still belongs to (offered to every
     scan). A recovery add gives the dropped one an entry again: it is offered and
-    dropped again, exactly once more."""
+    dropped again, exactly once more. The bookie's /metrics counts each claim and
+    each drop (bookie_gc_OVERREPLICATED_CLAIMS, _DROPPED) exactly."""
     d = tmp_path / "scans"
     d.mkdir()
     with site_hook(tmp_path, SCAN_HOOK, {"GC_SCAN_DIR": d}):
-        c = cluster_factory(4, num_shards=1, conf_overrides=CONF)
+        c = cluster_factory(4, num_shards=1, conf_overrides={**CONF, **HTTP})
     with bk.BookKeeper(c.metadata_uri) as client:
         victim, (moved, kept, live) = three_ledgers_on_one_bookie(c, client)
         b = c.bookie(victim)
         held = {lid: c.entries_on(victim, lid) for lid in (moved, kept, live)}
+        assert overrep_metrics(c, b) == (0, 0)
         replace(c, kept, victim, fill=False)
         replace(c, moved, victim, fill=True)
         wait_until(lambda: not c.entries_on(victim, moved), timeout=60,
@@ -136,6 +152,12 @@ def test_a_dropped_ledger_is_never_claimed_again_until_it_holds_entries(cluster_
         assert not any(kept in s["claimed"] or live in s["claimed"] for s in done)
         assert c.entries_on(victim, kept) == held[kept]
         assert c.entries_on(victim, live) == held[live]
+        # counted once the drop is answered; eight scans later, still once
+        wait_until(lambda: overrep_metrics(c, b) == (1, 1), timeout=30,
+                   what="the claim and the drop counted")
+        n = len(scans(d, b))
+        wait_until(lambda: len(scans(d, b)) >= n + 8, timeout=60, what="eight more scans")
+        assert overrep_metrics(c, b) == (1, 1)
 
         # Picked to hold it again (a recovery add): it holds an entry, so a scan
         # sees it again, and drops it again.
@@ -150,6 +172,7 @@ def test_a_dropped_ledger_is_never_claimed_again_until_it_holds_entries(cluster_
         n = len(scans(d, b))
         wait_until(lambda: len(scans(d, b)) >= n + 4, timeout=60, what="four more scans")
         assert claims(d, b, moved) == 2
+        assert overrep_metrics(c, b) == (2, 2)
         assert c.entries_on(victim, kept) == held[kept]
         assert_readable(client, moved, kept, live)
 
@@ -316,6 +339,126 @@ def test_sigterm_during_a_claim_releases_its_lock_and_logs_no_warning(cluster_fa
         assert list(c.store.list_json(UR.LOCKS)) == []
         b.start()
         assert c.entries_on(victim, moved) == set()        # the claim's drop was done
+        for lid, entries in held.items():
+            assert c.entries_on(victim, lid) == entries
+        assert_readable(client, moved, kept, live)
+
+
+# Until the test creates "<out>.ready" every replica check of the over-replicated
+# scan finds a problem (nothing is claimed). From then on, the first check of a
+# scan that has two candidates is held until "<out>.go", reported to the test; every
+# check of a scan is written down ("<out>.calls"), with the scan's candidates.
+STOP_HOOK = r'''
+import json, os, time
+from bk.testing import hook_report
+
+OUT = os.environ.get("BK_TEST_HOOK_OUT")
+
+if OUT:
+    import bk.autorecovery.checker as C
+    _claim, _check = C.claim_overreplicated, C.replica_problems
+    scan = {}
+
+    def claim(*a, **kw):
+        scan["stats"] = kw.get("stats")
+        return _claim(*a, **kw)
+
+    def replica_problems(pool, md, last=None):
+        candidates = (scan.get("stats") or {}).get("candidates", 0)
+        if not os.path.exists(OUT + ".ready") or candidates != 2:
+            res = C.CheckResult(md.ledger_id)
+            res.unreachable["hook"] = "not yet"
+            return res
+        with open(OUT + ".calls", "a") as f:
+            f.write(json.dumps({"ledger": md.ledger_id, "candidates": candidates}) + "\n")
+        if not os.path.exists(OUT):
+            hook_report({"ledger": md.ledger_id})
+            deadline = time.monotonic() + 120
+            while not os.path.exists(OUT + ".go") and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return _check(pool, md, last)
+
+    C.claim_overreplicated, C.replica_problems = claim, replica_problems
+'''
+
+
+def test_a_stop_waits_for_one_candidate_not_the_rest(cluster_factory, tmp_path):
+    """SIGTERM while the over-replicated scan checks the first of two candidates:
+    the scan looks at the stop before the next one, so only the one it was checking
+    is claimed and dropped; the other keeps its copy, its replicas never checked,
+    and no lock is left in etcd."""
+    out = tmp_path / "report"
+    with site_hook(tmp_path, STOP_HOOK, hook_env(out)):
+        c = cluster_factory(4, num_shards=1, conf_overrides=CONF)
+    with bk.BookKeeper(c.metadata_uri) as client:
+        victim, (one, two, live) = three_ledgers_on_one_bookie(c, client)
+        b = c.bookie(victim)
+        held = {lid: c.entries_on(victim, lid) for lid in (one, two, live)}
+        replace(c, one, victim, fill=True)
+        replace(c, two, victim, fill=True)
+        (tmp_path / "report.ready").touch()
+        wait_until(out.exists, timeout=60, what="the scan checking its first candidate")
+        first = json.loads(out.read_text())["ledger"]
+        assert first in (one, two)
+        other = two if first == one else one
+        b.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: "received SIGTERM: stopping" in open(b.log_file).read(),
+                   timeout=30, what="the bookie stopping")
+        (tmp_path / "report.go").touch()
+        assert b.proc.wait(60) == 0
+        calls = [json.loads(line) for line in open(f"{out}.calls")]
+        assert calls == [{"ledger": first, "candidates": 2}]
+        assert list(c.store.list_json(UR.LOCKS)) == []
+        b.start()
+        assert c.entries_on(victim, first) == set()         # claimed before the stop
+        assert c.entries_on(victim, other) == held[other]   # not looked at after it
+        assert c.entries_on(victim, live) == held[live]
+        assert_readable(client, one, two, live)
+
+
+# Kills the shard worker (-9) once, before its DROP record of an over-replicated drop.
+KILL_ONCE_HOOK = r'''
+import os
+from bk.testing import hook_setting, stop_here
+
+if hook_setting("at"):
+    from bk.bookie.storage import ShardStorage
+    _drop = ShardStorage.drop_ledgers
+
+    def drop_ledgers(self, ids):
+        ids = list(ids)
+        if not os.path.exists(os.environ["BK_TEST_HOOK_OUT"]):
+            stop_here({"ids": ids}, how="kill")
+        return _drop(self, ids)
+
+    ShardStorage.drop_ledgers = drop_ledgers
+'''
+
+
+def test_a_shard_killed_before_confirming_a_drop_is_not_counted_as_dropped(cluster_factory,
+                                                                           tmp_path):
+    """The shard worker dies (kill -9) before it records the drop of a claimed ledger:
+    the arbiter says so (not "dropped"), the restarted shard still holds the copy, the
+    next scan claims it again and the shard drops it. Two claims, one drop, in
+    /metrics and in the log."""
+    out = tmp_path / "report"
+    with site_hook(tmp_path, KILL_ONCE_HOOK, hook_env(out, at="record")):
+        c = cluster_factory(4, num_shards=1, conf_overrides={**CONF, **HTTP})
+    with bk.BookKeeper(c.metadata_uri) as client:
+        victim, (moved, kept, live) = three_ledgers_on_one_bookie(c, client)
+        b = c.bookie(victim)
+        held = {lid: c.entries_on(victim, lid) for lid in (kept, live)}
+        replace(c, moved, victim, fill=True)
+        wait_until(out.exists, timeout=60, what="the shard killed at the drop")
+        assert json.loads(out.read_text())["ids"] == [moved]
+        wait_until(lambda: overrep_metrics(c, b) == (2, 1), timeout=60,
+                   what="claimed twice, dropped once")
+        assert c.entries_on(victim, moved) == set()
+        with open(b.log_file) as f:
+            log = f.read()
+        assert log.count("died before confirming the drop of 1 claimed over-replicated") == 1
+        assert log.count(f"claimed 1 over-replicated ledgers (e.g. {moved}), dropped the "
+                         f"entries of 1") == 1
         for lid, entries in held.items():
             assert c.entries_on(victim, lid) == entries
         assert_readable(client, moved, kept, live)

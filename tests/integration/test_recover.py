@@ -247,3 +247,52 @@ def test_recover_copies_with_and_without_batched_frames(cluster_factory, batchin
             assert_fully_replicated(cluster.store, lid, live)
             rh = client.open_ledger(lid, password=PW)
             assert [e.data for e in rh.read_entries(0, len(entries) - 1)] == entries
+
+
+def test_recover_shows_progress_on_stderr_and_none_under_json(cluster_factory):
+    """``bkshell recover``: with --json, stdout is one JSON document (the ledgers
+    recovered) and stderr holds no progress line; without it, stderr shows the
+    ledgers done, "recovering <bookie>: ledgers: n/total", from the first to the
+    last, and stdout the summary."""
+    cluster = cluster_factory(4)
+    uri = cluster.metadata_uri
+    with bk.BookKeeper(uri) as client:
+        first = cluster.bookies[0].bookie_id
+        lids = []
+        while len(lids) < 3:
+            lh = client.create_ledger(3, 2, 2, password=PW)
+            lh.add_entries([b"p%d" % i for i in range(10)])
+            lh.close()
+            if first in lh.metadata.ensembles[0][1]:
+                lids.append(lh.ledger_id)
+            else:
+                client.delete_ledger(lh.ledger_id)
+        cluster.bookies[0].kill()
+        # lost, not merely killed: a registered bookie's recovery warns on stderr
+        wait_until(lambda: cluster.store.bookie_info(first) is None, timeout=20,
+                   what="the killed bookie's registration expired")
+        r = shell("--metadata", uri, "recover", first, "--json")
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.stdout)
+        assert sorted(rep["ledger_ids"]) == sorted(lids) and not rep["failed"]
+        assert r.stderr == ""
+        # every ledger is on the three live bookies now: lose one more, add one
+        second = cluster.bookies[1]
+        second.kill()
+        cluster.add_bookie()
+        wait_until(lambda: cluster.store.bookie_info(second.bookie_id) is None, timeout=20,
+                   what="the second killed bookie's registration expired")
+        live = {b.bookie_id for b in cluster.bookies if b.alive}
+        r = shell("--metadata", uri, "recover", second.bookie_id)
+        assert r.exit_code == 0, r.output
+        lines = r.stderr.splitlines()
+        prefix = f"recovering {second.bookie_id}: ledgers: "
+        assert lines and all(line.startswith(prefix) for line in lines), lines
+        done = [line[len(prefix):] for line in lines]
+        assert done[0] == "1/3" and done[-1] == "3/3", done
+        assert [int(d.split("/")[0]) for d in done] == \
+            sorted({int(d.split("/")[0]) for d in done}), done
+        assert r.stdout.startswith(f"recovered bookie {second.bookie_id}: 3 ledgers, "), \
+            r.stdout
+        for lid in lids:
+            assert_fully_replicated(cluster.store, lid, live)

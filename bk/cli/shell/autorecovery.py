@@ -154,3 +154,10 @@ def autorecovery(c, mode, as_json):
                        f"{r['seconds']:.1f}s, {r['marked']} marked")
         else:
             click.echo(f"last {name} check: never")
+    r = checks.get("bookies")       # auditorPeriodicBookieCheckInterval
+    if r:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["at"]))
+        click.echo(f"last bookies check: {when}, {len(r['lost'])} lost "
+                   f"({', '.join(r['lost']) or 'none'}), {r['marked']} marked")
+    else:
+        click.echo("last bookies check: never")
