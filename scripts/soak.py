@@ -1380,7 +1380,7 @@ def main():
             return (f"{n_led} ledgers, {n_ack} acknowledged, {n_fail} failures, "
                     f"{hist.recovery['closed']} recovered, "
                     f"{n_del} deleted, "
-                    f"down: {down}")
+                    f"down: {down}; load {os.getloadavg()[0]:.1f}")
 
         end = time.monotonic() + a.duration
         while time.monotonic() < end:
@@ -1476,6 +1476,10 @@ def main():
     n_sub = sum(len(r.submitted) for r in recs)
     print()
     print(f"=== soak summary (seed {seed}, {a.duration:g}s, {a.bookies} bookies) ===")
+    # (leases of 3 s and etcd reads of 5 s time out on a starved machine: a soak
+    # beside a load of 25 lost registrations every few seconds on a healed cluster)
+    print("machine load at the end (1, 5, 15 min): "
+          + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
     print(f"ledgers: {len(recs)} created, {sum(r.writer_closed is not None for r in recs)} "
           f"closed by their writer, {sum(bool(r.recoveries) for r in recs)} closed by the "
           f"recovery thread, {sum(r.writer_error is not None for r in recs)} with a writer error")
