@@ -96,7 +96,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import bk  # noqa: E402
 from bk import protocol as P  # noqa: E402
-from bk.errors import ENOLEDGER, EOK, BKError, NoSuchLedgerError  # noqa: E402
+from bk.errors import ENOLEDGER, EOK, BKError, MetadataError, NoSuchLedgerError  # noqa: E402
 from bk import netns  # noqa: E402
 from bk.testing import TEST_DEFAULTS, BookieConnection, LocalCluster  # noqa: E402
 
@@ -117,6 +117,21 @@ def fmt_exc(e: BaseException) -> str:
 
 def digest_of(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=12).digest()
+
+
+def patient(hist, what, fn, timeout=60.0):
+    """``fn()`` of the soak's own store, read again while etcd does not answer in
+    time (a starved machine, up to ``timeout``): a heal waiting for registrations or
+    marks must not abort the soak on one slow read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except MetadataError as e:
+            if time.monotonic() >= deadline:
+                raise
+            hist.event(f"{what}: {fmt_exc(e)}; again")
+            time.sleep(0.5)
 
 
 def header_of(data: bytes) -> str:
@@ -253,12 +268,14 @@ class Writer(threading.Thread):
             try:
                 while nxt < target and not self.stop.is_set():
                     r = rng.random()
+                    # (a batch stops at the target: with --max-entries 5, batches of up
+                    # to 60 gave ledgers of 20 entries on average)
                     if r < 0.4:
                         nxt = self.add_one(lh, rec, nxt)
                     elif r < 0.7:
-                        nxt = self.add_batch(lh, rec, nxt, rng.randint(2, 60))
+                        nxt = self.add_batch(lh, rec, nxt, min(rng.randint(2, 60), target - nxt))
                     else:
-                        nxt = self.add_async(lh, rec, nxt, rng.randint(1, 30))
+                        nxt = self.add_async(lh, rec, nxt, min(rng.randint(1, 30), target - nxt))
                     if pause:
                         time.sleep(rng.uniform(0, pause))
             except BKError as e:
@@ -623,7 +640,8 @@ class Nemesis(Rounds):
     def _start(self, b):
         for attempt in range(5):
             try:
-                b.start(timeout=60)
+                b.start(timeout=60, wait=False)
+                self._wait_registered(b, 60.0)
                 self.hist.event(f"nemesis: bookie {b.bookie_id} restarted (pid {b.pid})")
                 return
             except BKError as e:
@@ -634,17 +652,35 @@ class Nemesis(Rounds):
                 time.sleep(2)
         raise RuntimeError(f"bookie {b.bookie_id} does not come back")
 
+    def _wait_registered(self, b, timeout):
+        """``b.wait_registered``, but a read of the registration that etcd did not
+        answer in time (this process's own store, on a starved machine) is read again
+        until the deadline: it says nothing of the bookie, and taking it for a failed
+        start killed a starting bookie and started it again (seed 1901, the machine at
+        a load of 25: three starts of 20-45 s each lost so, one bookie down for 140 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return b.wait_registered(max(0.1, deadline - time.monotonic()))
+            except MetadataError as e:
+                if time.monotonic() >= deadline:
+                    raise
+                self.hist.event(f"nemesis: bookie {b.bookie_id} starting; its registration "
+                                f"not read: {fmt_exc(e)}")
+                time.sleep(0.5)
+
     def wait_all_registered(self, timeout=60.0):
         """After heal(): every bookie registered (a resumed one re-registers once its
         old lease expired); restart one that does not."""
         want = {b.bookie_id for b in self.cluster.bookies}
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            have = set(self.cluster.store.list_bookies())
+            have = set(patient(self.hist, "list the bookies", self.cluster.store.list_bookies))
             if want <= have:
                 return True
             time.sleep(0.2)
-        missing = want - set(self.cluster.store.list_bookies())
+        missing = want - set(patient(self.hist, "list the bookies",
+                                     self.cluster.store.list_bookies))
         self.hist.anomaly(f"bookies {sorted(missing)} not registered {timeout:.0f}s after heal; "
                           f"restarting them")
         for bid in missing:
@@ -791,7 +827,7 @@ def check(client, hist: History, progress, copies: Copies):
         # (6) What recovery relies on: before it runs, every acknowledged entry has Qa
         # copies in its write set as the metadata now says (else a recovery may
         # count Qw - Qa + 1 "no such entry" answers and drop it).
-        md0 = client.ledger_metadata(lid)
+        md0 = patient(hist, f"check: read ledger {lid}", lambda: client.ledger_metadata(lid))
         if md0.state.value != "CLOSED":
             for e, n, ws in copies.short(md0, sorted(rec.acked), qa):
                 V(f"ledger {lid} ({md0.state.value}, ensembles {md0.ensembles}): acknowledged "
@@ -884,7 +920,7 @@ def settle_deletions(client, hist: History) -> None:
         if rec.deleted is not None or rec.delete_error is None:
             continue
         try:
-            client.ledger_metadata(lid)
+            patient(hist, f"check: read ledger {lid}", lambda: client.ledger_metadata(lid))
             hist.event(f"check: ledger {lid}, whose delete failed ({rec.delete_error}), exists")
         except NoSuchLedgerError:
             rec.deleted, rec.deleted_while = time.monotonic(), "a failed delete"
@@ -902,7 +938,8 @@ def check_deleted(client, cluster, hist: History, progress, copies: Copies,
     deleted = sorted(lid for lid, r in hist.ledgers.items() if r.deleted is not None)
     for lid in deleted:
         try:
-            md = client.ledger_metadata(lid)
+            md = patient(hist, f"check: read ledger {lid}",
+                         lambda: client.ledger_metadata(lid))
         except NoSuchLedgerError:
             continue
         V(f"ledger {lid}, deleted ({hist.ledgers[lid].deleted_while}), has metadata again: "
@@ -1129,7 +1166,7 @@ def wait_for_autorecovery(cluster, hist, say, timeout=240.0):
     deadline = time.monotonic() + timeout
     rows = []
     while time.monotonic() < deadline:
-        rows = list(UR.list_marked(cluster.store))
+        rows = patient(hist, "list the marks", lambda: list(UR.list_marked(cluster.store)))
         if not rows:
             say("soak: under-replicated list empty")
             return
@@ -1343,7 +1380,7 @@ def main():
             return (f"{n_led} ledgers, {n_ack} acknowledged, {n_fail} failures, "
                     f"{hist.recovery['closed']} recovered, "
                     f"{n_del} deleted, "
-                    f"down: {down}")
+                    f"down: {down}; load {os.getloadavg()[0]:.1f}")
 
         end = time.monotonic() + a.duration
         while time.monotonic() < end:
@@ -1439,6 +1476,10 @@ def main():
     n_sub = sum(len(r.submitted) for r in recs)
     print()
     print(f"=== soak summary (seed {seed}, {a.duration:g}s, {a.bookies} bookies) ===")
+    # (leases of 3 s and etcd reads of 5 s time out on a starved machine: a soak
+    # beside a load of 25 lost registrations every few seconds on a healed cluster)
+    print("machine load at the end (1, 5, 15 min): "
+          + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
     print(f"ledgers: {len(recs)} created, {sum(r.writer_closed is not None for r in recs)} "
           f"closed by their writer, {sum(bool(r.recoveries) for r in recs)} closed by the "
           f"recovery thread, {sum(r.writer_error is not None for r in recs)} with a writer error")
