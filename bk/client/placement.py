@@ -159,6 +159,11 @@ class PlacementPolicy:
                 return got
             if score > best_score:
                 best, best_score = got, score
+        # the tries differ only in ties: an exact search over the racks of the empty
+        # slots before giving up (E is small)
+        got = self._search(list(slots), empty, candidates, qw, want, rack_of, rng)
+        if got is not None:
+            return got
         # every rack counted, with the bookies it has: the free candidates and the
         # ensemble's kept ones (listing the candidates alone said "3 racks" and named one)
         members: dict = {}
@@ -178,6 +183,51 @@ class PlacementPolicy:
         log.warning("placement: %s; using the best spread found (%d %s per write quorum)",
                     why, best_score, kind)
         return best
+
+    @staticmethod
+    def _search(slots, empty, candidates, qw, want, rack_of, rng):
+        """Fill the ``empty`` slots so that every write quorum spans ``want`` racks,
+        by backtracking over the racks (the fullest first), then picking a random
+        free bookie of each chosen rack; None if no spread exists. Exhaustive, so
+        it finds what the fill's ranked tries miss (rack0 x3, rack1, rack2, E=4,
+        Qw=2: r0 r1 r0 r2)."""
+        E = len(slots)
+        left: dict = {}
+        for b in candidates:
+            left.setdefault(rack_of(b), []).append(b)
+        for v in left.values():
+            rng.shuffle(v)
+        count = {r: len(v) for r, v in left.items()}
+        rk = [rack_of(b) if b is not None else None for b in slots]
+
+        def fits(s):
+            starts = [0] if qw == E else range(s - qw + 1, s + 1)
+            for start in starts:
+                members = [rk[(start + k) % E] for k in range(qw)]
+                if None not in members and len(set(members)) < want:
+                    return False
+            return True
+
+        def go(i):
+            if i == len(empty):
+                return True
+            s = empty[i]
+            for r in sorted(count, key=lambda r: -count[r]):
+                if not count[r]:
+                    continue
+                rk[s] = r
+                count[r] -= 1
+                if fits(s) and go(i + 1):
+                    return True
+                count[r] += 1
+                rk[s] = None
+            return False
+
+        if not go(0):
+            return None
+        for s in empty:
+            slots[s] = left[rk[s]].pop()
+        return slots
 
     @staticmethod
     def _fill_once(slots, empty, candidates, qw, want, rack_of, rng):

@@ -7,7 +7,9 @@ slot and ranks the candidates by how few bookies of their rack the ensemble has
 (so at slot 2 of r0 r1 _ _ it takes the rack2 bookie, and slot 3 is left with
 rack0 beside rack0); its eight tries differ only in ties. With
 enforceMinNumRacksPerWriteQuorum the create is refused, without it the ensemble
-has a write quorum on one rack."""
+has a write quorum on one rack. When the tries fail, the policy now searches the
+racks of the empty slots exhaustively (``PlacementPolicy._search``: E is small)
+before it gives up."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import collections
 import itertools
 import random
 
-import pytest
 
 from bk.client.placement import PlacementPolicy, write_quorum_racks
 from bk.errors import NotEnoughBookiesError
@@ -33,9 +34,6 @@ def feasible(counts, E, qw, want) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=True, reason="soak19 bug: the rack-aware fill ranks by the "
-                   "least-used rack and misses spreads that exist (proposed fix: an exact "
-                   "search over rack sequences when its tries fail)")
 def test_the_soaks_racks_are_always_placed_when_the_spread_exists():
     racks = {"a1": "r0", "a2": "r0", "a3": "r0", "b1": "r1", "c1": "r2"}
     assert feasible([3, 1, 1], 4, 2, 2)
@@ -51,7 +49,6 @@ def test_the_soaks_racks_are_always_placed_when_the_spread_exists():
     assert refused == []
 
 
-@pytest.mark.xfail(strict=True, reason="soak19 bug: see above")
 def test_every_feasible_spread_of_up_to_six_bookies_over_three_racks_is_found():
     """Ensembles of 3-6, every write quorum size, racks of 0-3 bookies: wherever
     some placement spreads every write quorum over min(2, Qw, racks) racks, the
