@@ -1058,6 +1058,24 @@ class Arbiter:
         if not claimed:
             return
         self.metrics.overreplicated(claims=len(claimed))
+        # Each lock asked again just before the drop: one whose lease expired since
+        # the claim may have let a replication worker copy the ledger back to this
+        # bookie and put it in the ensemble again (soak19); its copy is kept.
+        confirmed = []
+        for lid, lock in claimed:
+            try:
+                ok = lock.confirm()
+            except MetadataError:
+                ok = False
+            if ok:
+                confirmed.append((lid, lock))
+            else:
+                log.warning("over-replicated ledger %d: its lock was lost since the claim; "
+                            "its copy is kept", lid)
+                lock.release()
+        if not confirmed:
+            return
+        claimed = confirmed
         w = self.workers[shard]
         self.drop_counts.pop(shard, None)
         ev = self.dropped[shard] = threading.Event()

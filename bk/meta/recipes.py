@@ -150,6 +150,24 @@ class LeaseLock:
         """True while we believe we hold it (the lease was refreshed in time)."""
         return self.token is not None and not self._lost.is_set()
 
+    def confirm(self) -> bool:
+        """Ask etcd, not our belief (:attr:`held`): True if our key is still there
+        (the same create revision) and our lease was just refreshed. For the moment
+        before acting on what the lock protects: a lease can expire between two
+        keep-alives (a starved process, an etcd late by seconds), and another holder
+        may have taken and even released the lock since."""
+        if not self.held:
+            return False
+        s = self.store
+        lease_id = self._lease_id
+        resp = s._call(f"confirm lock {self.rel}", "get",
+                       lambda c: c.get_response(self.key), idempotent=True)
+        if not resp.kvs or resp.kvs[0].create_revision != self.token:
+            return False
+        answers = s._call(f"refresh the lease of lock {self.rel}", "lease",
+                          lambda c: list(c.refresh_lease(lease_id)))
+        return bool(answers) and answers[0].TTL > 0
+
     def guard(self):
         """The etcd comparison "this lock is still ours": add it to every
         transaction made on the lock's behalf. LockLostError if already lost."""

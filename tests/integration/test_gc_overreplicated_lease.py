@@ -15,13 +15,14 @@ The test holds the scan once it claimed the ledger (site hook), revokes the
 lock's lease (what an expiry does), and does what such a worker does under the
 lock: recovery adds of the ledger's entries to the bookie, then the metadata
 with the bookie back in the ensemble. Then it lets the scan go on: the copy the
-ledger's metadata names must survive."""
+ledger's metadata names must survive. The arbiter asks etcd for each claim's lock
+just before the drop (:meth:`bk.meta.recipes.LeaseLock.confirm`) and keeps the
+copies whose lock is gone."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 
 import bk
 from bk import protocol as P
@@ -85,9 +86,6 @@ def copy(src, dst, lid, e) -> int:
                           True))[2]
 
 
-@pytest.mark.xfail(strict=True, reason="soak19 bug: the arbiter sends gc_drop for claims "
-                   "whose under-replication lock was lost since the claim (proposed fix: "
-                   "confirm each claim's lock in etcd just before gc_drop, drop only those)")
 def test_a_claim_whose_lock_was_lost_does_not_drop_a_copy_taken_back(cluster_factory,
                                                                     tmp_path):
     out = tmp_path / "report"
